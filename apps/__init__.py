@@ -1,0 +1,3 @@
+"""Gradio demo apps built on the pipelines.
+
+Reserved namespace: nothing ships here yet (see the issue tracker)."""

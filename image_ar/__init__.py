@@ -1,0 +1,1 @@
+"""Image autoregressive models on the shared decoding core: LlamaGen (raster order) today."""

@@ -1,0 +1,151 @@
+"""`LlamaGenPipeline`: class labels -> images, with any decoder of the core."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from mmgen.decoding import Decoder, resolve_decoder
+from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
+from mmgen.pipeline import Pipeline
+from mmgen.sampling import IntervalGuidance, SamplingConfig, make_generator
+
+from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
+from mmgen.image_ar.llamagen.token_model import LlamaGenTokenModel
+from mmgen.image_ar.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
+from mmgen.image_ar.outputs import ImageGenerationOutput, check_output_type, postprocess
+
+#: Run-time state some official training scripts saved with the weights; never parameters.
+OFFICIAL_IGNORED_KEYS = (r"freqs_cis", r"causal_mask", r"layers\.\d+\.attention\.kv_cache\.[kv]_cache")
+
+
+class LlamaGenPipeline(Pipeline):
+    """Class-conditional LlamaGen (arXiv 2406.06525): GPT over VQ tokens, then the VQ decoder.
+
+    Defaults are the official `sample_c2i.py` ones: guidance 4.0, top-k 2000, top-p 1.0,
+    temperature 1.0. Decoding defaults to lossless speculative Jacobi decoding, which samples
+    the same distribution as `decoding="ar"` in fewer forwards.
+    """
+
+    component_types = {"transformer": (LlamaGenTransformer, LlamaGenConfig), "vq": (VQModel, VQConfig)}
+
+    def __init__(self, transformer: LlamaGenTransformer, vq: VQModel, class_names: Optional[Sequence[str]] = None):
+        if transformer.config.model_type != "c2i":
+            raise ValueError("LlamaGenPipeline is class-conditional; this transformer is text-conditional")
+        if transformer.config.vocab_size != vq.config.codebook_size:
+            raise ValueError(
+                f"transformer vocabulary {transformer.config.vocab_size} != VQ codebook {vq.config.codebook_size}"
+            )
+        super().__init__(transformer=transformer, vq=vq)
+        self.class_names = list(class_names) if class_names is not None else None
+
+    @property
+    def num_classes(self) -> int:
+        return self.transformer.config.num_classes
+
+    @property
+    def image_size(self) -> int:
+        """The size the transformer was trained for: token grid x VQ downsampling."""
+        return self.transformer.config.grid_size * self.vq.config.downsample_factor
+
+    def pipeline_config(self) -> dict:
+        return {"class_names": self.class_names} if self.class_names is not None else {}
+
+    @classmethod
+    def from_official(
+        cls,
+        gpt_checkpoint: PathLike,
+        vq_checkpoint: PathLike,
+        gpt_model: Union[str, LlamaGenConfig] = "GPT-B",
+        vq_model: Union[str, VQConfig] = "VQ-16",
+        image_size: int = 256,
+        codebook_size: int = 16384,
+        codebook_embed_dim: int = 8,
+        num_classes: int = 1000,
+    ) -> "LlamaGenPipeline":
+        """Load the official `.pt` files (`c2i_B_256.pt`, `vq_ds16_c2i.pt`, ...) strictly.
+
+        `gpt_model` / `vq_model` are official preset names (then the other arguments fill in
+        the official command-line flags) or complete config objects.
+        """
+        if isinstance(vq_model, str):
+            if vq_model not in VQ_CONFIGS:
+                raise ValueError(f"unknown VQ model {vq_model!r}; choose from {sorted(VQ_CONFIGS)}")
+            vq_model = VQConfig.from_dict(
+                {**VQ_CONFIGS[vq_model].to_dict(), "codebook_size": codebook_size, "codebook_embed_dim": codebook_embed_dim}
+            )
+        if isinstance(gpt_model, str):
+            factor = vq_model.downsample_factor
+            if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0 or image_size % factor:
+                raise ValueError(f"image_size {image_size!r} must be a positive multiple of {factor}")
+            grid = image_size // factor
+            gpt_model = LlamaGenConfig.from_preset(
+                gpt_model, vocab_size=vq_model.codebook_size, block_size=grid * grid, num_classes=num_classes, cls_token_num=1
+            )
+        transformer, vq = LlamaGenTransformer(gpt_model), VQModel(vq_model)
+        gpt_path, vq_path = resolve_path(gpt_checkpoint), resolve_path(vq_checkpoint)
+        load_strict(transformer, load_state_dict(gpt_path), ignore=OFFICIAL_IGNORED_KEYS, source=str(gpt_path))
+        load_strict(vq, load_state_dict(vq_path), source=str(vq_path))
+        return cls(transformer, vq)
+
+    def check_inputs(self, class_labels, image_size: Optional[int]) -> list[int]:
+        labels = [class_labels] if isinstance(class_labels, int) else list(class_labels)
+        if not labels:
+            raise ValueError("class_labels is empty: give at least one class id")
+        for label in labels:
+            if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < self.num_classes:
+                raise ValueError(f"invalid class id {label!r}: expected an integer in [0, {self.num_classes})")
+        if image_size is not None:
+            if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
+                raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+            if image_size != self.image_size:
+                raise ValueError(
+                    f"image_size {image_size} is not supported by this model: it generates {self.image_size}px images "
+                    f"({self.transformer.config.grid_size}x{self.transformer.config.grid_size} tokens)"
+                )
+        return labels
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        class_labels: Union[int, Sequence[int]],
+        decoding: Union[str, Decoder] = "sjd",
+        guidance_scale: float = 4.0,
+        cfg_interval: int = -1,
+        temperature: float = 1.0,
+        top_k: int = 2000,
+        top_p: float = 1.0,
+        generator: Optional[torch.Generator] = None,
+        image_size: Optional[int] = None,
+        output_type: str = "pil",
+    ) -> ImageGenerationOutput:
+        """Generate one image per class label.
+
+        Args:
+            class_labels: class ids in [0, num_classes).
+            decoding: "ar", "sjd" or a `Decoder` object (e.g. `SpeculativeJacobi(window=8)`).
+            guidance_scale: classifier-free guidance scale; 1.0 turns guidance off.
+            cfg_interval: guide only tokens t <= cfg_interval + 1 (official semantics); -1 = all.
+            temperature, top_k, top_p: applied to the guided logits; temperature 0 is greedy,
+                top_k 0 and top_p 1.0 disable those filters.
+            generator: the source of every random draw; None seeds one from OS entropy.
+            image_size: must equal the model's size if given (LlamaGen has one token grid).
+            output_type: "pil", "np" (uint8 HWC) or "pt" (float [0, 1] NCHW).
+        """
+        labels = self.check_inputs(class_labels, image_size)
+        check_output_type(output_type)
+        if isinstance(cfg_interval, bool) or not isinstance(cfg_interval, int):
+            raise ValueError(f"cfg_interval must be an integer (-1 disables it), got {cfg_interval!r}")
+        sampling = SamplingConfig(temperature, top_k, top_p, IntervalGuidance(guidance_scale, cfg_interval))
+        decoder = resolve_decoder(decoding)
+        device = self.device
+        if generator is None:
+            generator = make_generator(None, device)
+        conditions = torch.tensor(labels, device=device)
+        num_tokens = self.transformer.config.block_size
+        with self.progress_bar(num_tokens) as bar:
+            result = decoder.generate(LlamaGenTokenModel(self.transformer), conditions, num_tokens, sampling, generator, bar)
+        grid = self.transformer.config.grid_size
+        pixels = self.vq.decode_code(result.tokens, (len(labels), self.vq.config.codebook_embed_dim, grid, grid))
+        return ImageGenerationOutput(postprocess(pixels, output_type), result.tokens, result.stats)

@@ -1,0 +1,23 @@
+"""mmgen: fast multimodal autoregressive generation on one shared decoding core."""
+
+from mmgen.cache import StaticKVCache
+from mmgen.decoding import Autoregressive, DecodeStats, ExactAcceptance, SpeculativeJacobi, resolve_decoder
+from mmgen.modeling import DecodeState, TokenModel
+from mmgen.sampling import ConstantGuidance, IntervalGuidance, Logits, SamplingConfig
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Autoregressive",
+    "ConstantGuidance",
+    "DecodeState",
+    "DecodeStats",
+    "ExactAcceptance",
+    "IntervalGuidance",
+    "Logits",
+    "SamplingConfig",
+    "SpeculativeJacobi",
+    "StaticKVCache",
+    "TokenModel",
+    "resolve_decoder",
+]

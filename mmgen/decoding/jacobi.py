@@ -1,0 +1,130 @@
+"""Speculative Jacobi decoding with per-row acceptance.
+
+SJD (Teng et al. 2024, "Accelerating Auto-regressive Text-to-Image Generation with
+Training-free Speculative Jacobi Decoding", arXiv 2410.01699): keep a window of draft tokens
+after each row's committed prefix, score the whole window in one forward, accept drafts
+left to right with a lossless rule, resample at the first rejection, and reuse the tokens
+sampled after the rejection as the next iteration's drafts. Every row advances by its own
+accepted length; the reference code advances the whole batch by the minimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mmgen.decoding.acceptance import ExactAcceptance
+from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.stats import StatsRecorder
+from mmgen.modeling import TokenModel
+from mmgen.sampling import SamplingConfig, invalid_rows, sample
+
+
+@dataclass(frozen=True)
+class RandomDraftInit:
+    """Fresh drafts drawn uniformly from the vocabulary, with q one-hot on the draw (as SJD).
+
+    A one-hot q accepts draft x with probability p(x); any q under which x is a genuine draw
+    keeps the decoder lossless.
+    """
+
+    def __call__(self, shape: tuple[int, int], vocab_size: int, generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, vocab_size, shape, generator=generator, device=device)
+        return tokens, F.one_hot(tokens, vocab_size).float()
+
+
+@dataclass
+class SpeculativeJacobi(Decoder):
+    """Speculative Jacobi decoding (SJD, arXiv 2410.01699), lossless with `ExactAcceptance`.
+
+    Each forward feeds `window` tokens per row: the row's newest finalised token and
+    window - 1 drafts. Draft i is checked against the prediction made at position i - 1; the
+    accepted prefix plus one resampled (or bonus) token is finalised, so every forward
+    finalises between 1 and `window` tokens per row.
+    """
+
+    window: int = 16
+    acceptance: Any = field(default_factory=ExactAcceptance)
+    draft_init: Any = field(default_factory=RandomDraftInit)
+
+    def __post_init__(self):
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+
+    def generate(
+        self,
+        model: TokenModel,
+        conditions: Any,
+        num_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        progress: Optional[Progress] = None,
+    ) -> DecodeOutput:
+        check_num_tokens(num_tokens)
+        L, V = self.window, model.vocab_size
+        state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
+        B, device = state.batch_size, state.cache.lengths.device
+        recorder = StatsRecorder(device, max_accepted=L)
+        slots = torch.arange(L, device=device)
+        # Finalised tokens land here; writes past num_tokens are scratch for finished rows.
+        out = torch.zeros(B, num_tokens + 2 * L, dtype=torch.long, device=device)
+
+        # Token 0 comes from the prefill; `pos` is the index of each row's newest finalised
+        # (not yet fed) token, `window_tokens` = [that token, drafts], `q` the drafts' laws.
+        probs = sampling.probs(state.first_logits, torch.zeros(B, 1, dtype=torch.long, device=device))
+        bad = invalid_rows(probs).any(-1)
+        pos = torch.zeros(B, dtype=torch.long, device=device)
+        drafts, q = self.draft_init((B, L - 1), V, generator, device)
+        window_tokens = torch.cat([sample(probs, generator), drafts], dim=1)
+        out[:, 0] = window_tokens[:, 0]
+        recorder.record(torch.ones_like(pos), torch.ones_like(pos, dtype=torch.bool))
+        done_min = 1
+
+        while done_min < num_tokens:
+            active = pos + 1 < num_tokens
+            logits = model.forward(state, window_tokens)
+            p = sampling.probs(logits, pos[:, None] + 1 + slots)  # p[:, i] predicts slot i + 1
+            bad |= invalid_rows(p).any(-1) & active
+
+            accepted, residual = self.acceptance(p[:, :-1], q, window_tokens[:, 1:], generator)
+            n_acc = accepted.long().cumprod(-1).sum(-1)  # accepted draft prefix, 0..L-1
+            fresh = sample(p, generator)  # target samples at every slot
+            resampled = sample(residual, generator) if L > 1 else fresh
+            # Bonus token when every draft passed, else the residual draw at the rejection.
+            next_token = torch.where(
+                n_acc == L - 1, fresh[:, -1], resampled.gather(1, n_acc.clamp_max(L - 2).clamp_min(0)[:, None])[:, 0]
+            )
+
+            # Finalise [fed token, accepted drafts, next_token] and move the window on.
+            written = torch.cat([window_tokens, fresh[:, -1:]], dim=1)
+            written = written.scatter(1, (n_acc + 1)[:, None], next_token[:, None])
+            out.scatter_(1, pos[:, None] + torch.arange(L + 1, device=device), written)
+            step = torch.where(active, n_acc + 1, 0)
+            model.commit(state, step)
+            recorder.record(step, active)
+
+            # Next drafts: the target's samples after the rejection (q = p there), then fresh
+            # initial drafts for the slots the old window did not reach.
+            source = n_acc[:, None] + 1 + slots[: L - 1]  # slot of p that predicted each new draft
+            carried = source < L
+            src = source.clamp_max(L - 1)
+            init_tokens, init_q = self.draft_init((B, L - 1), V, generator, device)
+            new_drafts = torch.where(carried, fresh.gather(1, src), init_tokens)
+            new_q = torch.where(carried[..., None], p.gather(1, src[..., None].expand(-1, -1, V)), init_q)
+
+            keep = active[:, None]
+            window_tokens = torch.where(keep, torch.cat([next_token[:, None], new_drafts], 1), window_tokens)
+            q = torch.where(keep[..., None], new_q, q)
+            pos = pos + step
+
+            # The one host sync per iteration: have all rows finished?
+            new_min = min(int(pos.min()) + 1, num_tokens)
+            if progress is not None and new_min > done_min:
+                progress.update(new_min - done_min)
+            done_min = new_min
+
+        raise_if_masked(bad)
+        return DecodeOutput(out[:, :num_tokens], recorder.finish(num_tokens, B, state.cache.nbytes))

@@ -1,0 +1,85 @@
+"""What every decoder reports: forwards, tokens, accepted lengths, time and memory."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one `generate` call.
+
+    `forwards` counts model calls over the whole batch, the prefill included, so plain
+    autoregressive decoding of n tokens takes exactly n. `accepted_histogram[k]` counts the
+    (row, forward) pairs that finalised k tokens; rows that had finished are not counted.
+    Peak memory is the CUDA allocator's peak and None on CPU, where torch has no allocator
+    statistics.
+    """
+
+    forwards: int = 0
+    tokens: int = 0
+    rows: int = 0
+    accepted_histogram: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    peak_memory_bytes: Optional[int] = None
+    cache_bytes: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens finalised per row per forward (1.0 for autoregressive decoding)."""
+        total = sum(self.accepted_histogram)
+        return sum(k * c for k, c in enumerate(self.accepted_histogram)) / total if total else 0.0
+
+    @property
+    def step_compression(self) -> float:
+        """Autoregressive forwards / this decoder's forwards for the same tokens."""
+        return self.tokens / self.forwards if self.forwards else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["mean_accepted_length"] = self.mean_accepted_length
+        out["step_compression"] = self.step_compression
+        return out
+
+    def summary(self) -> str:
+        return (
+            f"forwards={self.forwards} tokens/row={self.tokens} rows={self.rows} "
+            f"mean_accepted_length={self.mean_accepted_length:.2f} "
+            f"step_compression={self.step_compression:.2f}x wall_time={self.wall_time_s:.3f}s"
+        )
+
+
+class StatsRecorder:
+    """Times a decode and collects its histogram on the device (no host sync until `finish`)."""
+
+    def __init__(self, device: torch.device, max_accepted: int):
+        self.device = torch.device(device)
+        self.histogram = torch.zeros(max_accepted + 1, dtype=torch.long, device=self.device)
+        self.forwards = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._start = time.perf_counter()
+
+    def record(self, accepted: torch.Tensor, active: torch.Tensor) -> None:
+        """One forward: `accepted` [B] tokens finalised by each row, counted where `active`."""
+        self.forwards += 1
+        self.histogram.scatter_add_(0, accepted.clamp(0, self.histogram.numel() - 1), active.long())
+
+    def finish(self, tokens: int, rows: int, cache_bytes: int) -> DecodeStats:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - self._start
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return DecodeStats(
+            forwards=self.forwards,
+            tokens=tokens,
+            rows=rows,
+            accepted_histogram=self.histogram.tolist(),
+            wall_time_s=wall,
+            peak_memory_bytes=peak,
+            cache_bytes=cache_bytes,
+        )

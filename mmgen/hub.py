@@ -1,0 +1,161 @@
+"""Finding and loading checkpoints: local files and folders, Hugging Face repos, official `.pt`.
+
+Safetensors first; `.pt/.pth/.bin` only through `torch.load(weights_only=True)`, so a
+checkpoint can never run code. Loading into a model is strict: a mismatch names every
+missing, unexpected and mis-shaped key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+PathLike = Union[str, os.PathLike]
+
+#: Where official training scripts nest the weights, in the order they are tried.
+NESTED_KEYS = ("model", "module", "state_dict", "model_ema", "generator_ema")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not match the model."""
+
+
+def resolve_path(path_or_repo: PathLike, filename: Optional[str] = None) -> Path:
+    """A local path for a file or folder, downloading from the Hugging Face Hub if needed.
+
+    `path_or_repo` is a local file or folder, or a repo id ("org/name"); with `filename`, one
+    file of that folder or repo. Offline or missing repos give an OSError that says so.
+    """
+    local = Path(path_or_repo).expanduser()
+    if local.exists():
+        target = local / filename if filename else local
+        if not target.exists():
+            raise FileNotFoundError(f"{target} does not exist")
+        return target
+    repo = str(path_or_repo)
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+        raise FileNotFoundError(f"{repo!r} is neither an existing path nor a Hugging Face repo id")
+    try:
+        import huggingface_hub
+
+        if filename:
+            return Path(huggingface_hub.hf_hub_download(repo, filename))
+        return Path(huggingface_hub.snapshot_download(repo))
+    except Exception as error:  # the hub raises many types; all mean "not available here"
+        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+        hint = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached or the repo/file does not exist"
+        raise OSError(
+            f"could not fetch {repo!r}{' / ' + filename if filename else ''} from the Hugging Face Hub ({hint}): "
+            f"{type(error).__name__}: {error}. Download it while online, or pass a local path."
+        ) from error
+
+
+def load_state_dict(path: PathLike, key: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """Read a `.safetensors`, `.pt`, `.pth` or `.bin` file into a flat tensor dict on the CPU.
+
+    Nested training checkpoints are unwrapped: `key` if given, else the first of
+    `NESTED_KEYS` present. Pickled code is refused (`weights_only=True`).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as error:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
+    if path.suffix not in (".pt", ".pth", ".bin", ".ckpt"):
+        raise CheckpointError(f"unsupported checkpoint format {path.suffix!r} ({path}); use .safetensors, .pt, .pth or .bin")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"{path} could not be loaded with weights_only=True (truncated, corrupt, or it contains "
+            f"pickled objects other than tensors, which mmgen refuses to run): {error}"
+        ) from error
+    return unwrap_state_dict(data, key, str(path))
+
+
+def unwrap_state_dict(data: object, key: Optional[str] = None, source: str = "checkpoint") -> dict[str, torch.Tensor]:
+    if not isinstance(data, Mapping):
+        raise CheckpointError(f"{source} holds a {type(data).__name__}, not a state dict")
+    if key is not None:
+        if key not in data:
+            raise CheckpointError(f"{source} has no key {key!r}; top-level keys: {sorted(map(str, data))[:20]}")
+        data = data[key]
+    elif not _is_tensor_dict(data):
+        for candidate in NESTED_KEYS:
+            if candidate in data and isinstance(data[candidate], Mapping):
+                data = data[candidate]
+                break
+        else:
+            raise CheckpointError(
+                f"{source} is not a flat state dict and has none of {list(NESTED_KEYS)}; "
+                f"top-level keys: {sorted(map(str, data))[:20]}"
+            )
+    tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise CheckpointError(f"{source} contains no tensors")
+    return tensors
+
+
+def _is_tensor_dict(data: Mapping) -> bool:
+    return len(data) > 0 and all(isinstance(v, torch.Tensor) for v in data.values())
+
+
+def load_strict(
+    module: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    ignore: Sequence[str] = (),
+    source: str = "checkpoint",
+) -> None:
+    """`load_state_dict(strict=True)` with a readable error.
+
+    Keys matching a regex in `ignore` are dropped first (run-time state some training
+    scripts saved, such as rotary tables). Missing, unexpected and mis-shaped keys are all
+    listed in one CheckpointError.
+    """
+    patterns = [re.compile(p) for p in ignore]
+    state_dict = {k: v for k, v in state_dict.items() if not any(p.fullmatch(k) for p in patterns)}
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    shapes = sorted(
+        f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
+        for k in set(expected) & set(state_dict)
+        if state_dict[k].shape != expected[k].shape
+    )
+    if missing or unexpected or shapes:
+        raise CheckpointError(
+            f"{source} does not match {type(module).__name__}:"
+            + _listing("missing keys", missing)
+            + _listing("unexpected keys", unexpected)
+            + _listing("shape mismatches", shapes)
+        )
+    module.load_state_dict(state_dict, strict=True)
+
+
+def _listing(title: str, items: Iterable[str], limit: int = 25) -> str:
+    items = list(items)
+    if not items:
+        return ""
+    shown = ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+    return f"\n  {title} ({len(items)}): {shown}"
+
+
+def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: PathLike) -> None:
+    """Write tensors atomically (temp file + rename), contiguous and on the CPU."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(tmp))
+    os.replace(tmp, path)

@@ -1,0 +1,57 @@
+"""The protocols a model implements so the core's decoders can drive it.
+
+Decoders know nothing of any architecture: they see a `TokenModel` that prefills its
+conditions, scores n tokens per row at each row's own position, and keeps a given number of
+them per row. Classifier-free guidance is the model's business (only it knows what "no
+condition" means); the decoder receives both halves in a `Logits` and applies the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from mmgen.cache import StaticKVCache
+from mmgen.sampling import Logits
+
+
+@dataclass
+class DecodeState:
+    """What a model keeps between calls while decoding one batch.
+
+    `cache` holds the conditional rows first and, with guidance, the unconditional rows after
+    them; both halves always advance together. `first_logits` predicts generated token 0.
+    """
+
+    cache: StaticKVCache
+    batch_size: int
+    guidance: bool
+    first_logits: Logits
+    extra: Any = None
+
+
+@runtime_checkable
+class TokenModel(Protocol):
+    """Discrete tokens generated along one sequence axis (raster image AR, codec TTS, ...)."""
+
+    vocab_size: int
+
+    def start(self, conditions: Any, capacity: int, guidance: bool) -> DecodeState:
+        """Prefill the conditions; allocate a cache with `capacity` positions after them.
+
+        With `guidance`, also prefill the unconditional rows of a CFG batch. The decoder asks
+        for more positions than it keeps (a draft window can run past the last token); what
+        lands there is never read back, but positional tables must cover it.
+        """
+        ...
+
+    def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
+        """Feed tokens [B, n] at each row's committed length; logits[:, i] predict the token
+        after tokens[:, i]. Writes the cache but commits nothing."""
+        ...
+
+    def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
+        """Keep the first `accepted[b]` tokens of row b from the last forward ([B] int64)."""
+        ...

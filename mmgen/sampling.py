@@ -1,0 +1,205 @@
+"""Logits -> probabilities -> tokens, always in float32 and always through an explicit generator.
+
+The pieces follow transformers' vocabulary: a guidance schedule decides the classifier-free
+guidance scale per generated token, a `SamplingConfig` turns (cond, uncond) logits into float32
+probabilities (CFG, temperature, top-k, top-p), and `sample` draws from them with a
+`torch.Generator` and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+
+class AllTokensMaskedError(ValueError):
+    """Every logit of a row was -inf (or NaN) after processing: there is nothing to sample."""
+
+
+@dataclass(frozen=True)
+class Logits:
+    """A model's next-token logits for `n` positions per row, conditional and unconditional.
+
+    `cond` is [B, n, V]; `uncond` is the same shape when the model ran a classifier-free
+    guidance batch, else None.
+    """
+
+    cond: torch.Tensor
+    uncond: Optional[torch.Tensor] = None
+
+    def __getitem__(self, index) -> "Logits":
+        return Logits(self.cond[index], None if self.uncond is None else self.uncond[index])
+
+
+# --------------------------------------------------------------------------------------------
+# Guidance schedules: the CFG scale as a function of the generated token's index.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConstantGuidance:
+    """The same CFG scale for every token (Ho & Salimans 2022, arXiv 2207.12598)."""
+
+    scale: float = 1.0
+
+    def __post_init__(self):
+        _check_scale(self.scale)
+
+    @property
+    def max_scale(self) -> float:
+        return self.scale
+
+    def scales(self, index: torch.Tensor) -> torch.Tensor:
+        return torch.full(index.shape, self.scale, dtype=torch.float32, device=index.device)
+
+
+@dataclass(frozen=True)
+class IntervalGuidance:
+    """LlamaGen's `cfg_interval`: guidance for the first tokens only, then the conditional logits.
+
+    The official decoder guides the prefill token and the decode steps `i <= interval`, where
+    step i produces token i + 1; so token t is guided when t <= interval + 1. A negative
+    interval (the official default -1) guides every token.
+    """
+
+    scale: float = 1.0
+    interval: int = -1
+
+    def __post_init__(self):
+        _check_scale(self.scale)
+
+    @property
+    def max_scale(self) -> float:
+        return self.scale
+
+    def scales(self, index: torch.Tensor) -> torch.Tensor:
+        on = torch.ones_like(index, dtype=torch.bool) if self.interval < 0 else index <= self.interval + 1
+        return torch.where(on, self.scale, 1.0).to(torch.float32)
+
+
+GuidanceSchedule = Union[ConstantGuidance, IntervalGuidance]
+
+
+def _check_scale(scale: float) -> None:
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"guidance scale must be a finite number >= 0, got {scale}")
+
+
+def apply_guidance(logits: Logits, scale: torch.Tensor) -> torch.Tensor:
+    """Classifier-free guidance u + s * (c - u) in float32; `scale` broadcasts over [B, n].
+
+    Where s == 1 the conditional logits are returned bit-exactly, as the official samplers do
+    when guidance is switched off.
+    """
+    cond = logits.cond.float()
+    if logits.uncond is None:
+        return cond
+    uncond = logits.uncond.float()
+    s = scale.to(cond.device)[..., None]
+    return torch.where(s == 1.0, cond, uncond + s * (cond - uncond))
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling configuration: temperature, top-k, top-p.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingConfig:
+    """How logits become probabilities: CFG schedule, then temperature, top-k and top-p.
+
+    temperature == 0 means greedy (a one-hot distribution on the argmax); top_k == 0 and
+    top_p == 1 disable those filters. Probabilities are always float32.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    guidance: GuidanceSchedule = field(default_factory=ConstantGuidance)
+
+    def __post_init__(self):
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.guidance, (int, float)):
+            self.guidance = ConstantGuidance(float(self.guidance))
+
+    @property
+    def uses_guidance(self) -> bool:
+        """Whether the model must run the unconditional half of a CFG batch."""
+        return self.guidance.max_scale != 1.0
+
+    def probs(self, logits: Logits, index: torch.Tensor) -> torch.Tensor:
+        """float32 probabilities [..., V] for tokens at generated-token positions `index` [...]."""
+        guided = apply_guidance(logits, self.guidance.scales(index))
+        return logits_to_probs(guided, self.temperature, self.top_k, self.top_p)
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Temperature, top-k and top-p (in that order, as LlamaGen's sampler) -> float32 probs.
+
+    Top-k keeps ties with the k-th logit; top-p keeps sorted tokens until the mass before the
+    next one exceeds `top_p` (always at least one token). A row whose logits
+    are all -inf comes out as NaN; `check_probs` turns that into an error.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        # Drop a token when the mass before it already exceeds top_p; the first always stays.
+        drop_sorted = torch.zeros_like(cumulative, dtype=torch.bool)
+        drop_sorted[..., 1:] = cumulative[..., :-1] > top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
+    return logits.softmax(-1)
+
+
+def invalid_rows(probs: torch.Tensor) -> torch.Tensor:
+    """Bool mask [...] of distributions with no finite positive mass (all logits masked)."""
+    return ~(torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0))
+
+
+def check_probs(probs: torch.Tensor) -> torch.Tensor:
+    """Raise AllTokensMaskedError if any row has nothing left to sample (host sync)."""
+    bad = invalid_rows(probs)
+    if bool(bad.any()):
+        rows = bad.reshape(-1).nonzero().flatten().tolist()[:8]
+        raise AllTokensMaskedError(
+            f"every token was masked for {int(bad.sum())} distribution(s) (first flat indices {rows}): "
+            "the logits were all -inf or NaN before or after top-k/top-p; check the model output and filters"
+        )
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per distribution [..., V] -> [...] without a host synchronisation.
+
+    argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (the exponential race used
+    by gpt-fast), and draws its noise from `generator`, so a seed reproduces the output.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def uniform(shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """U[0, 1) float32 draws from `generator` (acceptance tests of speculative decoders)."""
+    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+def make_generator(seed: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> torch.Generator:
+    """A generator on `device`, seeded with `seed` or, when None, with fresh OS entropy."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    return torch.Generator(device=device).manual_seed(int(seed))

@@ -1,0 +1,125 @@
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmgen.decoding import Autoregressive, SpeculativeJacobi
+from mmgen.hub import CheckpointError
+from mmgen.image_ar.llamagen import LlamaGenPipeline
+
+from tests.conftest import tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = tiny_pipeline()
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def test_generates_images_tokens_and_stats(pipe):
+    out = pipe([1, 2, 3], decoding="sjd", generator=torch.Generator().manual_seed(0))
+    assert len(out.images) == 3 and all(isinstance(im, Image.Image) for im in out.images)
+    assert out.images[0].size == (pipe.image_size, pipe.image_size) == (8, 8)
+    assert out.tokens.shape == (3, 16) and out.tokens.max() < 32
+    assert out.stats.forwards <= 16 and out.stats.rows == 3
+
+
+def test_output_types_agree(pipe):
+    run = lambda kind: pipe([4], generator=torch.Generator().manual_seed(1), output_type=kind).images
+    pil, arr, pt = run("pil"), run("np"), run("pt")
+    assert arr.dtype == np.uint8 and arr.shape == (1, 8, 8, 3)
+    assert np.array_equal(np.asarray(pil[0]), arr[0])
+    assert pt.shape == (1, 3, 8, 8) and 0 <= pt.min() and pt.max() <= 1
+    assert np.array_equal((pt * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy(), arr)
+
+
+def test_seed_reproduces_and_greedy_sjd_equals_ar(pipe):
+    a = pipe([5, 6], generator=torch.Generator().manual_seed(3), output_type="np")
+    b = pipe([5, 6], generator=torch.Generator().manual_seed(3), output_type="np")
+    assert np.array_equal(a.images, b.images)
+    ar = pipe([5, 6], decoding=Autoregressive(), top_k=1, generator=torch.Generator().manual_seed(0))
+    sjd = pipe([5, 6], decoding=SpeculativeJacobi(window=6), top_k=1, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(ar.tokens, sjd.tokens)
+
+
+def test_save_and_load_round_trip(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path / "tiny")
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir()) == ["model_index.json", "transformer", "vq"]
+    loaded = LlamaGenPipeline.from_pretrained(tmp_path / "tiny")
+    loaded.set_progress_bar_config(disable=True)
+    a = pipe([7], generator=torch.Generator().manual_seed(0), output_type="np")
+    b = loaded([7], generator=torch.Generator().manual_seed(0), output_type="np")
+    assert torch.equal(a.tokens, b.tokens) and np.array_equal(a.images, b.images)
+
+
+def test_loading_a_truncated_folder_fails_clearly(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path / "tiny")
+    weights = tmp_path / "tiny" / "vq" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        LlamaGenPipeline.from_pretrained(tmp_path / "tiny")
+    with pytest.raises(CheckpointError, match="model_index.json is missing"):
+        LlamaGenPipeline.from_pretrained(tmp_path)
+
+
+def test_hub_repo_id_offline_is_a_clear_error():
+    with pytest.raises(OSError, match="could not fetch 'some-org/llamagen-c2i' from the Hugging Face Hub"):
+        LlamaGenPipeline.from_pretrained("some-org/llamagen-c2i")
+
+
+def test_official_checkpoints_load_strictly(pipe, tmp_path):
+    gpt = {"model": dict(pipe.transformer.state_dict()), "optimizer": {}, "steps": torch.tensor(7)}
+    gpt["model"]["freqs_cis"] = torch.zeros(17, 8, 2)  # run-time state older scripts saved
+    torch.save(gpt, tmp_path / "c2i.pt")
+    torch.save({"module": pipe.vq.state_dict()}, tmp_path / "vq.pt")
+    loaded = LlamaGenPipeline.from_official(tmp_path / "c2i.pt", tmp_path / "vq.pt", pipe.transformer.config, pipe.vq.config)
+    for name, tensor in pipe.transformer.state_dict().items():
+        assert torch.equal(loaded.transformer.state_dict()[name], tensor)
+
+    broken = dict(pipe.vq.state_dict())
+    broken.pop("quant_conv.weight")
+    torch.save({"model": broken}, tmp_path / "vq_broken.pt")
+    with pytest.raises(CheckpointError, match=r"missing keys \(1\): quant_conv.weight"):
+        LlamaGenPipeline.from_official(tmp_path / "c2i.pt", tmp_path / "vq_broken.pt", pipe.transformer.config, pipe.vq.config)
+
+
+class Payload:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_pickled_code_in_a_checkpoint_is_refused(pipe, tmp_path):
+    torch.save({"model": pipe.vq.state_dict(), "evil": Payload()}, tmp_path / "vq.pt")
+    with pytest.raises(CheckpointError, match="weights_only=True"):
+        LlamaGenPipeline.from_official(tmp_path / "vq.pt", tmp_path / "vq.pt", pipe.transformer.config, pipe.vq.config)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(class_labels=[10]), "invalid class id 10"),
+        (dict(class_labels=[-1]), "invalid class id -1"),
+        (dict(class_labels=[1.5]), "invalid class id 1.5"),
+        (dict(class_labels=[True]), "invalid class id True"),
+        (dict(class_labels=[]), "class_labels is empty"),
+        (dict(class_labels=[1], image_size=0), "image_size must be a positive integer"),
+        (dict(class_labels=[1], image_size=-8), "image_size must be a positive integer"),
+        (dict(class_labels=[1], image_size=16), "image_size 16 is not supported"),
+        (dict(class_labels=[1], temperature=-1.0), "temperature"),
+        (dict(class_labels=[1], top_p=0.0), "top_p"),
+        (dict(class_labels=[1], top_p=1.01), "top_p"),
+        (dict(class_labels=[1], top_k=-5), "top_k"),
+        (dict(class_labels=[1], guidance_scale=-2.0), "guidance scale"),
+        (dict(class_labels=[1], decoding="beam"), "unknown decoding"),
+        (dict(class_labels=[1], output_type="jpeg"), "output_type"),
+    ],
+)
+def test_bad_input_is_a_value_error(pipe, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pipe(**kwargs)
+
+
+def test_window_below_one_is_a_value_error():
+    with pytest.raises(ValueError, match="window must be an integer >= 1"):
+        SpeculativeJacobi(window=0)

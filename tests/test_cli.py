@@ -1,0 +1,57 @@
+import json
+import subprocess
+import sys
+
+import pytest
+from PIL import Image
+
+from tests.conftest import tiny_pipeline
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model") / "tiny-llamagen"
+    tiny_pipeline().save_pretrained(path)
+    return path
+
+
+def mmgen(*args):
+    return subprocess.run([sys.executable, "-m", "mmgen.cli", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("decoding", ["ar", "sjd"])
+def test_generate_image_writes_pngs_and_prints_stats(model_dir, tmp_path, decoding):
+    result = mmgen("generate", "image", "--model", model_dir, "--class-labels", 3, 8, "--decoding", decoding,
+                   "--seed", 4, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["000_class3.png", "001_class8.png"]
+    assert Image.open(tmp_path / files[0]).size == (8, 8)
+    stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
+    assert stats["tokens"] == 16 and stats["rows"] == 2 and stats["forwards"] >= 1
+    assert "mean_accepted_length=" in result.stdout and "wall_time=" in result.stdout
+
+
+def test_same_seed_same_files(model_dir, tmp_path):
+    for name in ("a", "b"):
+        assert mmgen("generate", "image", "--model", model_dir, "--class-labels", 1, "--seed", 7, "--out", tmp_path / name, "--no-progress").returncode == 0
+    assert (tmp_path / "a" / "000_class1.png").read_bytes() == (tmp_path / "b" / "000_class1.png").read_bytes()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--class-labels", 99], "invalid class id 99"),
+        (["--class-labels", 1, "--window", 0], "window must be an integer >= 1"),
+        (["--class-labels", 1, "--top-p", 2], "top_p must be in (0, 1]"),
+    ],
+)
+def test_bad_input_exits_with_a_message(model_dir, tmp_path, args, message):
+    result = mmgen("generate", "image", "--model", model_dir, *args, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 2 and message in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    result = mmgen("generate", "image", "--model", tmp_path / "nope", "--class-labels", 1, "--out", tmp_path)
+    assert result.returncode == 2 and "neither an existing path nor a Hugging Face repo id" in result.stderr

@@ -1,0 +1,46 @@
+"""The distribution maps every top-level folder into the mmgen namespace (DESIGN.md)."""
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+FOLDERS = ["mmgen", "image_ar", "vlm", "audio", "video", "kernels", "apps"]
+
+
+def test_wheel_contents_and_imports(tmp_path):
+    source = tmp_path / "src"
+    for name in FOLDERS:
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(source)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("mmgen-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+
+    top_level = {n.split("/")[0] for n in names}
+    assert top_level == {"mmgen", next(t for t in top_level if t.endswith(".dist-info"))}
+    for package in ["mmgen", "mmgen/decoding", "mmgen/image_ar", "mmgen/image_ar/llamagen", "mmgen/vlm", "mmgen/audio",
+                    "mmgen/video", "mmgen/kernels", "mmgen/apps"]:
+        assert f"{package}/__init__.py" in names
+    for module in ["mmgen/sampling.py", "mmgen/cache.py", "mmgen/cli.py", "mmgen/image_ar/llamagen/gpt.py", "mmgen/image_ar/llamagen/vq.py"]:
+        assert module in names
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "mmgen = mmgen.cli:main" in entry_points
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    probe = (
+        "import mmgen, mmgen.image_ar.llamagen, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
+        "print(mmgen.image_ar.llamagen.__file__)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                            env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith(str(target))

@@ -1,0 +1,3 @@
+"""Block-diffusion (semi-autoregressive) video on diffusers components.
+
+Reserved namespace: nothing ships here yet (see the issue tracker)."""
