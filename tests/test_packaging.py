@@ -16,10 +16,12 @@ def test_wheel_contents_and_imports(tmp_path):
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    subprocess.run(
+    # No build isolation: the build backend comes from the dev extra, nothing is downloaded.
+    built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"), str(source)],
-        check=True, capture_output=True, timeout=300,
+        capture_output=True, text=True, timeout=300,
     )
+    assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "dist").glob("mmgen-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
 
@@ -34,8 +36,9 @@ def test_wheel_contents_and_imports(tmp_path):
     assert "mmgen = mmgen.cli:main" in entry_points
 
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True, timeout=300)
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
     probe = (
         "import mmgen, mmgen.image_ar.llamagen, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
         "print(mmgen.image_ar.llamagen.__file__)"

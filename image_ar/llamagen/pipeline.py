@@ -142,6 +142,8 @@ class LlamaGenPipeline(Pipeline):
         device = self.device
         if generator is None:
             generator = make_generator(None, device)
+        elif generator.device.type != device.type:
+            raise ValueError(f"generator is on {generator.device} but the pipeline runs on {device}: create it there")
         conditions = torch.tensor(labels, device=device)
         num_tokens = self.transformer.config.block_size
         with self.progress_bar(num_tokens) as bar:

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -118,6 +120,12 @@ def test_pickled_code_in_a_checkpoint_is_refused(pipe, tmp_path):
 def test_bad_input_is_a_value_error(pipe, kwargs, match):
     with pytest.raises(ValueError, match=match):
         pipe(**kwargs)
+
+
+def test_generator_on_another_device_is_a_value_error(pipe):
+    cuda_generator = SimpleNamespace(device=torch.device("cuda"))  # no GPU needed to check the guard
+    with pytest.raises(ValueError, match="generator is on cuda but the pipeline runs on cpu"):
+        pipe([1], generator=cuda_generator)
 
 
 def test_window_below_one_is_a_value_error():
