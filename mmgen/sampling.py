@@ -47,10 +47,12 @@ class ConstantGuidance:
     scale: float = 1.0
 
     def __post_init__(self):
-        _check_scale(self.scale)
+        if not math.isfinite(self.scale) or self.scale < 0:
+            raise ValueError(f"guidance scale must be a finite number >= 0, got {self.scale}")
 
     @property
     def max_scale(self) -> float:
+        """The largest scale the schedule uses: 1.0 means no unconditional rows are needed."""
         return self.scale
 
     def scales(self, index: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ class ConstantGuidance:
 
 
 @dataclass(frozen=True)
-class IntervalGuidance:
+class IntervalGuidance(ConstantGuidance):
     """LlamaGen's `cfg_interval`: guidance for the first tokens only, then the conditional logits.
 
     The official decoder guides the prefill token and the decode steps `i <= interval`, where
@@ -66,27 +68,15 @@ class IntervalGuidance:
     interval (the official default -1) guides every token.
     """
 
-    scale: float = 1.0
     interval: int = -1
-
-    def __post_init__(self):
-        _check_scale(self.scale)
-
-    @property
-    def max_scale(self) -> float:
-        return self.scale
 
     def scales(self, index: torch.Tensor) -> torch.Tensor:
         on = torch.ones_like(index, dtype=torch.bool) if self.interval < 0 else index <= self.interval + 1
         return torch.where(on, self.scale, 1.0).to(torch.float32)
 
 
-GuidanceSchedule = Union[ConstantGuidance, IntervalGuidance]
-
-
-def _check_scale(scale: float) -> None:
-    if not math.isfinite(scale) or scale < 0:
-        raise ValueError(f"guidance scale must be a finite number >= 0, got {scale}")
+#: Anything with `max_scale` and `scales(index)`; both schedules above derive from ConstantGuidance.
+GuidanceSchedule = ConstantGuidance
 
 
 def apply_guidance(logits: Logits, scale: torch.Tensor) -> torch.Tensor:
