@@ -2,9 +2,13 @@
 
 A saved pipeline is a folder:
 
-    model_index.json          {"_class_name": ..., "components": {name: class}, "config": {...}}
+    model_index.json          {"_class_name": ..., "components": {name: class}, "config": {...},
+                               "shared": {name: "../other-pipeline/<component>"}}
     <component>/config.json   the component's config dataclass as JSON
     <component>/model.safetensors
+
+A component listed under "shared" is read from a sibling pipeline folder instead (two
+pipelines that share a tokenizer ship it once).
 
 Components are `nn.Module`s built from a config dataclass (with `to_dict` / `from_dict`); a
 subclass lists them in `component_types` as name -> (module class, config class).
@@ -70,19 +74,38 @@ class Pipeline:
         """Extra settings a subclass saves beside its components (JSON-serialisable)."""
         return {}
 
-    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
-        """Write the folder layout above; weights as safetensors, written atomically."""
+    def save_pretrained(
+        self,
+        path: Union[str, os.PathLike],
+        dtypes: Optional[dict[str, torch.dtype]] = None,
+        shared: Optional[dict[str, str]] = None,
+    ) -> None:
+        """Write the folder layout above; weights as safetensors, written atomically.
+
+        `dtypes` stores a component's floating tensors in another dtype (e.g. float16 to halve
+        a tokenizer's size; loading casts back). `shared` writes no weights for a component,
+        only a reference to a sibling folder ("../other/vq") that already holds them.
+        """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        shared = dict(shared or {})
         for name, module in self.components.items():
+            if name in shared:
+                _check_shared(path, name, shared[name])
+                continue
             folder = path / name
             folder.mkdir(exist_ok=True)
             _write_json(folder / CONFIG_NAME, module.config.to_dict())
-            save_safetensors(module.state_dict(), folder / WEIGHTS_NAME)
+            state = module.state_dict()
+            dtype = (dtypes or {}).get(name)
+            if dtype is not None:
+                state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+            save_safetensors(state, folder / WEIGHTS_NAME)
         index = {
             "_class_name": type(self).__name__,
             "components": {name: type(m).__name__ for name, m in self.components.items()},
             "config": self.pipeline_config(),
+            "shared": shared,
         }
         _write_json(path / MODEL_INDEX, index)
 
@@ -106,9 +129,10 @@ class Pipeline:
             saved_cls = index.get("components", {}).get(name)
             if saved_cls != module_cls.__name__:
                 raise CheckpointError(f"{root}: component {name!r} is {saved_cls!r}, expected {module_cls.__name__}")
-            config = config_cls.from_dict(json.loads((root / name / CONFIG_NAME).read_text()))
+            folder = _check_shared(root, name, index["shared"][name]) if name in index.get("shared", {}) else root / name
+            config = config_cls.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
             module = module_cls(config)
-            load_strict(module, load_state_dict(root / name / WEIGHTS_NAME), source=str(root / name / WEIGHTS_NAME))
+            load_strict(module, load_state_dict(folder / WEIGHTS_NAME), source=str(folder / WEIGHTS_NAME))
             components[name] = module
         pipe = cls(**components, **cls.config_from_index(index.get("config", {})))
         return pipe.to(device, dtype) if (device is not None or dtype is not None) else pipe
@@ -117,6 +141,14 @@ class Pipeline:
     def config_from_index(cls, config: dict) -> dict:
         """Keyword arguments for `__init__` from the saved `pipeline_config()`."""
         return dict(config)
+
+
+def _check_shared(root: Path, name: str, reference: str) -> Path:
+    """The folder a shared component points to; it must be a sibling pipeline's component."""
+    target = (root / reference).resolve()
+    if target.parent.parent != root.resolve().parent or not (target / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{root}: shared component {name!r} -> {reference!r} is not a component folder of a sibling pipeline")
+    return target
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -52,6 +52,15 @@ def test_bad_input_exits_with_a_message(model_dir, tmp_path, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_bundled_model_is_the_default_and_class_names_work(tmp_path):
+    result = mmgen("generate", "image", "--class-labels", "cat-face", 0, "--seed", 1, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class7.png", "001_class0.png"]
+    assert Image.open(tmp_path / "000_class7.png").size == (64, 64)
+    bad = mmgen("generate", "image", "--class-labels", "no-such-class", "--out", tmp_path / "x", "--no-progress")
+    assert bad.returncode == 2 and "unknown class name 'no-such-class'" in bad.stderr
+
+
 def test_missing_model_is_a_clear_error(tmp_path):
     result = mmgen("generate", "image", "--model", tmp_path / "nope", "--class-labels", 1, "--out", tmp_path)
     assert result.returncode == 2 and "neither an existing path nor a Hugging Face repo id" in result.stderr

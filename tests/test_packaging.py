@@ -32,6 +32,10 @@ def test_wheel_contents_and_imports(tmp_path):
         assert f"{package}/__init__.py" in names
     for module in ["mmgen/sampling.py", "mmgen/cache.py", "mmgen/cli.py", "mmgen/image_ar/llamagen/gpt.py", "mmgen/image_ar/llamagen/vq.py"]:
         assert module in names
+    for asset in ["emoji64/model_index.json", "emoji64/transformer/model.safetensors", "emoji64/vq/model.safetensors",
+                  "emoji64-draft/model_index.json", "emoji64-draft/transformer/model.safetensors",
+                  "emoji64-classifier/model.safetensors", "emoji64-eval.npz", "emoji64/MODEL_CARD.md"]:
+        assert f"mmgen/image_ar/assets/{asset}" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "mmgen = mmgen.cli:main" in entry_points
 
@@ -41,6 +45,7 @@ def test_wheel_contents_and_imports(tmp_path):
     assert installed.returncode == 0, installed.stderr
     probe = (
         "import mmgen, mmgen.image_ar.llamagen, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
+        "from mmgen.image_ar.bundled import resolve_model; resolve_model('emoji64');"
         "print(mmgen.image_ar.llamagen.__file__)"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,

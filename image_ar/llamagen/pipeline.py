@@ -16,6 +16,9 @@ from mmgen.image_ar.llamagen.token_model import LlamaGenTokenModel
 from mmgen.image_ar.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
 from mmgen.image_ar.outputs import ImageGenerationOutput, check_output_type, postprocess
 
+#: The official `sample_c2i.py` defaults, used where a pipeline saved none of its own.
+OFFICIAL_SAMPLING = {"guidance_scale": 4.0, "cfg_interval": -1, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
+
 #: Run-time state some official training scripts saved with the weights; never parameters.
 OFFICIAL_IGNORED_KEYS = (r"freqs_cis", r"causal_mask", r"layers\.\d+\.attention\.kv_cache\.[kv]_cache")
 
@@ -23,22 +26,34 @@ OFFICIAL_IGNORED_KEYS = (r"freqs_cis", r"causal_mask", r"layers\.\d+\.attention\
 class LlamaGenPipeline(Pipeline):
     """Class-conditional LlamaGen (arXiv 2406.06525): GPT over VQ tokens, then the VQ decoder.
 
-    Defaults are the official `sample_c2i.py` ones: guidance 4.0, top-k 2000, top-p 1.0,
-    temperature 1.0. Decoding defaults to lossless speculative Jacobi decoding, which samples
+    Sampling defaults are the official `sample_c2i.py` ones (guidance 4.0, top-k 2000, top-p 1.0,
+    temperature 1.0) unless the pipeline was saved with its own `sampling_defaults`. Decoding defaults to lossless speculative Jacobi decoding, which samples
     the same distribution as `decoding="ar"` in fewer forwards.
     """
 
     component_types = {"transformer": (LlamaGenTransformer, LlamaGenConfig), "vq": (VQModel, VQConfig)}
 
-    def __init__(self, transformer: LlamaGenTransformer, vq: VQModel, class_names: Optional[Sequence[str]] = None):
+    def __init__(
+        self,
+        transformer: LlamaGenTransformer,
+        vq: VQModel,
+        class_names: Optional[Sequence[str]] = None,
+        sampling_defaults: Optional[dict] = None,
+    ):
         if transformer.config.model_type != "c2i":
             raise ValueError("LlamaGenPipeline is class-conditional; this transformer is text-conditional")
         if transformer.config.vocab_size != vq.config.codebook_size:
             raise ValueError(
                 f"transformer vocabulary {transformer.config.vocab_size} != VQ codebook {vq.config.codebook_size}"
             )
+        unknown = sorted(set(sampling_defaults or {}) - set(OFFICIAL_SAMPLING))
+        if unknown:
+            raise ValueError(f"unknown sampling defaults {unknown}; allowed: {sorted(OFFICIAL_SAMPLING)}")
+        if class_names is not None and len(class_names) != transformer.config.num_classes:
+            raise ValueError(f"{len(class_names)} class names for {transformer.config.num_classes} classes")
         super().__init__(transformer=transformer, vq=vq)
         self.class_names = list(class_names) if class_names is not None else None
+        self.sampling_defaults = {**OFFICIAL_SAMPLING, **(sampling_defaults or {})}
 
     @property
     def num_classes(self) -> int:
@@ -50,7 +65,22 @@ class LlamaGenPipeline(Pipeline):
         return self.transformer.config.grid_size * self.vq.config.downsample_factor
 
     def pipeline_config(self) -> dict:
-        return {"class_names": self.class_names} if self.class_names is not None else {}
+        config = {"sampling_defaults": {k: v for k, v in self.sampling_defaults.items() if OFFICIAL_SAMPLING[k] != v}}
+        if self.class_names is not None:
+            config["class_names"] = self.class_names
+        return config
+
+    def class_index(self, label: Union[int, str]) -> int:
+        """A class id from an id or a class name ("cat-face"); ValueError for anything else."""
+        if isinstance(label, str) and label.lstrip("-").isdigit():
+            label = int(label)
+        if isinstance(label, str):
+            if self.class_names is None or label not in self.class_names:
+                known = ", ".join(self.class_names[:12]) + ", ..." if self.class_names else "none (this model has no class names)"
+                raise ValueError(f"unknown class name {label!r}; known names: {known}")
+            return self.class_names.index(label)
+        self.check_inputs([label], None)
+        return label
 
     @classmethod
     def from_official(
@@ -111,11 +141,11 @@ class LlamaGenPipeline(Pipeline):
         self,
         class_labels: Union[int, Sequence[int]],
         decoding: Union[str, Decoder] = "sjd",
-        guidance_scale: float = 4.0,
-        cfg_interval: int = -1,
-        temperature: float = 1.0,
-        top_k: int = 2000,
-        top_p: float = 1.0,
+        guidance_scale: Optional[float] = None,
+        cfg_interval: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
         generator: Optional[torch.Generator] = None,
         image_size: Optional[int] = None,
         output_type: str = "pil",
@@ -125,6 +155,7 @@ class LlamaGenPipeline(Pipeline):
         Args:
             class_labels: class ids in [0, num_classes).
             decoding: "ar", "sjd" or a `Decoder` object (e.g. `SpeculativeJacobi(window=8)`).
+            guidance_scale ... top_p: None takes the pipeline's `sampling_defaults`.
             guidance_scale: classifier-free guidance scale; 1.0 turns guidance off.
             cfg_interval: guide only tokens t <= cfg_interval + 1 (official semantics); -1 = all.
             temperature, top_k, top_p: applied to the guided logits; temperature 0 is greedy,
@@ -135,9 +166,12 @@ class LlamaGenPipeline(Pipeline):
         """
         labels = self.check_inputs(class_labels, image_size)
         check_output_type(output_type)
+        given = dict(guidance_scale=guidance_scale, cfg_interval=cfg_interval, temperature=temperature, top_k=top_k, top_p=top_p)
+        options = {k: self.sampling_defaults[k] if v is None else v for k, v in given.items()}
+        guidance_scale, cfg_interval = options["guidance_scale"], options["cfg_interval"]
         if isinstance(cfg_interval, bool) or not isinstance(cfg_interval, int):
             raise ValueError(f"cfg_interval must be an integer (-1 disables it), got {cfg_interval!r}")
-        sampling = SamplingConfig(temperature, top_k, top_p, IntervalGuidance(guidance_scale, cfg_interval))
+        sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"], IntervalGuidance(guidance_scale, cfg_interval))
         decoder = resolve_decoder(decoding)
         device = self.device
         if generator is None:
@@ -148,6 +182,12 @@ class LlamaGenPipeline(Pipeline):
         num_tokens = self.transformer.config.block_size
         with self.progress_bar(num_tokens) as bar:
             result = decoder.generate(LlamaGenTokenModel(self.transformer), conditions, num_tokens, sampling, generator, bar)
+        return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
+
+    @torch.no_grad()
+    def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
+        """Image tokens [B, grid * grid] -> images through the VQ decoder."""
+        check_output_type(output_type)
         grid = self.transformer.config.grid_size
-        pixels = self.vq.decode_code(result.tokens, (len(labels), self.vq.config.codebook_embed_dim, grid, grid))
-        return ImageGenerationOutput(postprocess(pixels, output_type), result.tokens, result.stats)
+        pixels = self.vq.decode_code(tokens, (tokens.shape[0], self.vq.config.codebook_embed_dim, grid, grid))
+        return postprocess(pixels, output_type)

@@ -55,6 +55,24 @@ def test_save_and_load_round_trip(pipe, tmp_path):
     assert torch.equal(a.tokens, b.tokens) and np.array_equal(a.images, b.images)
 
 
+def test_shared_components_and_half_precision_storage(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path / "target", dtypes={"vq": torch.float16})
+    pipe.save_pretrained(tmp_path / "draft", shared={"vq": "../target/vq"})
+    assert not (tmp_path / "draft" / "vq").exists()
+    target = LlamaGenPipeline.from_pretrained(tmp_path / "target")
+    draft = LlamaGenPipeline.from_pretrained(tmp_path / "draft")
+    for name, tensor in pipe.vq.state_dict().items():
+        expected = tensor.half().float() if tensor.is_floating_point() else tensor
+        assert torch.equal(target.vq.state_dict()[name], expected) and torch.equal(draft.vq.state_dict()[name], expected)
+    for name, tensor in pipe.transformer.state_dict().items():  # not listed in dtypes: stored exactly
+        assert torch.equal(target.transformer.state_dict()[name], tensor)
+
+
+def test_shared_component_must_be_a_sibling(pipe, tmp_path):
+    with pytest.raises(CheckpointError, match="not a component folder of a sibling pipeline"):
+        pipe.save_pretrained(tmp_path / "draft", shared={"vq": "../../etc"})
+
+
 def test_loading_a_truncated_folder_fails_clearly(pipe, tmp_path):
     pipe.save_pretrained(tmp_path / "tiny")
     weights = tmp_path / "tiny" / "vq" / "model.safetensors"

@@ -1,0 +1,241 @@
+"""`mmgen bench`: decoding methods x models x batch sizes, baseline and method in one process.
+
+Two modes:
+
+* trained pipelines (the bundled emoji models by default): forwards, step compression, mean
+  accepted length, wall-clock speedup against AR on the same model and batch (warm-up, medians
+  over repeats), peak memory, and the quality proxies of each method's samples;
+* `--random-weights PRESET`: per-forward latency of a W-token verify window against an AR step
+  at official model sizes (speed does not depend on the weights).
+
+Both write a Markdown table and a JSON file that state the machine, device, versions and the
+exact command.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from mmgen.decoding import Autoregressive, Decoder, SpeculativeJacobi
+from mmgen.metrics import token_nll
+from mmgen.sampling import IntervalGuidance, SamplingConfig
+
+from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, resolve_model
+from mmgen.image_ar.llamagen import LlamaGenConfig, LlamaGenPipeline, LlamaGenTokenModel, LlamaGenTransformer
+
+
+def parse_method(name: str) -> Decoder:
+    """"ar", "sjd" (window 16) or "sjd-W"."""
+    if name == "ar":
+        return Autoregressive()
+    if name == "sjd":
+        return SpeculativeJacobi()
+    if name.startswith("sjd-") and name[4:].isdigit():
+        return SpeculativeJacobi(window=int(name[4:]))
+    raise ValueError(f"unknown method {name!r}: use ar, sjd or sjd-W (W = window)")
+
+
+def environment(device: torch.device) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    import mmgen
+
+    return {
+        "command": "mmgen bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(map(shlex.quote, sys.argv)),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "mmgen": mmgen.__version__,
+        "git_commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------ trained models
+
+
+@torch.no_grad()
+def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], batch_sizes: Sequence[int],
+               sampling: SamplingConfig, repeats: int, warmup: int) -> list[dict]:
+    device = pipe.device
+    token_model = LlamaGenTokenModel(pipe.transformer)
+    n = pipe.transformer.config.block_size
+    rows = []
+    for batch in batch_sizes:
+        labels = torch.arange(batch, device=device) % pipe.num_classes
+        baseline = None
+        for method in methods:
+            decoder = parse_method(method)
+            run = lambda seed: decoder.generate(token_model, labels, n, sampling, torch.Generator(device).manual_seed(seed))
+            for seed in range(warmup):
+                run(10_000 + seed)
+            stats = [run(seed).stats for seed in range(repeats)]
+            row = {
+                "model": model_name, "method": method, "batch": batch,
+                "forwards": statistics.median(s.forwards for s in stats),
+                "step_compression": statistics.median(s.step_compression for s in stats),
+                "mean_accepted_length": statistics.median(s.mean_accepted_length for s in stats),
+                "seconds": statistics.median(s.wall_time_s for s in stats),
+                "peak_memory_mb": None if stats[0].peak_memory_bytes is None else max(s.peak_memory_bytes for s in stats) / 2**20,
+            }
+            baseline = baseline or (row["seconds"] if method == "ar" else None)
+            row["speedup_vs_ar"] = baseline / row["seconds"] if baseline else None
+            rows.append(row)
+    return rows
+
+
+@torch.no_grad()
+def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], sampling: SamplingConfig,
+                 per_class: int, batch_size: int, seed: int) -> list[dict]:
+    """Quality proxies of each method's samples: the same labels and seed for every method."""
+    from mmgen.image_ar.quality import ImageQualityProxies
+
+    scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
+    device = pipe.device
+    token_model = LlamaGenTokenModel(pipe.transformer)
+    labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
+    rows = []
+    for method in methods:
+        decoder = parse_method(method)
+        generator = torch.Generator(device).manual_seed(seed)
+        images, nll = [], []
+        for chunk in labels.split(batch_size):
+            chunk = chunk.to(device)
+            tokens = decoder.generate(token_model, chunk, pipe.transformer.config.block_size, sampling, generator).tokens
+            images.append(pipe.decode_tokens(tokens, output_type="pt"))
+            nll.append(token_nll(token_model, chunk, tokens).cpu())
+        scores = scorer(torch.cat(images), labels)
+        rows.append({"model": model_name, "method": method, **scores, "nll": float(torch.cat(nll).mean())})
+    return rows
+
+
+# ------------------------------------------------------------------------------ random weights
+
+
+@torch.no_grad()
+def forward_cost_rows(preset: str, windows: Sequence[int], batch_sizes: Sequence[int], device: torch.device,
+                      dtype: torch.dtype, guidance: bool, repeats: int, warmup: int) -> list[dict]:
+    """Latency of one W-token forward (the verify step) vs a 1-token AR step, cache half full."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaGenTransformer(LlamaGenConfig.from_preset(preset)).eval().to(dtype)
+    token_model = LlamaGenTokenModel(model)
+    rows = []
+    for batch in batch_sizes:
+        labels = torch.arange(batch, device=device)
+        base = None
+        for window in windows:
+            state = token_model.start(labels, model.config.block_size + 2 * max(windows), guidance=guidance)
+            state.cache.advance(model.config.block_size // 2)
+            tokens = torch.randint(0, model.config.vocab_size, (batch, window), device=device)
+            for _ in range(warmup):
+                token_model.forward(state, tokens)
+            times = []
+            for _ in range(repeats):
+                _sync(device)
+                start = time.perf_counter()
+                token_model.forward(state, tokens)
+                _sync(device)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            base = seconds if window == 1 else base
+            rows.append({"preset": preset, "batch": batch, "window": window, "ms_per_forward": seconds * 1e3,
+                         "cost_vs_ar_step": seconds / base if base else None})
+    return rows
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    fmt = lambda v: "–" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows])
+
+
+def write_report(report: dict, json_path: Optional[str], markdown_path: Optional[str]) -> str:
+    env = report["environment"]
+    parts = [f"Command: `{env['command']}`", "",
+             f"Machine: {env['device_name']} ({env['cpu_count']} CPUs, {env['torch_threads']} torch threads), device {env['device']}; "
+             f"torch {env['torch']}, python {env['python']}, mmgen {env['mmgen']} @ {env['git_commit']}; {env['date']}.", ""]
+    for title, key in (("Speed", "speed"), ("Quality proxies", "quality"), ("Forward cost (random weights)", "forward_cost")):
+        if report.get(key):
+            parts += [f"### {title}", "", markdown_table(report[key]), ""]
+    text = "\n".join(parts)
+    for path, content in ((json_path, json.dumps(report, indent=2) + "\n"), (markdown_path, text)):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            tmp = Path(str(path) + ".tmp")
+            tmp.write_text(content)
+            os.replace(tmp, path)
+    return text
+
+
+def run(args) -> str:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    report = {"environment": environment(device), "args": {k: v for k, v in vars(args).items() if not callable(v)}}
+    if args.random_weights:
+        report["forward_cost"] = forward_cost_rows(args.random_weights, args.windows, args.batch_sizes, device, dtype,
+                                                   args.guidance_scale != 1, args.repeats, args.warmup)
+    else:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, IntervalGuidance(args.guidance_scale, -1))
+        report["speed"], report["quality"] = [], []
+        for name in args.models:
+            pipe = LlamaGenPipeline.from_pretrained(resolve_model(name), device=device, dtype=dtype)
+            report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats, args.warmup)
+            if args.quality_per_class > 0:
+                report["quality"] += quality_rows(pipe, name, args.methods, sampling, args.quality_per_class,
+                                                  args.quality_batch_size, args.seed)
+    return write_report(report, args.json, args.markdown)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--models", nargs="+", default=["emoji64"], help="bundled model names or pipeline folders")
+    parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"], help="ar, sjd or sjd-W")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--guidance-scale", type=float, default=2.0)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--quality-per-class", type=int, default=2, help="samples per class for the quality proxies (0: skip)")
+    parser.add_argument("--quality-batch-size", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset (e.g. GPT-B) with random weights instead")
+    parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8, 16], help="with --random-weights")
+    parser.add_argument("--json", help="write the report as JSON here")
+    parser.add_argument("--markdown", help="write the report as Markdown here")

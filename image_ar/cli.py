@@ -1,0 +1,99 @@
+"""Image subcommands of `mmgen`: generate image, convert llamagen, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from mmgen.decoding import Autoregressive, SpeculativeJacobi
+from mmgen.sampling import make_generator
+
+from mmgen.image_ar import bench
+from mmgen.image_ar.bundled import DEFAULT_MODEL, resolve_model
+from mmgen.image_ar.llamagen import LlamaGenPipeline
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def register(commands, groups) -> None:
+    image = groups["generate"].add_parser("image", help="class-conditional image generation (LlamaGen)")
+    image.add_argument("--model", default=DEFAULT_MODEL, help=f"a bundled model name (default: {DEFAULT_MODEL}), a pipeline "
+                       "folder written by save_pretrained / `mmgen convert`, or a Hugging Face repo id")
+    image.add_argument("--class-labels", nargs="+", required=True, help="one image per class: class ids or class names")
+    image.add_argument("--decoding", default="sjd", choices=["ar", "sjd"], help="decoder (sjd is lossless)")
+    image.add_argument("--window", type=int, default=16, help="SJD window: tokens scored per forward")
+    image.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the model's)")
+    image.add_argument("--cfg-interval", type=int, default=-1)
+    image.add_argument("--temperature", type=float, default=1.0)
+    image.add_argument("--top-k", type=int, default=None, help="top-k filter (default: the model's)")
+    image.add_argument("--top-p", type=float, default=1.0)
+    image.add_argument("--seed", type=int, default=0)
+    image.add_argument("--device", default="cpu")
+    image.add_argument("--dtype", default="float32", choices=DTYPES)
+    image.add_argument("--out", required=True, help="output folder for the PNG files")
+    image.add_argument("--no-progress", action="store_true")
+    image.set_defaults(run=generate_image)
+
+    llamagen = groups["convert"].add_parser("llamagen", help="official LlamaGen c2i GPT + VQ .pt files")
+    llamagen.add_argument("--gpt-checkpoint", required=True)
+    llamagen.add_argument("--vq-checkpoint", required=True)
+    llamagen.add_argument("--gpt-model", default="GPT-B")
+    llamagen.add_argument("--vq-model", default="VQ-16", choices=["VQ-16", "VQ-8"])
+    llamagen.add_argument("--image-size", type=int, default=256)
+    llamagen.add_argument("--codebook-size", type=int, default=16384)
+    llamagen.add_argument("--codebook-embed-dim", type=int, default=8)
+    llamagen.add_argument("--num-classes", type=int, default=1000)
+    llamagen.add_argument("--out", required=True)
+    llamagen.set_defaults(run=convert_llamagen)
+
+    bench_parser = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(run=lambda args: print(bench.run(args)) or 0)
+
+
+def generate_image(args: argparse.Namespace) -> int:
+    pipe = LlamaGenPipeline.from_pretrained(resolve_model(args.model), device=args.device, dtype=getattr(torch, args.dtype))
+    pipe.set_progress_bar_config(disable=args.no_progress)
+    labels = [pipe.class_index(label) for label in args.class_labels]
+    decoder = SpeculativeJacobi(window=args.window) if args.decoding == "sjd" else Autoregressive()
+    overrides = {k: v for k, v in (("guidance_scale", args.guidance_scale), ("top_k", args.top_k)) if v is not None}
+    output = pipe(
+        labels,
+        decoding=decoder,
+        cfg_interval=args.cfg_interval,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        generator=make_generator(args.seed, args.device),
+        **overrides,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for i, (label, image) in enumerate(zip(labels, output.images)):
+        path = out / f"{i:03d}_class{label}.png"
+        tmp = path.with_name(path.name + ".tmp")
+        image.save(tmp, format="PNG")
+        os.replace(tmp, path)
+        print(f"wrote {path}")
+    print(output.stats.summary())
+    print(json.dumps({"stats": output.stats.to_dict()}))
+    return 0
+
+
+def convert_llamagen(args: argparse.Namespace) -> int:
+    pipe = LlamaGenPipeline.from_official(
+        args.gpt_checkpoint,
+        args.vq_checkpoint,
+        gpt_model=args.gpt_model,
+        vq_model=args.vq_model,
+        image_size=args.image_size,
+        codebook_size=args.codebook_size,
+        codebook_embed_dim=args.codebook_embed_dim,
+        num_classes=args.num_classes,
+    )
+    pipe.save_pretrained(args.out)
+    print(f"wrote {args.out}")
+    return 0
