@@ -236,7 +236,14 @@ def export(args) -> None:
     os.replace(tmp, out / "emoji64-eval.npz")
 
     eval_images = all_images[torch.from_numpy(held_out)] * 2 - 1
+    eval_labels = torch.from_numpy(data["labels"][held_out])
+    eval_codes = vq.encode(eval_images)[2]
+    from mmgen.image_ar.llamagen import LlamaGenTokenModel
+    from mmgen.metrics import token_nll
+
     facts = {
+        "eval_nll": {name: float(token_nll(LlamaGenTokenModel(m), eval_labels, eval_codes).mean())
+                     for name, m in (("target", target), ("draft", draft))},
         "images": len(data["labels"]), "held_out": int(held_out.sum()), "classes": len(names),
         "vq_eval_mse": float(F.mse_loss(vq(eval_images)[0], eval_images)),
         "classifier_eval_accuracy": float((classifier(eval_images).argmax(-1) == torch.from_numpy(data["labels"][held_out])).float().mean()),
@@ -289,6 +296,9 @@ The VQ loss is L1 + L2 reconstruction plus the VQ and commitment terms (no perce
 loss): held-out reconstruction MSE {f['vq_eval_mse']:.4f} on images in [-1, 1]. The GPTs use the
 official LlamaGen training objective (next-token cross-entropy, 10% class dropout for CFG) with
 AdamW (betas 0.9/0.95, weight decay 0.05), cosine schedule, 100 warm-up steps, gradient clipping 1.0.
+NLL of the held-out images' tokens: target {f['eval_nll']['target']:.3f}, draft
+{f['eval_nll']['draft']:.3f} nats/token (uniform: 6.238). The target's training loss is well below its
+held-out NLL: with 3,212 training images it partly memorises them.
 The classifier reaches {f['classifier_eval_accuracy']:.1%} accuracy on the held-out images.
 
 The VQ and the classifier ship in float16 (rounded before every figure here was computed);

@@ -203,6 +203,7 @@ class Attention(nn.Module):
         rope: torch.Tensor,
         cache: Optional[StaticKVCache] = None,
         positions: Optional[torch.Tensor] = None,
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         B, n, _ = x.shape
         kv = self.n_kv_head * self.head_dim
@@ -212,9 +213,6 @@ class Attention(nn.Module):
         v = v.view(B, n, self.n_kv_head, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(self.layer, positions, k, v)
-            mask = cache.attention_mask(positions)
-        else:
-            mask = None
         if self.n_kv_head != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
@@ -239,8 +237,8 @@ class TransformerBlock(nn.Module):
         else:
             self.drop_path = nn.Identity()
 
-    def forward(self, x, rope, cache=None, positions=None):
-        h = x + self.drop_path(self.attention(self.attention_norm(x), rope, cache, positions))
+    def forward(self, x, rope, cache=None, positions=None, mask=None):
+        h = x + self.drop_path(self.attention(self.attention_norm(x), rope, cache, positions, mask))
         return h + self.drop_path(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -311,8 +309,9 @@ class LlamaGenTransformer(nn.Module):
         """Run embeddings h [B, n, dim] at absolute `positions` [B, n]; with a cache, write K/V
         there and attend to each row's earlier cached positions. Returns float32 logits."""
         rope = self.rope(positions, h.device)
+        mask = cache.attention_mask(positions) if cache is not None else None  # None: causal
         for layer in self.layers:
-            h = layer(h, rope, cache, positions)
+            h = layer(h, rope, cache, positions, mask)
         return self.output(self.norm(h)).float()
 
     def setup_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
