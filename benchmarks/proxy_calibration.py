@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 import torch
 
@@ -65,7 +67,8 @@ def main() -> None:
     print(markdown_table(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(torch.device("cpu")), "rows": rows}, f, indent=2)
+            command = "python -m benchmarks.proxy_calibration " + shlex.join(sys.argv[1:])
+            json.dump({"environment": environment(torch.device("cpu"), command), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -46,7 +44,7 @@ def parse_method(name: str) -> Decoder:
     raise ValueError(f"unknown method {name!r}: use ar, sjd or sjd-W (W = window)")
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, command: str) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("model name"))
@@ -60,7 +58,7 @@ def environment(device: torch.device) -> dict:
     import mmgen
 
     return {
-        "command": "mmgen bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(map(shlex.quote, sys.argv)),
+        "command": command,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu,
         "cpu_count": os.cpu_count(),
@@ -204,15 +202,19 @@ def write_report(report: dict, json_path: Optional[str], markdown_path: Optional
 def run(args) -> str:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    report = {"environment": environment(device), "args": {k: v for k, v in vars(args).items() if not callable(v)}}
+    report = {"environment": environment(device, args.command_line),
+              "args": {k: v for k, v in vars(args).items() if not callable(v)}}
     if args.random_weights:
         report["forward_cost"] = forward_cost_rows(args.random_weights, args.windows, args.batch_sizes, device, dtype,
                                                    args.guidance_scale != 1, args.repeats, args.warmup)
     else:
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, IntervalGuidance(args.guidance_scale, -1))
         report["speed"], report["quality"] = [], []
         for name in args.models:
             pipe = LlamaGenPipeline.from_pretrained(resolve_model(name), device=device, dtype=dtype)
+            given = {"guidance_scale": args.guidance_scale, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+            options = {**pipe.sampling_defaults, **{k: v for k, v in given.items() if v is not None}}
+            sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"],
+                                      IntervalGuidance(options["guidance_scale"], options["cfg_interval"]))
             report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats, args.warmup)
             if args.quality_per_class > 0:
                 report["quality"] += quality_rows(pipe, name, args.methods, sampling, args.quality_per_class,
@@ -226,10 +228,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--guidance-scale", type=float, default=2.0)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--guidance-scale", type=float, help="default: each model's own (random weights: CFG on)")
+    parser.add_argument("--temperature", type=float, help="default: each model's own")
+    parser.add_argument("--top-k", type=int, help="default: each model's own")
+    parser.add_argument("--top-p", type=float, help="default: each model's own")
     parser.add_argument("--quality-per-class", type=int, default=2, help="samples per class for the quality proxies (0: skip)")
     parser.add_argument("--quality-batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shlex
 import sys
 from typing import Optional, Sequence
 
@@ -34,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.command_line = "mmgen " + shlex.join(argv)  # recorded by reports (e.g. `mmgen bench`)
     try:
         return args.run(args)
     except (ValueError, OSError) as error:

@@ -68,10 +68,12 @@ def test_bench_harness_reports_speed_and_quality(tmp_path):
     from mmgen.cli import main
 
     path = tmp_path / "bench.json"
-    assert main(["bench", "--methods", "ar", "sjd-8", "--batch-sizes", "2", "--repeats", "1", "--warmup", "0",
-                 "--quality-per-class", "0", "--json", str(path), "--markdown", str(tmp_path / "bench.md")]) == 0
+    argv = ["bench", "--methods", "ar", "sjd-8", "--batch-sizes", "2", "--repeats", "1", "--warmup", "0",
+            "--quality-per-class", "0", "--json", str(path), "--markdown", str(tmp_path / "bench.md")]
+    assert main(argv) == 0
     report = json.loads(path.read_text())
-    assert report["environment"]["command"].startswith("mmgen bench") or report["environment"]["command"]
+    assert report["environment"]["command"] == "mmgen " + " ".join(argv)
+    assert report["environment"]["torch"] == torch.__version__ and report["environment"]["device"] == "cpu"
     ar, sjd = report["speed"]
     assert (ar["method"], ar["forwards"], ar["step_compression"], ar["speedup_vs_ar"]) == ("ar", 64, 1.0, 1.0)
     assert sjd["forwards"] < 64 and sjd["step_compression"] == pytest.approx(64 / sjd["forwards"])
