@@ -68,7 +68,7 @@ class SpeculativeJacobi(Decoder):
         state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
         B, device = state.batch_size, state.cache.lengths.device
         recorder = StatsRecorder(device, max_accepted=L)
-        slots = torch.arange(L, device=device)
+        slots = torch.arange(L + 1, device=device)  # window slots, plus the bonus slot
         # Finalised tokens land here; writes past num_tokens are scratch for finished rows.
         out = torch.zeros(B, num_tokens + 2 * L, dtype=torch.long, device=device)
 
@@ -86,7 +86,7 @@ class SpeculativeJacobi(Decoder):
         while done_min < num_tokens:
             active = pos + 1 < num_tokens
             logits = model.forward(state, window_tokens)
-            p = sampling.probs(logits, pos[:, None] + 1 + slots)  # p[:, i] predicts slot i + 1
+            p = sampling.probs(logits, pos[:, None] + 1 + slots[:L])  # p[:, i] predicts slot i + 1
             bad |= invalid_rows(p).any(-1) & active
 
             accepted, residual = self.acceptance(p[:, :-1], q, window_tokens[:, 1:], generator)
@@ -101,7 +101,7 @@ class SpeculativeJacobi(Decoder):
             # Finalise [fed token, accepted drafts, next_token] and move the window on.
             written = torch.cat([window_tokens, fresh[:, -1:]], dim=1)
             written = written.scatter(1, (n_acc + 1)[:, None], next_token[:, None])
-            out.scatter_(1, pos[:, None] + torch.arange(L + 1, device=device), written)
+            out.scatter_(1, pos[:, None] + slots, written)
             step = torch.where(active, n_acc + 1, 0)
             model.commit(state, step)
             recorder.record(step, active)
