@@ -18,10 +18,8 @@ import sys
 import torch
 
 from mmgen.decoding import Autoregressive
-from mmgen.metrics import token_nll
-from mmgen.sampling import ConstantGuidance, SamplingConfig
 
-from mmgen.image_ar.bench import environment, markdown_table
+from mmgen.image_ar.bench import environment, markdown_table, sample_and_score, score_samples
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, load_eval_set, resolve_model
 from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenTokenModel
 from mmgen.image_ar.quality import ImageQualityProxies
@@ -40,29 +38,25 @@ def main() -> None:
     pipe = LlamaGenPipeline.from_pretrained(resolve_model("emoji64"))
     model = LlamaGenTokenModel(pipe.transformer)
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
-    rows = []
-
-    def add(name, images, labels, tokens):
-        rows.append({"samples": name, **scorer(images, labels), "nll": float(token_nll(model, labels, tokens).mean())})
 
     real, real_labels = load_eval_set()
     codes = pipe.vq.encode(real * 2 - 1)[2]
-    add("real held-out images", real, real_labels, codes)
-    add("VQ reconstructions of them", pipe.decode_tokens(codes, "pt"), real_labels, codes)
     generator = torch.Generator().manual_seed(args.seed)
     shuffled = codes.gather(1, torch.stack([torch.randperm(codes.shape[1], generator=generator) for _ in codes]))
-    add("their tokens, shuffled", pipe.decode_tokens(shuffled, "pt"), real_labels, shuffled)
+    rows = [
+        {"samples": "real held-out images", **score_samples(scorer, model, real, real_labels, codes)},
+        {"samples": "VQ reconstructions of them", **score_samples(scorer, model, pipe.decode_tokens(codes, "pt"), real_labels, codes)},
+        {"samples": "their tokens, shuffled", **score_samples(scorer, model, pipe.decode_tokens(shuffled, "pt"), real_labels, shuffled)},
+    ]
 
     labels = torch.arange(pipe.num_classes).repeat_interleave(args.per_class)
-    settings = [(t, pipe.sampling_defaults["guidance_scale"]) for t in args.temperatures]
-    settings += [(1.0, g) for g in args.guidance_scales if g != pipe.sampling_defaults["guidance_scale"]]
+    default_guidance = pipe.sampling_defaults["guidance_scale"]
+    settings = [(t, default_guidance) for t in args.temperatures]
+    settings += [(1.0, g) for g in args.guidance_scales if g != default_guidance]
     for temperature, guidance in settings:
-        sampling = SamplingConfig(temperature=temperature, guidance=ConstantGuidance(guidance))
-        tokens = torch.cat([
-            Autoregressive().generate(model, chunk, 64, sampling, torch.Generator().manual_seed(args.seed + i)).tokens
-            for i, chunk in enumerate(labels.split(64))
-        ])
-        add(f"AR samples, temperature {temperature}, guidance {guidance}", pipe.decode_tokens(tokens, "pt"), labels, tokens)
+        sampling = pipe.sampling_config(guidance_scale=guidance, temperature=temperature)
+        scores = sample_and_score(pipe, Autoregressive(), sampling, labels, 64, args.seed, scorer)
+        rows.append({"samples": f"AR samples, temperature {temperature}, guidance {guidance}", **scores})
 
     print(markdown_table(rows))
     if args.json:

@@ -206,9 +206,9 @@ EMOJI_SAMPLING = {"guidance_scale": 2.0, "top_k": 0}
 def export(args) -> None:
     """Write the bundled assets: two pipelines sharing one VQ, the classifier with the real
     data's feature statistics, the held-out real images, and a model card."""
-    from mmgen.image_ar.llamagen import LlamaGenPipeline
+    from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenTokenModel
     from mmgen.image_ar.quality import ClassifierConfig, ImageQualityProxies
-    from mmgen.metrics import feature_statistics
+    from mmgen.metrics import token_nll
 
     data = np.load(args.data)
     names = [str(c) for c in data["class_names"]]
@@ -225,14 +225,7 @@ def export(args) -> None:
     classifier = round_to_half(load_trained(classifier_model(len(names)), args.classifier))
     config = ClassifierConfig("resnet10t", len(names), int(data["images"].shape[1]))
     all_images = torch.from_numpy(data["images"]).permute(0, 3, 1, 2).float() / 255
-    scorer = ImageQualityProxies(classifier, config, torch.zeros(1), torch.zeros(1, 1))
-    scorer.reference_mean, scorer.reference_cov = feature_statistics(scorer.features_and_logits(all_images)[0])
-    scorer.save_pretrained(out / "emoji64-classifier")
-    # Weights went to disk as float32 above; store the classifier in float16 (already rounded).
-    from mmgen.hub import save_safetensors
-
-    save_safetensors({k: v.half() if v.is_floating_point() else v for k, v in classifier.state_dict().items()},
-                     out / "emoji64-classifier" / "model.safetensors")
+    ImageQualityProxies.fit(classifier, config, all_images).save_pretrained(out / "emoji64-classifier", dtype=torch.float16)
     held_out = data["is_eval"]
     tmp = out / "emoji64-eval.tmp.npz"
     np.savez_compressed(tmp, images=data["images"][held_out], labels=data["labels"][held_out])
@@ -241,9 +234,6 @@ def export(args) -> None:
     eval_images = all_images[torch.from_numpy(held_out)] * 2 - 1
     eval_labels = torch.from_numpy(data["labels"][held_out])
     eval_codes = vq.encode(eval_images)[2]
-    from mmgen.image_ar.llamagen import LlamaGenTokenModel
-    from mmgen.metrics import token_nll
-
     facts = {
         "eval_nll": {name: float(token_nll(LlamaGenTokenModel(m), eval_labels, eval_codes).mean())
                      for name, m in (("target", target), ("draft", draft))},

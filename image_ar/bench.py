@@ -27,7 +27,7 @@ import torch
 
 from mmgen.decoding import Autoregressive, Decoder, SpeculativeJacobi
 from mmgen.metrics import token_nll
-from mmgen.sampling import IntervalGuidance, SamplingConfig
+from mmgen.sampling import SamplingConfig
 
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, resolve_model
 from mmgen.image_ar.llamagen import LlamaGenConfig, LlamaGenPipeline, LlamaGenTokenModel, LlamaGenTransformer
@@ -109,29 +109,38 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
     return rows
 
 
+def score_samples(scorer, token_model: LlamaGenTokenModel, images: torch.Tensor, labels: torch.Tensor,
+                  tokens: torch.Tensor) -> dict:
+    """Quality proxies of images [N, 3, H, W] in [0, 1] plus the GPT's NLL of their tokens."""
+    nll = torch.cat([token_nll(token_model, l, t).cpu() for l, t in zip(labels.split(256), tokens.split(256))])
+    return {**scorer(images, labels), "nll": float(nll.mean())}
+
+
 @torch.no_grad()
+def sample_and_score(pipe: LlamaGenPipeline, decoder: Decoder, sampling: SamplingConfig, labels: torch.Tensor,
+                     batch_size: int, seed: int, scorer) -> dict:
+    """Generate one image per label in chunks from one seeded generator, then score them."""
+    device = pipe.device
+    token_model = LlamaGenTokenModel(pipe.transformer)
+    generator = torch.Generator(device).manual_seed(seed)
+    tokens = torch.cat([
+        decoder.generate(token_model, chunk.to(device), pipe.transformer.config.block_size, sampling, generator).tokens
+        for chunk in labels.split(batch_size)
+    ])
+    return score_samples(scorer, token_model, pipe.decode_tokens(tokens, output_type="pt"), labels.to(device), tokens)
+
+
 def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], sampling: SamplingConfig,
                  per_class: int, batch_size: int, seed: int) -> list[dict]:
     """Quality proxies of each method's samples: the same labels and seed for every method."""
     from mmgen.image_ar.quality import ImageQualityProxies
 
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
-    device = pipe.device
-    token_model = LlamaGenTokenModel(pipe.transformer)
     labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
-    rows = []
-    for method in methods:
-        decoder = parse_method(method)
-        generator = torch.Generator(device).manual_seed(seed)
-        images, nll = [], []
-        for chunk in labels.split(batch_size):
-            chunk = chunk.to(device)
-            tokens = decoder.generate(token_model, chunk, pipe.transformer.config.block_size, sampling, generator).tokens
-            images.append(pipe.decode_tokens(tokens, output_type="pt"))
-            nll.append(token_nll(token_model, chunk, tokens).cpu())
-        scores = scorer(torch.cat(images), labels)
-        rows.append({"model": model_name, "method": method, **scores, "nll": float(torch.cat(nll).mean())})
-    return rows
+    return [
+        {"model": model_name, "method": method, **sample_and_score(pipe, parse_method(method), sampling, labels, batch_size, seed, scorer)}
+        for method in methods
+    ]
 
 
 # ------------------------------------------------------------------------------ random weights
@@ -211,10 +220,7 @@ def run(args) -> str:
         report["speed"], report["quality"] = [], []
         for name in args.models:
             pipe = LlamaGenPipeline.from_pretrained(resolve_model(name), device=device, dtype=dtype)
-            given = {"guidance_scale": args.guidance_scale, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
-            options = {**pipe.sampling_defaults, **{k: v for k, v in given.items() if v is not None}}
-            sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"],
-                                      IntervalGuidance(options["guidance_scale"], options["cfg_interval"]))
+            sampling = pipe.sampling_config(args.guidance_scale, None, args.temperature, args.top_k, args.top_p)
             report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats, args.warmup)
             if args.quality_per_class > 0:
                 report["quality"] += quality_rows(pipe, name, args.methods, sampling, args.quality_per_class,

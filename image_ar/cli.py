@@ -27,10 +27,10 @@ def register(commands, groups) -> None:
     image.add_argument("--decoding", default="sjd", choices=["ar", "sjd"], help="decoder (sjd is lossless)")
     image.add_argument("--window", type=int, default=16, help="SJD window: tokens scored per forward")
     image.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the model's)")
-    image.add_argument("--cfg-interval", type=int, default=-1)
-    image.add_argument("--temperature", type=float, default=1.0)
+    image.add_argument("--cfg-interval", type=int, default=None, help="guide tokens t <= N + 1 only (default: the model's)")
+    image.add_argument("--temperature", type=float, default=None, help="default: the model's")
     image.add_argument("--top-k", type=int, default=None, help="top-k filter (default: the model's)")
-    image.add_argument("--top-p", type=float, default=1.0)
+    image.add_argument("--top-p", type=float, default=None, help="default: the model's")
     image.add_argument("--seed", type=int, default=0)
     image.add_argument("--device", default="cpu")
     image.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -60,15 +60,15 @@ def generate_image(args: argparse.Namespace) -> int:
     pipe.set_progress_bar_config(disable=args.no_progress)
     labels = [pipe.class_index(label) for label in args.class_labels]
     decoder = SpeculativeJacobi(window=args.window) if args.decoding == "sjd" else Autoregressive()
-    overrides = {k: v for k, v in (("guidance_scale", args.guidance_scale), ("top_k", args.top_k)) if v is not None}
     output = pipe(
         labels,
         decoding=decoder,
+        guidance_scale=args.guidance_scale,
         cfg_interval=args.cfg_interval,
         temperature=args.temperature,
+        top_k=args.top_k,
         top_p=args.top_p,
         generator=make_generator(args.seed, args.device),
-        **overrides,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -57,11 +57,22 @@ class ImageQualityProxies:
         reference = load_state_dict(folder / "reference_statistics.safetensors")
         return cls(model, config, reference["mean"], reference["cov"])
 
-    def save_pretrained(self, folder: Union[str, os.PathLike]) -> None:
+    @classmethod
+    def fit(cls, classifier: torch.nn.Module, config: ClassifierConfig, real_images: torch.Tensor) -> "ImageQualityProxies":
+        """A scorer whose reference statistics are the classifier's features on `real_images`."""
+        scorer = cls(classifier, config, torch.zeros(1), torch.zeros(1, 1))
+        scorer.reference_mean, scorer.reference_cov = feature_statistics(scorer.features_and_logits(real_images)[0])
+        return scorer
+
+    def save_pretrained(self, folder: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> None:
+        """Write config, weights (floating tensors in `dtype` if given) and reference statistics."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "config.json").write_text(json.dumps(self.config.__dict__, indent=2) + "\n")
-        save_safetensors(self.classifier.state_dict(), folder / "model.safetensors")
+        state = self.classifier.state_dict()
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        save_safetensors(state, folder / "model.safetensors")
         save_safetensors({"mean": self.reference_mean.float(), "cov": self.reference_cov.float()}, folder / "reference_statistics.safetensors")
 
     @torch.no_grad()

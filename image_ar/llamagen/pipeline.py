@@ -26,9 +26,10 @@ OFFICIAL_IGNORED_KEYS = (r"freqs_cis", r"causal_mask", r"layers\.\d+\.attention\
 class LlamaGenPipeline(Pipeline):
     """Class-conditional LlamaGen (arXiv 2406.06525): GPT over VQ tokens, then the VQ decoder.
 
-    Sampling defaults are the official `sample_c2i.py` ones (guidance 4.0, top-k 2000, top-p 1.0,
-    temperature 1.0) unless the pipeline was saved with its own `sampling_defaults`. Decoding defaults to lossless speculative Jacobi decoding, which samples
-    the same distribution as `decoding="ar"` in fewer forwards.
+    Sampling defaults are the official `sample_c2i.py` ones (guidance 4.0, top-k 2000, top-p
+    1.0, temperature 1.0) unless the pipeline was saved with its own `sampling_defaults`.
+    Decoding defaults to lossless speculative Jacobi decoding, which samples the same
+    distribution as `decoding="ar"` in fewer forwards.
     """
 
     component_types = {"transformer": (LlamaGenTransformer, LlamaGenConfig), "vq": (VQModel, VQConfig)}
@@ -166,12 +167,7 @@ class LlamaGenPipeline(Pipeline):
         """
         labels = self.check_inputs(class_labels, image_size)
         check_output_type(output_type)
-        given = dict(guidance_scale=guidance_scale, cfg_interval=cfg_interval, temperature=temperature, top_k=top_k, top_p=top_p)
-        options = {k: self.sampling_defaults[k] if v is None else v for k, v in given.items()}
-        guidance_scale, cfg_interval = options["guidance_scale"], options["cfg_interval"]
-        if isinstance(cfg_interval, bool) or not isinstance(cfg_interval, int):
-            raise ValueError(f"cfg_interval must be an integer (-1 disables it), got {cfg_interval!r}")
-        sampling = SamplingConfig(options["temperature"], options["top_k"], options["top_p"], IntervalGuidance(guidance_scale, cfg_interval))
+        sampling = self.sampling_config(guidance_scale, cfg_interval, temperature, top_k, top_p)
         decoder = resolve_decoder(decoding)
         device = self.device
         if generator is None:
@@ -183,6 +179,21 @@ class LlamaGenPipeline(Pipeline):
         with self.progress_bar(num_tokens) as bar:
             result = decoder.generate(LlamaGenTokenModel(self.transformer), conditions, num_tokens, sampling, generator, bar)
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
+
+    def sampling_config(
+        self,
+        guidance_scale: Optional[float] = None,
+        cfg_interval: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+    ) -> SamplingConfig:
+        """The `SamplingConfig` for these options; None takes the pipeline's `sampling_defaults`."""
+        given = dict(guidance_scale=guidance_scale, cfg_interval=cfg_interval, temperature=temperature, top_k=top_k, top_p=top_p)
+        o = {k: self.sampling_defaults[k] if v is None else v for k, v in given.items()}
+        if isinstance(o["cfg_interval"], bool) or not isinstance(o["cfg_interval"], int):
+            raise ValueError(f"cfg_interval must be an integer (-1 disables it), got {o['cfg_interval']!r}")
+        return SamplingConfig(o["temperature"], o["top_k"], o["top_p"], IntervalGuidance(o["guidance_scale"], o["cfg_interval"]))
 
     @torch.no_grad()
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):

@@ -69,7 +69,7 @@ def test_bench_harness_reports_speed_and_quality(tmp_path):
 
     path = tmp_path / "bench.json"
     argv = ["bench", "--methods", "ar", "sjd-8", "--batch-sizes", "2", "--repeats", "1", "--warmup", "0",
-            "--quality-per-class", "0", "--json", str(path), "--markdown", str(tmp_path / "bench.md")]
+            "--quality-per-class", "1", "--json", str(path), "--markdown", str(tmp_path / "bench.md")]
     assert main(argv) == 0
     report = json.loads(path.read_text())
     assert report["environment"]["command"] == "mmgen " + " ".join(argv)
@@ -78,6 +78,11 @@ def test_bench_harness_reports_speed_and_quality(tmp_path):
     assert (ar["method"], ar["forwards"], ar["step_compression"], ar["speedup_vs_ar"]) == ("ar", 64, 1.0, 1.0)
     assert sjd["forwards"] < 64 and sjd["step_compression"] == pytest.approx(64 / sjd["forwards"])
     assert "| model | method | batch |" in (tmp_path / "bench.md").read_text()
+    quality = {row["method"]: row for row in report["quality"]}
+    assert set(quality) == {"ar", "sjd-8"} and quality["ar"]["num_images"] == 74
+    for row in quality.values():  # samples of a trained model are classified far above chance (1/74)
+        assert row["accuracy"] > 0.1 and 0 < row["nll"] < 6.2 and row["fid_proxy"] > 0
+    assert abs(quality["ar"]["nll"] - quality["sjd-8"]["nll"]) < 0.25  # same distribution, 74 samples
 
 
 def test_random_weight_timing_mode(tmp_path):
