@@ -83,7 +83,7 @@ def _sync(device: torch.device) -> None:
 def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], batch_sizes: Sequence[int],
                sampling: SamplingConfig, repeats: int, warmup: int) -> list[dict]:
     device = pipe.device
-    token_model = LlamaGenTokenModel(pipe.transformer)
+    token_model = pipe.token_model()
     n = pipe.transformer.config.block_size
     rows = []
     for batch in batch_sizes:
@@ -121,7 +121,7 @@ def sample_and_score(pipe: LlamaGenPipeline, decoder: Decoder, sampling: Samplin
                      batch_size: int, seed: int, scorer) -> dict:
     """Generate one image per label in chunks from one seeded generator, then score them."""
     device = pipe.device
-    token_model = LlamaGenTokenModel(pipe.transformer)
+    token_model = pipe.token_model()
     generator = torch.Generator(device).manual_seed(seed)
     tokens = torch.cat([
         decoder.generate(token_model, chunk.to(device), pipe.transformer.config.block_size, sampling, generator).tokens

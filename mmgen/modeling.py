@@ -2,7 +2,8 @@
 
 Decoders know nothing of any architecture: they see a `TokenModel` that prefills its
 conditions, scores n tokens per row at each row's own position, and keeps a given number of
-them per row. Classifier-free guidance is the model's business (only it knows what "no
+them per row. Models may also offer per-token tables (`token_embeddings()`, `codebook()`)
+that some acceptance rules read through `token_table`. Classifier-free guidance is the model's business (only it knows what "no
 condition" means); the decoder receives both halves in a `Logits` and applies the schedule.
 """
 
@@ -55,3 +56,17 @@ class TokenModel(Protocol):
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         """Keep the first `accepted[b]` tokens of row b from the last forward ([B] int64)."""
         ...
+
+
+def token_table(model: TokenModel, name: str) -> torch.Tensor:
+    """One of the optional per-token tables a model may offer to acceptance rules, as float32
+    [vocab_size, D]: `token_embeddings` (the model's input embedding of each token, used by
+    grouped acceptance) or `codebook` (the tokenizer's latent vector of each token, used by
+    relaxed acceptance). A clear error names what the model lacks."""
+    method = getattr(model, name, None)
+    table = method() if callable(method) else None
+    if table is None:
+        raise ValueError(f"{type(model).__name__} does not provide `{name}()`, which this acceptance rule needs")
+    if table.ndim != 2 or table.shape[0] != model.vocab_size:
+        raise ValueError(f"{type(model).__name__}.{name}() has shape {tuple(table.shape)}; expected [{model.vocab_size}, D]")
+    return table.detach().float()

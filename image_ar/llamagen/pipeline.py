@@ -177,8 +177,12 @@ class LlamaGenPipeline(Pipeline):
         conditions = torch.tensor(labels, device=device)
         num_tokens = self.transformer.config.block_size
         with self.progress_bar(num_tokens) as bar:
-            result = decoder.generate(LlamaGenTokenModel(self.transformer), conditions, num_tokens, sampling, generator, bar)
+            result = decoder.generate(self.token_model(), conditions, num_tokens, sampling, generator, bar)
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
+
+    def token_model(self) -> LlamaGenTokenModel:
+        """The GPT as the core's `TokenModel`, with the VQ codebook for relaxed acceptance."""
+        return LlamaGenTokenModel(self.transformer, codebook=self.vq.quantize.codebook())
 
     def sampling_config(
         self,

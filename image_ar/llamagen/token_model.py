@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from mmgen.modeling import DecodeState
@@ -18,9 +20,18 @@ class LlamaGenTokenModel:
     the same image tokens, as the official `generate` does.
     """
 
-    def __init__(self, transformer: LlamaGenTransformer):
+    def __init__(self, transformer: LlamaGenTransformer, codebook: Optional[torch.Tensor] = None):
         self.transformer = transformer
         self.vocab_size = transformer.config.vocab_size
+        self._codebook = codebook
+
+    def token_embeddings(self) -> torch.Tensor:
+        """The GPT's input embedding of each image token [V, dim]."""
+        return self.transformer.tok_embeddings.weight
+
+    def codebook(self) -> Optional[torch.Tensor]:
+        """The VQ codebook vector of each token [V, codebook_embed_dim], if the VQ was given."""
+        return self._codebook
 
     @torch.no_grad()
     def start(self, conditions: torch.Tensor, capacity: int, guidance: bool) -> DecodeState:
