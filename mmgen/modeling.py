@@ -14,7 +14,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from mmgen.cache import StaticKVCache
 from mmgen.sampling import Logits
 
 
@@ -22,15 +21,26 @@ from mmgen.sampling import Logits
 class DecodeState:
     """What a model keeps between calls while decoding one batch.
 
-    `cache` holds the conditional rows first and, with guidance, the unconditional rows after
-    them; both halves always advance together. `first_logits` predicts generated token 0.
+    `cache` is the model's own (a `StaticKVCache` for mmgen's models, a transformers `Cache`
+    behind an adapter); with guidance it holds the conditional rows first and the
+    unconditional rows after them, and both halves always advance together. `first_logits`
+    predicts generated token 0.
     """
 
-    cache: StaticKVCache
+    cache: Any
     batch_size: int
     guidance: bool
     first_logits: Logits
     extra: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.first_logits.cond.device
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the cache (0 when the cache does not say)."""
+        return int(getattr(self.cache, "nbytes", 0))
 
 
 @runtime_checkable
@@ -55,6 +65,11 @@ class TokenModel(Protocol):
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         """Keep the first `accepted[b]` tokens of row b from the last forward ([B] int64)."""
+        ...
+
+    def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
+        """Forget committed tokens: row b keeps its first `num_generated[b]` generated tokens
+        ([B] int64, never more than it has). Draft models need it to drop rejected drafts."""
         ...
 
 

@@ -44,7 +44,7 @@ class LlamaGenTokenModel:
         logits = model.forward_hidden(prefix, cache.positions(n), cache)[:, -1:]
         cache.advance(n)
         batch = rows // 2 if guidance else rows
-        return DecodeState(cache, batch, guidance, _split(logits, guidance))
+        return DecodeState(cache, batch, guidance, _split(logits, guidance), extra=n)
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
@@ -56,6 +56,10 @@ class LlamaGenTokenModel:
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.advance(torch.cat([accepted, accepted]) if state.guidance else accepted)
+
+    def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
+        lengths = num_generated + state.extra  # extra: the condition prefix length
+        state.cache.rollback(torch.cat([lengths, lengths]) if state.guidance else lengths)
 
     def null_conditions(self, conditions: torch.Tensor) -> torch.Tensor:
         embedder = self.transformer.cls_embedding

@@ -30,7 +30,7 @@ class Autoregressive(Decoder):
     ) -> DecodeOutput:
         check_num_tokens(num_tokens)
         state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
-        batch, device = state.batch_size, state.cache.lengths.device
+        batch, device = state.batch_size, state.device
         recorder = StatsRecorder(device, max_accepted=1)
         tokens = torch.empty(batch, num_tokens, dtype=torch.long, device=device)
         ones = torch.ones(batch, dtype=torch.long, device=device)
@@ -50,4 +50,4 @@ class Autoregressive(Decoder):
             if progress is not None:
                 progress.update(1)
         raise_if_masked(bad)
-        return DecodeOutput(tokens, recorder.finish(num_tokens, batch, state.cache.nbytes))
+        return DecodeOutput(tokens, recorder.finish(num_tokens, batch, state.cache_bytes))

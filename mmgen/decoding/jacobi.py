@@ -66,7 +66,7 @@ class SpeculativeJacobi(Decoder):
         check_num_tokens(num_tokens)
         L, V = self.window, model.vocab_size
         state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
-        B, device = state.batch_size, state.cache.lengths.device
+        B, device = state.batch_size, state.device
         recorder = StatsRecorder(device, max_accepted=L)
         slots = torch.arange(L + 1, device=device)  # window slots, plus the bonus slot
         # Finalised tokens land here; writes past num_tokens are scratch for finished rows.
@@ -127,4 +127,4 @@ class SpeculativeJacobi(Decoder):
             done_min = new_min
 
         raise_if_masked(bad)
-        return DecodeOutput(out[:, :num_tokens], recorder.finish(num_tokens, B, state.cache.nbytes))
+        return DecodeOutput(out[:, :num_tokens], recorder.finish(num_tokens, B, state.cache_bytes))
