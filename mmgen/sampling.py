@@ -179,7 +179,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (the exponential race used
     by gpt-fast), and draws its noise from `generator`, so a seed reproduces the output.
     """
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return race(probs, torch.empty_like(probs).exponential_(generator=generator))
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(p / E) for given Exp(1) noise E: the sample `sample` draws, with the noise
+    made explicit so a decoder can reuse one noise table across iterations (coupled drafts)."""
     return (probs / noise).argmax(-1)
 
 

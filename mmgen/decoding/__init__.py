@@ -1,37 +1,97 @@
-"""Decoders: swappable strategy objects that drive any `TokenModel`."""
+"""Decoders: swappable strategy objects that drive any `TokenModel`.
+
+A decoder is a proposer (where drafts come from) combined with an acceptance rule (which
+drafts survive). Shortcuts name the usual combinations; `make_decoder(name, **options)` sets
+any field of the decoder or of its acceptance rule by name.
+"""
 
 from __future__ import annotations
 
-from typing import Union
+from dataclasses import fields, is_dataclass, replace
+from typing import Any, Callable, Union
 
-from mmgen.decoding.acceptance import ExactAcceptance, residual_distribution
+from mmgen.decoding.acceptance import (
+    AcceptanceRule,
+    ExactAcceptance,
+    GroupedAcceptance,
+    NeighbourhoodAcceptance,
+    RelaxedAcceptance,
+    residual_distribution,
+)
 from mmgen.decoding.autoregressive import Autoregressive
 from mmgen.decoding.base import DecodeOutput, Decoder
-from mmgen.decoding.jacobi import RandomDraftInit, SpeculativeJacobi
+from mmgen.decoding.coupled import CoupledJacobi
+from mmgen.decoding.draft import DraftSpeculative
+from mmgen.decoding.drafts import AboveNeighbourInit, DraftContext, DraftInit, LeftNeighbourInit, RandomDraftInit
+from mmgen.decoding.jacobi import SpeculativeJacobi
 from mmgen.decoding.stats import DecodeStats
 
-#: String shortcuts accepted wherever a decoder is (`decoding="sjd"`).
-DECODERS = {"ar": Autoregressive, "sjd": SpeculativeJacobi}
+#: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
+DECODERS: dict[str, Callable[[], Decoder]] = {
+    "ar": Autoregressive,
+    "sjd": SpeculativeJacobi,
+    "sjd-coupled": CoupledJacobi,
+    "gsd": lambda: SpeculativeJacobi(acceptance=GroupedAcceptance()),
+    "lantern": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(delta=0.1)),
+    "lantern++": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(lam=2.0)),
+    "draft": DraftSpeculative,
+}
+
+
+def make_decoder(name: str, **options: Any) -> Decoder:
+    """The decoder a shortcut names, with `options` applied to the decoder's fields or, for
+    names the decoder lacks, to its acceptance rule's (`make_decoder("lantern", delta=0.2,
+    window=8)`). Unknown options are an error that lists the valid ones."""
+    key = name.lower() if isinstance(name, str) else name
+    if key not in DECODERS:
+        raise ValueError(f"unknown decoding {name!r}: use one of {sorted(DECODERS)} or a Decoder object")
+    decoder = DECODERS[key]()
+    own = {k: v for k, v in options.items() if k in _field_names(decoder)}
+    rest = {k: v for k, v in options.items() if k not in own}
+    rule = getattr(decoder, "acceptance", None)
+    unknown = sorted(k for k in rest if rule is None or k not in _field_names(rule))
+    if unknown:
+        valid = sorted(_field_names(decoder) | (_field_names(rule) if rule is not None else set()))
+        raise ValueError(f"unknown option(s) {unknown} for decoding {name!r}; valid options: {valid}")
+    if rest:
+        own["acceptance"] = replace(rule, **rest)
+    return replace(decoder, **own) if own else decoder
+
+
+def _field_names(obj: Any) -> set[str]:
+    # Bound tables (neighbours, close) are set by `bind`, never by users.
+    return {f.name for f in fields(obj) if f.repr and f.init} if is_dataclass(obj) else set()
 
 
 def resolve_decoder(decoding: Union[str, Decoder]) -> Decoder:
     """A decoder object from a shortcut name or the object itself."""
     if isinstance(decoding, Decoder):
         return decoding
-    if isinstance(decoding, str) and decoding.lower() in DECODERS:
-        return DECODERS[decoding.lower()]()
-    raise ValueError(f"unknown decoding {decoding!r}: use one of {sorted(DECODERS)} or a Decoder object")
+    if isinstance(decoding, str):
+        return make_decoder(decoding)
+    raise ValueError(f"decoding must be a shortcut name {sorted(DECODERS)} or a Decoder object, got {decoding!r}")
 
 
 __all__ = [
+    "AboveNeighbourInit",
+    "AcceptanceRule",
     "Autoregressive",
+    "CoupledJacobi",
     "DECODERS",
     "DecodeOutput",
     "DecodeStats",
     "Decoder",
+    "DraftContext",
+    "DraftInit",
+    "DraftSpeculative",
     "ExactAcceptance",
+    "GroupedAcceptance",
+    "LeftNeighbourInit",
+    "NeighbourhoodAcceptance",
     "RandomDraftInit",
+    "RelaxedAcceptance",
     "SpeculativeJacobi",
+    "make_decoder",
     "resolve_decoder",
     "residual_distribution",
 ]

@@ -3,19 +3,55 @@
 A rule sees every draft position at once (vLLM's rejection sampler) and returns which drafts
 pass their own test and, per position, the distribution to resample from if that position is
 the first rejection. The decoder turns that into an accepted prefix.
+
+Rules are small frozen dataclasses. `probabilities(p, q, drafts)` gives the exact acceptance
+probability and residual (what the tests enumerate); `__call__` draws the accept decisions.
+Rules that need a per-token table of the model (embeddings, VQ codebook) get it through
+`bind(model)`, which the decoder calls once per `generate`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
 
 import torch
 
+from mmgen.modeling import token_table
 from mmgen.sampling import uniform
+
+# Work on at most this many float32 elements at once when a rule scores every token of the
+# vocabulary against its neighbours (V x k per position): 2**25 elements = 128 MiB.
+_CHUNK_ELEMENTS = 2**25
+
+
+class AcceptanceRule:
+    """Base class: subclasses implement `probabilities`; `bind` attaches model tables."""
+
+    #: False for rules whose output distribution is exactly the target's.
+    lossy: bool = False
+
+    def bind(self, model: Any) -> "AcceptanceRule":
+        """This rule, ready for `model` (default: nothing to prepare)."""
+        return self
+
+    def probabilities(
+        self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """p, q: [B, n, V] float32; drafts: [B, n] -> (P(accept) [B, n], residual [B, n, V])."""
+        raise NotImplementedError
+
+    def __call__(
+        self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [B, n] bool, residual [B, n, V]) with one uniform draw per draft."""
+        accept, residual = self.probabilities(p, q, drafts)
+        return uniform(drafts.shape, generator, p.device) < accept, residual
 
 
 @dataclass(frozen=True)
-class ExactAcceptance:
+class ExactAcceptance(AcceptanceRule):
     """Lossless speculative sampling (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023).
 
     Draft x drawn from q is accepted with probability min(1, p(x) / q(x)); at the first
@@ -23,15 +59,15 @@ class ExactAcceptance:
     exactly as p whatever q is, provided x really was drawn from q.
     """
 
-    def __call__(
-        self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """p, q: [B, n, V] float32; drafts: [B, n] -> (accepted [B, n] bool, residual [B, n, V])."""
-        p_x = p.gather(-1, drafts[..., None]).squeeze(-1)
-        q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
-        # u < min(1, p/q) written without the division: q(x) > 0 because x was drawn from q.
-        accepted = uniform(drafts.shape, generator, p.device) * q_x < p_x
-        return accepted, residual_distribution(p, q)
+    def probabilities(self, p, q, drafts):
+        return _ratio(p, q, drafts), residual_distribution(p, q)
+
+
+def _ratio(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """min(1, p(x) / q(x)) at the drafts; q(x) > 0 because x was drawn from q."""
+    p_x = p.gather(-1, drafts[..., None]).squeeze(-1)
+    q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
+    return (p_x / q_x.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -40,6 +76,250 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     A rejection implies p(x) < q(x), so the residual has positive mass in exact arithmetic;
     the fallback only guards rounding when p and q agree to the last bit.
     """
-    residual = (p - q).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), p)
+    return _normalise_or(p, (p - q).clamp_min(0))
+
+
+def _normalise_or(fallback: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    total = mass.sum(-1, keepdim=True)
+    return torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), fallback)
+
+
+# --------------------------------------------------------------------------------------------
+# Lossy rules: move a bounded amount of probability onto the draft from tokens that are
+# interchangeable with it (a group, a latent neighbourhood).
+# --------------------------------------------------------------------------------------------
+
+
+class NeighbourhoodAcceptance(AcceptanceRule):
+    """Shared machinery of grouped and relaxed acceptance.
+
+    Each rule defines, for a draft x, a set N(x) of tokens interchangeable with x and lets the
+    draft claim their target mass: the per-draft relaxed target p_x moves p(N(x)) onto x.
+
+    `bounded=True` (the default) verifies exactly against the q-mixture of those targets,
+    pi = sum_x q(x) p_x = p * (1 - Q) + q * s, where s(x) = p(N(x)) and Q(y) = q(N^-1(y)).
+    The output is then distributed exactly as pi, so it moves at most E_q[p(N(x))] of mass
+    away from p (at most delta for relaxed acceptance) and pi <= lambda * p for LANTERN++.
+    When q is one-hot (random or copied drafts) pi = p_x, which is the paper's rule exactly.
+
+    `bounded=False` is the papers' literal per-draft rule: accept with the relaxed ratio,
+    resample from the papers' residual. With a spread-out q (drafts carried over from the
+    previous Jacobi iteration) that rule has no mass bound: on small vocabularies it moves up
+    to ~3x delta (tests/core/test_acceptance.py shows it). It accepts more, which the
+    benchmarks measure.
+    """
+
+    lossy = True
+    bounded: bool = True
+
+    def probabilities(self, p, q, drafts):
+        if self.bounded:
+            pi = self.relaxed_target(p, q)
+            return _ratio(pi, q, drafts), residual_distribution(pi, q)
+        return self.literal(p, q, drafts)
+
+    def relaxed_target(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """pi = sum_x q(x) p_x over the whole vocabulary, [B, n, V]."""
+        raise NotImplementedError
+
+    def literal(self, p, q, drafts):
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance(NeighbourhoodAcceptance):
+    """Relaxed acceptance over latent neighbours: LANTERN (Jang et al. 2024, arXiv 2410.03355)
+    and LANTERN++ (Park et al. 2025, arXiv 2502.06352).
+
+    Neighbours come from the VQ codebook (L2, self excluded; the model's `codebook()` table),
+    computed once per table. N(x) is the longest prefix of x's `k` nearest neighbours whose
+    target mass stays <= `delta` (LANTERN's total-variation budget) or, when `lam` is given,
+    <= (lam - 1) * p(x) (LANTERN++'s static bound, so p~(x) <= lam * p(x)). Accept with
+    min(1, p~(x) / q(x)), p~(x) = p(x) + p(N(x)); on rejection the neighbours are removed
+    from the residual. Defaults: k = 1000, delta = 0.1 (the paper's code).
+    """
+
+    k: int = 1000
+    delta: float = 0.1
+    lam: Optional[float] = None
+    bounded: bool = True
+    neighbours: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be a positive integer, got {self.k!r}")
+        if not 0.0 <= float(self.delta) <= 1.0:
+            raise ValueError(f"delta is a total-variation budget in [0, 1], got {self.delta!r}")
+        if self.lam is not None and not float(self.lam) >= 1.0:
+            raise ValueError(f"lam must be >= 1 (lam = 1 is lossless), got {self.lam!r}")
+
+    def bind(self, model: Any) -> "RelaxedAcceptance":
+        return replace(self, neighbours=nearest_neighbours(token_table(model, "codebook"), self.k))
+
+    def _table(self) -> torch.Tensor:
+        if self.neighbours is None:
+            raise ValueError("RelaxedAcceptance is not bound to a model: call rule.bind(token_model) first")
+        return self.neighbours
+
+    def _within(self, p_x: torch.Tensor, neighbour_p: torch.Tensor) -> torch.Tensor:
+        """Which neighbours (a prefix, since the cumulative sum only grows) fit the budget."""
+        budget = self.delta if self.lam is None else (self.lam - 1.0) * p_x[..., None]
+        return neighbour_p.cumsum(-1) <= budget
+
+    def relaxed_target(self, p, q):
+        neighbours = self._table().to(p.device)
+        V, k = neighbours.shape
+        flat_p, flat_q = p.reshape(-1, V), q.reshape(-1, V)
+        pi = torch.empty_like(flat_p)
+        rows = max(1, _CHUNK_ELEMENTS // (V * k))
+        for start in range(0, flat_p.shape[0], rows):
+            pc, qc = flat_p[start : start + rows], flat_q[start : start + rows]
+            neighbour_p = pc[:, neighbours]  # [R, V, k]: p of each token's neighbours
+            within = self._within(pc, neighbour_p)
+            moved_in = (neighbour_p * within).sum(-1)
+            claimed = torch.zeros_like(pc).scatter_add_(
+                1, neighbours.expand(pc.shape[0], -1, -1).reshape(pc.shape[0], -1),
+                (qc[..., None] * within).reshape(pc.shape[0], -1),
+            )
+            pi[start : start + rows] = pc * (1 - claimed).clamp_min(0) + qc * moved_in
+        return pi.view_as(p)
+
+    def literal(self, p, q, drafts):
+        neighbours = self._table().to(p.device)[drafts]  # [B, n, k]
+        neighbour_p = p.gather(-1, neighbours)
+        p_x = p.gather(-1, drafts[..., None]).squeeze(-1)
+        within = self._within(p_x, neighbour_p)
+        relaxed = p_x + (neighbour_p * within).sum(-1)
+        q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
+        accept = (relaxed / q_x.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0)
+        residual = (p - q).clamp_min(0).scatter(-1, neighbours, torch.where(within, 0.0, (p - q).clamp_min(0).gather(-1, neighbours)))
+        return accept, _normalise_or(p, residual)
+
+
+@dataclass(frozen=True)
+class GroupedAcceptance(NeighbourhoodAcceptance):
+    """Grouped speculative decoding (GSD, So et al. 2025, arXiv 2508.07747).
+
+    The group of draft x: tokens within `rank_window` probability ranks of x in p whose
+    probability differs from p(x) by less than `prob_threshold` and whose squared L2 distance
+    to x in the model's token embedding table (`token_embeddings()`) is below
+    `distance_threshold`. The paper's rule accepts with min(1, p(G) / q(G)) and resamples from
+    the exact residual (`bounded=False`); the bounded default verifies against the q-mixture
+    of "group mass moved onto x" targets (see `NeighbourhoodAcceptance`). Defaults as the
+    paper's code: 7 ranks, 0.15, 0.5.
+    """
+
+    rank_window: int = 7
+    prob_threshold: float = 0.15
+    distance_threshold: float = 0.5
+    bounded: bool = True
+    close: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.rank_window, bool) or not isinstance(self.rank_window, int) or self.rank_window < 0:
+            raise ValueError(f"rank_window must be an integer >= 0, got {self.rank_window!r}")
+        for name in ("prob_threshold", "distance_threshold"):
+            if not float(getattr(self, name)) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def bind(self, model: Any) -> "GroupedAcceptance":
+        return replace(self, close=close_pairs(token_table(model, "token_embeddings"), self.distance_threshold))
+
+    def _members(self, sorted_p, sorted_idx, offset):
+        """For each rank r, the token at rank r + offset and whether it is in r's group."""
+        V = sorted_p.shape[-1]
+        if self.close is None:
+            raise ValueError("GroupedAcceptance is not bound to a model: call rule.bind(token_model) first")
+        close = self.close.to(sorted_p.device)
+        ranks = torch.arange(V, device=sorted_p.device) + offset
+        inside = (ranks >= 0) & (ranks < V)
+        partner = sorted_idx[..., ranks.clamp(0, V - 1)]
+        partner_p = sorted_p[..., ranks.clamp(0, V - 1)]
+        member = inside & ((partner_p - sorted_p).abs() < self.prob_threshold) & close[sorted_idx, partner]
+        return partner, partner_p, member
+
+    def _offsets(self):
+        return [o for o in range(-self.rank_window, self.rank_window + 1) if o != 0]
+
+    def relaxed_target(self, p, q):
+        sorted_p, sorted_idx = p.sort(-1, descending=True)
+        sorted_q = q.gather(-1, sorted_idx)
+        moved_in = torch.zeros_like(sorted_p)
+        claimed = torch.zeros_like(sorted_p)  # in rank order
+        V = p.shape[-1]
+        for offset in self._offsets():
+            _, partner_p, member = self._members(sorted_p, sorted_idx, offset)
+            moved_in += partner_p * member
+            # The token at rank r + offset is claimed by rank r with weight q(rank r).
+            ranks = (torch.arange(V, device=p.device) + offset).clamp(0, V - 1)
+            claimed.index_add_(-1, ranks, sorted_q * member)
+        pi_sorted = sorted_p * (1 - claimed).clamp_min(0) + sorted_q * moved_in
+        return torch.empty_like(p).scatter_(-1, sorted_idx, pi_sorted)
+
+    def literal(self, p, q, drafts):
+        sorted_p, sorted_idx = p.sort(-1, descending=True)
+        rank = torch.empty_like(sorted_idx).scatter_(-1, sorted_idx, torch.arange(p.shape[-1], device=p.device).expand_as(sorted_idx))
+        rank_x = rank.gather(-1, drafts[..., None])
+        group_p = p.gather(-1, drafts[..., None]).squeeze(-1)
+        group_q = q.gather(-1, drafts[..., None]).squeeze(-1)
+        for offset in self._offsets():
+            partner, partner_p, member = self._members(sorted_p, sorted_idx, offset)
+            at_x = lambda t: t.gather(-1, rank_x).squeeze(-1)
+            m = at_x(member)
+            group_p = group_p + at_x(partner_p) * m
+            group_q = group_q + q.gather(-1, at_x(partner)[..., None]).squeeze(-1) * m
+        accept = (group_p / group_q.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0)
+        return accept, residual_distribution(p, q)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token tables, computed once per model table.
+# --------------------------------------------------------------------------------------------
+
+_TABLE_CACHE: dict = {}
+
+
+def _cached(kind: str, table: torch.Tensor, param, build):
+    """Memoise a table derived from `table` while that very tensor lives, unmodified."""
+    key = (kind, id(table), table._version, param)
+    hit = _TABLE_CACHE.get(key)
+    if hit is not None and hit[0]() is table:
+        return hit[1]
+    if len(_TABLE_CACHE) >= 8:
+        _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+    value = build()
+    _TABLE_CACHE[key] = (weakref.ref(table), value)
+    return value
+
+
+def nearest_neighbours(codebook: torch.Tensor, k: int) -> torch.Tensor:
+    """[V, min(k, V - 1)] indices of each codebook vector's nearest others by L2 (self excluded)."""
+    k = min(k, codebook.shape[0] - 1)
+
+    def build():
+        rows = []
+        for start, chunk in _enumerate_chunks(codebook):
+            d = torch.cdist(chunk, codebook)
+            d[torch.arange(len(chunk)), torch.arange(start, start + len(chunk))] = float("inf")
+            rows.append(d.topk(k, dim=-1, largest=False).indices)
+        return torch.cat(rows)
+
+    return _cached("nn", codebook, k, build)
+
+
+def close_pairs(embeddings: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[V, V] bool: squared L2 distance between token embeddings below `threshold`."""
+
+    def build():
+        sq = (embeddings**2).sum(-1)
+        return torch.cat([
+            (sq[start : start + len(chunk), None] + sq[None] - 2 * chunk @ embeddings.T) < threshold
+            for start, chunk in _enumerate_chunks(embeddings)
+        ])
+
+    return _cached("close", embeddings, float(threshold), build)
+
+
+def _enumerate_chunks(table: torch.Tensor):
+    size = max(1, _CHUNK_ELEMENTS // table.shape[0])
+    return [(start, table[start : start + size]) for start in range(0, table.shape[0], size)]

@@ -14,26 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from mmgen.decoding.acceptance import ExactAcceptance
+from mmgen.decoding.drafts import DraftContext, RandomDraftInit, resolve_draft_init
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.modeling import TokenModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
-
-
-@dataclass(frozen=True)
-class RandomDraftInit:
-    """Fresh drafts drawn uniformly from the vocabulary, with q one-hot on the draw (as SJD).
-
-    A one-hot q accepts draft x with probability p(x); any q under which x is a genuine draw
-    keeps the decoder lossless.
-    """
-
-    def __call__(self, shape: tuple[int, int], vocab_size: int, generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = torch.randint(0, vocab_size, shape, generator=generator, device=device)
-        return tokens, F.one_hot(tokens, vocab_size).float()
 
 
 @dataclass
@@ -48,7 +35,7 @@ class SpeculativeJacobi(Decoder):
 
     window: int = 16
     acceptance: Any = field(default_factory=ExactAcceptance)
-    draft_init: Any = field(default_factory=RandomDraftInit)
+    draft_init: Any = field(default_factory=RandomDraftInit)  # or "random" / "left" / "above"
 
     def __post_init__(self):
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
@@ -65,6 +52,8 @@ class SpeculativeJacobi(Decoder):
     ) -> DecodeOutput:
         check_num_tokens(num_tokens)
         L, V = self.window, model.vocab_size
+        rule = self.acceptance.bind(model)
+        init = resolve_draft_init(self.draft_init)
         state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
         B, device = state.batch_size, state.device
         recorder = StatsRecorder(device, max_accepted=L)
@@ -72,24 +61,31 @@ class SpeculativeJacobi(Decoder):
         # Finalised tokens land here; writes past num_tokens are scratch for finished rows.
         out = torch.zeros(B, num_tokens + 2 * L, dtype=torch.long, device=device)
 
+        def fill(window, fresh, pos, q_carried):
+            """Fill the fresh slots with initial drafts; return the window and the drafts' laws."""
+            ctx = DraftContext(window, fresh, pos[:, None] + slots[:L], out, V, generator, getattr(model, "row_length", None))
+            tokens, q_init = init(ctx)
+            window = torch.where(fresh, tokens, window)
+            return window, torch.where(fresh[:, 1:, None], q_init[:, 1:], q_carried)
+
         # Token 0 comes from the prefill; `pos` is the index of each row's newest finalised
-        # (not yet fed) token, `window_tokens` = [that token, drafts], `q` the drafts' laws.
+        # (not yet fed) token, `window` = [that token, drafts], `q` the drafts' laws.
         probs = sampling.probs(state.first_logits, torch.zeros(B, 1, dtype=torch.long, device=device))
         bad = invalid_rows(probs).any(-1)
         pos = torch.zeros(B, dtype=torch.long, device=device)
-        drafts, q = self.draft_init((B, L - 1), V, generator, device)
-        window_tokens = torch.cat([sample(probs, generator), drafts], dim=1)
-        out[:, 0] = window_tokens[:, 0]
+        window = torch.cat([sample(probs, generator), torch.zeros(B, L - 1, dtype=torch.long, device=device)], dim=1)
+        out[:, 0] = window[:, 0]
+        window, q = fill(window, (slots[:L] > 0).expand(B, -1), pos, torch.zeros(B, L - 1, V, device=device))
         recorder.record(torch.ones_like(pos), torch.ones_like(pos, dtype=torch.bool))
         done_min = 1
 
         while done_min < num_tokens:
             active = pos + 1 < num_tokens
-            logits = model.forward(state, window_tokens)
+            logits = model.forward(state, window)
             p = sampling.probs(logits, pos[:, None] + 1 + slots[:L])  # p[:, i] predicts slot i + 1
             bad |= invalid_rows(p).any(-1) & active
 
-            accepted, residual = self.acceptance(p[:, :-1], q, window_tokens[:, 1:], generator)
+            accepted, residual = rule(p[:, :-1], q, window[:, 1:], generator)
             n_acc = accepted.long().cumprod(-1).sum(-1)  # accepted draft prefix, 0..L-1
             fresh = sample(p, generator)  # target samples at every slot
             resampled = sample(residual, generator) if L > 1 else fresh
@@ -99,26 +95,27 @@ class SpeculativeJacobi(Decoder):
             )
 
             # Finalise [fed token, accepted drafts, next_token] and move the window on.
-            written = torch.cat([window_tokens, fresh[:, -1:]], dim=1)
+            written = torch.cat([window, fresh[:, -1:]], dim=1)
             written = written.scatter(1, (n_acc + 1)[:, None], next_token[:, None])
             out.scatter_(1, pos[:, None] + slots, written)
             step = torch.where(active, n_acc + 1, 0)
             model.commit(state, step)
             recorder.record(step, active)
+            new_pos = pos + step
 
-            # Next drafts: the target's samples after the rejection (q = p there), then fresh
+            # Next drafts: the target's samples after the rejection (q = p there), then
             # initial drafts for the slots the old window did not reach.
             source = n_acc[:, None] + 1 + slots[: L - 1]  # slot of p that predicted each new draft
             carried = source < L
             src = source.clamp_max(L - 1)
-            init_tokens, init_q = self.draft_init((B, L - 1), V, generator, device)
-            new_drafts = torch.where(carried, fresh.gather(1, src), init_tokens)
-            new_q = torch.where(carried[..., None], p.gather(1, src[..., None].expand(-1, -1, V)), init_q)
+            new_window = torch.cat([next_token[:, None], fresh.gather(1, src)], 1)
+            new_fresh = torch.cat([torch.zeros_like(carried[:, :1]), ~carried], 1)
+            new_window, new_q = fill(new_window, new_fresh, new_pos, p.gather(1, src[..., None].expand(-1, -1, V)))
 
             keep = active[:, None]
-            window_tokens = torch.where(keep, torch.cat([next_token[:, None], new_drafts], 1), window_tokens)
+            window = torch.where(keep, new_window, window)
             q = torch.where(keep[..., None], new_q, q)
-            pos = pos + step
+            pos = new_pos
 
             # The one host sync per iteration: have all rows finished?
             new_min = min(int(pos.min()) + 1, num_tokens)

@@ -16,6 +16,7 @@ class DecodeStats:
     `forwards` counts model calls over the whole batch, the prefill included, so plain
     autoregressive decoding of n tokens takes exactly n. `accepted_histogram[k]` counts the
     (row, forward) pairs that finalised k tokens; rows that had finished are not counted.
+    `draft_forwards` counts a separate draft model's calls (draft-model speculation only).
     Peak memory is the CUDA allocator's peak and None on CPU, where torch has no allocator
     statistics.
     """
@@ -27,6 +28,7 @@ class DecodeStats:
     wall_time_s: float = 0.0
     peak_memory_bytes: Optional[int] = None
     cache_bytes: int = 0
+    draft_forwards: int = 0
 
     @property
     def mean_accepted_length(self) -> float:

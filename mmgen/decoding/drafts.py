@@ -1,0 +1,98 @@
+"""Draft initialisers: where a Jacobi window's fresh draft slots come from.
+
+A speculative decoder stays lossless whatever its drafts are, provided each draft is scored
+with the law q it was drawn from. Deterministic drafts (a copied neighbour) have a one-hot q
+on the copied token, so they are accepted with probability p(token); the SJD paper's random
+drafts have a one-hot q on the uniform draw. Spatial initialisation follows the observation
+of LANTERN/ZipAR-style image decoders that neighbouring image tokens are often alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DraftContext:
+    """What an initialiser may look at when filling the `fresh` slots of a window.
+
+    window [B, L]: slot 0 holds each row's newest finalised token, later slots carried drafts
+    (fresh slots hold junk); fresh [B, L] bool marks the slots to fill (never slot 0);
+    positions [B, L] the generated-token index of each slot; tokens [B, T] the finalised tokens
+    (valid up to positions[:, 0]); row_length the image width in tokens when the model has one.
+    """
+
+    window: torch.Tensor
+    fresh: torch.Tensor
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    vocab_size: int
+    generator: torch.Generator
+    row_length: Optional[int] = None
+
+
+class DraftInit:
+    """Base class: `__call__(ctx) -> (tokens [B, L], q [B, L, V])`, read where `ctx.fresh`."""
+
+    def __call__(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.propose(ctx)
+        return tokens, F.one_hot(tokens, ctx.vocab_size).float()
+
+    def propose(self, ctx: DraftContext) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RandomDraftInit(DraftInit):
+    """Drafts drawn uniformly from the vocabulary, q one-hot on the draw (as SJD, arXiv 2410.01699)."""
+
+    def propose(self, ctx):
+        return torch.randint(0, ctx.vocab_size, ctx.window.shape, generator=ctx.generator, device=ctx.window.device)
+
+
+@dataclass(frozen=True)
+class LeftNeighbourInit(DraftInit):
+    """Copy the nearest known token to the left (finalised or carried draft); q one-hot."""
+
+    def propose(self, ctx):
+        return _copy_left(ctx.window, ctx.fresh)
+
+
+@dataclass(frozen=True)
+class AboveNeighbourInit(DraftInit):
+    """Copy the finalised token one image row above (raster order); where that row is not
+    finalised yet, copy the left neighbour. `row_length` defaults to the model's."""
+
+    row_length: Optional[int] = None
+
+    def propose(self, ctx):
+        width = self.row_length or ctx.row_length
+        if not width:
+            raise ValueError("AboveNeighbourInit needs a row length: the model has none, pass row_length=")
+        above = ctx.positions - width
+        known = (above >= 0) & (above <= ctx.positions[:, :1])
+        copied = ctx.tokens.gather(1, above.clamp(0, ctx.tokens.shape[1] - 1))
+        return torch.where(known, copied, _copy_left(ctx.window, ctx.fresh))
+
+
+def _copy_left(window: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """Each slot's value, or for a fresh slot the value of the nearest non-fresh slot left of it."""
+    slots = torch.arange(window.shape[1], device=window.device).expand_as(window)
+    source = torch.where(fresh, 0, slots).cummax(1).values
+    return window.gather(1, source)
+
+
+#: String names accepted by the decoders' `draft_init=`.
+DRAFT_INITS = {"random": RandomDraftInit, "left": LeftNeighbourInit, "above": AboveNeighbourInit}
+
+
+def resolve_draft_init(init) -> DraftInit:
+    if isinstance(init, DraftInit):
+        return init
+    if isinstance(init, str) and init in DRAFT_INITS:
+        return DRAFT_INITS[init]()
+    raise ValueError(f"unknown draft_init {init!r}: use one of {sorted(DRAFT_INITS)} or a DraftInit object")

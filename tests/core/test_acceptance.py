@@ -1,0 +1,193 @@
+"""Acceptance rules, checked exactly on small vocabularies.
+
+For one position, the output distribution of a rule is enumerable: draft x ~ q is accepted
+with probability a(x), else the token comes from the residual r_x. Exact: the output is p.
+Bounded lossy rules: the output is exactly their relaxed target pi, which moves at most delta
+(LANTERN), at most (lam - 1) p(x) per draft (LANTERN++) or the draft's group mass (GSD)
+away from p. The papers' literal rules are shown to break the delta bound when q is spread.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mmgen.decoding import ExactAcceptance, GroupedAcceptance, RelaxedAcceptance, make_decoder
+
+V = 6
+
+
+@dataclass
+class Tables:
+    """A stand-in model offering the per-token tables the lossy rules read."""
+
+    vocab_size: int
+    codebook_table: torch.Tensor
+    embedding_table: torch.Tensor
+
+    def codebook(self):
+        return self.codebook_table
+
+    def token_embeddings(self):
+        return self.embedding_table
+
+
+def random_case(seed, onehot_q=False):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(V, generator=g) ** 3
+    p = p / p.sum()
+    if onehot_q:
+        q = torch.nn.functional.one_hot(torch.randint(V, (1,), generator=g), V)[0].float()
+    else:
+        q = torch.rand(V, generator=g) ** 2
+        q = q / q.sum()
+    model = Tables(V, torch.randn(V, 2, generator=g), 0.4 * torch.randn(V, 3, generator=g))
+    return p, q, model
+
+
+def output_distribution(rule, p, q):
+    """Exact P(output = y) of one verified position, enumerating the draft x ~ q."""
+    drafts = torch.arange(V)[None]  # every possible draft, one per "position"
+    accept, residual = rule.probabilities(p.expand(1, V, V), q.expand(1, V, V), drafts)
+    accept, residual = accept[0].double(), residual[0].double()
+    qd = q.double()
+    return torch.diag(qd * accept).sum(0) + ((qd * (1 - accept))[:, None] * residual).sum(0)
+
+
+def tv(a, b):
+    return 0.5 * (a.double() - b.double()).abs().sum().item()
+
+
+def brute_force_neighbourhood_mass(rule, p, x):
+    """p(N(x)) computed with plain loops, independently of the vectorised rule."""
+    if isinstance(rule, RelaxedAcceptance):
+        order = torch.cdist(rule_model.codebook_table[x : x + 1], rule_model.codebook_table)[0]
+        order[x] = float("inf")
+        budget = rule.delta if rule.lam is None else (rule.lam - 1) * p[x].item()
+        total = 0.0
+        for y in order.argsort()[: min(rule.k, V - 1)].tolist():
+            if total + p[y].item() > budget + 1e-7:
+                break
+            total += p[y].item()
+        return total
+    ranks = p.argsort(descending=True).tolist()
+    r = ranks.index(x)
+    e = rule_model.embedding_table
+    total = 0.0
+    for rr in range(max(0, r - rule.rank_window), min(V, r + rule.rank_window + 1)):
+        y = ranks[rr]
+        if y != x and abs(p[y] - p[x]) < rule.prob_threshold and ((e[y] - e[x]) ** 2).sum() < rule.distance_threshold:
+            total += p[y].item()
+    return total
+
+
+rule_model = None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_exact_rule_outputs_the_target(seed):
+    p, q, _ = random_case(seed)
+    assert tv(output_distribution(ExactAcceptance(), p, q), p) < 1e-6
+
+
+RULES = {
+    "lantern d=0.1": RelaxedAcceptance(delta=0.1),
+    "lantern d=0.3 k=2": RelaxedAcceptance(delta=0.3, k=2),
+    "lantern++ lam=2": RelaxedAcceptance(lam=2.0),
+    "gsd": GroupedAcceptance(),
+    "gsd wide": GroupedAcceptance(rank_window=2, prob_threshold=0.5, distance_threshold=2.0),
+}
+
+
+@pytest.mark.parametrize("onehot_q", [False, True])
+@pytest.mark.parametrize("name", sorted(RULES))
+@pytest.mark.parametrize("seed", range(15))
+def test_bounded_rules_move_at_most_their_budget(name, seed, onehot_q):
+    global rule_model
+    p, q, rule_model = random_case(seed, onehot_q)
+    rule = RULES[name].bind(rule_model)
+    out = output_distribution(rule, p, q)
+    pi = rule.relaxed_target(p[None, None], q[None, None])[0, 0]
+    assert abs(out.sum().item() - 1) < 1e-5 and (out >= -1e-7).all()
+    assert tv(out, pi) < 1e-5, "the output must be exactly the relaxed target"
+    # The relaxed target is the q-mixture of "move N(x) onto x": check against brute force.
+    mass = torch.tensor([brute_force_neighbourhood_mass(rule, p, x) for x in range(V)])
+    assert tv(out, p) <= (q * mass).sum().item() + 1e-5
+    if isinstance(rule, RelaxedAcceptance) and rule.lam is None:
+        assert tv(out, p) <= rule.delta + 1e-6
+    if isinstance(rule, RelaxedAcceptance) and rule.lam is not None:
+        assert (out <= rule.lam * p + 1e-6).all()
+    if onehot_q:  # one-hot drafts: exactly the papers' rule (x gains p(N(x)), N(x) loses it)
+        x = int(q.argmax())
+        assert abs(out[x].item() - min(1.0, p[x].item() + mass[x].item())) < 1e-5
+
+
+def test_literal_lantern_breaks_the_delta_bound_with_a_spread_q():
+    """The negative control: the paper's per-draft rule, with carried (non one-hot) drafts."""
+    global rule_model
+    worst = 0.0
+    for seed in range(60):
+        p, q, rule_model = random_case(seed)
+        rule = RelaxedAcceptance(delta=0.1, bounded=False).bind(rule_model)
+        worst = max(worst, tv(output_distribution(rule, p, q), p))
+    assert worst > 1.5 * rule.delta, worst
+
+
+def test_literal_rules_equal_bounded_rules_for_one_hot_drafts_on_acceptance():
+    global rule_model
+    for seed in range(10):
+        p, q, rule_model = random_case(seed, onehot_q=True)
+        x = torch.tensor([[int(q.argmax())]])
+        for rule in (RelaxedAcceptance(delta=0.2), GroupedAcceptance()):
+            bounded = rule.bind(rule_model).probabilities(p[None, None], q[None, None], x)[0]
+            literal = type(rule)(**{**_params(rule), "bounded": False}).bind(rule_model).probabilities(p[None, None], q[None, None], x)[0]
+            assert torch.allclose(bounded, literal, atol=1e-6)
+
+
+def _params(rule):
+    return {k: getattr(rule, k) for k in ("k", "delta", "lam", "rank_window", "prob_threshold", "distance_threshold") if hasattr(rule, k)}
+
+
+def test_lam_one_and_delta_zero_are_lossless():
+    global rule_model
+    p, q, rule_model = random_case(3)
+    for rule in (RelaxedAcceptance(lam=1.0), RelaxedAcceptance(delta=0.0), GroupedAcceptance(rank_window=0)):
+        assert tv(output_distribution(rule.bind(rule_model), p, q), p) < 1e-6
+
+
+def test_unbound_rule_and_missing_tables_are_clear_errors():
+    p = torch.full((1, 1, V), 1 / V)
+    with pytest.raises(ValueError, match="not bound"):
+        RelaxedAcceptance().probabilities(p, p, torch.zeros(1, 1, dtype=torch.long))
+
+    class NoTables:
+        vocab_size = V
+
+    with pytest.raises(ValueError, match="codebook"):
+        RelaxedAcceptance().bind(NoTables())
+    with pytest.raises(ValueError, match="token_embeddings"):
+        GroupedAcceptance().bind(NoTables())
+
+
+@pytest.mark.parametrize("bad", [dict(delta=-0.1), dict(delta=1.5), dict(lam=0.5), dict(k=0), dict(k=2.5)])
+def test_bad_relaxed_parameters_are_rejected(bad):
+    with pytest.raises(ValueError):
+        RelaxedAcceptance(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(rank_window=-1), dict(prob_threshold=-1.0), dict(distance_threshold=float("nan"))])
+def test_bad_grouped_parameters_are_rejected(bad):
+    with pytest.raises(ValueError):
+        GroupedAcceptance(**bad)
+
+
+def test_make_decoder_routes_options_and_rejects_unknown_ones():
+    d = make_decoder("lantern", delta=0.25, window=8, bounded=False)
+    assert d.window == 8 and d.acceptance.delta == 0.25 and not d.acceptance.bounded
+    assert make_decoder("lantern++").acceptance.lam == 2.0
+    with pytest.raises(ValueError, match="valid options"):
+        make_decoder("sjd", delat=0.1)
+    with pytest.raises(ValueError, match="unknown decoding"):
+        make_decoder("medusa")
+    with pytest.raises(ValueError, match="window"):
+        make_decoder("sjd", window=0)

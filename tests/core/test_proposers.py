@@ -1,0 +1,122 @@
+"""Proposers: spatial draft initialisations, coupled Jacobi and draft-model speculation.
+
+Every lossless combination is checked both ways: greedy outputs token-identical to
+autoregressive decoding (batch 1 and 4, with CFG), and sampled outputs matching the exact
+enumerated joint by the same chi-square test as SJD (tests/core/test_decoding.py).
+"""
+
+import pytest
+import torch
+
+from mmgen.decoding import (
+    Autoregressive, CoupledJacobi, DraftSpeculative, LeftNeighbourInit, SpeculativeJacobi, make_decoder,
+)
+from mmgen.decoding.coupled import race_noise
+from mmgen.decoding.drafts import AboveNeighbourInit, DraftContext
+from mmgen.image_ar.llamagen import LlamaGenTokenModel
+from mmgen.sampling import SamplingConfig, race
+
+from tests.conftest import tiny_transformer
+from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, VOCAB, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
+
+DRAFTER = LlamaGenTokenModel(tiny_transformer(seed=7))
+
+
+def lossless_decoders():
+    return {
+        "sjd-left": SpeculativeJacobi(window=8, draft_init="left"),
+        "sjd-above": SpeculativeJacobi(window=8, draft_init=AboveNeighbourInit()),
+        "coupled-16": CoupledJacobi(window=16),
+        "coupled-left": CoupledJacobi(window=4, draft_init=LeftNeighbourInit()),
+        "draft-4": DraftSpeculative(drafter=DRAFTER, num_draft=4),
+        "draft-1": DraftSpeculative(drafter=DRAFTER, num_draft=1),
+    }
+
+
+@pytest.mark.parametrize("labels", [[3], [1, 5, 7, 9]])
+@pytest.mark.parametrize("name", sorted(lossless_decoders()))
+def test_greedy_is_token_identical_to_ar(name, labels):
+    model = LlamaGenTokenModel(tiny_transformer())
+    sampling = SamplingConfig(top_k=1, guidance=4.0)
+    conditions = torch.tensor(labels)
+    ar = Autoregressive().generate(model, conditions, 64, sampling, torch.Generator().manual_seed(0))
+    out = lossless_decoders()[name].generate(model, conditions, 64, sampling, torch.Generator().manual_seed(1))
+    assert torch.equal(ar.tokens, out.tokens)
+    assert out.stats.forwards <= 64
+
+
+@pytest.mark.parametrize("name", ["sjd-left", "coupled-left", "draft-4"])
+def test_sampling_matches_exact_distribution(enumerable, name):
+    sampling = SAMPLINGS["cfg+temperature+top_k"]
+    seqs, joint = exact_joint(enumerable, 1, sampling)
+    decoder = {
+        "sjd-left": SpeculativeJacobi(window=3, draft_init="left"),
+        "coupled-left": CoupledJacobi(window=3, draft_init="left"),
+        "draft-4": DraftSpeculative(drafter=LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11)), num_draft=2),
+    }[name]
+    out = decoder.generate(enumerable, torch.full((6000,), 1), LENGTH, sampling, torch.Generator().manual_seed(0))
+    assert out.stats.mean_accepted_length > 1.1, "drafts were hardly ever accepted: the test would not exercise the method"
+    assert chi_square_pvalue(out.tokens, seqs, joint) > ALPHA
+
+
+def test_coupled_equals_autoregressive_sampling_with_the_same_noise(token_model):
+    """Coupled Jacobi is AR sampling with a noise table fixed in advance, token for token."""
+    sampling = SamplingConfig(temperature=1.0, guidance=3.0)
+    labels, n = torch.tensor([0, 4, 8]), 64
+    out = CoupledJacobi(window=16).generate(token_model, labels, n, sampling, torch.Generator().manual_seed(3))
+    noise = race_noise(3, n, token_model.vocab_size, torch.Generator().manual_seed(3), "cpu")
+    state = token_model.start(labels, n + 2, True)
+    tokens, logits = [], state.first_logits
+    for t in range(n):
+        if t:
+            logits = token_model.forward(state, tokens[-1][:, None])
+            token_model.commit(state, torch.ones(3, dtype=torch.long))
+        tokens.append(race(sampling.probs(logits, torch.full((3, 1), t)), noise[:, t : t + 1])[:, 0])
+    assert torch.equal(out.tokens, torch.stack(tokens, 1))
+    assert out.stats.forwards < n  # and it took fewer forwards than AR
+
+
+def test_drafter_equal_to_target_accepts_everything(token_model):
+    sampling = SamplingConfig(guidance=2.0)
+    out = DraftSpeculative(drafter=token_model.__class__(token_model.transformer), num_draft=3).generate(
+        token_model, torch.tensor([1, 2]), 64, sampling, torch.Generator().manual_seed(0))
+    assert out.stats.accepted_histogram[4] == sum(out.stats.accepted_histogram[1:]) - 2  # all but prefill/last
+    assert out.stats.forwards == 1 + 63 // 4 + (63 % 4 > 0)
+    assert out.stats.draft_forwards == 1 + 3 * (out.stats.forwards - 1)
+
+
+def test_draft_init_copies():
+    window = torch.tensor([[5, 6, 0, 0], [7, 0, 0, 0]])
+    fresh = torch.tensor([[False, False, True, True], [False, True, True, True]])
+    positions = torch.tensor([[3, 4, 5, 6], [4, 5, 6, 7]])
+    tokens = torch.tensor([[1, 2, 3, 5, 0, 0, 0, 0], [9, 8, 7, 6, 7, 0, 0, 0]])
+    ctx = DraftContext(window, fresh, positions, tokens, 10, torch.Generator(), row_length=3)
+    left, q = LeftNeighbourInit()(ctx)
+    assert left.tolist() == [[5, 6, 6, 6], [7, 7, 7, 7]] and torch.equal(q.argmax(-1), left)
+    above, _ = AboveNeighbourInit()(ctx)
+    # Row 0: slot positions 5, 6 -> above 2 (finalised: 3), 3 (finalised: 5); row 1: 5, 6, 7 -> 2, 3, 4.
+    assert above[0, 2:].tolist() == [3, 5] and above[1, 1:].tolist() == [7, 6, 7]
+    with pytest.raises(ValueError, match="row length"):
+        AboveNeighbourInit()(DraftContext(window, fresh, positions, tokens, 10, torch.Generator()))
+
+
+def test_lossy_shortcuts_run_on_a_pipeline_token_model():
+    from tests.conftest import tiny_vq
+
+    model = LlamaGenTokenModel(tiny_transformer(), codebook=tiny_vq().quantize.codebook())
+    for name in ("gsd", "lantern", "lantern++"):
+        out = make_decoder(name, window=8).generate(model, torch.tensor([1, 2]), 64, SamplingConfig(guidance=2.0), torch.Generator().manual_seed(0))
+        assert out.tokens.shape == (2, 64) and out.stats.forwards < 64
+
+
+def test_draft_decoder_errors(token_model):
+    sampling = SamplingConfig()
+    with pytest.raises(ValueError, match="needs a drafter"):
+        DraftSpeculative().generate(token_model, torch.tensor([1]), 8, sampling, torch.Generator())
+    with pytest.raises(ValueError, match="vocabulary"):
+        DraftSpeculative(drafter=LlamaGenTokenModel(tiny_transformer(vocab_size=16))).generate(
+            token_model, torch.tensor([1]), 8, sampling, torch.Generator())
+    with pytest.raises(ValueError, match="num_draft"):
+        DraftSpeculative(num_draft=0)
+    with pytest.raises(ValueError, match="TokenModel"):
+        DraftSpeculative(drafter="emoji64-draft").generate(token_model, torch.tensor([1]), 8, sampling, torch.Generator())
