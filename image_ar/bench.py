@@ -25,23 +25,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from mmgen.decoding import Autoregressive, Decoder, SpeculativeJacobi
+from mmgen.decoding import Decoder
 from mmgen.metrics import token_nll
 from mmgen.sampling import SamplingConfig
 
-from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, resolve_model
+from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec, resolve_model
 from mmgen.image_ar.llamagen import LlamaGenConfig, LlamaGenPipeline, LlamaGenTokenModel, LlamaGenTransformer
-
-
-def parse_method(name: str) -> Decoder:
-    """"ar", "sjd" (window 16) or "sjd-W"."""
-    if name == "ar":
-        return Autoregressive()
-    if name == "sjd":
-        return SpeculativeJacobi()
-    if name.startswith("sjd-") and name[4:].isdigit():
-        return SpeculativeJacobi(window=int(name[4:]))
-    raise ValueError(f"unknown method {name!r}: use ar, sjd or sjd-W (W = window)")
 
 
 def environment(device: torch.device, command: str) -> dict:
@@ -90,7 +79,7 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
         labels = torch.arange(batch, device=device) % pipe.num_classes
         baseline = None
         for method in methods:
-            decoder = parse_method(method)
+            decoder = decoder_from_spec(method, model_name, device, pipe.transformer.output.weight.dtype)
             run = lambda seed: decoder.generate(token_model, labels, n, sampling, torch.Generator(device).manual_seed(seed))
             for seed in range(warmup):
                 run(10_000 + seed)
@@ -138,7 +127,8 @@ def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str]
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
     labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
     return [
-        {"model": model_name, "method": method, **sample_and_score(pipe, parse_method(method), sampling, labels, batch_size, seed, scorer)}
+        {"model": model_name, "method": method,
+         **sample_and_score(pipe, decoder_from_spec(method, model_name, pipe.device, pipe.transformer.output.weight.dtype), sampling, labels, batch_size, seed, scorer)}
         for method in methods
     ]
 
@@ -230,7 +220,9 @@ def run(args) -> str:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="+", default=["emoji64"], help="bundled model names or pipeline folders")
-    parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"], help="ar, sjd or sjd-W")
+    parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
+                        help="decoding specs: a shortcut (ar, sjd, sjd-coupled, gsd, lantern, lantern++, draft) with "
+                             "optional options, e.g. sjd:window=8, lantern:delta=0.2, draft:drafter=emoji64-draft")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

@@ -33,6 +33,28 @@ def resolve_model(name_or_path: Union[str, os.PathLike]) -> Union[str, os.PathLi
     return name_or_path
 
 
+def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", dtype=torch.float32, **overrides):
+    """A decoder from a command-line spec ("lantern:delta=0.2", "draft:drafter=emoji64-draft").
+
+    A draft model is named like any model; without one, "draft" uses the bundled
+    `<model>-draft` when it exists.
+    """
+    from mmgen.decoding import make_decoder, parse_decoding
+
+    name, options = parse_decoding(spec)
+    options.update(overrides)
+    if name == "draft":
+        drafter = options.get("drafter") or (f"{model}-draft" if f"{model}-draft" in BUNDLED_MODELS else None)
+        if drafter is None:
+            raise ValueError(f"decoding 'draft' needs a draft model: add drafter=NAME_OR_PATH (e.g. 'draft:drafter=emoji64-draft')")
+        if isinstance(drafter, (str, os.PathLike)):
+            from mmgen.image_ar.llamagen import LlamaGenPipeline
+
+            drafter = LlamaGenPipeline.from_pretrained(resolve_model(drafter), device=device, dtype=dtype)
+        options["drafter"] = drafter
+    return make_decoder(name, **options)
+
+
 def load_eval_set() -> tuple[torch.Tensor, torch.Tensor]:
     """Held-out real images as float [N, 3, 64, 64] in [0, 1], and their labels [N]."""
     data = np.load(EVAL_SET)

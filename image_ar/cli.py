@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
-from mmgen.decoding import Autoregressive, SpeculativeJacobi
 from mmgen.sampling import make_generator
 
 from mmgen.image_ar import bench
-from mmgen.image_ar.bundled import DEFAULT_MODEL, resolve_model
+from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, resolve_model
 from mmgen.image_ar.llamagen import LlamaGenPipeline
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -24,8 +23,10 @@ def register(commands, groups) -> None:
     image.add_argument("--model", default=DEFAULT_MODEL, help=f"a bundled model name (default: {DEFAULT_MODEL}), a pipeline "
                        "folder written by save_pretrained / `mmgen convert`, or a Hugging Face repo id")
     image.add_argument("--class-labels", nargs="+", required=True, help="one image per class: class ids or class names")
-    image.add_argument("--decoding", default="sjd", choices=["ar", "sjd"], help="decoder (sjd is lossless)")
-    image.add_argument("--window", type=int, default=16, help="SJD window: tokens scored per forward")
+    image.add_argument("--decoding", default="sjd", metavar="SPEC",
+                       help="decoder: ar, sjd, sjd-coupled, draft (lossless) or gsd, lantern, lantern++ (lossy), "
+                            "optionally with options, e.g. 'lantern:delta=0.2,window=8' or 'draft:drafter=emoji64-draft'")
+    image.add_argument("--window", type=int, default=None, help="tokens scored per forward (Jacobi decoders; default 16)")
     image.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the model's)")
     image.add_argument("--cfg-interval", type=int, default=None, help="guide tokens t <= N + 1 only (default: the model's)")
     image.add_argument("--temperature", type=float, default=None, help="default: the model's")
@@ -59,7 +60,8 @@ def generate_image(args: argparse.Namespace) -> int:
     pipe = LlamaGenPipeline.from_pretrained(resolve_model(args.model), device=args.device, dtype=getattr(torch, args.dtype))
     pipe.set_progress_bar_config(disable=args.no_progress)
     labels = [pipe.class_index(label) for label in args.class_labels]
-    decoder = SpeculativeJacobi(window=args.window) if args.decoding == "sjd" else Autoregressive()
+    window = {} if args.window is None else {"window": args.window}
+    decoder = decoder_from_spec(args.decoding, args.model, args.device, getattr(torch, args.dtype), **window)
     output = pipe(
         labels,
         decoding=decoder,

@@ -19,7 +19,7 @@ def mmgen(*args):
     return subprocess.run([sys.executable, "-m", "mmgen.cli", *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("decoding", ["ar", "sjd"])
+@pytest.mark.parametrize("decoding", ["ar", "sjd", "sjd-coupled:window=4", "lantern:delta=0.2"])
 def test_generate_image_writes_pngs_and_prints_stats(model_dir, tmp_path, decoding):
     result = mmgen("generate", "image", "--model", model_dir, "--class-labels", 3, 8, "--decoding", decoding,
                    "--seed", 4, "--out", tmp_path, "--no-progress")
@@ -44,6 +44,11 @@ def test_same_seed_same_files(model_dir, tmp_path):
         (["--class-labels", 99], "invalid class id 99"),
         (["--class-labels", 1, "--window", 0], "window must be an integer >= 1"),
         (["--class-labels", 1, "--top-p", 2], "top_p must be in (0, 1]"),
+        (["--class-labels", 1, "--decoding", "lantern:dleta=0.2"], "unknown option(s) ['dleta']"),
+        (["--class-labels", 1, "--decoding", "lantern:delta"], "expected key=value"),
+        (["--class-labels", 1, "--decoding", "ar", "--window", 4], "unknown option(s) ['window']"),
+        (["--class-labels", 1, "--decoding", "draft"], "needs a draft model"),
+        (["--class-labels", 1, "--decoding", "medusa"], "unknown decoding 'medusa'"),
     ],
 )
 def test_bad_input_exits_with_a_message(model_dir, tmp_path, args, message):

@@ -7,6 +7,7 @@ any field of the decoder or of its acceptance rule by name.
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields, is_dataclass, replace
 from typing import Any, Callable, Union
 
@@ -58,6 +59,29 @@ def make_decoder(name: str, **options: Any) -> Decoder:
     return replace(decoder, **own) if own else decoder
 
 
+def parse_decoding(spec: str) -> tuple[str, dict[str, Any]]:
+    """A command-line decoding spec -> (shortcut, options).
+
+    "lantern:delta=0.2,window=8" -> ("lantern", {"delta": 0.2, "window": 8}); values are JSON
+    literals (numbers, true/false, null) or else plain strings; "sjd-8" is short for
+    "sjd:window=8".
+    """
+    name, _, rest = spec.strip().partition(":")
+    options: dict[str, Any] = {}
+    head, _, window = name.rpartition("-")
+    if head == "sjd" and window.isdigit():
+        name, options["window"] = head, int(window)
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"bad decoding option {item!r} in {spec!r}: expected key=value")
+        try:
+            options[key.strip().replace("-", "_")] = json.loads(value.strip().lower() if value.strip().lower() in ("true", "false", "null") else value.strip())
+        except json.JSONDecodeError:
+            options[key.strip().replace("-", "_")] = value.strip()
+    return name, options
+
+
 def _field_names(obj: Any) -> set[str]:
     # Bound tables (neighbours, close) are set by `bind`, never by users.
     return {f.name for f in fields(obj) if f.repr and f.init} if is_dataclass(obj) else set()
@@ -92,6 +116,7 @@ __all__ = [
     "RelaxedAcceptance",
     "SpeculativeJacobi",
     "make_decoder",
+    "parse_decoding",
     "resolve_decoder",
     "residual_distribution",
 ]

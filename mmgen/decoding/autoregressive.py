@@ -17,8 +17,6 @@ from mmgen.sampling import SamplingConfig, invalid_rows, sample
 class Autoregressive(Decoder):
     """Sample token t from p(. | tokens < t), feed it, repeat (gpt-fast's `decode_n_tokens`)."""
 
-    window: int = 1
-
     def generate(
         self,
         model: TokenModel,
