@@ -14,6 +14,7 @@ exact command.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -76,11 +77,12 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
     n = pipe.transformer.config.block_size
     rows = []
     for batch in batch_sizes:
-        labels = torch.arange(batch, device=device) % pipe.num_classes
         baseline = None
         for method in methods:
             decoder = decoder_from_spec(method, model_name, device, pipe.transformer.output.weight.dtype)
-            run = lambda seed: decoder.generate(token_model, labels, n, sampling, torch.Generator(device).manual_seed(seed))
+            # Repeat r decodes classes r*B ... r*B + B - 1 (the same for every method) with seed r.
+            labels = lambda seed: (seed * batch + torch.arange(batch, device=device)) % pipe.num_classes
+            run = lambda seed: decoder.generate(token_model, labels(seed), n, sampling, torch.Generator(device).manual_seed(seed))
             for seed in range(warmup):
                 run(10_000 + seed)
             stats = [run(seed).stats for seed in range(repeats)]
@@ -108,15 +110,24 @@ def score_samples(scorer, token_model: LlamaGenTokenModel, images: torch.Tensor,
 @torch.no_grad()
 def sample_and_score(pipe: LlamaGenPipeline, decoder: Decoder, sampling: SamplingConfig, labels: torch.Tensor,
                      batch_size: int, seed: int, scorer) -> dict:
-    """Generate one image per label in chunks from one seeded generator, then score them."""
+    """Generate one image per label in chunks from one seeded generator, then score them.
+
+    Also returns the per-row step compression over all chunks: tokens finalised per row per
+    forward (the mean accepted length over every (row, forward) pair), which, unlike a
+    batch's forwards, does not depend on which row of a chunk is slowest.
+    """
     device = pipe.device
     token_model = pipe.token_model()
     generator = torch.Generator(device).manual_seed(seed)
-    tokens = torch.cat([
-        decoder.generate(token_model, chunk.to(device), pipe.transformer.config.block_size, sampling, generator).tokens
+    outputs = [
+        decoder.generate(token_model, chunk.to(device), pipe.transformer.config.block_size, sampling, generator)
         for chunk in labels.split(batch_size)
-    ])
-    return score_samples(scorer, token_model, pipe.decode_tokens(tokens, output_type="pt"), labels.to(device), tokens)
+    ]
+    tokens = torch.cat([o.tokens for o in outputs])
+    histogram = [sum(h) for h in itertools.zip_longest(*(o.stats.accepted_histogram for o in outputs), fillvalue=0)]
+    row_compression = sum(k * c for k, c in enumerate(histogram)) / sum(histogram)
+    scores = score_samples(scorer, token_model, pipe.decode_tokens(tokens, output_type="pt"), labels.to(device), tokens)
+    return {"row_step_compression": row_compression, **scores}
 
 
 def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], sampling: SamplingConfig,
@@ -211,7 +222,8 @@ def run(args) -> str:
         for name in args.models:
             pipe = LlamaGenPipeline.from_pretrained(resolve_model(name), device=device, dtype=dtype)
             sampling = pipe.sampling_config(args.guidance_scale, None, args.temperature, args.top_k, args.top_p)
-            report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats, args.warmup)
+            if args.batch_sizes:
+                report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats, args.warmup)
             if args.quality_per_class > 0:
                 report["quality"] += quality_rows(pipe, name, args.methods, sampling, args.quality_per_class,
                                                   args.quality_batch_size, args.seed)
@@ -223,7 +235,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
                         help="decoding specs: a shortcut (ar, sjd, sjd-coupled, gsd, lantern, lantern++, draft) with "
                              "optional options, e.g. sjd:window=8, lantern:delta=0.2, draft:drafter=emoji64-draft")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4], help="speed rows per batch size (none: skip)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--guidance-scale", type=float, help="default: each model's own (random weights: CFG on)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 from pathlib import Path
@@ -19,10 +20,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def register(commands, groups) -> None:
-    image = groups["generate"].add_parser("image", help="class-conditional image generation (LlamaGen)")
-    image.add_argument("--model", default=DEFAULT_MODEL, help=f"a bundled model name (default: {DEFAULT_MODEL}), a pipeline "
-                       "folder written by save_pretrained / `mmgen convert`, or a Hugging Face repo id")
-    image.add_argument("--class-labels", nargs="+", required=True, help="one image per class: class ids or class names")
+    image = groups["generate"].add_parser("image", help="image generation: class-conditional or text-to-image")
+    image.add_argument("--model", default=None, help=f"a bundled model name (default: {DEFAULT_MODEL}), a pipeline folder "
+                       "written by save_pretrained / `mmgen convert` (LlamaGen c2i or t2i), or a Janus-Pro transformers "
+                       "folder / Hugging Face repo id (with --prompt)")
+    condition = image.add_mutually_exclusive_group(required=True)
+    condition.add_argument("--class-labels", nargs="+", help="one image per class: class ids or class names")
+    condition.add_argument("--prompt", nargs="+", help="one image per prompt (text-to-image models)")
     image.add_argument("--decoding", default="sjd", metavar="SPEC",
                        help="decoder: ar, sjd, sjd-coupled, draft (lossless) or gsd, lantern, lantern++ (lossy), "
                             "optionally with options, e.g. 'lantern:delta=0.2,window=8' or 'draft:drafter=emoji64-draft'")
@@ -56,26 +60,53 @@ def register(commands, groups) -> None:
     bench_parser.set_defaults(run=lambda args: print(bench.run(args)) or 0)
 
 
+def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
+    """The pipeline a --model names: mmgen folders say their class in model_index.json;
+    transformers folders (config.json of model_type "janus") and, with --prompt, Hub ids are
+    Janus-Pro checkpoints."""
+    source = Path(resolve_model(model or DEFAULT_MODEL))
+    index, config = source / "model_index.json", source / "config.json"
+    class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    is_janus = config.is_file() and json.loads(config.read_text()).get("model_type") == "janus"
+    if class_name == "LlamaGenText2ImagePipeline":
+        from mmgen.image_ar.llamagen import LlamaGenText2ImagePipeline
+
+        return LlamaGenText2ImagePipeline.from_pretrained(source, device=device, dtype=dtype)
+    if is_janus or (prompts and class_name is None):
+        from mmgen.image_ar.janus import JanusPipeline
+
+        return JanusPipeline.from_pretrained(model, torch_dtype=dtype, device=device)
+    return LlamaGenPipeline.from_pretrained(resolve_model(model or DEFAULT_MODEL), device=device, dtype=dtype)
+
+
 def generate_image(args: argparse.Namespace) -> int:
-    pipe = LlamaGenPipeline.from_pretrained(resolve_model(args.model), device=args.device, dtype=getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    pipe = load_image_pipeline(args.model, args.prompt is not None, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
-    labels = [pipe.class_index(label) for label in args.class_labels]
     window = {} if args.window is None else {"window": args.window}
-    decoder = decoder_from_spec(args.decoding, args.model, args.device, getattr(torch, args.dtype), **window)
-    output = pipe(
-        labels,
-        decoding=decoder,
-        guidance_scale=args.guidance_scale,
-        cfg_interval=args.cfg_interval,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        generator=make_generator(args.seed, args.device),
-    )
+    decoder = decoder_from_spec(args.decoding, args.model or DEFAULT_MODEL, args.device, dtype, **window)
+    sampling = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.cfg_interval is not None:
+        sampling["cfg_interval"] = args.cfg_interval
+    generator = make_generator(args.seed, args.device)
+    if args.prompt is not None:
+        if isinstance(pipe, LlamaGenPipeline):
+            raise ValueError("this model is class-conditional: use --class-labels, not --prompt")
+        unsupported = sorted(set(_given(sampling)) - set(inspect.signature(pipe.__call__).parameters))
+        if unsupported:
+            raise ValueError(f"{type(pipe).__name__} has no option(s) {unsupported}")
+        output = pipe(args.prompt, decoding=decoder, generator=generator, **_given(sampling))
+        names = [f"{i:03d}_{_slug(prompt)}.png" for i, prompt in enumerate(args.prompt)]
+    else:
+        if not isinstance(pipe, LlamaGenPipeline):
+            raise ValueError("this model is text-to-image: use --prompt, not --class-labels")
+        labels = [pipe.class_index(label) for label in args.class_labels]
+        output = pipe(labels, decoding=decoder, generator=generator, **sampling)
+        names = [f"{i:03d}_class{label}.png" for i, label in enumerate(labels)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for i, (label, image) in enumerate(zip(labels, output.images)):
-        path = out / f"{i:03d}_class{label}.png"
+    for name, image in zip(names, output.images):
+        path = out / name
         tmp = path.with_name(path.name + ".tmp")
         image.save(tmp, format="PNG")
         os.replace(tmp, path)
@@ -83,6 +114,15 @@ def generate_image(args: argparse.Namespace) -> int:
     print(output.stats.summary())
     print(json.dumps({"stats": output.stats.to_dict()}))
     return 0
+
+
+def _given(options: dict) -> dict:
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    """A file-name-safe stem from a prompt."""
+    return "".join(c if c.isalnum() else "-" for c in text.lower())[:limit].strip("-") or "prompt"
 
 
 def convert_llamagen(args: argparse.Namespace) -> int:

@@ -1,4 +1,4 @@
-"""What image pipelines return, and the conversion of decoder pixels to the requested type."""
+"""Image pipelines' shared input checks and outputs: prompts in, pixels out as the requested type."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ class ImageGenerationOutput:
     images: Union[list, np.ndarray, torch.Tensor]
     tokens: torch.Tensor
     stats: DecodeStats
+
+
+def check_prompts(prompt) -> list[str]:
+    """A list of non-empty prompt strings from one string or a list; ValueError otherwise."""
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}")
+    if not prompts:
+        raise ValueError("prompt is an empty list: give at least one prompt")
+    for p in prompts:
+        if not isinstance(p, str):
+            raise ValueError(f"invalid prompt {p!r}: every prompt must be a string, got {type(p).__name__}")
+        if not p.strip():
+            raise ValueError("empty prompt: describe the image to generate")
+    return list(prompts)
 
 
 def check_output_type(output_type: str) -> None:

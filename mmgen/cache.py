@@ -20,8 +20,8 @@ class StaticKVCache(nn.Module):
 
     A forward of n tokens per row writes at `positions(n)` = lengths + arange(n); query at
     position p sees every key j <= p of its own row (and, with `key_padding`, only keys that
-    are not padding). `advance(n)` commits n more tokens per row; `rollback(lengths)` and
-    `reset()` move lengths back in O(1).
+    are not padding, besides its own). `advance(n)` commits n more tokens per row;
+    `rollback(lengths)` and `reset()` move lengths back in O(1).
     """
 
     def __init__(
@@ -66,9 +66,15 @@ class StaticKVCache(nn.Module):
         return self.k[layer], self.v[layer]
 
     def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        """Bool mask [B, 1, n, max_length]: True where the query at `positions` may attend."""
-        visible = self._arange[None, None, :] <= positions[:, :, None]
-        return (visible & ~self.key_padding[:, None, :])[:, None]
+        """Bool mask [B, 1, n, max_length]: True where the query at `positions` may attend.
+
+        A query always sees its own key, even at a padding position: a padding query with no
+        visible key would give NaN, which reaches every row through the next layer's values
+        (0 * NaN). LlamaGen's t2i `generate` keeps the same diagonal.
+        """
+        keys = self._arange[None, None, :]
+        visible = (keys <= positions[:, :, None]) & ~self.key_padding[:, None, :]
+        return (visible | (keys == positions[:, :, None]))[:, None]
 
     def advance(self, n: torch.Tensor | int) -> None:
         """Commit n tokens per row (int or [B] tensor) written by the last forward."""

@@ -11,7 +11,9 @@ A component listed under "shared" is read from a sibling pipeline folder instead
 pipelines that share a tokenizer ship it once).
 
 Components are `nn.Module`s built from a config dataclass (with `to_dict` / `from_dict`); a
-subclass lists them in `component_types` as name -> (module class, config class).
+subclass lists them in `component_types` as name -> (module class, config class). A component
+whose config class is None saves and loads itself (transformers models and tokenizers): its
+folder is whatever its `save_pretrained(folder)` writes, read back by `Class.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -36,28 +38,33 @@ class Pipeline:
     """Base class of every mmgen pipeline."""
 
     #: name -> (nn.Module class, config dataclass); the module is built as ModuleClass(config).
-    component_types: ClassVar[dict[str, tuple[type, type]]] = {}
+    #: A config of None: the class has its own `from_pretrained` (and its objects `save_pretrained`).
+    component_types: ClassVar[dict[str, tuple[type, Optional[type]]]] = {}
 
-    def __init__(self, **components: nn.Module):
+    def __init__(self, **components: Any):
         missing = sorted(set(self.component_types) - set(components))
         if missing:
             raise ValueError(f"{type(self).__name__} needs components {missing}")
         self.components = components
-        for name, module in components.items():
-            setattr(self, name, module.eval())
+        for name, component in components.items():
+            setattr(self, name, component.eval() if isinstance(component, nn.Module) else component)
         self._progress_bar_config: dict[str, Any] = {}
+
+    def module_components(self) -> list[nn.Module]:
+        """The components that hold tensors (a tokenizer, say, holds none)."""
+        return [c for c in self.components.values() if isinstance(c, nn.Module)]
 
     # ---------------------------------------------------------------- device and dtype
     @property
     def device(self) -> torch.device:
-        for module in self.components.values():
+        for module in self.module_components():
             for p in module.parameters():
                 return p.device
         return torch.device("cpu")
 
     def to(self, device: Union[str, torch.device, None] = None, dtype: Optional[torch.dtype] = None) -> "Pipeline":
-        """Move every component (and cast it when `dtype` is given); returns self."""
-        for module in self.components.values():
+        """Move every module component (and cast it when `dtype` is given); returns self."""
+        for module in self.module_components():
             module.to(device=device, dtype=dtype)
         return self
 
@@ -94,6 +101,11 @@ class Pipeline:
                 _check_shared(path, name, shared[name])
                 continue
             folder = path / name
+            if self.component_types[name][1] is None:
+                if name in (dtypes or {}):
+                    raise ValueError(f"dtypes: {name!r} saves itself through its own save_pretrained; cast it with .to()")
+                module.save_pretrained(folder)
+                continue
             folder.mkdir(exist_ok=True)
             _write_json(folder / CONFIG_NAME, module.config.to_dict())
             state = module.state_dict()
@@ -127,9 +139,17 @@ class Pipeline:
         components = {}
         for name, (module_cls, config_cls) in cls.component_types.items():
             saved_cls = index.get("components", {}).get(name)
+            folder = _check_shared(root, name, index["shared"][name]) if name in index.get("shared", {}) else root / name
+            if config_cls is None:  # its own format; the loader (e.g. AutoTokenizer) picks the class
+                if not folder.is_dir():
+                    raise CheckpointError(f"{root}: component folder {name!r} is missing")
+                component = module_cls.from_pretrained(str(folder))
+                if type(component).__name__ != saved_cls:
+                    raise CheckpointError(f"{root}: component {name!r} loaded as {type(component).__name__}, saved as {saved_cls!r}")
+                components[name] = component
+                continue
             if saved_cls != module_cls.__name__:
                 raise CheckpointError(f"{root}: component {name!r} is {saved_cls!r}, expected {module_cls.__name__}")
-            folder = _check_shared(root, name, index["shared"][name]) if name in index.get("shared", {}) else root / name
             config = config_cls.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
             module = module_cls(config)
             load_strict(module, load_state_dict(folder / WEIGHTS_NAME), source=str(folder / WEIGHTS_NAME))
@@ -144,9 +164,12 @@ class Pipeline:
 
 
 def _check_shared(root: Path, name: str, reference: str) -> Path:
-    """The folder a shared component points to; it must be a sibling pipeline's component."""
+    """The folder a shared component points to; it must be a sibling pipeline's component
+    (a folder its model_index.json lists, whatever format the component saves in)."""
     target = (root / reference).resolve()
-    if target.parent.parent != root.resolve().parent or not (target / CONFIG_NAME).is_file():
+    index = target.parent / MODEL_INDEX
+    listed = index.is_file() and target.name in json.loads(index.read_text()).get("components", {})
+    if target.parent.parent != root.resolve().parent or not (listed and target.is_dir()):
         raise CheckpointError(f"{root}: shared component {name!r} -> {reference!r} is not a component folder of a sibling pipeline")
     return target
 

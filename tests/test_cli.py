@@ -69,3 +69,27 @@ def test_bundled_model_is_the_default_and_class_names_work(tmp_path):
 def test_missing_model_is_a_clear_error(tmp_path):
     result = mmgen("generate", "image", "--model", tmp_path / "nope", "--class-labels", 1, "--out", tmp_path)
     assert result.returncode == 2 and "neither an existing path nor a Hugging Face repo id" in result.stderr
+
+
+@pytest.mark.parametrize("kind", ["t2i", "janus"])
+def test_generate_image_from_prompts(tmp_path, kind):
+    if kind == "t2i":
+        from tests.image_ar.test_llamagen_t2i import tiny_t2i_pipeline
+
+        tiny_t2i_pipeline().save_pretrained(tmp_path / "model")
+    else:
+        from mmgen.image_ar.janus import JanusPipeline
+        from tests.image_ar.test_janus import tiny_janus, tiny_processor
+
+        JanusPipeline(tiny_janus(), tiny_processor()).save_pretrained(tmp_path / "model")
+    result = mmgen("generate", "image", "--model", tmp_path / "model", "--prompt", "a red cat", "the blue sky",
+                   "--decoding", "sjd:window=4", "--out", tmp_path / "out", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["000_a-red-cat.png", "001_the-blue-sky.png"]
+    wrong = mmgen("generate", "image", "--model", tmp_path / "model", "--class-labels", 1, "--out", tmp_path / "x", "--no-progress")
+    assert wrong.returncode == 2 and "use --prompt" in wrong.stderr
+
+
+def test_prompt_on_a_class_conditional_model_is_a_clear_error(model_dir, tmp_path):
+    result = mmgen("generate", "image", "--model", model_dir, "--prompt", "a cat", "--out", tmp_path, "--no-progress")
+    assert result.returncode == 2 and "use --class-labels" in result.stderr

@@ -27,7 +27,7 @@ def test_wheel_contents_and_imports(tmp_path):
 
     top_level = {n.split("/")[0] for n in names}
     assert top_level == {"mmgen", next(t for t in top_level if t.endswith(".dist-info"))}
-    for package in ["mmgen", "mmgen/decoding", "mmgen/image_ar", "mmgen/image_ar/llamagen", "mmgen/vlm", "mmgen/audio",
+    for package in ["mmgen", "mmgen/decoding", "mmgen/image_ar", "mmgen/image_ar/janus", "mmgen/image_ar/llamagen", "mmgen/vlm", "mmgen/audio",
                     "mmgen/video", "mmgen/kernels", "mmgen/apps"]:
         assert f"{package}/__init__.py" in names
     for module in ["mmgen/sampling.py", "mmgen/cache.py", "mmgen/cli.py", "mmgen/image_ar/llamagen/gpt.py", "mmgen/image_ar/llamagen/vq.py"]:
@@ -44,7 +44,7 @@ def test_wheel_contents_and_imports(tmp_path):
                                capture_output=True, text=True, timeout=300)
     assert installed.returncode == 0, installed.stderr
     probe = (
-        "import mmgen, mmgen.image_ar.llamagen, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
+        "import mmgen, mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
         "from mmgen.image_ar.bundled import resolve_model; resolve_model('emoji64');"
         "print(mmgen.image_ar.llamagen.__file__)"
     )

@@ -1,8 +1,12 @@
-"""`LlamaGenPipeline`: class labels -> images, with any decoder of the core."""
+"""`LlamaGenPipeline`: class labels -> images, with any decoder of the core.
+
+`LlamaGenPipelineBase` holds what the class- and text-conditional pipelines share (sampling
+defaults, official checkpoint loading, the decode loop, VQ decoding).
+"""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import torch
 
@@ -23,7 +27,134 @@ OFFICIAL_SAMPLING = {"guidance_scale": 4.0, "cfg_interval": -1, "temperature": 1
 OFFICIAL_IGNORED_KEYS = (r"freqs_cis", r"causal_mask", r"layers\.\d+\.attention\.kv_cache\.[kv]_cache")
 
 
-class LlamaGenPipeline(Pipeline):
+class LlamaGenPipelineBase(Pipeline):
+    """What every LlamaGen pipeline shares: a GPT over VQ tokens, then the VQ decoder.
+
+    A subclass sets `official_sampling` (its official sampler's defaults) and turns its inputs
+    into the conditions of `LlamaGenTokenModel`; `generate` does the rest.
+    """
+
+    #: The official sampler's defaults, used where a pipeline saved none of its own.
+    official_sampling: ClassVar[dict] = OFFICIAL_SAMPLING
+
+    def __init__(self, transformer: LlamaGenTransformer, vq: VQModel, sampling_defaults: Optional[dict] = None, **others: Any):
+        if transformer.config.vocab_size != vq.config.codebook_size:
+            raise ValueError(
+                f"transformer vocabulary {transformer.config.vocab_size} != VQ codebook {vq.config.codebook_size}"
+            )
+        unknown = sorted(set(sampling_defaults or {}) - set(self.official_sampling))
+        if unknown:
+            raise ValueError(f"unknown sampling defaults {unknown}; allowed: {sorted(self.official_sampling)}")
+        super().__init__(transformer=transformer, vq=vq, **others)
+        self.sampling_defaults = {**self.official_sampling, **(sampling_defaults or {})}
+
+    @property
+    def image_size(self) -> int:
+        """The size the transformer was trained for: token grid x VQ downsampling."""
+        return self.transformer.config.grid_size * self.vq.config.downsample_factor
+
+    def pipeline_config(self) -> dict:
+        return {"sampling_defaults": {k: v for k, v in self.sampling_defaults.items() if self.official_sampling[k] != v}}
+
+    def check_image_size(self, image_size: Optional[int]) -> None:
+        """None or the model's own size (LlamaGen has one token grid); ValueError otherwise."""
+        if image_size is None:
+            return
+        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
+            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+        if image_size != self.image_size:
+            raise ValueError(
+                f"image_size {image_size} is not supported by this model: it generates {self.image_size}px images "
+                f"({self.transformer.config.grid_size}x{self.transformer.config.grid_size} tokens)"
+            )
+
+    def token_model(self) -> LlamaGenTokenModel:
+        """The GPT as the core's `TokenModel`, with the VQ codebook for relaxed acceptance."""
+        return LlamaGenTokenModel(self.transformer, codebook=self.vq.quantize.codebook())
+
+    def sampling_config(
+        self,
+        guidance_scale: Optional[float] = None,
+        cfg_interval: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+    ) -> SamplingConfig:
+        """The `SamplingConfig` for these options; None takes the pipeline's `sampling_defaults`."""
+        given = dict(guidance_scale=guidance_scale, cfg_interval=cfg_interval, temperature=temperature, top_k=top_k, top_p=top_p)
+        o = {k: self.sampling_defaults[k] if v is None else v for k, v in given.items()}
+        if isinstance(o["cfg_interval"], bool) or not isinstance(o["cfg_interval"], int):
+            raise ValueError(f"cfg_interval must be an integer (-1 disables it), got {o['cfg_interval']!r}")
+        return SamplingConfig(o["temperature"], o["top_k"], o["top_p"], IntervalGuidance(o["guidance_scale"], o["cfg_interval"]))
+
+    def generator_for(self, generator: Optional[torch.Generator]) -> torch.Generator:
+        """`generator`, checked to live on the pipeline's device; a fresh one when None."""
+        device = self.device
+        if generator is None:
+            return make_generator(None, device)
+        if generator.device.type != device.type:
+            raise ValueError(f"generator is on {generator.device} but the pipeline runs on {device}: create it there")
+        return generator
+
+    def generate(
+        self,
+        conditions: Any,
+        decoding: Union[str, Decoder],
+        sampling: SamplingConfig,
+        generator: Optional[torch.Generator],
+        output_type: str,
+    ) -> ImageGenerationOutput:
+        """Decode one image per condition row with `decoding`, then run the VQ decoder."""
+        check_output_type(output_type)
+        decoder = resolve_decoder(decoding)
+        generator = self.generator_for(generator)
+        num_tokens = self.transformer.config.block_size
+        with self.progress_bar(num_tokens) as bar:
+            result = decoder.generate(self.token_model(), conditions, num_tokens, sampling, generator, bar)
+        return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
+
+    @torch.no_grad()
+    def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
+        """Image tokens [B, grid * grid] -> images through the VQ decoder."""
+        check_output_type(output_type)
+        grid = self.transformer.config.grid_size
+        pixels = self.vq.decode_code(tokens, (tokens.shape[0], self.vq.config.codebook_embed_dim, grid, grid))
+        return postprocess(pixels, output_type)
+
+    @staticmethod
+    def official_models(
+        gpt_checkpoint: PathLike,
+        vq_checkpoint: PathLike,
+        gpt_model: Union[str, LlamaGenConfig],
+        vq_model: Union[str, VQConfig],
+        image_size: int,
+        codebook_size: int,
+        codebook_embed_dim: int,
+        **gpt_options: Any,
+    ) -> tuple[LlamaGenTransformer, VQModel]:
+        """Build the GPT and the VQ from official preset names (the other arguments fill in the
+        official command-line flags; `gpt_options` e.g. num_classes, cls_token_num, model_type)
+        or complete configs, and load the official `.pt` files into them strictly."""
+        if isinstance(vq_model, str):
+            if vq_model not in VQ_CONFIGS:
+                raise ValueError(f"unknown VQ model {vq_model!r}; choose from {sorted(VQ_CONFIGS)}")
+            vq_model = VQConfig.from_dict(
+                {**VQ_CONFIGS[vq_model].to_dict(), "codebook_size": codebook_size, "codebook_embed_dim": codebook_embed_dim}
+            )
+        if isinstance(gpt_model, str):
+            factor = vq_model.downsample_factor
+            if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0 or image_size % factor:
+                raise ValueError(f"image_size {image_size!r} must be a positive multiple of {factor}")
+            grid = image_size // factor
+            gpt_model = LlamaGenConfig.from_preset(gpt_model, vocab_size=vq_model.codebook_size, block_size=grid * grid, **gpt_options)
+        transformer, vq = LlamaGenTransformer(gpt_model), VQModel(vq_model)
+        gpt_path, vq_path = resolve_path(gpt_checkpoint), resolve_path(vq_checkpoint)
+        load_strict(transformer, load_state_dict(gpt_path), ignore=OFFICIAL_IGNORED_KEYS, source=str(gpt_path))
+        load_strict(vq, load_state_dict(vq_path), source=str(vq_path))
+        return transformer, vq
+
+
+class LlamaGenPipeline(LlamaGenPipelineBase):
     """Class-conditional LlamaGen (arXiv 2406.06525): GPT over VQ tokens, then the VQ decoder.
 
     Sampling defaults are the official `sample_c2i.py` ones (guidance 4.0, top-k 2000, top-p
@@ -33,6 +164,7 @@ class LlamaGenPipeline(Pipeline):
     """
 
     component_types = {"transformer": (LlamaGenTransformer, LlamaGenConfig), "vq": (VQModel, VQConfig)}
+    official_sampling = OFFICIAL_SAMPLING
 
     def __init__(
         self,
@@ -43,30 +175,17 @@ class LlamaGenPipeline(Pipeline):
     ):
         if transformer.config.model_type != "c2i":
             raise ValueError("LlamaGenPipeline is class-conditional; this transformer is text-conditional")
-        if transformer.config.vocab_size != vq.config.codebook_size:
-            raise ValueError(
-                f"transformer vocabulary {transformer.config.vocab_size} != VQ codebook {vq.config.codebook_size}"
-            )
-        unknown = sorted(set(sampling_defaults or {}) - set(OFFICIAL_SAMPLING))
-        if unknown:
-            raise ValueError(f"unknown sampling defaults {unknown}; allowed: {sorted(OFFICIAL_SAMPLING)}")
         if class_names is not None and len(class_names) != transformer.config.num_classes:
             raise ValueError(f"{len(class_names)} class names for {transformer.config.num_classes} classes")
-        super().__init__(transformer=transformer, vq=vq)
+        super().__init__(transformer, vq, sampling_defaults)
         self.class_names = list(class_names) if class_names is not None else None
-        self.sampling_defaults = {**OFFICIAL_SAMPLING, **(sampling_defaults or {})}
 
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
 
-    @property
-    def image_size(self) -> int:
-        """The size the transformer was trained for: token grid x VQ downsampling."""
-        return self.transformer.config.grid_size * self.vq.config.downsample_factor
-
     def pipeline_config(self) -> dict:
-        config = {"sampling_defaults": {k: v for k, v in self.sampling_defaults.items() if OFFICIAL_SAMPLING[k] != v}}
+        config = super().pipeline_config()
         if self.class_names is not None:
             config["class_names"] = self.class_names
         return config
@@ -100,24 +219,10 @@ class LlamaGenPipeline(Pipeline):
         `gpt_model` / `vq_model` are official preset names (then the other arguments fill in
         the official command-line flags) or complete config objects.
         """
-        if isinstance(vq_model, str):
-            if vq_model not in VQ_CONFIGS:
-                raise ValueError(f"unknown VQ model {vq_model!r}; choose from {sorted(VQ_CONFIGS)}")
-            vq_model = VQConfig.from_dict(
-                {**VQ_CONFIGS[vq_model].to_dict(), "codebook_size": codebook_size, "codebook_embed_dim": codebook_embed_dim}
-            )
-        if isinstance(gpt_model, str):
-            factor = vq_model.downsample_factor
-            if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0 or image_size % factor:
-                raise ValueError(f"image_size {image_size!r} must be a positive multiple of {factor}")
-            grid = image_size // factor
-            gpt_model = LlamaGenConfig.from_preset(
-                gpt_model, vocab_size=vq_model.codebook_size, block_size=grid * grid, num_classes=num_classes, cls_token_num=1
-            )
-        transformer, vq = LlamaGenTransformer(gpt_model), VQModel(vq_model)
-        gpt_path, vq_path = resolve_path(gpt_checkpoint), resolve_path(vq_checkpoint)
-        load_strict(transformer, load_state_dict(gpt_path), ignore=OFFICIAL_IGNORED_KEYS, source=str(gpt_path))
-        load_strict(vq, load_state_dict(vq_path), source=str(vq_path))
+        transformer, vq = cls.official_models(
+            gpt_checkpoint, vq_checkpoint, gpt_model, vq_model, image_size, codebook_size, codebook_embed_dim,
+            num_classes=num_classes, cls_token_num=1,
+        )
         return cls(transformer, vq)
 
     def check_inputs(self, class_labels, image_size: Optional[int]) -> list[int]:
@@ -127,14 +232,7 @@ class LlamaGenPipeline(Pipeline):
         for label in labels:
             if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < self.num_classes:
                 raise ValueError(f"invalid class id {label!r}: expected an integer in [0, {self.num_classes})")
-        if image_size is not None:
-            if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
-                raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-            if image_size != self.image_size:
-                raise ValueError(
-                    f"image_size {image_size} is not supported by this model: it generates {self.image_size}px images "
-                    f"({self.transformer.config.grid_size}x{self.transformer.config.grid_size} tokens)"
-                )
+        self.check_image_size(image_size)
         return labels
 
     @torch.no_grad()
@@ -155,7 +253,9 @@ class LlamaGenPipeline(Pipeline):
 
         Args:
             class_labels: class ids in [0, num_classes).
-            decoding: "ar", "sjd" or a `Decoder` object (e.g. `SpeculativeJacobi(window=8)`).
+            decoding: a shortcut of `mmgen.decoding.DECODERS` ("ar", "sjd", "sjd-coupled",
+                "gsd", "lantern", "lantern++") or a `Decoder` object (e.g. `SpeculativeJacobi(window=8)`,
+                `DraftSpeculative(drafter=small_pipeline)`).
             guidance_scale ... top_p: None takes the pipeline's `sampling_defaults`.
             guidance_scale: classifier-free guidance scale; 1.0 turns guidance off.
             cfg_interval: guide only tokens t <= cfg_interval + 1 (official semantics); -1 = all.
@@ -168,41 +268,5 @@ class LlamaGenPipeline(Pipeline):
         labels = self.check_inputs(class_labels, image_size)
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_interval, temperature, top_k, top_p)
-        decoder = resolve_decoder(decoding)
-        device = self.device
-        if generator is None:
-            generator = make_generator(None, device)
-        elif generator.device.type != device.type:
-            raise ValueError(f"generator is on {generator.device} but the pipeline runs on {device}: create it there")
-        conditions = torch.tensor(labels, device=device)
-        num_tokens = self.transformer.config.block_size
-        with self.progress_bar(num_tokens) as bar:
-            result = decoder.generate(self.token_model(), conditions, num_tokens, sampling, generator, bar)
-        return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
-
-    def token_model(self) -> LlamaGenTokenModel:
-        """The GPT as the core's `TokenModel`, with the VQ codebook for relaxed acceptance."""
-        return LlamaGenTokenModel(self.transformer, codebook=self.vq.quantize.codebook())
-
-    def sampling_config(
-        self,
-        guidance_scale: Optional[float] = None,
-        cfg_interval: Optional[int] = None,
-        temperature: Optional[float] = None,
-        top_k: Optional[int] = None,
-        top_p: Optional[float] = None,
-    ) -> SamplingConfig:
-        """The `SamplingConfig` for these options; None takes the pipeline's `sampling_defaults`."""
-        given = dict(guidance_scale=guidance_scale, cfg_interval=cfg_interval, temperature=temperature, top_k=top_k, top_p=top_p)
-        o = {k: self.sampling_defaults[k] if v is None else v for k, v in given.items()}
-        if isinstance(o["cfg_interval"], bool) or not isinstance(o["cfg_interval"], int):
-            raise ValueError(f"cfg_interval must be an integer (-1 disables it), got {o['cfg_interval']!r}")
-        return SamplingConfig(o["temperature"], o["top_k"], o["top_p"], IntervalGuidance(o["guidance_scale"], o["cfg_interval"]))
-
-    @torch.no_grad()
-    def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
-        """Image tokens [B, grid * grid] -> images through the VQ decoder."""
-        check_output_type(output_type)
-        grid = self.transformer.config.grid_size
-        pixels = self.vq.decode_code(tokens, (tokens.shape[0], self.vq.config.codebook_embed_dim, grid, grid))
-        return postprocess(pixels, output_type)
+        conditions = torch.tensor(labels, device=self.device)
+        return self.generate(conditions, decoding, sampling, generator, output_type)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
@@ -12,17 +13,52 @@ from mmgen.sampling import Logits
 from mmgen.image_ar.llamagen.gpt import LlamaGenTransformer
 
 
+@dataclass
+class CaptionConditions:
+    """What a text-conditional LlamaGen is conditioned on: left-padded caption features.
+
+    `embeddings` [B, T, caption_dim] hold each caption's valid rows at the end and zeros
+    before them; `mask` [B, T] (bool) is True at the valid rows. This is the layout of the
+    official `sample_t2i.py`, and the mask hides the padding keys from every query, in both
+    halves of a CFG batch, as the official `generate` does.
+    """
+
+    embeddings: torch.Tensor
+    mask: torch.Tensor
+
+    def __post_init__(self):
+        if self.embeddings.ndim != 3 or self.mask.shape != self.embeddings.shape[:2]:
+            raise ValueError(
+                f"caption embeddings must be [B, T, C] with a [B, T] mask; got {tuple(self.embeddings.shape)} "
+                f"and {tuple(self.mask.shape)}"
+            )
+        self.mask = self.mask.bool()
+
+    @classmethod
+    def left_padded(cls, embeddings: torch.Tensor, mask: torch.Tensor) -> "CaptionConditions":
+        """From a text encoder's output and its attention mask (padding anywhere, usually on the
+        right): move each row's valid features to the end, in order, and zero the rest."""
+        mask = mask.bool()
+        # A stable sort of the mask puts padding (False) first and keeps the valid rows' order.
+        order = torch.sort(mask.to(torch.uint8), dim=1, stable=True).indices
+        mask = mask.gather(1, order)
+        embeddings = embeddings.gather(1, order[..., None].expand_as(embeddings))
+        return cls(embeddings * mask[..., None].to(embeddings.dtype), mask)
+
+
 class LlamaGenTokenModel:
     """Drives a `LlamaGenTransformer` with a per-row static cache.
 
     With guidance the cache holds 2B rows, conditional then unconditional (the null class for
     class-conditional models, the learned null caption for text-conditional ones), both fed
-    the same image tokens, as the official `generate` does.
+    the same image tokens, as the official `generate` does. Conditions are class ids [B], or
+    for t2i models `CaptionConditions` (or bare caption features [B, T, C], all rows valid).
     """
 
     def __init__(self, transformer: LlamaGenTransformer, codebook: Optional[torch.Tensor] = None):
         self.transformer = transformer
         self.vocab_size = transformer.config.vocab_size
+        self.row_length = transformer.config.grid_size  # raster order: tokens per image row
         self._codebook = codebook
 
     def token_embeddings(self) -> torch.Tensor:
@@ -34,13 +70,18 @@ class LlamaGenTokenModel:
         return self._codebook
 
     @torch.no_grad()
-    def start(self, conditions: torch.Tensor, capacity: int, guidance: bool) -> DecodeState:
+    def start(self, conditions: Union[torch.Tensor, CaptionConditions], capacity: int, guidance: bool) -> DecodeState:
         model = self.transformer
+        conditions, mask = self._check_conditions(conditions)
         if guidance:
             conditions = torch.cat([conditions, self.null_conditions(conditions)])
+            # Officially the null caption is masked with its prompt's mask (cat([m, m])).
+            mask = None if mask is None else torch.cat([mask, mask])
         prefix = model.embed_conditions(conditions)
         rows, n = prefix.shape[:2]
         cache = model.setup_cache(rows, n + capacity)
+        if mask is not None:
+            cache.key_padding[:, :n] = ~mask[:, :n]
         logits = model.forward_hidden(prefix, cache.positions(n), cache)[:, -1:]
         cache.advance(n)
         batch = rows // 2 if guidance else rows
@@ -60,6 +101,22 @@ class LlamaGenTokenModel:
     def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
         lengths = num_generated + state.extra  # extra: the condition prefix length
         state.cache.rollback(torch.cat([lengths, lengths]) if state.guidance else lengths)
+
+    def _check_conditions(self, conditions) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(class ids or caption features in the model's dtype, caption mask or None)."""
+        config = self.transformer.config
+        if config.model_type == "c2i":
+            if isinstance(conditions, CaptionConditions):
+                raise ValueError("this LlamaGen is class-conditional: it takes class ids [B], not captions")
+            return conditions, None
+        mask = None
+        if isinstance(conditions, CaptionConditions):
+            conditions, mask = conditions.embeddings, conditions.mask
+        rows = self.transformer.cls_embedding.uncond_embedding.shape[0]
+        if not isinstance(conditions, torch.Tensor) or conditions.shape[1:] != (rows, config.caption_dim):
+            shape = tuple(conditions.shape) if isinstance(conditions, torch.Tensor) else type(conditions).__name__
+            raise ValueError(f"a text-conditional LlamaGen takes caption features [B, {rows}, {config.caption_dim}], got {shape}")
+        return conditions.to(self.transformer.tok_embeddings.weight.dtype), mask
 
     def null_conditions(self, conditions: torch.Tensor) -> torch.Tensor:
         embedder = self.transformer.cls_embedding

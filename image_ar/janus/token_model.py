@@ -1,0 +1,264 @@
+"""Janus-Pro (arXiv 2501.17811) through transformers, as a `TokenModel` of the core.
+
+The adapter drives `JanusForConditionalGeneration`'s Llama trunk with a transformers
+`DynamicCache` and its own 2-D attention mask, so every decoder of the core (autoregressive,
+speculative Jacobi with per-row acceptance, ...) runs on Janus without touching transformers.
+
+Cache layout ("holes + crop"). The cache has one slot axis shared by all rows. A forward appends
+n slots per row; `commit(accepted)` keeps the first accepted[b] of them for row b by setting the
+rest to 0 in the mask, then crops the slots that no row kept. At batch 1 rollback is therefore
+exactly a crop; at batch > 1 only the shorter rows carry masked slots ("holes"). Attention gives
+a masked slot exactly zero weight, and every token carries an explicit position id (its row's
+logical position), so a row with holes computes what a contiguous cache would. When holes
+outgrow the longest row, the cache is compacted (each row's kept slots gathered to the right),
+so it never holds more than about twice what the longest row needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mmgen.modeling import DecodeState
+from mmgen.sampling import Logits
+
+
+@dataclass
+class JanusConditions:
+    """A tokenized, left-padded prompt batch that already ends with the image-start token.
+
+    This is what `JanusProcessor(text=..., generation_mode="image")` returns; the unconditional
+    rows of the CFG batch are derived from it by `JanusTokenModel.start`.
+    """
+
+    input_ids: torch.Tensor  # [B, P] int64
+    attention_mask: torch.Tensor  # [B, P], 0 on left padding
+
+
+@dataclass
+class JanusCache:
+    """The transformers cache plus what the adapter keeps beside it.
+
+    `mask` [R, S] marks the slots each row attends to (R = 2B with guidance, conditional rows
+    first); `positions` [R] is each row's next position id; `pending` the slots appended by a
+    forward that has not been committed yet.
+    """
+
+    kv: object  # transformers DynamicCache
+    mask: torch.Tensor
+    positions: torch.Tensor
+    prompt_length: int
+    pending: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.kv.layers for t in (layer.keys, layer.values) if t is not None)
+
+    def crop(self, length: int) -> None:
+        """Drop slots from `length` on (Cache.crop takes the count to remove, negated)."""
+        remove = self.length - length
+        if remove > 0:
+            self.kv.crop(-remove)
+            self.mask = self.mask[:, :length]
+
+    def compact(self, width: int) -> None:
+        """Squeeze the holes out: each row's kept generated slots move, in order, to the right end
+        of a `width`-slot region (width >= every row's count); the prompt region stays as is.
+
+        Keys already carry their rotary positions and attention does not depend on the order of
+        the keys it attends to, so this changes rounding only.
+        """
+        p = self.prompt_length
+        kept = self.mask[:, p:]
+        rows, g = kept.shape
+        counts = kept.sum(1, keepdim=True)
+        # Destination of each kept slot; dropped slots all go to the spare column `width`.
+        target = torch.where(kept, width - counts + kept.long().cumsum(1) - 1, width)
+        source = torch.zeros(rows, width + 1, dtype=torch.long, device=kept.device)
+        source = source.scatter(1, target, torch.arange(g, device=kept.device).expand(rows, g))[:, :width]
+        for layer in self.kv.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                index = source[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
+                setattr(layer, name, torch.cat([t[:, :, :p], t[:, :, p:].gather(2, index)], dim=2))
+        slots = torch.arange(width, device=kept.device)
+        self.mask = torch.cat([self.mask[:, :p], slots >= width - counts], dim=1)
+
+
+class JanusTokenModel:
+    """`JanusForConditionalGeneration` in image-generation mode as the core's `TokenModel`.
+
+    Conditions are `JanusConditions` (or the processor's dict with `input_ids` and
+    `attention_mask`). With guidance the batch holds the conditional rows, then unconditional
+    rows built as transformers' `generate(generation_mode="image")` builds them: the same ids
+    with every token except BOS and the image-start token replaced by the pad token, and the
+    same attention mask. Image tokens enter the LM through `generation_embeddings` and
+    `generation_aligner`, and logits come from `generation_head`, all as in transformers.
+
+    Position ids follow transformers' Janus loop too: prompt tokens at their slot index (left
+    padding included), generated token t at prompt length + t; greedy outputs match `generate`
+    token for token. RoPE only sees differences of positions, so the offset that left padding
+    adds changes nothing but rounding.
+
+    `compact_ratio` bounds the holes that rows with uneven acceptance leave (see
+    `JanusCache.compact`); None never compacts.
+    """
+
+    def __init__(
+        self,
+        model,
+        pad_token_id: Optional[int] = None,
+        bos_token_id: Optional[int] = None,
+        boi_token_id: Optional[int] = None,
+        compact_ratio: Optional[float] = 1.0,
+    ):
+        self.model = model
+        self.compact_ratio = compact_ratio
+        self.vocab_size = model.config.vq_config.num_embeddings
+        gen, text = model.generation_config, model.config.text_config
+        self.pad_token_id = _first(pad_token_id, gen.pad_token_id, text.pad_token_id)
+        self.bos_token_id = _first(bos_token_id, gen.bos_token_id, text.bos_token_id)
+        self.boi_token_id = _first(boi_token_id, config_boi_token_id(gen))
+        if self.pad_token_id is None or self.boi_token_id is None:
+            raise ValueError(
+                "Janus needs the pad and image-start token ids to build its unconditional rows; this model's "
+                "generation_config has none: pass pad_token_id= and boi_token_id= (the processor's tokenizer knows them)"
+            )
+        self._token_embeddings: Optional[torch.Tensor] = None
+
+    # ---------------------------------------------------------------- per-token tables
+    @torch.no_grad()
+    def token_embeddings(self) -> torch.Tensor:
+        """What the LM consumes for each image token [V, hidden]: `generation_aligner` applied
+        to `generation_embeddings` (the aligner is part of the embedding path in Janus)."""
+        if self._token_embeddings is None:
+            ids = torch.arange(self.vocab_size, device=self.model.device)
+            self._token_embeddings = self.model.prepare_embeddings_for_image_generation(ids)
+        return self._token_embeddings
+
+    def codebook(self) -> torch.Tensor:
+        """The VQ codebook [V, embed_dim], l2-normalised as the VQ decoder looks it up."""
+        return F.normalize(self.model.model.vqmodel.quantize.embedding.weight, p=2, dim=-1)
+
+    # ---------------------------------------------------------------- TokenModel
+    def unconditional_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The CFG "no prompt" rows: every token but BOS and image-start becomes the pad token."""
+        keep = (input_ids == self.boi_token_id) | (input_ids == self.bos_token_id)
+        return torch.where(keep, input_ids, torch.full_like(input_ids, self.pad_token_id))
+
+    @torch.no_grad()
+    def start(self, conditions, capacity: int, guidance: bool) -> DecodeState:
+        # `capacity` needs no allocation: the DynamicCache grows on demand, and Llama's RoPE is
+        # computed from the position ids, with no table to outgrow.
+        from transformers import DynamicCache
+
+        ids, mask = _unpack(conditions)
+        ids, mask = ids.to(self.model.device), mask.to(self.model.device).bool()
+        if bool((ids[:, -1] != self.boi_token_id).any()):
+            raise ValueError(
+                f"every prompt must end with the image-start token {self.boi_token_id} (JanusProcessor(..., "
+                "generation_mode='image') appends it; pad on the left)"
+            )
+        batch, length = ids.shape
+        if guidance:
+            ids, mask = torch.cat([ids, self.unconditional_ids(ids)]), torch.cat([mask, mask])
+        rows = ids.shape[0]
+        kv = DynamicCache(config=self.model.config.text_config)
+        positions = torch.arange(length, device=ids.device).expand(rows, -1)
+        embeds = self.model.get_input_embeddings()(ids)
+        hidden = self._trunk(embeds, mask, positions, kv)[:, -1:]
+        cache = JanusCache(kv, mask, torch.full((rows,), length, device=ids.device), prompt_length=length)
+        return DecodeState(cache, batch, guidance, self._logits(hidden, guidance))
+
+    @torch.no_grad()
+    def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
+        cache: JanusCache = state.cache
+        cache.crop(cache.length - cache.pending)  # an uncommitted forward commits nothing
+        if state.guidance:
+            tokens = torch.cat([tokens, tokens])
+        rows, n = tokens.shape
+        positions = cache.positions[:, None] + torch.arange(n, device=tokens.device)
+        mask = torch.cat([cache.mask, cache.mask.new_ones(rows, n)], dim=1)
+        embeds = self.model.prepare_embeddings_for_image_generation(tokens)
+        hidden = self._trunk(embeds, mask, positions, cache.kv)
+        cache.mask, cache.pending = mask, n
+        return self._logits(hidden, state.guidance)
+
+    def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
+        cache: JanusCache = state.cache
+        accepted = torch.cat([accepted, accepted]) if state.guidance else accepted
+        start = cache.length - cache.pending
+        cache.mask[:, start:] = torch.arange(cache.pending, device=accepted.device) < accepted[:, None]
+        cache.positions = cache.positions + accepted
+        # One host sync: the longest accepted run (no row reads past it, so crop there) and
+        # the longest row (for compaction).
+        longest, width = torch.stack([accepted.max(), cache.positions.max() - cache.prompt_length]).tolist()
+        cache.crop(start + (longest if cache.pending else 0))
+        cache.pending = 0
+        self._maybe_compact(cache, width)
+
+    def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
+        cache: JanusCache = state.cache
+        cache.crop(cache.length - cache.pending)
+        cache.pending = 0
+        keep_n = torch.cat([num_generated, num_generated]) if state.guidance else num_generated
+        p = cache.prompt_length
+        generated = cache.mask[:, p:]
+        kept = generated & (generated.long().cumsum(-1) <= keep_n[:, None])
+        cache.mask = torch.cat([cache.mask[:, :p], kept], dim=1)
+        cache.positions = p + keep_n
+        used = kept.any(0).nonzero()
+        cache.crop(p + (int(used.max()) + 1 if used.numel() else 0))
+        self._maybe_compact(cache, int(keep_n.max()))
+
+    def _maybe_compact(self, cache: JanusCache, width: int) -> None:
+        """Compact once holes outnumber `compact_ratio` x the longest row's generated slots, so
+        the cache stays within (1 + ratio) x what the longest row needs, at O(1) amortised
+        copies per slot. Never at batch 1, which has no holes."""
+        holes = cache.length - cache.prompt_length - width
+        if self.compact_ratio is not None and holes > 0 and holes > self.compact_ratio * width:
+            cache.compact(width)
+
+    # ---------------------------------------------------------------- helpers
+    def _trunk(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        out = self.model.model.language_model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True
+        )
+        return out.last_hidden_state
+
+    def _logits(self, hidden: torch.Tensor, guidance: bool) -> Logits:
+        logits = self.model.model.generation_head(hidden).float()
+        if not guidance:
+            return Logits(logits)
+        cond, uncond = logits.chunk(2)
+        return Logits(cond, uncond)
+
+
+def config_boi_token_id(generation_config) -> Optional[int]:
+    """The image-start id where transformers' `generate` reads it (`generation_kwargs`), or the
+    `boi_token_id` attribute the conversion script sets."""
+    kwargs = getattr(generation_config, "generation_kwargs", None) or {}
+    return _first(kwargs.get("boi_token_id"), getattr(generation_config, "boi_token_id", None))
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def _unpack(conditions) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(conditions, JanusConditions):
+        return conditions.input_ids, conditions.attention_mask
+    if isinstance(conditions, Mapping) or hasattr(conditions, "keys"):
+        ids = conditions["input_ids"]
+        mask = conditions.get("attention_mask") if hasattr(conditions, "get") else None
+        return ids, torch.ones_like(ids) if mask is None else mask
+    if isinstance(conditions, torch.Tensor):
+        return conditions, torch.ones_like(conditions)
+    raise TypeError(f"Janus conditions must be JanusConditions, a dict with input_ids/attention_mask, or ids; got {type(conditions).__name__}")
