@@ -192,8 +192,10 @@ class RelaxedAcceptance(NeighbourhoodAcceptance):
         relaxed = p_x + (neighbour_p * within).sum(-1)
         q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
         accept = (relaxed / q_x.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0)
-        residual = (p - q).clamp_min(0).scatter(-1, neighbours, torch.where(within, 0.0, (p - q).clamp_min(0).gather(-1, neighbours)))
-        return accept, _normalise_or(p, residual)
+        # The paper's residual: max(0, p - q) without the neighbours the draft claimed (x's own
+        # entry is already 0 after a rejection, so pointing the others at it zeroes nothing new).
+        claimed = torch.where(within, neighbours, drafts[..., None])
+        return accept, _normalise_or(p, (p - q).clamp_min(0).scatter(-1, claimed, 0.0))
 
 
 @dataclass(frozen=True)
@@ -262,9 +264,9 @@ class GroupedAcceptance(NeighbourhoodAcceptance):
         rank_x = rank.gather(-1, drafts[..., None])
         group_p = p.gather(-1, drafts[..., None]).squeeze(-1)
         group_q = q.gather(-1, drafts[..., None]).squeeze(-1)
+        at_x = lambda t: t.gather(-1, rank_x).squeeze(-1)  # a rank-ordered table's entry at x
         for offset in self._offsets():
             partner, partner_p, member = self._members(sorted_p, sorted_idx, offset)
-            at_x = lambda t: t.gather(-1, rank_x).squeeze(-1)
             m = at_x(member)
             group_p = group_p + at_x(partner_p) * m
             group_q = group_q + q.gather(-1, at_x(partner)[..., None]).squeeze(-1) * m

@@ -48,7 +48,25 @@ class DraftInit:
 
 @dataclass(frozen=True)
 class RandomDraftInit(DraftInit):
-    """Drafts drawn uniformly from the vocabulary, q one-hot on the draw (as SJD, arXiv 2410.01699)."""
+    """Drafts drawn uniformly from the vocabulary.
+
+    `law="one-hot"` (SJD, arXiv 2410.01699) scores a draft x with q one-hot on x, so it is
+    accepted with probability p(x); `law="uniform"` scores it with the law it was really drawn
+    from, q = 1/V, so it is accepted with probability min(1, V p(x)). Both are lossless;
+    averaged over the draw, uniform accepts sum_y min(1/V, p(y)) >= 1/V.
+    """
+
+    law: str = "one-hot"
+
+    def __post_init__(self):
+        if self.law not in ("one-hot", "uniform"):
+            raise ValueError(f"law must be 'one-hot' or 'uniform', got {self.law!r}")
+
+    def __call__(self, ctx):
+        tokens = self.propose(ctx)
+        if self.law == "one-hot":
+            return tokens, F.one_hot(tokens, ctx.vocab_size).float()
+        return tokens, torch.full((*tokens.shape, ctx.vocab_size), 1.0 / ctx.vocab_size, device=tokens.device)
 
     def propose(self, ctx):
         return torch.randint(0, ctx.vocab_size, ctx.window.shape, generator=ctx.generator, device=ctx.window.device)
@@ -87,7 +105,12 @@ def _copy_left(window: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
 
 
 #: String names accepted by the decoders' `draft_init=`.
-DRAFT_INITS = {"random": RandomDraftInit, "left": LeftNeighbourInit, "above": AboveNeighbourInit}
+DRAFT_INITS = {
+    "random": RandomDraftInit,
+    "random-uniform": lambda: RandomDraftInit(law="uniform"),
+    "left": LeftNeighbourInit,
+    "above": AboveNeighbourInit,
+}
 
 
 def resolve_draft_init(init) -> DraftInit:

@@ -35,7 +35,7 @@ class SpeculativeJacobi(Decoder):
 
     window: int = 16
     acceptance: Any = field(default_factory=ExactAcceptance)
-    draft_init: Any = field(default_factory=RandomDraftInit)  # or "random" / "left" / "above"
+    draft_init: Any = field(default_factory=RandomDraftInit)  # or a name of drafts.DRAFT_INITS
 
     def __post_init__(self):
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:

@@ -25,6 +25,7 @@ DRAFTER = LlamaGenTokenModel(tiny_transformer(seed=7))
 def lossless_decoders():
     return {
         "sjd-left": SpeculativeJacobi(window=8, draft_init="left"),
+        "sjd-uniform-q": SpeculativeJacobi(window=8, draft_init="random-uniform"),
         "sjd-above": SpeculativeJacobi(window=8, draft_init=AboveNeighbourInit()),
         "coupled-16": CoupledJacobi(window=16),
         "coupled-left": CoupledJacobi(window=4, draft_init=LeftNeighbourInit()),
@@ -45,12 +46,13 @@ def test_greedy_is_token_identical_to_ar(name, labels):
     assert out.stats.forwards <= 64
 
 
-@pytest.mark.parametrize("name", ["sjd-left", "coupled-left", "draft-4"])
+@pytest.mark.parametrize("name", ["sjd-left", "sjd-uniform-q", "coupled-left", "draft-4"])
 def test_sampling_matches_exact_distribution(enumerable, name):
     sampling = SAMPLINGS["cfg+temperature+top_k"]
     seqs, joint = exact_joint(enumerable, 1, sampling)
     decoder = {
         "sjd-left": SpeculativeJacobi(window=3, draft_init="left"),
+        "sjd-uniform-q": SpeculativeJacobi(window=3, draft_init="random-uniform"),
         "coupled-left": CoupledJacobi(window=3, draft_init="left"),
         "draft-4": DraftSpeculative(drafter=LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11)), num_draft=2),
     }[name]
