@@ -74,8 +74,8 @@ class TokenModel(Protocol):
 
 
 def token_table(model: TokenModel, name: str) -> torch.Tensor:
-    """One of the optional per-token tables a model may offer to acceptance rules, as float32
-    [vocab_size, D]: `token_embeddings` (the model's input embedding of each token, used by
+    """One of the optional per-token tables a model may offer to acceptance rules, detached,
+    [vocab_size, D] in the model's dtype: `token_embeddings` (the model's input embedding of each token, used by
     grouped acceptance) or `codebook` (the tokenizer's latent vector of each token, used by
     relaxed acceptance). A clear error names what the model lacks."""
     method = getattr(model, name, None)
@@ -84,4 +84,4 @@ def token_table(model: TokenModel, name: str) -> torch.Tensor:
         raise ValueError(f"{type(model).__name__} does not provide `{name}()`, which this acceptance rule needs")
     if table.ndim != 2 or table.shape[0] != model.vocab_size:
         raise ValueError(f"{type(model).__name__}.{name}() has shape {tuple(table.shape)}; expected [{model.vocab_size}, D]")
-    return table.detach().float()
+    return table.detach()

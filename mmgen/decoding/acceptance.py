@@ -12,7 +12,6 @@ Rules that need a per-token table of the model (embeddings, VQ codebook) get it 
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -282,16 +281,18 @@ _TABLE_CACHE: dict = {}
 
 
 def _cached(kind: str, table: torch.Tensor, param, build):
-    """Memoise a table derived from `table` while that very tensor lives, unmodified."""
-    key = (kind, id(table), table._version, param)
-    hit = _TABLE_CACHE.get(key)
-    if hit is not None and hit[0]() is table:
-        return hit[1]
-    if len(_TABLE_CACHE) >= 8:
-        _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
-    value = build()
-    _TABLE_CACHE[key] = (weakref.ref(table), value)
-    return value
+    """Memoise a table derived from `table` while its memory holds the same, unmodified values.
+
+    The key is the table's storage address and version counter (shared with the parameter a
+    detached table views, and bumped by in-place updates); the entry keeps the table alive, so
+    no other tensor can take that address while the entry exists.
+    """
+    key = (kind, table.data_ptr(), table._version, tuple(table.shape), table.stride(), table.dtype, str(table.device), param)
+    if key not in _TABLE_CACHE:
+        if len(_TABLE_CACHE) >= 8:
+            _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+        _TABLE_CACHE[key] = (table, build())
+    return _TABLE_CACHE[key][1]
 
 
 def nearest_neighbours(codebook: torch.Tensor, k: int) -> torch.Tensor:
@@ -299,9 +300,9 @@ def nearest_neighbours(codebook: torch.Tensor, k: int) -> torch.Tensor:
     k = min(k, codebook.shape[0] - 1)
 
     def build():
-        rows = []
-        for start, chunk in _enumerate_chunks(codebook):
-            d = torch.cdist(chunk, codebook)
+        rows, table = [], codebook.float()
+        for start, chunk in _enumerate_chunks(table):
+            d = torch.cdist(chunk, table)
             d[torch.arange(len(chunk)), torch.arange(start, start + len(chunk))] = float("inf")
             rows.append(d.topk(k, dim=-1, largest=False).indices)
         return torch.cat(rows)
@@ -313,10 +314,11 @@ def close_pairs(embeddings: torch.Tensor, threshold: float) -> torch.Tensor:
     """[V, V] bool: squared L2 distance between token embeddings below `threshold`."""
 
     def build():
-        sq = (embeddings**2).sum(-1)
+        table = embeddings.float()
+        sq = (table**2).sum(-1)
         return torch.cat([
-            (sq[start : start + len(chunk), None] + sq[None] - 2 * chunk @ embeddings.T) < threshold
-            for start, chunk in _enumerate_chunks(embeddings)
+            (sq[start : start + len(chunk), None] + sq[None] - 2 * chunk @ table.T) < threshold
+            for start, chunk in _enumerate_chunks(table)
         ])
 
     return _cached("close", embeddings, float(threshold), build)

@@ -191,3 +191,13 @@ def test_make_decoder_routes_options_and_rejects_unknown_ones():
         make_decoder("medusa")
     with pytest.raises(ValueError, match="window"):
         make_decoder("sjd", window=0)
+
+
+def test_neighbour_tables_are_reused_and_rebuilt_after_an_update():
+    _, _, model = random_case(0)
+    first = RelaxedAcceptance(k=3).bind(model).neighbours
+    assert RelaxedAcceptance(k=3).bind(model).neighbours is first  # same table, computed once
+    with torch.no_grad():
+        model.codebook_table[0] = model.codebook_table[1] + 1e-3  # token 0 now sits next to token 1
+    rebuilt = RelaxedAcceptance(k=3).bind(model).neighbours
+    assert rebuilt is not first and int(rebuilt[0, 0]) == 1
