@@ -16,6 +16,7 @@ so it never holds more than about twice what the longest row needs.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -92,6 +93,10 @@ class JanusCache:
         self.mask = torch.cat([self.mask[:, :p], slots >= width - counts], dim=1)
 
 
+#: quantizer module -> (weight key, its l2-normalised codebook); entries die with the model.
+_NORMALISED_CODEBOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 class JanusTokenModel:
     """`JanusForConditionalGeneration` in image-generation mode as the core's `TokenModel`.
 
@@ -143,9 +148,17 @@ class JanusTokenModel:
             self._token_embeddings = self.model.prepare_embeddings_for_image_generation(ids)
         return self._token_embeddings
 
+    @torch.no_grad()
     def codebook(self) -> torch.Tensor:
-        """The VQ codebook [V, embed_dim], l2-normalised as the VQ decoder looks it up."""
-        return F.normalize(self.model.model.vqmodel.quantize.embedding.weight, p=2, dim=-1)
+        """The VQ codebook [V, embed_dim], l2-normalised as the VQ decoder looks it up; the same
+        tensor while the weight is unchanged, so tables derived from it are built once."""
+        quantize = self.model.model.vqmodel.quantize
+        weight = quantize.embedding.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        cached = _NORMALISED_CODEBOOKS.get(quantize)
+        if cached is None or cached[0] != key:
+            cached = _NORMALISED_CODEBOOKS[quantize] = (key, F.normalize(weight, p=2, dim=-1))
+        return cached[1]
 
     # ---------------------------------------------------------------- TokenModel
     def unconditional_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -42,14 +42,16 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
 def make_decoder(name: str, **options: Any) -> Decoder:
     """The decoder a shortcut names, with `options` applied to the decoder's fields or, for
     names the decoder lacks, to its acceptance rule's (`make_decoder("lantern", delta=0.2,
-    window=8)`). Unknown options are an error that lists the valid ones."""
-    key = name.lower() if isinstance(name, str) else name
-    if key not in DECODERS:
+    window=8)`); rule options apply to an `acceptance=` given alongside them. Unknown options
+    are an error that lists the valid ones."""
+    if not isinstance(name, str) or name.lower() not in DECODERS:
         raise ValueError(f"unknown decoding {name!r}: use one of {sorted(DECODERS)} or a Decoder object")
-    decoder = DECODERS[key]()
+    decoder = DECODERS[name.lower()]()
     own = {k: v for k, v in options.items() if k in _field_names(decoder)}
     rest = {k: v for k, v in options.items() if k not in own}
-    rule = getattr(decoder, "acceptance", None)
+    rule = own.get("acceptance", getattr(decoder, "acceptance", None))
+    if "acceptance" in own and not isinstance(rule, AcceptanceRule):
+        raise ValueError(f"acceptance must be an AcceptanceRule object, got {rule!r}; pick a rule by its shortcut instead")
     unknown = sorted(k for k in rest if rule is None or k not in _field_names(rule))
     if unknown:
         valid = sorted(_field_names(decoder) | (_field_names(rule) if rule is not None else set()))
@@ -60,26 +62,38 @@ def make_decoder(name: str, **options: Any) -> Decoder:
 
 
 def parse_decoding(spec: str) -> tuple[str, dict[str, Any]]:
-    """A command-line decoding spec -> (shortcut, options).
+    """A decoding spec -> (shortcut, options).
 
     "lantern:delta=0.2,window=8" -> ("lantern", {"delta": 0.2, "window": 8}); values are JSON
-    literals (numbers, true/false, null) or else plain strings; "sjd-8" is short for
-    "sjd:window=8".
+    literals (numbers, true/false, null), other numbers such as ".2", or else plain strings;
+    "sjd-8" is short for "sjd:window=8". Nothing is ever evaluated.
     """
     name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
     options: dict[str, Any] = {}
     head, _, window = name.rpartition("-")
     if head == "sjd" and window.isdigit():
         name, options["window"] = head, int(window)
     for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
+        key, eq, value = (part.strip() for part in item.partition("="))
+        key = key.replace("-", "_")
+        if not eq or not key:
             raise ValueError(f"bad decoding option {item!r} in {spec!r}: expected key=value")
-        try:
-            options[key.strip().replace("-", "_")] = json.loads(value.strip().lower() if value.strip().lower() in ("true", "false", "null") else value.strip())
-        except json.JSONDecodeError:
-            options[key.strip().replace("-", "_")] = value.strip()
+        if key in options:
+            raise ValueError(f"decoding option {key!r} is given twice in {spec!r}")
+        options[key] = _literal(value)
     return name, options
+
+
+def _literal(text: str) -> Any:
+    try:
+        return json.loads(text.lower() if text.lower() in ("true", "false", "null") else text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _field_names(obj: Any) -> set[str]:
@@ -88,12 +102,13 @@ def _field_names(obj: Any) -> set[str]:
 
 
 def resolve_decoder(decoding: Union[str, Decoder]) -> Decoder:
-    """A decoder object from a shortcut name or the object itself."""
+    """A decoder object from itself, a shortcut name or a spec ("lantern:delta=0.2")."""
     if isinstance(decoding, Decoder):
         return decoding
     if isinstance(decoding, str):
-        return make_decoder(decoding)
-    raise ValueError(f"decoding must be a shortcut name {sorted(DECODERS)} or a Decoder object, got {decoding!r}")
+        name, options = parse_decoding(decoding)
+        return make_decoder(name, **options)
+    raise ValueError(f"decoding must be a shortcut name {sorted(DECODERS)}, a spec or a Decoder object, got {decoding!r}")
 
 
 __all__ = [

@@ -109,7 +109,7 @@ class SpeculativeJacobi(Decoder):
             carried = source < L
             src = source.clamp_max(L - 1)
             new_window = torch.cat([next_token[:, None], fresh.gather(1, src)], 1)
-            new_fresh = torch.cat([torch.zeros_like(carried[:, :1]), ~carried], 1)
+            new_fresh = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=device), ~carried], 1)
             new_window, new_q = fill(new_window, new_fresh, new_pos, p.gather(1, src[..., None].expand(-1, -1, V)))
 
             keep = active[:, None]
