@@ -43,12 +43,14 @@ def register(commands, groups) -> None:
     image.add_argument("--no-progress", action="store_true")
     image.set_defaults(run=generate_image)
 
-    llamagen = groups["convert"].add_parser("llamagen", help="official LlamaGen c2i GPT + VQ .pt files")
+    llamagen = groups["convert"].add_parser("llamagen", help="official LlamaGen c2i or t2i GPT + VQ .pt files")
     llamagen.add_argument("--gpt-checkpoint", required=True)
     llamagen.add_argument("--vq-checkpoint", required=True)
-    llamagen.add_argument("--gpt-model", default="GPT-B")
+    llamagen.add_argument("--t2i", action="store_true", help="a text-to-image GPT (with a T5 caption encoder)")
+    llamagen.add_argument("--text-encoder", default="google/flan-t5-xl", help="with --t2i: T5 repo id or folder (and its tokenizer)")
+    llamagen.add_argument("--gpt-model", default=None, help="official preset (default: GPT-B, with --t2i GPT-XL)")
     llamagen.add_argument("--vq-model", default="VQ-16", choices=["VQ-16", "VQ-8"])
-    llamagen.add_argument("--image-size", type=int, default=256)
+    llamagen.add_argument("--image-size", type=int, default=None, help="default: 256, with --t2i 512")
     llamagen.add_argument("--codebook-size", type=int, default=16384)
     llamagen.add_argument("--codebook-embed-dim", type=int, default=8)
     llamagen.add_argument("--num-classes", type=int, default=1000)
@@ -126,16 +128,15 @@ def _slug(text: str, limit: int = 40) -> str:
 
 
 def convert_llamagen(args: argparse.Namespace) -> int:
-    pipe = LlamaGenPipeline.from_official(
-        args.gpt_checkpoint,
-        args.vq_checkpoint,
-        gpt_model=args.gpt_model,
-        vq_model=args.vq_model,
-        image_size=args.image_size,
-        codebook_size=args.codebook_size,
-        codebook_embed_dim=args.codebook_embed_dim,
-        num_classes=args.num_classes,
-    )
+    common = dict(gpt_model=args.gpt_model or ("GPT-XL" if args.t2i else "GPT-B"), vq_model=args.vq_model,
+                  image_size=args.image_size or (512 if args.t2i else 256), codebook_size=args.codebook_size,
+                  codebook_embed_dim=args.codebook_embed_dim)
+    if args.t2i:
+        from mmgen.image_ar.llamagen import LlamaGenText2ImagePipeline
+
+        pipe = LlamaGenText2ImagePipeline.from_official(args.gpt_checkpoint, args.vq_checkpoint, args.text_encoder, **common)
+    else:
+        pipe = LlamaGenPipeline.from_official(args.gpt_checkpoint, args.vq_checkpoint, num_classes=args.num_classes, **common)
     pipe.save_pretrained(args.out)
     print(f"wrote {args.out}")
     return 0

@@ -93,3 +93,36 @@ def test_generate_image_from_prompts(tmp_path, kind):
 def test_prompt_on_a_class_conditional_model_is_a_clear_error(model_dir, tmp_path):
     result = mmgen("generate", "image", "--model", model_dir, "--prompt", "a cat", "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and "use --class-labels" in result.stderr
+
+
+@pytest.mark.parametrize("t2i", [False, True])
+def test_convert_llamagen_passes_the_official_defaults(monkeypatch, tmp_path, t2i):
+    """Plumbing only (official-size checkpoints are too big for a test): which loader gets what."""
+    import argparse
+
+    from mmgen.image_ar import cli
+    from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenText2ImagePipeline
+
+    calls = []
+
+    class Saved:
+        def save_pretrained(self, path):
+            calls.append(("save", path))
+
+    def fake(name):
+        return classmethod(lambda cls, *a, **k: calls.append((name, a, k)) or Saved())
+
+    monkeypatch.setattr(LlamaGenPipeline, "from_official", fake("c2i"))
+    monkeypatch.setattr(LlamaGenText2ImagePipeline, "from_official", fake("t2i"))
+    args = argparse.Namespace(gpt_checkpoint="g.pt", vq_checkpoint="v.pt", t2i=t2i, text_encoder="t5-folder", gpt_model=None,
+                              vq_model="VQ-16", image_size=None, codebook_size=16384, codebook_embed_dim=8, num_classes=1000,
+                              out=tmp_path)
+    assert cli.convert_llamagen(args) == 0
+    name, positional, options = calls[0]
+    assert calls[1] == ("save", tmp_path)
+    if t2i:
+        assert name == "t2i" and positional == ("g.pt", "v.pt", "t5-folder")
+        assert options["gpt_model"] == "GPT-XL" and options["image_size"] == 512
+    else:
+        assert name == "c2i" and positional == ("g.pt", "v.pt") and options["num_classes"] == 1000
+        assert options["gpt_model"] == "GPT-B" and options["image_size"] == 256
