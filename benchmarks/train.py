@@ -22,7 +22,6 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterator
 

@@ -46,7 +46,7 @@ def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", d
     if name == "draft":
         drafter = options.get("drafter") or (f"{model}-draft" if f"{model}-draft" in BUNDLED_MODELS else None)
         if drafter is None:
-            raise ValueError(f"decoding 'draft' needs a draft model: add drafter=NAME_OR_PATH (e.g. 'draft:drafter=emoji64-draft')")
+            raise ValueError("decoding 'draft' needs a draft model: add drafter=NAME_OR_PATH (e.g. 'draft:drafter=emoji64-draft')")
         if isinstance(drafter, (str, os.PathLike)):
             from mmgen.image_ar.llamagen import LlamaGenPipeline
 

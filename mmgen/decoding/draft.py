@@ -63,7 +63,7 @@ class DraftSpeculative(Decoder):
         drafter = as_token_model(self.drafter)
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.vocab_size}")
-        k, V = self.num_draft, model.vocab_size
+        k = self.num_draft
         rule = self.acceptance.bind(model)
         state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
         draft_state = drafter.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
