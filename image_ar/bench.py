@@ -76,10 +76,12 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
     token_model = pipe.token_model()
     n = pipe.transformer.config.block_size
     rows = []
+    dtype = pipe.transformer.output.weight.dtype
+    decoders = {method: decoder_from_spec(method, model_name, device, dtype) for method in methods}  # drafters load once
     for batch in batch_sizes:
         baseline = None
         for method in methods:
-            decoder = decoder_from_spec(method, model_name, device, pipe.transformer.output.weight.dtype)
+            decoder = decoders[method]
             # Repeat r decodes classes r*B ... r*B + B - 1 (the same for every method) with seed r.
             labels = lambda seed: (seed * batch + torch.arange(batch, device=device)) % pipe.num_classes
             run = lambda seed: decoder.generate(token_model, labels(seed), n, sampling, torch.Generator(device).manual_seed(seed))

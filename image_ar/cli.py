@@ -78,7 +78,7 @@ def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
         from mmgen.image_ar.janus import JanusPipeline
 
         return JanusPipeline.from_pretrained(model, torch_dtype=dtype, device=device)
-    return LlamaGenPipeline.from_pretrained(resolve_model(model or DEFAULT_MODEL), device=device, dtype=dtype)
+    return LlamaGenPipeline.from_pretrained(source, device=device, dtype=dtype)
 
 
 def generate_image(args: argparse.Namespace) -> int:

@@ -16,14 +16,12 @@ so it never holds more than about twice what the longest row needs.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
-import torch.nn.functional as F
 
-from mmgen.modeling import DecodeState
+from mmgen.modeling import DecodeState, normalised_rows
 from mmgen.sampling import Logits
 
 
@@ -93,10 +91,6 @@ class JanusCache:
         self.mask = torch.cat([self.mask[:, :p], slots >= width - counts], dim=1)
 
 
-#: quantizer module -> (weight key, its l2-normalised codebook); entries die with the model.
-_NORMALISED_CODEBOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 class JanusTokenModel:
     """`JanusForConditionalGeneration` in image-generation mode as the core's `TokenModel`.
 
@@ -150,15 +144,9 @@ class JanusTokenModel:
 
     @torch.no_grad()
     def codebook(self) -> torch.Tensor:
-        """The VQ codebook [V, embed_dim], l2-normalised as the VQ decoder looks it up; the same
-        tensor while the weight is unchanged, so tables derived from it are built once."""
-        quantize = self.model.model.vqmodel.quantize
-        weight = quantize.embedding.weight
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        cached = _NORMALISED_CODEBOOKS.get(quantize)
-        if cached is None or cached[0] != key:
-            cached = _NORMALISED_CODEBOOKS[quantize] = (key, F.normalize(weight, p=2, dim=-1))
-        return cached[1]
+        """The VQ codebook [V, embed_dim], l2-normalised as the VQ decoder looks it up (the same
+        tensor while the weight is unchanged, so tables derived from it are built once)."""
+        return normalised_rows(self.model.model.vqmodel.quantize.embedding.weight)
 
     # ---------------------------------------------------------------- TokenModel
     def unconditional_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

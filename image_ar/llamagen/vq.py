@@ -18,6 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmgen.modeling import normalised_rows
+
 # Length of the rolling window of recent code indices used to report codebook usage.
 CODEBOOK_USAGE_WINDOW = 65536
 
@@ -288,21 +290,9 @@ class VectorQuantizer(nn.Module):
             self.register_buffer("codebook_used", torch.zeros(CODEBOOK_USAGE_WINDOW))
 
     def codebook(self) -> Tensor:
-        """Codebook vectors [codebook_size, embed_dim], l2-normalised if configured.
-
-        Outside autograd the normalised table is memoised while the weight is unchanged, so
-        callers get the same tensor each time (tables derived from it, such as relaxed
-        acceptance's neighbour lists, are then computed once).
-        """
-        weight = self.embedding.weight
-        if not self.l2_norm:
-            return weight
-        if torch.is_grad_enabled():
-            return F.normalize(weight, p=2, dim=-1)
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-        if getattr(self, "_normalised", (None,))[0] != key:
-            self._normalised = (key, F.normalize(weight, p=2, dim=-1))
-        return self._normalised[1]
+        """Codebook vectors [codebook_size, embed_dim], l2-normalised if configured (memoised
+        outside autograd, see `mmgen.modeling.normalised_rows`)."""
+        return normalised_rows(self.embedding.weight) if self.l2_norm else self.embedding.weight
 
     def embed_code(self, codes: Tensor) -> Tensor:
         """Look up codes of any shape; returns [*codes.shape, embed_dim] (channel last)."""

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from mmgen.decoding.base import check_int
 from mmgen.modeling import token_table
 from mmgen.sampling import uniform
 
@@ -154,8 +155,7 @@ class RelaxedAcceptance(NeighbourhoodAcceptance):
     neighbours: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"k must be a positive integer, got {self.k!r}")
+        check_int("k", self.k, 1)
         _set_number(self, "delta", lambda v: 0.0 <= v <= 1.0, "a total-variation budget in [0, 1]")
         if self.lam is not None:
             _set_number(self, "lam", lambda v: v >= 1.0, ">= 1 (lam = 1 is lossless)")
@@ -223,8 +223,7 @@ class GroupedAcceptance(NeighbourhoodAcceptance):
     close: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        if isinstance(self.rank_window, bool) or not isinstance(self.rank_window, int) or self.rank_window < 0:
-            raise ValueError(f"rank_window must be an integer >= 0, got {self.rank_window!r}")
+        check_int("rank_window", self.rank_window, 0)
         _set_number(self, "prob_threshold", lambda v: v >= 0, ">= 0")
         _set_number(self, "distance_threshold", lambda v: v >= 0, ">= 0")
 

@@ -58,6 +58,20 @@ def raise_if_masked(bad: torch.Tensor) -> None:
         )
 
 
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """ValueError unless `value` is an int (not a bool) >= `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
 def check_num_tokens(num_tokens: int) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, 1)
+
+
+def report_progress(pos: torch.Tensor, num_tokens: int, done: int, progress: Optional[Progress]) -> int:
+    """The speculative decoders' one host sync per iteration: tokens the slowest row has
+    finalised (`pos` is each row's newest finalised index); the progress bar gains the change."""
+    now = min(int(pos.min()) + 1, num_tokens)
+    if progress is not None and now > done:
+        progress.update(now - done)
+    return now

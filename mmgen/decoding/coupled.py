@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens, raise_if_masked, report_progress
 from mmgen.decoding.drafts import DraftContext, RandomDraftInit, resolve_draft_init
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.modeling import TokenModel
@@ -45,8 +45,7 @@ class CoupledJacobi(Decoder):
     draft_init: Any = field(default_factory=RandomDraftInit)
 
     def __post_init__(self):
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        check_int("window", self.window, 1)
 
     def generate(
         self,
@@ -108,10 +107,7 @@ class CoupledJacobi(Decoder):
             window = torch.where(active[:, None], new_window, window)
             pos = new_pos
 
-            new_min = min(int(pos.min()) + 1, num_tokens)
-            if progress is not None and new_min > done_min:
-                progress.update(new_min - done_min)
-            done_min = new_min
+            done_min = report_progress(pos, num_tokens, done_min, progress)  # the one host sync
 
         raise_if_masked(bad)
         return DecodeOutput(out[:, :num_tokens], recorder.finish(num_tokens, B, state.cache_bytes))

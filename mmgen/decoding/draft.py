@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
-from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens, raise_if_masked, report_progress
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.modeling import TokenModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
@@ -41,8 +41,7 @@ class DraftSpeculative(Decoder):
     acceptance: Any = field(default_factory=ExactAcceptance)
 
     def __post_init__(self):
-        if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or self.num_draft < 1:
-            raise ValueError(f"num_draft must be an integer >= 1, got {self.num_draft!r}")
+        check_int("num_draft", self.num_draft, 1)
 
     @property
     def window(self) -> int:
@@ -113,10 +112,7 @@ class DraftSpeculative(Decoder):
             drafter.rewind(draft_state, (pos - 1).clamp_min(0))
             first_round = False
 
-            new_min = min(int(pos.min()) + 1, num_tokens)
-            if progress is not None and new_min > done_min:
-                progress.update(new_min - done_min)
-            done_min = new_min
+            done_min = report_progress(pos, num_tokens, done_min, progress)  # the one host sync
 
         raise_if_masked(bad)
         stats = recorder.finish(num_tokens, B, state.cache_bytes + draft_state.cache_bytes)

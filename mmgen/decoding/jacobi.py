@@ -17,7 +17,7 @@ import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.drafts import DraftContext, RandomDraftInit, resolve_draft_init
-from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens, raise_if_masked, report_progress
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.modeling import TokenModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
@@ -38,8 +38,7 @@ class SpeculativeJacobi(Decoder):
     draft_init: Any = field(default_factory=RandomDraftInit)  # or a name of drafts.DRAFT_INITS
 
     def __post_init__(self):
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
+        check_int("window", self.window, 1)
 
     def generate(
         self,
@@ -60,10 +59,11 @@ class SpeculativeJacobi(Decoder):
         slots = torch.arange(L + 1, device=device)  # window slots, plus the bonus slot
         # Finalised tokens land here; writes past num_tokens are scratch for finished rows.
         out = torch.zeros(B, num_tokens + 2 * L, dtype=torch.long, device=device)
+        row_length = getattr(model, "row_length", None)
 
         def fill(window, fresh, pos, q_carried):
             """Fill the fresh slots with initial drafts; return the window and the drafts' laws."""
-            ctx = DraftContext(window, fresh, pos[:, None] + slots[:L], out, V, generator, getattr(model, "row_length", None))
+            ctx = DraftContext(window, fresh, pos[:, None] + slots[:L], out, V, generator, row_length)
             tokens, q_init = init(ctx)
             window = torch.where(fresh, tokens, window)
             return window, torch.where(fresh[:, 1:, None], q_init[:, 1:], q_carried)
@@ -117,11 +117,7 @@ class SpeculativeJacobi(Decoder):
             q = torch.where(keep[..., None], new_q, q)
             pos = new_pos
 
-            # The one host sync per iteration: have all rows finished?
-            new_min = min(int(pos.min()) + 1, num_tokens)
-            if progress is not None and new_min > done_min:
-                progress.update(new_min - done_min)
-            done_min = new_min
+            done_min = report_progress(pos, num_tokens, done_min, progress)  # the one host sync
 
         raise_if_masked(bad)
         return DecodeOutput(out[:, :num_tokens], recorder.finish(num_tokens, B, state.cache_bytes))
