@@ -357,23 +357,28 @@ def main() -> None:
     for name in ("--data", "--vq", "--gpt", "--draft", "--classifier", "--out"):
         exp.add_argument(name, required=True)
     for p, lr, batch in ((vq, 1e-3, 32), (gpt, 1e-3, 64), (clf, 2e-3, 64)):
-        p.add_argument("--out", required=True)
-        p.add_argument("--steps", type=int, default=2000)
-        p.add_argument("--batch-size", type=int, default=batch)
-        p.add_argument("--lr", type=float, default=lr)
-        p.add_argument("--warmup", type=int, default=100)
-        p.add_argument("--weight-decay", type=float, default=0.05)
-        p.add_argument("--seed", type=int, default=0)
-        p.add_argument("--log-every", type=int, default=50)
-        p.add_argument("--save-every", type=int, default=250)
-        p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-        p.add_argument("--run-steps", type=int, help="train at most this many steps in this invocation, then "
-                       "checkpoint and exit; the same command resumes (bounded CPU sessions)")
+        add_training_arguments(p, lr, batch)
     args = parser.parse_args()
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     jobs = {"vq": train_vq, "tokenize": tokenize, "gpt": train_gpt, "classifier": train_classifier, "export": export}
     jobs[args.job](args)
+
+
+def add_training_arguments(p: argparse.ArgumentParser, lr: float, batch: int) -> None:
+    """The options every training job takes (`train_loop` reads them)."""
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=batch)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=250)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--run-steps", type=int, help="train at most this many steps in this invocation, then "
+                   "checkpoint and exit; the same command resumes (bounded CPU sessions)")
 
 
 if __name__ == "__main__":

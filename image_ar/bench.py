@@ -211,12 +211,30 @@ def write_report(report: dict, json_path: Optional[str], markdown_path: Optional
     return text
 
 
+def is_var_bench(args) -> bool:
+    """VAR models (bundled `var-*` names, folders of a VARPipeline, `--random-weights var-dN`)
+    take the next-scale benchmark."""
+    if args.random_weights:
+        return args.random_weights.startswith("var-")
+    kinds = set()
+    for name in args.models:
+        index = Path(resolve_model(name)) / "model_index.json"
+        kinds.add(index.is_file() and json.loads(index.read_text()).get("_class_name") == "VARPipeline")
+    if len(kinds) > 1:
+        raise ValueError("benchmark VAR models and token models in separate runs")
+    return kinds == {True}
+
+
 def run(args) -> str:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     report = {"environment": environment(device, args.command_line),
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}
-    if args.random_weights:
+    if is_var_bench(args):
+        from mmgen.image_ar.bench_var import run_var
+
+        run_var(args, report, device, dtype)
+    elif args.random_weights:
         report["forward_cost"] = forward_cost_rows(args.random_weights, args.windows, args.batch_sizes, device, dtype,
                                                    args.guidance_scale != 1, args.repeats, args.warmup)
     else:
@@ -235,8 +253,9 @@ def run(args) -> str:
 def add_arguments(parser) -> None:
     parser.add_argument("--models", nargs="+", default=["emoji64"], help="bundled model names or pipeline folders")
     parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
-                        help="decoding specs: a shortcut (ar, sjd, sjd-coupled, gsd, lantern, lantern++, draft) with "
-                             "optional options, e.g. sjd:window=8, lantern:delta=0.2, draft:drafter=emoji64-draft")
+                        help="decoding specs: a shortcut (ar, sjd, sjd-coupled, gsd, lantern, lantern++, draft, entropy-switch) "
+                             "with optional options, e.g. sjd:window=8, lantern:delta=0.2, draft:drafter=emoji64-draft; "
+                             "VAR models: ar, code:draft_steps=N[,refiner=NAME]")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4], help="speed rows per batch size (none: skip)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -249,7 +268,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset (e.g. GPT-B) with random weights instead")
+    parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset with random weights instead: "
+                        "a LlamaGen preset (e.g. GPT-B: verify-window cost) or var-d16 ... var-d36 (whole decodes)")
+    parser.add_argument("--prunings", nargs="+", default=["none"], metavar="SPEC",
+                        help="VAR: FastVAR pruning settings crossed with --methods: none or STEP=KEEP,...[@START:STOP], "
+                             "e.g. '-2=0.6,-1=0.5@1:'")
+    parser.add_argument("--refiner-depth", type=int, default=16, help="with --random-weights var-dN: the CoDe refiner's depth")
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8, 16], help="with --random-weights")
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--markdown", help="write the report as Markdown here")

@@ -4,7 +4,9 @@
 64x64, with 74 classes (Unicode emoji subgroups); `emoji64-draft` is a much smaller GPT on the
 same tokenizer, for draft-model speculation; `emoji64-classifier` scores samples for the
 quality proxies; `emoji64-eval.npz` holds the held-out real images. See
-`assets/emoji64/MODEL_CARD.md`.
+`assets/emoji64/MODEL_CARD.md`. `var-emoji64` and `var-emoji64-small` are two VAR transformers
+of different depths on one multi-scale VQVAE (`benchmarks/train_var.py`; a large drafter and a
+small refiner for collaborative decoding); see `assets/var-emoji64/MODEL_CARD.md`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ import numpy as np
 import torch
 
 ASSETS = Path(__file__).parent / "assets"
-BUNDLED_MODELS = {"emoji64": ASSETS / "emoji64", "emoji64-draft": ASSETS / "emoji64-draft"}
+BUNDLED_MODELS = {
+    "emoji64": ASSETS / "emoji64",
+    "emoji64-draft": ASSETS / "emoji64-draft",
+    "var-emoji64": ASSETS / "var-emoji64",
+    "var-emoji64-small": ASSETS / "var-emoji64-small",
+}
 DEFAULT_MODEL = "emoji64"
 QUALITY_CLASSIFIER = ASSETS / "emoji64-classifier"
 EVAL_SET = ASSETS / "emoji64-eval.npz"
@@ -33,26 +40,50 @@ def resolve_model(name_or_path: Union[str, os.PathLike]) -> Union[str, os.PathLi
     return name_or_path
 
 
-def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", dtype=torch.float32, **overrides):
-    """A decoder from a command-line spec ("lantern:delta=0.2", "draft:drafter=emoji64-draft").
+#: Decoders that pair the model with a second one: option name and the bundled companion's suffix.
+COMPANIONS = {
+    "draft": ("drafter", "-draft", "a draft model"),
+    "entropy-switch": ("small", "-draft", "a small model"),
+    "code": ("refiner", "-small", "a small refiner model"),
+}
 
-    A draft model is named like any model; without one, "draft" uses the bundled
-    `<model>-draft` when it exists.
+
+def load_class_pipeline(name_or_path: Union[str, os.PathLike], device="cpu", dtype=torch.float32):
+    """A class-conditional pipeline (LlamaGen or VAR, as its model_index.json says) by bundled
+    name or folder."""
+    import json
+
+    from mmgen.image_ar.llamagen import LlamaGenPipeline
+    from mmgen.image_ar.var import VARPipeline
+
+    source = Path(resolve_model(name_or_path))
+    index = source / "model_index.json"
+    class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+    cls = VARPipeline if class_name == "VARPipeline" else LlamaGenPipeline
+    return cls.from_pretrained(source, device=device, dtype=dtype)
+
+
+def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", dtype=torch.float32, scale: bool = False, **overrides):
+    """A decoder from a command-line spec ("lantern:delta=0.2", "draft:drafter=emoji64-draft",
+    "code:draft_steps=4"); `scale` picks the next-scale (VAR) decoders.
+
+    Decoders that pair the model with a second one (draft, entropy-switch, code) take it by
+    name or path; without one they use the bundled companion `<model>-draft` / `<model>-small`
+    when it exists.
     """
-    from mmgen.decoding import make_decoder, parse_decoding
+    from mmgen.decoding import DECODERS, SCALE_DECODERS, make_decoder, parse_decoding
 
     name, options = parse_decoding(spec)
     options.update(overrides)
-    if name == "draft":
-        drafter = options.get("drafter") or (f"{model}-draft" if f"{model}-draft" in BUNDLED_MODELS else None)
-        if drafter is None:
-            raise ValueError("decoding 'draft' needs a draft model: add drafter=NAME_OR_PATH (e.g. 'draft:drafter=emoji64-draft')")
-        if isinstance(drafter, (str, os.PathLike)):
-            from mmgen.image_ar.llamagen import LlamaGenPipeline
-
-            drafter = LlamaGenPipeline.from_pretrained(resolve_model(drafter), device=device, dtype=dtype)
-        options["drafter"] = drafter
-    return make_decoder(name, **options)
+    if name in COMPANIONS and (name != "code") == (not scale):
+        option, suffix, noun = COMPANIONS[name]
+        companion = options.get(option) or (f"{model}{suffix}" if f"{model}{suffix}" in BUNDLED_MODELS else None)
+        if companion is None:
+            raise ValueError(f"decoding {name!r} needs {noun} of the same tokenizer: add {option}=NAME_OR_PATH (e.g. '{name}:{option}=PATH')")
+        if isinstance(companion, (str, os.PathLike)):
+            companion = load_class_pipeline(companion, device, dtype)
+        options[option] = companion
+    return make_decoder(name, SCALE_DECODERS if scale else DECODERS, **options)
 
 
 def load_eval_set() -> tuple[torch.Tensor, torch.Tensor]:

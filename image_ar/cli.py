@@ -1,4 +1,4 @@
-"""Image subcommands of `mmgen`: generate image, convert llamagen, bench."""
+"""Image subcommands of `mmgen`: generate image, convert llamagen / var, bench."""
 
 from __future__ import annotations
 
@@ -27,15 +27,24 @@ def register(commands, groups) -> None:
     condition = image.add_mutually_exclusive_group(required=True)
     condition.add_argument("--class-labels", nargs="+", help="one image per class: class ids or class names")
     condition.add_argument("--prompt", nargs="+", help="one image per prompt (text-to-image models)")
-    image.add_argument("--decoding", default="sjd", metavar="SPEC",
-                       help="decoder: ar, sjd, sjd-coupled, draft (lossless) or gsd, lantern, lantern++ (lossy), "
-                            "optionally with options, e.g. 'lantern:delta=0.2,window=8' or 'draft:drafter=emoji64-draft'")
+    image.add_argument("--decoding", default=None, metavar="SPEC",
+                       help="decoder: ar, sjd, sjd-coupled, draft (lossless) or gsd, lantern, lantern++, entropy-switch "
+                            "(lossy), optionally with options, e.g. 'lantern:delta=0.2,window=8' or "
+                            "'draft:drafter=emoji64-draft'; for VAR models ar or code (e.g. 'code:draft_steps=4'). "
+                            "Default: sjd, for VAR ar")
     image.add_argument("--window", type=int, default=None, help="tokens scored per forward (Jacobi decoders; default 16)")
     image.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the model's)")
     image.add_argument("--cfg-interval", type=int, default=None, help="guide tokens t <= N + 1 only (default: the model's)")
     image.add_argument("--temperature", type=float, default=None, help="default: the model's")
     image.add_argument("--top-k", type=int, default=None, help="top-k filter (default: the model's)")
     image.add_argument("--top-p", type=float, default=None, help="default: the model's")
+    image.add_argument("--preset", default=None, choices=["fid", "demo"], help="VAR: the official sampler settings")
+    image.add_argument("--more-smooth", action="store_true", help="VAR: Gumbel-softmax soft maps (official visualisation option)")
+    image.add_argument("--pruning", default=None, metavar="STEP=KEEP,...",
+                       help="VAR: FastVAR cached token pruning, keep ratios per scale step, e.g. '4=0.6,5=0.5' "
+                            "(negative steps count from the last: --pruning=-2=0.6,-1=0.5)")
+    image.add_argument("--pruning-layers", type=int, nargs=2, default=None, metavar=("START", "STOP"),
+                       help="VAR: the block range that prunes (default 3 -4, FastVAR's)")
     image.add_argument("--seed", type=int, default=0)
     image.add_argument("--device", default="cpu")
     image.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -57,6 +66,13 @@ def register(commands, groups) -> None:
     llamagen.add_argument("--out", required=True)
     llamagen.set_defaults(run=convert_llamagen)
 
+    var = groups["convert"].add_parser("var", help="official VAR .pth files (var_dN.pth + vae_ch160v4096z32.pth)")
+    var.add_argument("--var-checkpoint", required=True)
+    var.add_argument("--vae-checkpoint", required=True)
+    var.add_argument("--depth", type=int, default=16, choices=[16, 20, 24, 30, 36], help="36 is the 512px model")
+    var.add_argument("--out", required=True)
+    var.set_defaults(run=convert_var)
+
     bench_parser = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=lambda args: print(bench.run(args)) or 0)
@@ -70,6 +86,10 @@ def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
     index, config = source / "model_index.json", source / "config.json"
     class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
     is_janus = config.is_file() and json.loads(config.read_text()).get("model_type") == "janus"
+    if class_name == "VARPipeline":
+        from mmgen.image_ar.var import VARPipeline
+
+        return VARPipeline.from_pretrained(source, device=device, dtype=dtype)
     if class_name == "LlamaGenText2ImagePipeline":
         from mmgen.image_ar.llamagen import LlamaGenText2ImagePipeline
 
@@ -82,17 +102,24 @@ def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
 
 
 def generate_image(args: argparse.Namespace) -> int:
+    from mmgen.image_ar.var import VARPipeline
+
     dtype = getattr(torch, args.dtype)
     pipe = load_image_pipeline(args.model, args.prompt is not None, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
+    is_var = isinstance(pipe, VARPipeline)
     window = {} if args.window is None else {"window": args.window}
-    decoder = decoder_from_spec(args.decoding, args.model or DEFAULT_MODEL, args.device, dtype, **window)
+    spec = args.decoding or ("ar" if is_var else "sjd")
+    decoder = decoder_from_spec(spec, args.model or DEFAULT_MODEL, args.device, dtype, scale=is_var, **window)
     sampling = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.cfg_interval is not None:
         sampling["cfg_interval"] = args.cfg_interval
+    var_options = dict(preset=args.preset, more_smooth=args.more_smooth or None, pruning=parse_pruning(args.pruning, args.pruning_layers))
+    if not is_var and any(v is not None for v in var_options.values()):
+        raise ValueError("--preset, --more-smooth and --pruning are VAR options; this model is not a VAR model")
     generator = make_generator(args.seed, args.device)
     if args.prompt is not None:
-        if isinstance(pipe, LlamaGenPipeline):
+        if isinstance(pipe, (LlamaGenPipeline, VARPipeline)):
             raise ValueError("this model is class-conditional: use --class-labels, not --prompt")
         unsupported = sorted(set(_given(sampling)) - set(inspect.signature(pipe.__call__).parameters))
         if unsupported:
@@ -100,10 +127,15 @@ def generate_image(args: argparse.Namespace) -> int:
         output = pipe(args.prompt, decoding=decoder, generator=generator, **_given(sampling))
         names = [f"{i:03d}_{_slug(prompt)}.png" for i, prompt in enumerate(args.prompt)]
     else:
-        if not isinstance(pipe, LlamaGenPipeline):
+        if not isinstance(pipe, (LlamaGenPipeline, VARPipeline)):
             raise ValueError("this model is text-to-image: use --prompt, not --class-labels")
         labels = [pipe.class_index(label) for label in args.class_labels]
-        output = pipe(labels, decoding=decoder, generator=generator, **sampling)
+        if is_var:
+            if args.cfg_interval is not None:
+                raise ValueError("--cfg-interval is a LlamaGen option; VAR ramps guidance over the scales")
+            output = pipe(labels, decoding=decoder, generator=generator, **sampling, **var_options)
+        else:
+            output = pipe(labels, decoding=decoder, generator=generator, **sampling)
         names = [f"{i:03d}_class{label}.png" for i, label in enumerate(labels)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +148,26 @@ def generate_image(args: argparse.Namespace) -> int:
     print(output.stats.summary())
     print(json.dumps({"stats": output.stats.to_dict()}))
     return 0
+
+
+def parse_pruning(spec, layers):
+    """`--pruning "4=0.6,5=0.5"` (+ `--pruning-layers`) -> a CachedTokenPruning, or None."""
+    from mmgen.decoding import CachedTokenPruning
+
+    if spec is None:
+        if layers is not None:
+            raise ValueError("--pruning-layers needs --pruning")
+        return None
+    keep = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        step, eq, ratio = item.partition("=")
+        try:
+            keep[int(step)] = float(ratio)
+        except ValueError:
+            raise ValueError(f"bad --pruning item {item!r}: expected STEP=KEEP_RATIO, e.g. 5=0.5") from None
+    if not keep:
+        raise ValueError("--pruning names no step: expected STEP=KEEP_RATIO,...")
+    return CachedTokenPruning(keep, tuple(layers)) if layers is not None else CachedTokenPruning(keep)
 
 
 def _given(options: dict) -> dict:
@@ -137,6 +189,16 @@ def convert_llamagen(args: argparse.Namespace) -> int:
         pipe = LlamaGenText2ImagePipeline.from_official(args.gpt_checkpoint, args.vq_checkpoint, args.text_encoder, **common)
     else:
         pipe = LlamaGenPipeline.from_official(args.gpt_checkpoint, args.vq_checkpoint, num_classes=args.num_classes, **common)
+    pipe.save_pretrained(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def convert_var(args: argparse.Namespace) -> int:
+    from mmgen.image_ar.var import VARPipeline
+
+    pipe = VARPipeline.from_official(args.var_checkpoint, args.vae_checkpoint, depth=args.depth,
+                                     image_size=512 if args.depth == 36 else 256)
     pipe.save_pretrained(args.out)
     print(f"wrote {args.out}")
     return 0

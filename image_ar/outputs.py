@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -37,6 +37,42 @@ def check_prompts(prompt) -> list[str]:
         if not p.strip():
             raise ValueError("empty prompt: describe the image to generate")
     return list(prompts)
+
+
+class ClassLabelled:
+    """What class-conditional pipelines share: class ids or names in, checked ids out.
+
+    A subclass sets `class_names` (or None) and `num_classes`.
+    """
+
+    class_names: Optional[list[str]]
+    num_classes: int
+
+    def class_index(self, label: Union[int, str]) -> int:
+        """A class id from an id or a class name ("cat-face"); ValueError for anything else."""
+        if isinstance(label, str) and label.lstrip("-").isdigit():
+            label = int(label)
+        if isinstance(label, str):
+            if self.class_names is None or label not in self.class_names:
+                known = ", ".join(self.class_names[:12]) + ", ..." if self.class_names else "none (this model has no class names)"
+                raise ValueError(f"unknown class name {label!r}; known names: {known}")
+            return self.class_names.index(label)
+        return self.check_class_labels([label])[0]
+
+    def check_class_labels(self, class_labels: Union[int, Sequence[int]]) -> list[int]:
+        """A non-empty list of class ids in [0, num_classes); ValueError otherwise."""
+        labels = [class_labels] if isinstance(class_labels, int) else list(class_labels)
+        if not labels:
+            raise ValueError("class_labels is empty: give at least one class id")
+        for label in labels:
+            if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < self.num_classes:
+                raise ValueError(f"invalid class id {label!r}: expected an integer in [0, {self.num_classes})")
+        return labels
+
+    def check_class_names(self, class_names: Optional[Sequence[str]]) -> Optional[list[str]]:
+        if class_names is not None and len(class_names) != self.num_classes:
+            raise ValueError(f"{len(class_names)} class names for {self.num_classes} classes")
+        return list(class_names) if class_names is not None else None
 
 
 def check_output_type(output_type: str) -> None:

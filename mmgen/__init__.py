@@ -2,8 +2,8 @@
 
 from mmgen.cache import StaticKVCache
 from mmgen.decoding import Autoregressive, DecodeStats, ExactAcceptance, SpeculativeJacobi, resolve_decoder
-from mmgen.modeling import DecodeState, TokenModel
-from mmgen.sampling import ConstantGuidance, IntervalGuidance, Logits, SamplingConfig
+from mmgen.modeling import DecodeState, ScaleModel, ScaleState, TokenModel
+from mmgen.sampling import ConstantGuidance, IntervalGuidance, Logits, RampGuidance, SamplingConfig
 
 __version__ = "0.1.0"
 
@@ -15,7 +15,10 @@ __all__ = [
     "ExactAcceptance",
     "IntervalGuidance",
     "Logits",
+    "RampGuidance",
     "SamplingConfig",
+    "ScaleModel",
+    "ScaleState",
     "SpeculativeJacobi",
     "StaticKVCache",
     "TokenModel",

@@ -10,7 +10,7 @@ condition" means); the decoder receives both halves in a `Logits` and applies th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -70,6 +70,49 @@ class TokenModel(Protocol):
     def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
         """Forget committed tokens: row b keeps its first `num_generated[b]` generated tokens
         ([B] int64, never more than it has). Draft models need it to drop rejected drafts."""
+        ...
+
+
+@dataclass
+class ScaleState:
+    """What a next-scale model keeps while decoding one batch: its cache (conditional rows
+    first, then unconditional ones with guidance) and how many token maps it has been fed."""
+
+    cache: Any
+    batch_size: int
+    guidance: bool
+    device: torch.device
+    steps_fed: int = 0
+    extra: Any = None
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(getattr(self.cache, "nbytes", 0))
+
+
+@runtime_checkable
+class ScaleModel(Protocol):
+    """Next-scale prediction (VAR and its kin): step k emits a whole token map of
+    `step_sizes[k]` tokens at once, conditioned on every coarser map.
+
+    Feeding is decoupled from predicting so that a model can take over mid-way: `forward`
+    takes the token maps it has not seen yet (none before step 0, one per step while decoding,
+    every earlier map in one pass after a hand-off) and returns the logits of the next step.
+    A map is a LongTensor [B, n] of tokens or float weights [B, n, V] over the vocabulary (a
+    soft map, e.g. VAR's `more_smooth`).
+    """
+
+    vocab_size: int
+    step_sizes: tuple[int, ...]
+
+    def start(self, conditions: Any, num_steps: int, guidance: bool) -> ScaleState:
+        """Allocate a cache for the first `num_steps` steps (a model that stops early needs
+        less); feed nothing yet."""
+        ...
+
+    def forward(self, state: ScaleState, token_maps: Sequence[torch.Tensor]) -> Logits:
+        """Feed `token_maps` (steps state.steps_fed, ...) and return the logits
+        [B, step_sizes[next], V] of the step after them."""
         ...
 
 

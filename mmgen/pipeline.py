@@ -28,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from mmgen.hub import CheckpointError, load_state_dict, load_strict, resolve_path, save_safetensors
+from mmgen.sampling import make_generator
 
 MODEL_INDEX = "model_index.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -67,6 +68,15 @@ class Pipeline:
         for module in self.module_components():
             module.to(device=device, dtype=dtype)
         return self
+
+    def generator_for(self, generator: Optional[torch.Generator]) -> torch.Generator:
+        """`generator`, checked to live on the pipeline's device; a fresh one when None."""
+        device = self.device
+        if generator is None:
+            return make_generator(None, device)
+        if generator.device.type != device.type:
+            raise ValueError(f"generator is on {generator.device} but the pipeline runs on {device}: create it there")
+        return generator
 
     # ---------------------------------------------------------------- progress bar
     def set_progress_bar_config(self, **kwargs: Any) -> None:

@@ -75,7 +75,29 @@ class IntervalGuidance(ConstantGuidance):
         return torch.where(on, self.scale, 1.0).to(torch.float32)
 
 
-#: Anything with `max_scale` and `scales(index)`; both schedules above derive from ConstantGuidance.
+@dataclass(frozen=True)
+class RampGuidance(ConstantGuidance):
+    """VAR's per-scale ramp (Tian et al. 2024, arXiv 2404.02905): step k of n is guided as
+    (1 + t) c - t u with t = scale * k / (n - 1), so the first scale is unguided and the last
+    gets 1 + scale. `index` is the step (the scale), not a token position."""
+
+    num_steps: int = 2
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise ValueError(f"num_steps must be an integer >= 1, got {self.num_steps!r}")
+
+    @property
+    def max_scale(self) -> float:
+        return 1.0 + self.scale
+
+    def scales(self, index: torch.Tensor) -> torch.Tensor:
+        ratio = index.to(torch.float32) / max(self.num_steps - 1, 1)
+        return 1.0 + self.scale * ratio
+
+
+#: Anything with `max_scale` and `scales(index)`; every schedule above derives from ConstantGuidance.
 GuidanceSchedule = ConstantGuidance
 
 

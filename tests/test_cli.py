@@ -126,3 +126,42 @@ def test_convert_llamagen_passes_the_official_defaults(monkeypatch, tmp_path, t2
     else:
         assert name == "c2i" and positional == ("g.pt", "v.pt") and options["num_classes"] == 1000
         assert options["gpt_model"] == "GPT-B" and options["image_size"] == 256
+
+
+@pytest.fixture(scope="module")
+def var_dirs(tmp_path_factory):
+    from tests.image_ar.test_var_pipeline import tiny_transformer, tiny_vqvae
+    from mmgen.image_ar.var import VARPipeline
+
+    root = tmp_path_factory.mktemp("var")
+    vqvae = tiny_vqvae()
+    VARPipeline(tiny_transformer(), vqvae).save_pretrained(root / "large")
+    VARPipeline(tiny_transformer(depth=1, width=32, seed=1), vqvae).save_pretrained(root / "small")
+    return root
+
+
+@pytest.mark.parametrize("extra", [[], ["--decoding", "code:draft_steps=2,refiner={small}", "--pruning", "3=0.5", "--pruning-layers", "0", "2"],
+                                   ["--preset", "demo", "--more-smooth"]])
+def test_generate_image_with_var(var_dirs, tmp_path, extra):
+    extra = [a.format(small=var_dirs / "small") for a in extra]
+    result = mmgen("generate", "image", "--model", var_dirs / "large", "--class-labels", 3, 8, *extra, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class3.png", "001_class8.png"]
+    stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
+    assert stats["tokens"] == 30 and stats["stage_forwards"] == ([2, 2] if "code" in " ".join(extra) else [4])
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--decoding", "sjd"], "unknown decoding 'sjd'"),
+        (["--decoding", "code"], "needs a small refiner model"),
+        (["--pruning", "0=0.5"], "step 0 cannot be pruned"),
+        (["--pruning", "3:0.5"], "bad --pruning item"),
+        (["--cfg-interval", "2"], "--cfg-interval is a LlamaGen option"),
+    ],
+)
+def test_var_bad_input_exits_with_a_message(var_dirs, tmp_path, args, message):
+    result = mmgen("generate", "image", "--model", var_dirs / "large", "--class-labels", 1, *args, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -13,12 +13,12 @@ import torch
 from mmgen.decoding import Decoder, resolve_decoder
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.pipeline import Pipeline
-from mmgen.sampling import IntervalGuidance, SamplingConfig, make_generator
+from mmgen.sampling import IntervalGuidance, SamplingConfig
 
 from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
 from mmgen.image_ar.llamagen.token_model import LlamaGenTokenModel
 from mmgen.image_ar.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
-from mmgen.image_ar.outputs import ImageGenerationOutput, check_output_type, postprocess
+from mmgen.image_ar.outputs import ClassLabelled, ImageGenerationOutput, check_output_type, postprocess
 
 #: The official `sample_c2i.py` defaults, used where a pipeline saved none of its own.
 OFFICIAL_SAMPLING = {"guidance_scale": 4.0, "cfg_interval": -1, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
@@ -87,15 +87,6 @@ class LlamaGenPipelineBase(Pipeline):
             raise ValueError(f"cfg_interval must be an integer (-1 disables it), got {o['cfg_interval']!r}")
         return SamplingConfig(o["temperature"], o["top_k"], o["top_p"], IntervalGuidance(o["guidance_scale"], o["cfg_interval"]))
 
-    def generator_for(self, generator: Optional[torch.Generator]) -> torch.Generator:
-        """`generator`, checked to live on the pipeline's device; a fresh one when None."""
-        device = self.device
-        if generator is None:
-            return make_generator(None, device)
-        if generator.device.type != device.type:
-            raise ValueError(f"generator is on {generator.device} but the pipeline runs on {device}: create it there")
-        return generator
-
     def generate(
         self,
         conditions: Any,
@@ -154,7 +145,7 @@ class LlamaGenPipelineBase(Pipeline):
         return transformer, vq
 
 
-class LlamaGenPipeline(LlamaGenPipelineBase):
+class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
     """Class-conditional LlamaGen (arXiv 2406.06525): GPT over VQ tokens, then the VQ decoder.
 
     Sampling defaults are the official `sample_c2i.py` ones (guidance 4.0, top-k 2000, top-p
@@ -175,10 +166,8 @@ class LlamaGenPipeline(LlamaGenPipelineBase):
     ):
         if transformer.config.model_type != "c2i":
             raise ValueError("LlamaGenPipeline is class-conditional; this transformer is text-conditional")
-        if class_names is not None and len(class_names) != transformer.config.num_classes:
-            raise ValueError(f"{len(class_names)} class names for {transformer.config.num_classes} classes")
         super().__init__(transformer, vq, sampling_defaults)
-        self.class_names = list(class_names) if class_names is not None else None
+        self.class_names = self.check_class_names(class_names)
 
     @property
     def num_classes(self) -> int:
@@ -189,18 +178,6 @@ class LlamaGenPipeline(LlamaGenPipelineBase):
         if self.class_names is not None:
             config["class_names"] = self.class_names
         return config
-
-    def class_index(self, label: Union[int, str]) -> int:
-        """A class id from an id or a class name ("cat-face"); ValueError for anything else."""
-        if isinstance(label, str) and label.lstrip("-").isdigit():
-            label = int(label)
-        if isinstance(label, str):
-            if self.class_names is None or label not in self.class_names:
-                known = ", ".join(self.class_names[:12]) + ", ..." if self.class_names else "none (this model has no class names)"
-                raise ValueError(f"unknown class name {label!r}; known names: {known}")
-            return self.class_names.index(label)
-        self.check_inputs([label], None)
-        return label
 
     @classmethod
     def from_official(
@@ -226,12 +203,7 @@ class LlamaGenPipeline(LlamaGenPipelineBase):
         return cls(transformer, vq)
 
     def check_inputs(self, class_labels, image_size: Optional[int]) -> list[int]:
-        labels = [class_labels] if isinstance(class_labels, int) else list(class_labels)
-        if not labels:
-            raise ValueError("class_labels is empty: give at least one class id")
-        for label in labels:
-            if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < self.num_classes:
-                raise ValueError(f"invalid class id {label!r}: expected an integer in [0, {self.num_classes})")
+        labels = self.check_class_labels(class_labels)
         self.check_image_size(image_size)
         return labels
 

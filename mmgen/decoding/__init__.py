@@ -23,8 +23,11 @@ from mmgen.decoding.autoregressive import Autoregressive
 from mmgen.decoding.base import DecodeOutput, Decoder
 from mmgen.decoding.coupled import CoupledJacobi
 from mmgen.decoding.draft import DraftSpeculative
+from mmgen.decoding.entropy_switch import EntropySwitch
 from mmgen.decoding.drafts import AboveNeighbourInit, DraftContext, DraftInit, LeftNeighbourInit, RandomDraftInit
 from mmgen.decoding.jacobi import SpeculativeJacobi
+from mmgen.decoding.next_scale import Collaborative, MapSmoothing, NextScale, ScaleDecodeOutput, ScaleDecoder
+from mmgen.decoding.pruning import CachedTokenPruning
 from mmgen.decoding.stats import DecodeStats
 
 #: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
@@ -36,17 +39,24 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
     "lantern": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(delta=0.1)),
     "lantern++": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(lam=2.0)),
     "draft": DraftSpeculative,
+    "entropy-switch": EntropySwitch,
+}
+
+#: The shortcuts of next-scale models (VAR): `decoding="code"` needs `refiner=`.
+SCALE_DECODERS: dict[str, Callable[[], ScaleDecoder]] = {
+    "ar": NextScale,
+    "code": Collaborative,
 }
 
 
-def make_decoder(name: str, **options: Any) -> Decoder:
+def make_decoder(name: str, registry: dict[str, Callable[[], Any]] = DECODERS, **options: Any) -> Any:
     """The decoder a shortcut names, with `options` applied to the decoder's fields or, for
     names the decoder lacks, to its acceptance rule's (`make_decoder("lantern", delta=0.2,
     window=8)`); rule options apply to an `acceptance=` given alongside them. Unknown options
     are an error that lists the valid ones."""
-    if not isinstance(name, str) or name.lower() not in DECODERS:
-        raise ValueError(f"unknown decoding {name!r}: use one of {sorted(DECODERS)} or a Decoder object")
-    decoder = DECODERS[name.lower()]()
+    if not isinstance(name, str) or name.lower() not in registry:
+        raise ValueError(f"unknown decoding {name!r}: use one of {sorted(registry)} or a decoder object")
+    decoder = registry[name.lower()]()
     own = {k: v for k, v in options.items() if k in _field_names(decoder)}
     rest = {k: v for k, v in options.items() if k not in own}
     rule = own.get("acceptance", getattr(decoder, "acceptance", None))
@@ -101,20 +111,26 @@ def _field_names(obj: Any) -> set[str]:
     return {f.name for f in fields(obj) if f.repr and f.init} if is_dataclass(obj) else set()
 
 
-def resolve_decoder(decoding: Union[str, Decoder]) -> Decoder:
-    """A decoder object from itself, a shortcut name or a spec ("lantern:delta=0.2")."""
-    if isinstance(decoding, Decoder):
+def resolve_decoder(decoding: Union[str, Decoder, ScaleDecoder], registry: dict[str, Callable[[], Any]] = DECODERS) -> Any:
+    """A decoder object from itself, a shortcut name or a spec ("lantern:delta=0.2"); pass
+    `registry=SCALE_DECODERS` for next-scale models."""
+    kind = ScaleDecoder if registry is SCALE_DECODERS else Decoder
+    if isinstance(decoding, kind):
         return decoding
     if isinstance(decoding, str):
         name, options = parse_decoding(decoding)
-        return make_decoder(name, **options)
-    raise ValueError(f"decoding must be a shortcut name {sorted(DECODERS)}, a spec or a Decoder object, got {decoding!r}")
+        return make_decoder(name, registry, **options)
+    raise ValueError(
+        f"decoding must be a shortcut name {sorted(registry)}, a spec or a {kind.__name__} object, got {decoding!r}"
+    )
 
 
 __all__ = [
     "AboveNeighbourInit",
     "AcceptanceRule",
     "Autoregressive",
+    "CachedTokenPruning",
+    "Collaborative",
     "CoupledJacobi",
     "DECODERS",
     "DecodeOutput",
@@ -123,12 +139,18 @@ __all__ = [
     "DraftContext",
     "DraftInit",
     "DraftSpeculative",
+    "EntropySwitch",
     "ExactAcceptance",
     "GroupedAcceptance",
     "LeftNeighbourInit",
+    "MapSmoothing",
+    "NextScale",
     "NeighbourhoodAcceptance",
     "RandomDraftInit",
     "RelaxedAcceptance",
+    "SCALE_DECODERS",
+    "ScaleDecodeOutput",
+    "ScaleDecoder",
     "SpeculativeJacobi",
     "make_decoder",
     "parse_decoding",

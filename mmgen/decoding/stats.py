@@ -17,6 +17,8 @@ class DecodeStats:
     autoregressive decoding of n tokens takes exactly n. `accepted_histogram[k]` counts the
     (row, forward) pairs that finalised k tokens; rows that had finished are not counted.
     `draft_forwards` counts a separate draft model's calls (draft-model speculation only).
+    Decoders that hand work between models report, per model in their schedule, its forwards
+    (`stage_forwards`) and the tokens it sampled over all rows (`stage_tokens`).
     Peak memory is the CUDA allocator's peak and None on CPU, where torch has no allocator
     statistics.
     """
@@ -29,6 +31,8 @@ class DecodeStats:
     peak_memory_bytes: Optional[int] = None
     cache_bytes: int = 0
     draft_forwards: int = 0
+    stage_forwards: list[int] = field(default_factory=list)
+    stage_tokens: list[int] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:

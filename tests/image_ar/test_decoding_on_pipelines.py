@@ -5,13 +5,13 @@ tables each model provides (VQ codebook, token embeddings)."""
 import pytest
 import torch
 
-from mmgen.decoding import DECODERS, DraftSpeculative, make_decoder
+from mmgen.decoding import DECODERS, DraftSpeculative, EntropySwitch, make_decoder
 
 from tests.conftest import tiny_pipeline
 from tests.image_ar.test_janus import tiny_janus, tiny_processor
 from tests.image_ar.test_llamagen_t2i import tiny_t2i_pipeline
 
-LOSSLESS = ["sjd", "sjd-coupled", "draft"]
+LOSSLESS = ["sjd", "sjd-coupled", "draft", "entropy-switch"]
 LOSSY = ["gsd", "lantern", "lantern++"]
 
 
@@ -31,8 +31,13 @@ def pipelines():
 
 
 def decoder(name, pipe):
-    # The target drafting for itself is still draft-model speculation (its own cache, rewinds).
-    return DraftSpeculative(drafter=pipe, num_draft=3) if name == "draft" else make_decoder(name, window=4)
+    # The target drafting for itself is still draft-model speculation (its own cache, rewinds);
+    # switching to itself still runs two models with their own caches.
+    if name == "draft":
+        return DraftSpeculative(drafter=pipe, num_draft=3)
+    if name == "entropy-switch":
+        return EntropySwitch(small=pipe, threshold=0.0)
+    return make_decoder(name, window=4)
 
 
 def test_every_shortcut_is_covered():

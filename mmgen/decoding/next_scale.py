@@ -1,0 +1,151 @@
+"""Decoders for next-scale models (`ScaleModel`): plain scale-by-scale decoding and
+collaborative decoding, where models of different sizes take turns over the scales."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+
+from mmgen.decoding.base import Progress, check_int, raise_if_masked
+from mmgen.decoding.stats import DecodeStats, StatsRecorder
+from mmgen.modeling import ScaleModel
+from mmgen.sampling import SamplingConfig, invalid_rows, sample
+
+
+class MapSmoothing(Protocol):
+    """Turns a step's probabilities into the soft map fed to the next step (weights [B, n, V]);
+    the sampled tokens are still what the decoder returns. VAR's `more_smooth` is one."""
+
+    def __call__(self, probs: torch.Tensor, step: int, num_steps: int, generator: torch.Generator) -> torch.Tensor: ...
+
+
+@dataclass
+class ScaleDecodeOutput:
+    """Token maps [B, step_sizes[k]] for every step k, and the decode's statistics."""
+
+    tokens: list[torch.Tensor]
+    stats: DecodeStats
+
+
+def as_scale_model(model: Any, role: str = "model") -> ScaleModel:
+    """A `ScaleModel` from a scale model or from anything with `scale_model()` (a pipeline)."""
+    if hasattr(model, "scale_model") and callable(model.scale_model):
+        model = model.scale_model()
+    if not isinstance(model, ScaleModel):
+        raise ValueError(f"{role} must be a ScaleModel or a pipeline with scale_model(), got {type(model).__name__}")
+    return model
+
+
+class ScaleDecoder:
+    """Base class: `generate(model, conditions, sampling, generator)` decodes every step."""
+
+    def generate(
+        self,
+        model: ScaleModel,
+        conditions: Any,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        progress: Optional[Progress] = None,
+        smoothing: Optional[MapSmoothing] = None,
+    ) -> ScaleDecodeOutput:
+        return decode_schedule(self.schedule(model), conditions, sampling, generator, progress, smoothing)
+
+    def schedule(self, model: ScaleModel) -> list[tuple[ScaleModel, int]]:
+        """(model, first step) pairs in step order; each model decodes until the next one's first step."""
+        raise NotImplementedError
+
+
+@dataclass
+class NextScale(ScaleDecoder):
+    """One forward per scale, with the model's KV cache carried across scales (the official
+    VAR sampler, `autoregressive_infer_cfg`)."""
+
+    def schedule(self, model: ScaleModel) -> list[tuple[ScaleModel, int]]:
+        return [(as_scale_model(model), 0)]
+
+
+@dataclass
+class Collaborative(ScaleDecoder):
+    """Collaborative decoding (CoDe; Chen et al., CVPR 2025, arXiv 2411.17787).
+
+    The pipeline's (large) model drafts the first `draft_steps` scales, where few tokens carry
+    the image's content; its cache is then freed, and `refiner` (a smaller model on the same
+    tokenizer) feeds every drafted map in one block-causal prefill and decodes the remaining,
+    large scales, which hold most of the tokens and most of the cost. Training-free with two
+    official checkpoints (e.g. VAR-d30 drafting, VAR-d16 refining).
+
+    `schedule` generalises the hand-off to any number of models: [(model or None, first step),
+    ...], None standing for the pipeline's own model; it overrides `refiner`/`draft_steps`.
+    """
+
+    refiner: Any = None
+    draft_steps: int = 8
+    handoffs: Optional[Sequence[tuple[Any, int]]] = None
+
+    def __post_init__(self):
+        check_int("draft_steps", self.draft_steps, 1)
+
+    def schedule(self, model: ScaleModel) -> list[tuple[ScaleModel, int]]:
+        model = as_scale_model(model)
+        if self.handoffs is not None:
+            stages = [(model if m is None else as_scale_model(m, "a collaborative stage's model"), s) for m, s in self.handoffs]
+        elif self.refiner is None:
+            raise ValueError("Collaborative needs a refiner: a smaller model on the same tokenizer")
+        else:
+            stages = [(model, 0), (as_scale_model(self.refiner, "refiner"), self.draft_steps)]
+        steps = len(model.step_sizes)
+        starts = [s for _, s in stages]
+        if not stages or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= steps:
+            raise ValueError(f"stage first steps {starts} must start at 0, increase, and stay below the model's {steps} steps")
+        for other, _ in stages[1:]:
+            if other.vocab_size != model.vocab_size or tuple(other.step_sizes) != tuple(model.step_sizes):
+                raise ValueError(
+                    f"collaborating models must share the tokenizer and scales: vocabulary {other.vocab_size} vs "
+                    f"{model.vocab_size}, steps {tuple(other.step_sizes)} vs {tuple(model.step_sizes)}"
+                )
+        return stages
+
+
+def decode_schedule(
+    stages: list[tuple[ScaleModel, int]],
+    conditions: Any,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
+    progress: Optional[Progress] = None,
+    smoothing: Optional[MapSmoothing] = None,
+) -> ScaleDecodeOutput:
+    """Decode every step, model by model. A model's cache is sized for its own steps and freed
+    before the next model starts; the next model first feeds every map decoded so far."""
+    sizes = tuple(stages[0][0].step_sizes)
+    num_steps = len(sizes)
+    fed: list[torch.Tensor] = []  # what every later model must feed: tokens, or soft maps
+    tokens: list[torch.Tensor] = []
+    recorder, bad, cache_bytes, stage_forwards = None, None, 0, []
+    for i, (model, first) in enumerate(stages):
+        stop = stages[i + 1][1] if i + 1 < len(stages) else num_steps
+        state = model.start(conditions, stop, sampling.uses_guidance)
+        if recorder is None:
+            recorder = StatsRecorder(state.device, max_accepted=1)
+            bad = torch.zeros(state.batch_size, dtype=torch.bool, device=state.device)
+            ones = torch.ones(state.batch_size, dtype=torch.long, device=state.device)
+        pending = fed[:first]
+        before = recorder.forwards
+        for step in range(first, stop):
+            logits = model.forward(state, pending)
+            probs = sampling.probs(logits, torch.full(logits.cond.shape[:2], step, device=state.device))
+            bad |= invalid_rows(probs).any(-1)
+            tokens.append(sample(probs, generator))
+            fed.append(tokens[-1] if smoothing is None else smoothing(probs, step, num_steps, generator))
+            pending = fed[-1:]
+            recorder.record(ones, ones.bool())
+            if progress is not None:
+                progress.update(1)
+        stage_forwards.append(recorder.forwards - before)
+        cache_bytes = max(cache_bytes, state.cache_bytes)
+        del state  # frees this model's cache before the next model allocates its own
+    raise_if_masked(bad)
+    stats = recorder.finish(sum(sizes), len(tokens[0]), cache_bytes)
+    stats.stage_forwards = stage_forwards
+    return ScaleDecodeOutput(tokens, stats)
