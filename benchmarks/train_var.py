@@ -4,10 +4,12 @@ of different depths on its tokens (a large one and a small one, for collaborativ
 Same harness as `benchmarks/train.py` (deterministic for a seed and thread count, resumable,
 atomic checkpoints):
 
-    python -m benchmarks.train_var vqvae --data data/emoji64.npz --out runs/var-vqvae --steps 1200
+    python -m benchmarks.train_var vqvae --data data/emoji64.npz --out runs/var-vqvae --steps 900 --threads 2
     python -m benchmarks.train_var tokenize --data data/emoji64.npz --vqvae runs/var-vqvae --out runs/var-codes.npz
-    python -m benchmarks.train_var var --preset large --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-large --steps 2000
-    python -m benchmarks.train_var var --preset small --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-small --steps 2000
+    python -m benchmarks.train_var var --preset large --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-large \
+        --steps 1500 --threads 1
+    python -m benchmarks.train_var var --preset small --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-small \
+        --steps 1500 --threads 1
     python -m benchmarks.train_var export --data data/emoji64.npz --vqvae runs/var-vqvae --large runs/var-large \
         --small runs/var-small --out image_ar/assets
 """
@@ -163,7 +165,8 @@ commands; deterministic for a seed and thread count) on the same emoji set as `e
 
 Same code and state-dict layout as the official VAR and VQVAE, at emoji scale. The VQVAE loss is
 L1 + L2 reconstruction plus the official multi-scale VQ/commitment loss (no perceptual or GAN
-loss); every 50 steps codes a batch did not use restart at random encoder vectors. Held-out
+loss); every 50 steps (in the first 80% of the run) codes a batch did not use restart at random
+encoder vectors. Held-out
 reconstruction MSE {f['vqvae_eval_mse']:.4f} on images in [-1, 1]; {f['codes_used']} codes used by the
 held-out images. The transformers use the official objective (cross-entropy over all 130 tokens,
 teacher-forced with the VQVAE's next-scale inputs, 10% of labels dropped to the null class), the
@@ -176,7 +179,13 @@ The VQVAE ships in float16 (rounded before every figure here was computed); the 
 ## Sampling defaults
 
 Saved with the pipelines: guidance scale {VAR_EMOJI_SAMPLING['guidance_scale']} (the official ramp: the last
-scale is guided with 1 + 2.0), no top-k, no top-p, temperature 1.0.
+scale is guided with 1 + 2.0), no top-k, no top-p, temperature 1.0; chosen to match `emoji64`'s
+guidance, not tuned on the proxies.
+
+## Reproduce
+
+The commands in the docstring of `benchmarks/train_var.py` (the two VAR runs ran side by side,
+one thread each; the VQVAE with two threads).
 
 ## Limits
 

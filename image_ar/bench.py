@@ -271,8 +271,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset with random weights instead: "
                         "a LlamaGen preset (e.g. GPT-B: verify-window cost) or var-d16 ... var-d36 (whole decodes)")
     parser.add_argument("--prunings", nargs="+", default=["none"], metavar="SPEC",
-                        help="VAR: FastVAR pruning settings crossed with --methods: none or STEP=KEEP,...[@START:STOP], "
-                             "e.g. '-2=0.6,-1=0.5@1:'")
+                        help="VAR: FastVAR pruning settings crossed with --methods: none or STEP=KEEP,...[@START:STOP] "
+                             "(scale steps from 0, block range), e.g. '8=0.6,9=0.5@3:-4'")
     parser.add_argument("--refiner-depth", type=int, default=16, help="with --random-weights var-dN: the CoDe refiner's depth")
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8, 16], help="with --random-weights")
     parser.add_argument("--json", help="write the report as JSON here")

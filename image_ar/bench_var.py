@@ -23,7 +23,8 @@ from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTrans
 
 
 def parse_pruning_spec(spec: str) -> Optional[CachedTokenPruning]:
-    """"none" or "STEP=KEEP,...[@START:STOP]" (e.g. "-2=0.6,-1=0.5@1:" or "5=0.5@0:")."""
+    """"none" or "STEP=KEEP,...[@START:STOP]" (e.g. "8=0.6,9=0.5@3:-4" or "5=0.5@0:"); the
+    default block range is the policy's (FastVAR's 3:-4)."""
     if spec == "none":
         return None
     keep_part, _, layers = spec.partition("@")

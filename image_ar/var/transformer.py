@@ -508,8 +508,9 @@ class VARTransformer(nn.Module):
 
     def _layer_pruning(self, policy: CachedTokenPruning, cache: VARCache, first_step: int, num_steps: int) -> list:
         """Per-layer FastVAR state for scales [first_step, first_step + num_steps). A chunk of
-        several scales (a collaborative hand-off's prefill) may hold the cache step, whose
-        outputs are then remembered from its slice of the chunk; a pruned scale runs alone."""
+        several scales (a collaborative hand-off's prefill) runs every token, pruned scales
+        included; when it holds the cache step, that step's outputs are remembered from its
+        slice of the chunk. Pruning applies to scales decoded alone."""
         c = self.config
         policy.check(c.num_steps)
         steps = range(first_step, first_step + num_steps)
@@ -517,8 +518,6 @@ class VARTransformer(nn.Module):
         pruned = [s for s in policy.pruned_steps(c.num_steps) if s in steps]
         memory = cache.pruning_memory
         span = None
-        if pruned and num_steps > 1:
-            raise ValueError(f"scale {pruned[0]} is pruned, so it must be decoded alone, not in a chunk of {num_steps} scales")
         if cache_step in steps:
             pn = c.patch_nums[cache_step]
             offset = c.begin_ends[first_step][0]
@@ -526,7 +525,7 @@ class VARTransformer(nn.Module):
             memory.clear()
             memory["hw"] = (pn, pn)
             keep = None
-        elif pruned:
+        elif pruned and num_steps == 1:
             if "hw" not in memory:
                 raise ValueError(f"step {pruned[0]} is pruned but the cache step {cache_step} "
                                  "was not decoded with this pruning policy")

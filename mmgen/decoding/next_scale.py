@@ -148,4 +148,6 @@ def decode_schedule(
     raise_if_masked(bad)
     stats = recorder.finish(sum(sizes), len(tokens[0]), cache_bytes)
     stats.stage_forwards = stage_forwards
+    stats.stage_tokens = [sum(sizes[first:stop]) * stats.rows for (_, first), stop in zip(stages, [s for _, s in stages[1:]] + [num_steps])]
+    stats.baseline_forwards = num_steps
     return ScaleDecodeOutput(tokens, stats)

@@ -18,7 +18,8 @@ class DecodeStats:
     (row, forward) pairs that finalised k tokens; rows that had finished are not counted.
     `draft_forwards` counts a separate draft model's calls (draft-model speculation only).
     Decoders that hand work between models report, per model in their schedule, its forwards
-    (`stage_forwards`) and the tokens it sampled over all rows (`stage_tokens`).
+    (`stage_forwards`) and the tokens it sampled over all rows (`stage_tokens`). Next-scale
+    decoders set `baseline_forwards` to the number of steps.
     Peak memory is the CUDA allocator's peak and None on CPU, where torch has no allocator
     statistics.
     """
@@ -33,6 +34,7 @@ class DecodeStats:
     draft_forwards: int = 0
     stage_forwards: list[int] = field(default_factory=list)
     stage_tokens: list[int] = field(default_factory=list)
+    baseline_forwards: Optional[int] = None
 
     @property
     def mean_accepted_length(self) -> float:
@@ -42,8 +44,11 @@ class DecodeStats:
 
     @property
     def step_compression(self) -> float:
-        """Autoregressive forwards / this decoder's forwards for the same tokens."""
-        return self.tokens / self.forwards if self.forwards else 0.0
+        """Autoregressive forwards / this decoder's forwards for the same tokens. Autoregressive
+        decoding takes one forward per token, or per step (`baseline_forwards`) for models that
+        emit several tokens per step (next-scale models)."""
+        baseline = self.tokens if self.baseline_forwards is None else self.baseline_forwards
+        return baseline / self.forwards if self.forwards else 0.0
 
     def to_dict(self) -> dict:
         out = asdict(self)

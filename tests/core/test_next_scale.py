@@ -56,6 +56,7 @@ def test_collaborative_hands_off_with_one_prefill_of_every_drafted_map():
     assert large.calls == [[], [1]] and large.starts == [2]  # the drafter's cache holds its 2 steps only
     assert small.calls == [[1, 4]] and small.starts == [3]
     assert out.stats.stage_forwards == [2, 1] and out.stats.forwards == 3
+    assert out.stats.stage_tokens == [3 * 5, 3 * 9] and out.stats.step_compression == 1.0  # one forward per scale, as AR
 
 
 def test_collaborative_with_the_same_model_equals_next_scale():

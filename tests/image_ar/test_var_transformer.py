@@ -185,8 +185,6 @@ def test_decode_validates_its_arguments(tiny):
         model.decode(model.start_tokens(cond[:2]), cond[:2], cache, 0)
     with pytest.raises(ValueError):  # scale 0's tokens come from start_tokens
         model.scale_tokens(inputs[:, :1], 0)
-    with pytest.raises(ValueError, match="decoded alone"):  # a pruned scale runs alone, not in a chunk
-        model.decode(torch.zeros(4, 25, 64), cond, cache, 2, 2, pruning=CachedTokenPruning(keep={-1: 0.5}, layers=(1, 2)))
     small = model.new_cache(labels.shape[0], capacity=4)
     with pytest.raises(ValueError):  # capacity
         model.decode(torch.zeros(4, 5, 64), cond, small, 0, 2)
@@ -322,3 +320,14 @@ def test_pruning_after_a_prefill_that_holds_the_cache_step_equals_scale_by_scale
     by_scale = cached_logits(model, cond, inputs, [1, 1, 1, 1], pruning=policy)
     chunked = cached_logits(model, cond, inputs, [3, 1], pruning=policy)
     torch.testing.assert_close(chunked, by_scale, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_pruned_scales_inside_a_prefill_chunk_run_in_full(tiny):
+    model, labels, inputs, full = tiny
+    cond = model.condition(labels)
+    policy = CachedTokenPruning(keep={-2: 0.5, -1: 0.5}, layers=(0, None))
+    # Scale 2 is pruned but inside the chunk: it runs every token, so the chunk equals no pruning.
+    chunked = cached_logits(model, cond, inputs, [3, 1], pruning=policy)
+    torch.testing.assert_close(chunked[:, :14], full[:, :14], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(chunked[:, 14:], full[:, 14:])  # scale 3, decoded alone, is pruned
