@@ -56,18 +56,19 @@ class EntropySwitch(Decoder):
         small_state = small.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
         B, device = small_state.batch_size, small_state.device
         recorder = StatsRecorder(device, max_accepted=1)
-        recorder.forwards = 2  # both prefills
         tokens = torch.empty(B, num_tokens, dtype=torch.long, device=device)
         entropies = torch.zeros(B, self.entropy_window, device=device)
         ones = torch.ones(B, dtype=torch.long, device=device)
         index = torch.zeros(B, 1, dtype=torch.long, device=device)
         bad = torch.zeros(B, dtype=torch.bool, device=device)
-        large_fed, large_forwards, large_tokens = 0, 1, torch.zeros((), dtype=torch.long, device=device)
+        # Forwards per model, prefills included; `large_fed` counts the tokens the large model has seen.
+        large_fed, large_forwards, small_forwards = 0, 1, 1
+        large_tokens = torch.zeros((), dtype=torch.long, device=device)
         for t in range(num_tokens):
             if t > 0:
                 logits = small.forward(small_state, tokens[:, t - 1 : t])
                 small.commit(small_state, ones)
-                recorder.forwards += 1
+                small_forwards += 1
             else:
                 logits = small_state.first_logits
             probs = sampling.probs(logits, index + t)
@@ -79,18 +80,18 @@ class EntropySwitch(Decoder):
                     large_logits = model.forward(large_state, tokens[:, large_fed:t])[:, -1:]
                     model.commit(large_state, ones * (t - large_fed))
                     large_fed, large_forwards = t, large_forwards + 1
-                    recorder.forwards += 1
                 else:
                     large_logits = large_state.first_logits
                 probs = torch.where(use_large[:, None, None], sampling.probs(large_logits, index + t), probs)
                 large_tokens += use_large.sum()
             bad |= invalid_rows(probs).any(-1)
             tokens[:, t] = sample(probs, generator)[:, 0]
-            recorder.histogram[1] += B
+            recorder.record(ones, ones.bool())  # one token per row per step
             if progress is not None:
                 progress.update(1)
         raise_if_masked(bad)
         stats = recorder.finish(num_tokens, B, large_state.cache_bytes + small_state.cache_bytes)
-        stats.stage_forwards = [large_forwards, recorder.forwards - large_forwards]
+        stats.forwards = large_forwards + small_forwards
+        stats.stage_forwards = [large_forwards, small_forwards]
         stats.stage_tokens = [int(large_tokens), B * num_tokens - int(large_tokens)]
         return DecodeOutput(tokens, stats)

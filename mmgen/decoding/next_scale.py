@@ -122,9 +122,9 @@ def decode_schedule(
     num_steps = len(sizes)
     fed: list[torch.Tensor] = []  # what every later model must feed: tokens, or soft maps
     tokens: list[torch.Tensor] = []
-    recorder, bad, cache_bytes, stage_forwards = None, None, 0, []
-    for i, (model, first) in enumerate(stages):
-        stop = stages[i + 1][1] if i + 1 < len(stages) else num_steps
+    recorder, bad, cache_bytes, stage_forwards, stage_tokens = None, None, 0, [], []
+    stops = [first for _, first in stages[1:]] + [num_steps]
+    for (model, first), stop in zip(stages, stops):
         state = model.start(conditions, stop, sampling.uses_guidance)
         if recorder is None:
             recorder = StatsRecorder(state.device, max_accepted=1)
@@ -143,11 +143,10 @@ def decode_schedule(
             if progress is not None:
                 progress.update(1)
         stage_forwards.append(recorder.forwards - before)
+        stage_tokens.append(sum(sizes[first:stop]) * state.batch_size)
         cache_bytes = max(cache_bytes, state.cache_bytes)
         del state  # frees this model's cache before the next model allocates its own
     raise_if_masked(bad)
     stats = recorder.finish(sum(sizes), len(tokens[0]), cache_bytes)
-    stats.stage_forwards = stage_forwards
-    stats.stage_tokens = [sum(sizes[first:stop]) * stats.rows for (_, first), stop in zip(stages, [s for _, s in stages[1:]] + [num_steps])]
-    stats.baseline_forwards = num_steps
+    stats.stage_forwards, stats.stage_tokens, stats.baseline_forwards = stage_forwards, stage_tokens, num_steps
     return ScaleDecodeOutput(tokens, stats)
