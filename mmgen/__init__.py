@@ -2,7 +2,7 @@
 
 from mmgen.cache import StaticKVCache
 from mmgen.decoding import Autoregressive, DecodeStats, ExactAcceptance, SpeculativeJacobi, resolve_decoder
-from mmgen.modeling import DecodeState, ScaleModel, ScaleState, TokenModel
+from mmgen.modeling import ContinuousModel, ContinuousState, DecodeState, HeadSample, ScaleModel, ScaleState, TokenModel
 from mmgen.sampling import ConstantGuidance, IntervalGuidance, Logits, RampGuidance, SamplingConfig
 
 __version__ = "0.1.0"
@@ -10,9 +10,12 @@ __version__ = "0.1.0"
 __all__ = [
     "Autoregressive",
     "ConstantGuidance",
+    "ContinuousModel",
+    "ContinuousState",
     "DecodeState",
     "DecodeStats",
     "ExactAcceptance",
+    "HeadSample",
     "IntervalGuidance",
     "Logits",
     "RampGuidance",

@@ -116,6 +116,65 @@ class ScaleModel(Protocol):
         ...
 
 
+@dataclass
+class ContinuousState:
+    """The canvas of a continuous-token decode: `tokens` [B, L, D] and which are `known` [B, L]
+    (conditional rows; the model builds its CFG batch itself), with the `conditions` [B, ...]."""
+
+    tokens: torch.Tensor
+    known: torch.Tensor
+    conditions: torch.Tensor
+    guidance: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+
+@dataclass
+class HeadSample:
+    """A diffusion head's tokens `x` [B, n, D] and the Gaussian of its final denoising step,
+    `mean` and `std` [B, n, D] (temperature included): x = mean + std * that step's noise."""
+
+    x: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+
+
+@runtime_checkable
+class ContinuousModel(Protocol):
+    """Continuous tokens sampled by a diffusion head, a set of positions per step: MAR's masked
+    random order, or one position per step for a causal model (next-token diffusion).
+
+    Continuous speculative decoding needs two things of it: the head samples with *given* noise
+    (the same table for draft and target: denoising-trajectory alignment) and reports its final
+    step's Gaussian; and `head_inputs` works on any canvas, so a target can score every drafted
+    step, each on the canvas its draft saw, in one batched forward.
+    """
+
+    num_tokens: int
+    token_dim: int
+    head_steps: int
+
+    def start(self, conditions: torch.Tensor, guidance: bool) -> ContinuousState:
+        """An empty canvas for the conditions [B, ...] (nothing known)."""
+        ...
+
+    def schedule(self, state: ContinuousState, num_steps: int, generator: torch.Generator) -> list[torch.Tensor]:
+        """The positions [B, n_s] each step predicts; every position exactly once."""
+        ...
+
+    def head_inputs(self, state: ContinuousState, positions: torch.Tensor) -> Any:
+        """One backbone forward over the canvas (unknown positions masked); the head's
+        conditioning for `positions` [B, n]."""
+        ...
+
+    def sample(self, inputs: Any, noise: torch.Tensor, temperature: float, guidance_scale: torch.Tensor) -> HeadSample:
+        """Sample the head with the given noise [B, n, head_steps + 1, D] (the initial noise
+        first, then one per denoising step) and per-row guidance scales [B]."""
+        ...
+
+
 def normalised_rows(weight: torch.Tensor) -> torch.Tensor:
     """`weight` with l2-normalised rows (a VQ codebook as the decoder looks it up).
 

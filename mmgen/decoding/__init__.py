@@ -21,6 +21,7 @@ from mmgen.decoding.acceptance import (
 )
 from mmgen.decoding.autoregressive import Autoregressive
 from mmgen.decoding.base import DecodeOutput, Decoder
+from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousOutput, ContinuousSpeculative, GaussianTokens, MaskedContinuous
 from mmgen.decoding.coupled import CoupledJacobi
 from mmgen.decoding.draft import DraftSpeculative
 from mmgen.decoding.entropy_switch import EntropySwitch
@@ -131,6 +132,9 @@ __all__ = [
     "Autoregressive",
     "CachedTokenPruning",
     "Collaborative",
+    "ContinuousAcceptance",
+    "ContinuousOutput",
+    "ContinuousSpeculative",
     "CoupledJacobi",
     "DECODERS",
     "DecodeOutput",
@@ -141,9 +145,11 @@ __all__ = [
     "DraftSpeculative",
     "EntropySwitch",
     "ExactAcceptance",
+    "GaussianTokens",
     "GroupedAcceptance",
     "LeftNeighbourInit",
     "MapSmoothing",
+    "MaskedContinuous",
     "NextScale",
     "NeighbourhoodAcceptance",
     "RandomDraftInit",

@@ -19,7 +19,9 @@ class DecodeStats:
     `draft_forwards` counts a separate draft model's calls (draft-model speculation only).
     Decoders that hand work between models report, per model in their schedule, its forwards
     (`stage_forwards`) and the tokens it sampled over all rows (`stage_tokens`). Next-scale
-    decoders set `baseline_forwards` to the number of steps.
+    decoders set `baseline_forwards` to the number of steps. Continuous speculative decoding
+    counts the `drafted` tokens, the `accepted_drafts`, and the residual samples that ran out of
+    rejection rounds (`fallbacks`).
     Peak memory is the CUDA allocator's peak and None on CPU, where torch has no allocator
     statistics.
     """
@@ -35,6 +37,9 @@ class DecodeStats:
     stage_forwards: list[int] = field(default_factory=list)
     stage_tokens: list[int] = field(default_factory=list)
     baseline_forwards: Optional[int] = None
+    drafted: int = 0
+    accepted_drafts: int = 0
+    fallbacks: int = 0
 
     @property
     def mean_accepted_length(self) -> float:
