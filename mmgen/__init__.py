@@ -3,7 +3,7 @@
 from mmgen.cache import StaticKVCache
 from mmgen.decoding import Autoregressive, DecodeStats, ExactAcceptance, SpeculativeJacobi, resolve_decoder
 from mmgen.modeling import ContinuousModel, ContinuousState, DecodeState, HeadSample, ScaleModel, ScaleState, TokenModel
-from mmgen.sampling import ConstantGuidance, IntervalGuidance, Logits, RampGuidance, SamplingConfig
+from mmgen.sampling import ConstantGuidance, IntervalGuidance, LinearProgressGuidance, Logits, RampGuidance, SamplingConfig
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,7 @@ __all__ = [
     "ExactAcceptance",
     "HeadSample",
     "IntervalGuidance",
+    "LinearProgressGuidance",
     "Logits",
     "RampGuidance",
     "SamplingConfig",

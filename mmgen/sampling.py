@@ -97,6 +97,22 @@ class RampGuidance(ConstantGuidance):
         return 1.0 + self.scale * ratio
 
 
+@dataclass(frozen=True)
+class LinearProgressGuidance(ConstantGuidance):
+    """MAR's "linear" CFG schedule (after Muse): 1 + (scale - 1) * k / total, where the index k
+    is the number of tokens known after the step, so guidance grows as the image fills in."""
+
+    total: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.total, bool) or not isinstance(self.total, int) or self.total < 1:
+            raise ValueError(f"total must be an integer >= 1, got {self.total!r}")
+
+    def scales(self, index: torch.Tensor) -> torch.Tensor:
+        return 1.0 + (self.scale - 1.0) * index.to(torch.float32) / self.total
+
+
 #: Anything with `max_scale` and `scales(index)`; every schedule above derives from ConstantGuidance.
 GuidanceSchedule = ConstantGuidance
 

@@ -198,3 +198,12 @@ def test_continuous_decoder_errors():
         MaskedContinuous().generate(model, torch.tensor([0]), SamplingConfig(top_k=5), torch.Generator())
     with pytest.raises(ValueError, match="prefill_ratio"):
         ContinuousSpeculative(prefill_ratio=1.5)
+
+
+def test_linear_progress_guidance_is_mars_schedule():
+    from mmgen.sampling import LinearProgressGuidance
+
+    g = LinearProgressGuidance(3.0, total=256)
+    known_after = torch.tensor([1, 64, 256])
+    torch.testing.assert_close(g.scales(known_after), 1 + 2.0 * known_after.float() / 256)
+    assert g.max_scale == 3.0 and SamplingConfig(guidance=g).uses_guidance
