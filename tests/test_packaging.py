@@ -44,7 +44,7 @@ def test_wheel_contents_and_imports(tmp_path):
                                capture_output=True, text=True, timeout=300)
     assert installed.returncode == 0, installed.stderr
     probe = (
-        "import mmgen, mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.image_ar.var, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
+        "import mmgen, mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.image_ar.var, mmgen.image_ar.mar, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
         "from mmgen.image_ar.bundled import resolve_model; resolve_model('emoji64');"
         "print(mmgen.image_ar.llamagen.__file__)"
     )

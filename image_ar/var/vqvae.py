@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgen.image_ar.autoencoder_blocks import Decoder, Encoder, FusedQKVAttention
+
 
 @dataclass
 class VQVAEConfig:
@@ -69,148 +71,18 @@ class VQVAEConfig:
 # ---------------------------------------------------------------------------- encoder / decoder
 
 
-def swish(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(x)
+def var_encoder(c: VQVAEConfig) -> Encoder:
+    """The official `Encoder`: attention (fused `qkv`) in the last level if `using_sa`."""
+    return Encoder(in_channels=3, ch=c.ch, ch_mult=c.ch_mult, num_res_blocks=c.num_res_blocks, out_channels=c.z_channels,
+                   dropout=c.dropout, attention=FusedQKVAttention,
+                   attn_levels={len(c.ch_mult) - 1} if c.using_sa else set(), mid_attention=c.using_mid_sa)
 
 
-def group_norm(channels: int) -> nn.GroupNorm:
-    return nn.GroupNorm(32, channels, eps=1e-6, affine=True)
-
-
-class ResnetBlock(nn.Module):
-    def __init__(self, in_channels: int, out_channels: int, dropout: float):
-        super().__init__()
-        self.norm1 = group_norm(in_channels)
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
-        self.norm2 = group_norm(out_channels)
-        self.dropout = nn.Dropout(dropout) if dropout > 1e-6 else nn.Identity()
-        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
-        self.nin_shortcut = nn.Conv2d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
-        return self.nin_shortcut(x) + h
-
-
-class AttnBlock(nn.Module):
-    """Single-head self-attention over the pixels of a feature map (1x1-conv projections)."""
-
-    def __init__(self, channels: int):
-        super().__init__()
-        self.norm = group_norm(channels)
-        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
-        self.proj_out = nn.Conv2d(channels, channels, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = x.shape
-        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, c, h * w).unbind(1)
-        weights = torch.softmax(torch.bmm(q.transpose(1, 2), k) * c**-0.5, dim=2)  # [B, query, key]
-        out = torch.bmm(v, weights.transpose(1, 2)).view(b, c, h, w)
-        return x + self.proj_out(out)
-
-
-class Downsample2x(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (0, 1, 0, 1)))  # asymmetric padding, as taming-transformers
-
-
-class Upsample2x(nn.Module):
-    def __init__(self, channels: int):
-        super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.interpolate(x, scale_factor=2, mode="nearest"))
-
-
-def attention_or_identity(channels: int, enabled: bool) -> nn.Module:
-    return AttnBlock(channels) if enabled else nn.Identity()
-
-
-class Level(nn.Module):
-    """One resolution of the encoder or decoder (the official `down.i` / `up.i` containers)."""
-
-    def __init__(self, blocks: list[nn.Module], attns: list[nn.Module], resample: Optional[nn.Module], resample_name: str):
-        super().__init__()
-        self.block = nn.ModuleList(blocks)
-        self.attn = nn.ModuleList(attns)
-        if resample is not None:
-            setattr(self, resample_name, resample)
-
-    def run_blocks(self, h: torch.Tensor) -> torch.Tensor:
-        for i, block in enumerate(self.block):
-            h = block(h)
-            if len(self.attn):
-                h = self.attn[i](h)
-        return h
-
-
-class Middle(nn.Module):
-    def __init__(self, channels: int, dropout: float, attention: bool):
-        super().__init__()
-        self.block_1 = ResnetBlock(channels, channels, dropout)
-        self.attn_1 = attention_or_identity(channels, attention)
-        self.block_2 = ResnetBlock(channels, channels, dropout)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.block_2(self.attn_1(self.block_1(h)))
-
-
-class Encoder(nn.Module):
-    def __init__(self, c: VQVAEConfig):
-        super().__init__()
-        self.conv_in = nn.Conv2d(3, c.ch, 3, padding=1)
-        levels, block_in = [], c.ch
-        for i, mult in enumerate(c.ch_mult):
-            last = i == len(c.ch_mult) - 1
-            block_out = c.ch * mult
-            blocks = [ResnetBlock(block_in if j == 0 else block_out, block_out, c.dropout) for j in range(c.num_res_blocks)]
-            attns = [AttnBlock(block_out) for _ in range(c.num_res_blocks)] if last and c.using_sa else []
-            levels.append(Level(blocks, attns, None if last else Downsample2x(block_out), "downsample"))
-            block_in = block_out
-        self.down = nn.ModuleList(levels)
-        self.mid = Middle(block_in, c.dropout, c.using_mid_sa)
-        self.norm_out = group_norm(block_in)
-        self.conv_out = nn.Conv2d(block_in, c.z_channels, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv_in(x)
-        for level in self.down:
-            h = level.run_blocks(h)
-            if hasattr(level, "downsample"):
-                h = level.downsample(h)
-        return self.conv_out(F.silu(self.norm_out(self.mid(h))))
-
-
-class Decoder(nn.Module):
-    def __init__(self, c: VQVAEConfig):
-        super().__init__()
-        block_in = c.ch * c.ch_mult[-1]
-        self.conv_in = nn.Conv2d(c.z_channels, block_in, 3, padding=1)
-        self.mid = Middle(block_in, c.dropout, c.using_mid_sa)
-        levels: list[Level] = []
-        for i in reversed(range(len(c.ch_mult))):
-            block_out = c.ch * c.ch_mult[i]
-            blocks = [ResnetBlock(block_in if j == 0 else block_out, block_out, c.dropout) for j in range(c.num_res_blocks + 1)]
-            attns = [AttnBlock(block_out) for _ in range(c.num_res_blocks + 1)] if i == len(c.ch_mult) - 1 and c.using_sa else []
-            levels.insert(0, Level(blocks, attns, Upsample2x(block_out) if i != 0 else None, "upsample"))
-            block_in = block_out
-        self.up = nn.ModuleList(levels)
-        self.norm_out = group_norm(block_in)
-        self.conv_out = nn.Conv2d(block_in, 3, 3, padding=1)
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        h = self.mid(self.conv_in(z))
-        for level in reversed(self.up):
-            h = level.run_blocks(h)
-            if hasattr(level, "upsample"):
-                h = level.upsample(h)
-        return self.conv_out(F.silu(self.norm_out(h)))
+def var_decoder(c: VQVAEConfig) -> Decoder:
+    """The official `Decoder`: attention (fused `qkv`) in the last level if `using_sa`."""
+    return Decoder(z_channels=c.z_channels, ch=c.ch, ch_mult=c.ch_mult, num_res_blocks=c.num_res_blocks, out_channels=3,
+                   dropout=c.dropout, attention=FusedQKVAttention,
+                   attn_levels={len(c.ch_mult) - 1} if c.using_sa else set(), mid_attention=c.using_mid_sa)
 
 
 # ---------------------------------------------------------------------------- quantizer
@@ -368,8 +240,8 @@ class MultiScaleVQVAE(nn.Module):
     def __init__(self, config: VQVAEConfig):
         super().__init__()
         self.config = config
-        self.encoder = Encoder(config)
-        self.decoder = Decoder(config)
+        self.encoder = var_encoder(config)
+        self.decoder = var_decoder(config)
         self.quantize = MultiScaleQuantizer(config)
         ks = config.quant_conv_ks
         self.quant_conv = nn.Conv2d(config.z_channels, config.z_channels, ks, padding=ks // 2)
