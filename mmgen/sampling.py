@@ -100,7 +100,9 @@ class RampGuidance(ConstantGuidance):
 @dataclass(frozen=True)
 class LinearProgressGuidance(ConstantGuidance):
     """MAR's "linear" CFG schedule (after Muse): 1 + (scale - 1) * k / total, where the index k
-    is the number of tokens known after the step, so guidance grows as the image fills in."""
+    is the number of tokens known after the step, so guidance grows as the image fills in. As
+    in the official sampler, k counts at most total - 1 (its last step computes the scale with
+    one token still masked)."""
 
     total: int = 1
 
@@ -110,7 +112,7 @@ class LinearProgressGuidance(ConstantGuidance):
             raise ValueError(f"total must be an integer >= 1, got {self.total!r}")
 
     def scales(self, index: torch.Tensor) -> torch.Tensor:
-        return 1.0 + (self.scale - 1.0) * index.to(torch.float32) / self.total
+        return 1.0 + (self.scale - 1.0) * index.clamp(max=self.total - 1).to(torch.float32) / self.total
 
 
 #: Anything with `max_scale` and `scales(index)`; every schedule above derives from ConstantGuidance.

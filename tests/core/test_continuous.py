@@ -204,6 +204,7 @@ def test_linear_progress_guidance_is_mars_schedule():
     from mmgen.sampling import LinearProgressGuidance
 
     g = LinearProgressGuidance(3.0, total=256)
-    known_after = torch.tensor([1, 64, 256])
+    known_after = torch.tensor([1, 64, 255])
     torch.testing.assert_close(g.scales(known_after), 1 + 2.0 * known_after.float() / 256)
+    assert g.scales(torch.tensor([256])).item() == g.scales(torch.tensor([255])).item()  # the official last step
     assert g.max_scale == 3.0 and SamplingConfig(guidance=g).uses_guidance
