@@ -96,7 +96,7 @@ def var_quality_rows(pipe: VARPipeline, model_name: str, methods: Sequence[str],
     labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
     rows = []
     for method, pruning_spec in ((m, p) for m in methods for p in prunings):
-        decoder = decoder_from_spec(method, model_name, pipe.device, pipe.transformer.class_emb.weight.dtype, scale=True)
+        decoder = decoder_from_spec(method, model_name, pipe.device, pipe.transformer.class_emb.weight.dtype, family="scale")
         generator = torch.Generator(pipe.device).manual_seed(seed)
         outs = [pipe(chunk.tolist(), decoding=decoder, pruning=parse_pruning_spec(pruning_spec), generator=generator,
                      output_type="pt", **options) for chunk in labels.split(batch_size)]
@@ -121,7 +121,7 @@ def scale_decoders(methods: Sequence[str], pipe: VARPipeline, model_name: str, r
     """Decoders for method specs; `refiner` (random-weight runs) replaces the bundled companion."""
     dtype = pipe.transformer.class_emb.weight.dtype
     overrides = lambda m: {"refiner": refiner} if refiner is not None and m.startswith("code") else {}
-    return {m: decoder_from_spec(m, model_name, pipe.device, dtype, scale=True, **overrides(m)) for m in methods}
+    return {m: decoder_from_spec(m, model_name, pipe.device, dtype, family="scale", **overrides(m)) for m in methods}
 
 
 def run_var(args, report: dict, device: torch.device, dtype: torch.dtype) -> None:

@@ -40,42 +40,52 @@ def resolve_model(name_or_path: Union[str, os.PathLike]) -> Union[str, os.PathLi
     return name_or_path
 
 
-#: Decoders that pair the model with a second one: option name and the bundled companion's suffix.
+#: Decoders that pair the model with a second one: option name, the bundled companion's
+#: suffix, and what it is (for the error message).
 COMPANIONS = {
     "draft": ("drafter", "-draft", "a draft model"),
     "entropy-switch": ("small", "-draft", "a small model"),
     "code": ("refiner", "-small", "a small refiner model"),
+    "cspd": ("drafter", "-draft", "a draft model"),
 }
+#: Which decoder shortcuts each kind of model takes.
+FAMILIES = ("token", "scale", "continuous")
 
 
 def load_class_pipeline(name_or_path: Union[str, os.PathLike], device="cpu", dtype=torch.float32):
-    """A class-conditional pipeline (LlamaGen or VAR, as its model_index.json says) by bundled
-    name or folder."""
+    """A class-conditional pipeline (LlamaGen, VAR or MAR, as its model_index.json says) by
+    bundled name or folder."""
     import json
 
     from mmgen.image_ar.llamagen import LlamaGenPipeline
+    from mmgen.image_ar.mar import MARPipeline
     from mmgen.image_ar.var import VARPipeline
 
     source = Path(resolve_model(name_or_path))
     index = source / "model_index.json"
     class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-    cls = VARPipeline if class_name == "VARPipeline" else LlamaGenPipeline
+    cls = {"VARPipeline": VARPipeline, "MARPipeline": MARPipeline}.get(class_name, LlamaGenPipeline)
     return cls.from_pretrained(source, device=device, dtype=dtype)
 
 
-def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", dtype=torch.float32, scale: bool = False, **overrides):
+def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", dtype=torch.float32, family: str = "token",
+                      **overrides):
     """A decoder from a command-line spec ("lantern:delta=0.2", "draft:drafter=emoji64-draft",
-    "code:draft_steps=4"); `scale` picks the next-scale (VAR) decoders.
+    "code:draft_steps=4"); `family` picks the shortcuts of token ("token"), next-scale ("scale",
+    VAR) or continuous ("continuous", MAR) models.
 
-    Decoders that pair the model with a second one (draft, entropy-switch, code) take it by
-    name or path; without one they use the bundled companion `<model>-draft` / `<model>-small`
-    when it exists.
+    Decoders that pair the model with a second one (draft, entropy-switch, code, cspd) take it
+    by name or path; without one they use the bundled companion `<model>-draft` /
+    `<model>-small` when it exists.
     """
-    from mmgen.decoding import DECODERS, SCALE_DECODERS, make_decoder, parse_decoding
+    from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS, make_decoder, parse_decoding
 
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    registry = {"token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS}[family]
     name, options = parse_decoding(spec)
     options.update(overrides)
-    if name in COMPANIONS and (name != "code") == (not scale):
+    if name in COMPANIONS and name in registry:
         option, suffix, noun = COMPANIONS[name]
         companion = options.get(option) or (f"{model}{suffix}" if f"{model}{suffix}" in BUNDLED_MODELS else None)
         if companion is None:
@@ -83,7 +93,7 @@ def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", d
         if isinstance(companion, (str, os.PathLike)):
             companion = load_class_pipeline(companion, device, dtype)
         options[option] = companion
-    return make_decoder(name, SCALE_DECODERS if scale else DECODERS, **options)
+    return make_decoder(name, registry, **options)
 
 
 def load_eval_set() -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Image subcommands of `mmgen`: generate image, convert llamagen / var, bench."""
+"""Image subcommands of `mmgen`: generate image, convert llamagen / var / mar, bench."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ def register(commands, groups) -> None:
                             "(negative steps count from the last: --pruning=-2=0.6,-1=0.5)")
     image.add_argument("--pruning-layers", type=int, nargs=2, default=None, metavar=("START", "STOP"),
                        help="VAR: the block range that prunes (default 3 -4, FastVAR's)")
+    image.add_argument("--num-iter", type=int, default=None, help="MAR: masked steps (default: the model's, officially 64)")
+    image.add_argument("--cfg-schedule", default=None, choices=["linear", "constant"], help="MAR: guidance schedule")
     image.add_argument("--seed", type=int, default=0)
     image.add_argument("--device", default="cpu")
     image.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -73,6 +75,13 @@ def register(commands, groups) -> None:
     var.add_argument("--out", required=True)
     var.set_defaults(run=convert_var)
 
+    mar = groups["convert"].add_parser("mar", help="official MAR checkpoint-last.pth (its model_ema) + kl16.ckpt")
+    mar.add_argument("--mar-checkpoint", required=True)
+    mar.add_argument("--vae-checkpoint", required=True)
+    mar.add_argument("--model", default="mar_base", choices=["mar_base", "mar_large", "mar_huge"])
+    mar.add_argument("--out", required=True)
+    mar.set_defaults(run=convert_mar)
+
     bench_parser = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=lambda args: print(bench.run(args)) or 0)
@@ -86,6 +95,10 @@ def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
     index, config = source / "model_index.json", source / "config.json"
     class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
     is_janus = config.is_file() and json.loads(config.read_text()).get("model_type") == "janus"
+    if class_name == "MARPipeline":
+        from mmgen.image_ar.mar import MARPipeline
+
+        return MARPipeline.from_pretrained(source, device=device, dtype=dtype)
     if class_name == "VARPipeline":
         from mmgen.image_ar.var import VARPipeline
 
@@ -102,15 +115,17 @@ def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
 
 
 def generate_image(args: argparse.Namespace) -> int:
+    from mmgen.image_ar.mar import MARPipeline
     from mmgen.image_ar.var import VARPipeline
 
     dtype = getattr(torch, args.dtype)
     pipe = load_image_pipeline(args.model, args.prompt is not None, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
-    is_var = isinstance(pipe, VARPipeline)
+    is_var, is_mar = isinstance(pipe, VARPipeline), isinstance(pipe, MARPipeline)
     window = {} if args.window is None else {"window": args.window}
-    spec = args.decoding or ("ar" if is_var else "sjd")
-    decoder = decoder_from_spec(spec, args.model or DEFAULT_MODEL, args.device, dtype, scale=is_var, **window)
+    spec = args.decoding or ("ar" if is_var or is_mar else "sjd")
+    family = "scale" if is_var else "continuous" if is_mar else "token"
+    decoder = decoder_from_spec(spec, args.model or DEFAULT_MODEL, args.device, dtype, family=family, **window)
     sampling = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.cfg_interval is not None:
         sampling["cfg_interval"] = args.cfg_interval
@@ -119,7 +134,7 @@ def generate_image(args: argparse.Namespace) -> int:
         raise ValueError("--preset, --more-smooth and --pruning are VAR options; this model is not a VAR model")
     generator = make_generator(args.seed, args.device)
     if args.prompt is not None:
-        if isinstance(pipe, (LlamaGenPipeline, VARPipeline)):
+        if isinstance(pipe, (LlamaGenPipeline, VARPipeline, MARPipeline)):
             raise ValueError("this model is class-conditional: use --class-labels, not --prompt")
         unsupported = sorted(set(_given(sampling)) - set(inspect.signature(pipe.__call__).parameters))
         if unsupported:
@@ -127,15 +142,16 @@ def generate_image(args: argparse.Namespace) -> int:
         output = pipe(args.prompt, decoding=decoder, generator=generator, **_given(sampling))
         names = [f"{i:03d}_{_slug(prompt)}.png" for i, prompt in enumerate(args.prompt)]
     else:
-        if not isinstance(pipe, (LlamaGenPipeline, VARPipeline)):
+        if not isinstance(pipe, (LlamaGenPipeline, VARPipeline, MARPipeline)):
             raise ValueError("this model is text-to-image: use --prompt, not --class-labels")
         labels = [pipe.class_index(label) for label in args.class_labels]
-        if is_var:
-            if args.cfg_interval is not None:
-                raise ValueError("--cfg-interval is a LlamaGen option; VAR ramps guidance over the scales")
-            output = pipe(labels, decoding=decoder, generator=generator, **sampling, **var_options)
-        else:
-            output = pipe(labels, decoding=decoder, generator=generator, **sampling)
+        if is_var and args.cfg_interval is not None:
+            raise ValueError("--cfg-interval is a LlamaGen option; VAR ramps guidance over the scales")
+        options = {**sampling, **(var_options if is_var else {}), "num_iter": args.num_iter, "cfg_schedule": args.cfg_schedule}
+        unsupported = sorted(set(_given(options)) - set(inspect.signature(pipe.__call__).parameters))
+        if unsupported:
+            raise ValueError(f"{type(pipe).__name__} has no option(s) {unsupported}")
+        output = pipe(labels, decoding=decoder, generator=generator, **_given(options))
         names = [f"{i:03d}_class{label}.png" for i, label in enumerate(labels)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -200,5 +216,13 @@ def convert_var(args: argparse.Namespace) -> int:
     pipe = VARPipeline.from_official(args.var_checkpoint, args.vae_checkpoint, depth=args.depth,
                                      image_size=512 if args.depth == 36 else 256)
     pipe.save_pretrained(args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def convert_mar(args: argparse.Namespace) -> int:
+    from mmgen.image_ar.mar import MARPipeline
+
+    MARPipeline.from_official(args.mar_checkpoint, args.vae_checkpoint, model=args.model).save_pretrained(args.out)
     print(f"wrote {args.out}")
     return 0

@@ -165,3 +165,29 @@ def test_var_bad_input_exits_with_a_message(var_dirs, tmp_path, args, message):
     result = mmgen("generate", "image", "--model", var_dirs / "large", "--class-labels", 1, *args, "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def mar_dir(tmp_path_factory):
+    from tests.image_ar.test_mar_pipeline import tiny_model, tiny_vae
+    from mmgen.image_ar.mar import MARPipeline
+
+    path = tmp_path_factory.mktemp("mar") / "tiny-mar"
+    MARPipeline(tiny_model(), tiny_vae()).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("extra", [["--num-iter", "3", "--cfg-schedule", "constant", "--guidance-scale", "2"],
+                                   ["--decoding", "cspd:num_draft=2,drafter={model}", "--num-iter", "4"]])
+def test_generate_image_with_mar(mar_dir, tmp_path, extra):
+    extra = [a.format(model=mar_dir) for a in extra]
+    result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 3, 8, *extra, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class3.png", "001_class8.png"]
+    stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
+    assert stats["rows"] == 2 and (stats["drafted"] > 0) == ("cspd" in " ".join(extra))
+
+
+def test_mar_rejects_token_options(mar_dir, tmp_path):
+    result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--top-k", 5, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 2 and "has no option(s) ['top_k']" in result.stderr

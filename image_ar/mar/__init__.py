@@ -2,7 +2,9 @@
 (Li et al. 2024, arXiv 2406.11838), and its KL-16 VAE."""
 
 from mmgen.image_ar.mar.diffloss import DiffLoss, DiffusionSample, GaussianDiffusion, SimpleMLPAdaLN, space_timesteps
+from mmgen.image_ar.mar.continuous_model import MARContinuousModel
 from mmgen.image_ar.mar.mar import MAR, MAR_PRESETS, MARConfig, sample_tokens
+from mmgen.image_ar.mar.pipeline import MARPipeline
 from mmgen.image_ar.mar.vae import MAR_LATENT_SCALE, DiagonalGaussian, KLVAE, KLVAEConfig
 
 __all__ = [
@@ -14,6 +16,8 @@ __all__ = [
     "KLVAEConfig",
     "MAR",
     "MARConfig",
+    "MARContinuousModel",
+    "MARPipeline",
     "MAR_LATENT_SCALE",
     "MAR_PRESETS",
     "SimpleMLPAdaLN",

@@ -136,7 +136,7 @@ class KLVAE(nn.Module):
         self.post_quant_conv = nn.Conv2d(c.embed_dim, c.z_channels, 1)
 
     @classmethod
-    def from_pretrained(cls, path_or_repo: Union[str, os.PathLike], filename: Optional[str] = None,
+    def from_official(cls, path_or_repo: Union[str, os.PathLike], filename: Optional[str] = None,
                         config: Optional[KLVAEConfig] = None) -> "KLVAE":
         """Load the official `kl16.ckpt` (or a safetensors export of it) strictly, in eval mode."""
         path = resolve_path(path_or_repo, filename)

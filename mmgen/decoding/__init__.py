@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import fields, is_dataclass, replace
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 from mmgen.decoding.acceptance import (
     AcceptanceRule,
@@ -21,7 +21,14 @@ from mmgen.decoding.acceptance import (
 )
 from mmgen.decoding.autoregressive import Autoregressive
 from mmgen.decoding.base import DecodeOutput, Decoder
-from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousOutput, ContinuousSpeculative, GaussianTokens, MaskedContinuous
+from mmgen.decoding.continuous import (
+    ContinuousAcceptance,
+    ContinuousDecoder,
+    ContinuousOutput,
+    ContinuousSpeculative,
+    GaussianTokens,
+    MaskedContinuous,
+)
 from mmgen.decoding.coupled import CoupledJacobi
 from mmgen.decoding.draft import DraftSpeculative
 from mmgen.decoding.entropy_switch import EntropySwitch
@@ -41,6 +48,12 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
     "lantern++": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(lam=2.0)),
     "draft": DraftSpeculative,
     "entropy-switch": EntropySwitch,
+}
+
+#: The shortcuts of continuous-token models (MAR): `decoding="cspd"` needs `drafter=`.
+CONTINUOUS_DECODERS: dict[str, Callable[[], ContinuousDecoder]] = {
+    "ar": MaskedContinuous,
+    "cspd": ContinuousSpeculative,
 }
 
 #: The shortcuts of next-scale models (VAR): `decoding="code"` needs `refiner=`.
@@ -112,10 +125,10 @@ def _field_names(obj: Any) -> set[str]:
     return {f.name for f in fields(obj) if f.repr and f.init} if is_dataclass(obj) else set()
 
 
-def resolve_decoder(decoding: Union[str, Decoder, ScaleDecoder], registry: dict[str, Callable[[], Any]] = DECODERS) -> Any:
+def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECODERS) -> Any:
     """A decoder object from itself, a shortcut name or a spec ("lantern:delta=0.2"); pass
-    `registry=SCALE_DECODERS` for next-scale models."""
-    kind = ScaleDecoder if registry is SCALE_DECODERS else Decoder
+    `registry=SCALE_DECODERS` for next-scale models, `CONTINUOUS_DECODERS` for continuous ones."""
+    kind = {id(SCALE_DECODERS): ScaleDecoder, id(CONTINUOUS_DECODERS): ContinuousDecoder}.get(id(registry), Decoder)
     if isinstance(decoding, kind):
         return decoding
     if isinstance(decoding, str):
@@ -129,10 +142,12 @@ def resolve_decoder(decoding: Union[str, Decoder, ScaleDecoder], registry: dict[
 __all__ = [
     "AboveNeighbourInit",
     "AcceptanceRule",
+    "CONTINUOUS_DECODERS",
     "Autoregressive",
     "CachedTokenPruning",
     "Collaborative",
     "ContinuousAcceptance",
+    "ContinuousDecoder",
     "ContinuousOutput",
     "ContinuousSpeculative",
     "CoupledJacobi",

@@ -153,8 +153,18 @@ def _step(model: ContinuousModel, state: ContinuousState, positions: torch.Tenso
     return out
 
 
+class ContinuousDecoder:
+    """Base class: `generate(model, conditions, sampling, generator)` fills the canvas."""
+
+    num_steps: int
+
+    def generate(self, model: ContinuousModel, conditions: torch.Tensor, sampling: SamplingConfig,
+                 generator: torch.Generator) -> ContinuousOutput:
+        raise NotImplementedError
+
+
 @dataclass
-class MaskedContinuous:
+class MaskedContinuous(ContinuousDecoder):
     """One head sample per position, a schedule of position sets (MAR's sampler: random order,
     cosine mask schedule over `num_steps` iterations)."""
 
@@ -179,7 +189,7 @@ class MaskedContinuous:
 
 
 @dataclass
-class ContinuousSpeculative:
+class ContinuousSpeculative(ContinuousDecoder):
     """Continuous speculative decoding (CSpD, arXiv 2411.11925) on any `ContinuousModel`.
 
     The first `prefill_ratio` of the steps run on the target alone. Then the drafter runs

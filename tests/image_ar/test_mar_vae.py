@@ -83,11 +83,11 @@ def test_checkpoint_nested_under_model_with_loss_keys_loads_strictly(tmp_path):
     sd = dict(source.state_dict())
     torch.save({"model": {**sd, "loss.logvar": torch.zeros(()), "loss.discriminator.main.0.weight": torch.zeros(2)}},
                tmp_path / "kl.ckpt")
-    loaded = KLVAE.from_pretrained(tmp_path / "kl.ckpt", config=c)
+    loaded = KLVAE.from_official(tmp_path / "kl.ckpt", config=c)
     assert not loaded.training
     assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
     save_safetensors(sd, tmp_path / "kl.safetensors")
-    KLVAE.from_pretrained(tmp_path / "kl.safetensors", config=c)
+    KLVAE.from_official(tmp_path / "kl.safetensors", config=c)
     with pytest.raises(CheckpointError, match="unexpected keys"):
         load_strict(KLVAE(c), {**sd, "extra.weight": torch.zeros(1)}, ignore=OFFICIAL_IGNORED_KEYS)
 
