@@ -122,10 +122,12 @@ def generate_image(args: argparse.Namespace) -> int:
     pipe = load_image_pipeline(args.model, args.prompt is not None, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
     is_var, is_mar = isinstance(pipe, VARPipeline), isinstance(pipe, MARPipeline)
-    window = {} if args.window is None else {"window": args.window}
+    overrides = {} if args.window is None else {"window": args.window}
     spec = args.decoding or ("ar" if is_var or is_mar else "sjd")
     family = "scale" if is_var else "continuous" if is_mar else "token"
-    decoder = decoder_from_spec(spec, args.model or DEFAULT_MODEL, args.device, dtype, family=family, **window)
+    if is_mar:  # the decoder object carries the step count: the model's default unless --num-iter
+        overrides["num_steps"] = args.num_iter or pipe.sampling_defaults["num_iter"]
+    decoder = decoder_from_spec(spec, args.model or DEFAULT_MODEL, args.device, dtype, family=family, **overrides)
     sampling = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.cfg_interval is not None:
         sampling["cfg_interval"] = args.cfg_interval

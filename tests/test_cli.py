@@ -186,6 +186,7 @@ def test_generate_image_with_mar(mar_dir, tmp_path, extra):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class3.png", "001_class8.png"]
     stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
     assert stats["rows"] == 2 and (stats["drafted"] > 0) == ("cspd" in " ".join(extra))
+    assert stats["baseline_forwards"] == int(extra[extra.index("--num-iter") + 1])
 
 
 def test_mar_rejects_token_options(mar_dir, tmp_path):

@@ -99,8 +99,10 @@ class MARPipeline(ClassLabelled, Pipeline):
         Args:
             class_labels: class ids in [0, num_classes).
             decoding: "ar" (the official sampler), "cspd" / `ContinuousSpeculative(drafter=...)`,
-                or any `ContinuousDecoder`; a decoder object keeps its own `num_steps`.
-            num_iter: masked steps (default: the pipeline's, officially 64; the README evaluates with 256).
+                or any `ContinuousDecoder`.
+            num_iter: masked steps; overrides the decoder's `num_steps`. Default: a decoder object
+                keeps its own, a shortcut takes the pipeline's (officially 64; the README
+                evaluates with 256).
             guidance_scale: CFG scale (>= 1), schedule "linear" (grows with the known tokens) or "constant".
             temperature: scales the head's noise.
             generator: the source of every random draw; None seeds one from OS entropy.
@@ -109,11 +111,9 @@ class MARPipeline(ClassLabelled, Pipeline):
         labels = self.check_class_labels(class_labels)
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_schedule, temperature)
-        steps = self.sampling_defaults["num_iter"] if num_iter is None else num_iter
-        if isinstance(decoding, str):
-            decoder = replace(resolve_decoder(decoding, CONTINUOUS_DECODERS), num_steps=steps)
-        else:
-            decoder = resolve_decoder(decoding, CONTINUOUS_DECODERS)
+        decoder = resolve_decoder(decoding, CONTINUOUS_DECODERS)
+        if num_iter is not None or isinstance(decoding, str):
+            decoder = replace(decoder, num_steps=self.sampling_defaults["num_iter"] if num_iter is None else num_iter)
         model = self.continuous_model(stochastic_last_step=isinstance(decoder, ContinuousSpeculative))
         result = decoder.generate(model, torch.tensor(labels, device=self.device), sampling, self.generator_for(generator))
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)

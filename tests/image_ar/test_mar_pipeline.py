@@ -33,6 +33,7 @@ def test_generates_images_deterministically(pipe):
     assert torch.equal(out.tokens, pipe([1, 2], generator=gen(), output_type="pt").tokens)
     assert not torch.equal(out.tokens, pipe([1, 2], generator=gen(1), output_type="pt").tokens)
     assert out.stats.forwards == 4 and len(pipe(3, generator=gen()).images) == 1
+    assert pipe([1], num_iter=3, generator=gen()).stats.forwards == 3
 
 
 def test_cspd_through_the_pipeline(pipe):
