@@ -126,7 +126,7 @@ def generate_image(args: argparse.Namespace) -> int:
     spec = args.decoding or ("ar" if is_var or is_mar else "sjd")
     family = "scale" if is_var else "continuous" if is_mar else "token"
     if is_mar:  # the decoder object carries the step count: the model's default unless --num-iter
-        overrides["num_steps"] = args.num_iter or pipe.sampling_defaults["num_iter"]
+        overrides["num_steps"] = pipe.sampling_defaults["num_iter"] if args.num_iter is None else args.num_iter
     decoder = decoder_from_spec(spec, args.model or DEFAULT_MODEL, args.device, dtype, family=family, **overrides)
     sampling = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     if args.cfg_interval is not None:
