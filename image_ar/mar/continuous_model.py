@@ -50,23 +50,18 @@ class MARContinuousModel:
         return steps
 
     def head_inputs(self, state: ContinuousState, positions: torch.Tensor):
-        """z at `positions` for the conditional rows and, with guidance, the null-class rows.
-        MAR's encoder drops unknown tokens, so rows are run in groups of equal known count."""
-        mask = (~state.known).float()
-        labels = state.conditions
-        z_cond, z_uncond = [None] * len(labels), [None] * len(labels)
-        for count in state.known.sum(1).unique().tolist():
-            rows = (state.known.sum(1) == count).nonzero().flatten()
-            tokens, m, lab = state.tokens[rows], mask[rows], labels[rows]
-            if state.guidance:
-                tokens, m, lab = torch.cat([tokens, tokens]), torch.cat([m, m]), torch.cat([lab, torch.full_like(lab, self.mar.config.class_num)])
-            z = self.mar.compute_z(tokens, m, lab)
-            index = positions[rows][..., None].expand(-1, -1, z.shape[-1])
-            for i, r in enumerate(rows.tolist()):
-                z_cond[r] = z[i].gather(0, index[i])
-                if state.guidance:
-                    z_uncond[r] = z[len(rows) + i].gather(0, index[i])
-        return torch.stack(z_cond), torch.stack(z_uncond) if state.guidance else None
+        """z at `positions` for the conditional rows and, with guidance, the null-class rows: one
+        backbone forward, also for canvases that know different numbers of tokens (MAR's
+        encoder then packs and pads; see `MAR.forward_mae_encoder`)."""
+        mask, labels, tokens = (~state.known).float(), state.conditions, state.tokens
+        if state.guidance:
+            null = torch.full_like(labels, self.mar.config.class_num)
+            tokens, mask, labels = torch.cat([tokens, tokens]), torch.cat([mask, mask]), torch.cat([labels, null])
+        z = self.mar.compute_z(tokens, mask, labels)
+        index = positions.repeat(2 if state.guidance else 1, 1)[..., None].expand(-1, -1, z.shape[-1])
+        z = z.gather(1, index)
+        B = positions.shape[0]
+        return (z[:B], z[B:]) if state.guidance else (z, None)
 
     def sample(self, inputs, noise: torch.Tensor, temperature: float, guidance_scale: torch.Tensor) -> HeadSample:
         """Sample the head for every (row, position); rows with different guidance scales run

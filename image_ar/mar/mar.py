@@ -196,9 +196,12 @@ class MAR(nn.Module):
     # Encoder / decoder
     # ----------------------------------------------------------------------------------------
 
-    def _run(self, blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, blocks: nn.ModuleList, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         for block in blocks:
-            x = checkpoint(block, x, use_reentrant=False) if self.config.grad_checkpointing and self.training else block(x)
+            if self.config.grad_checkpointing and self.training:
+                x = checkpoint(block, x, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, attn_mask=attn_mask)
         return x
 
     def _known_with_buffer(self, mask: torch.Tensor) -> torch.Tensor:
@@ -206,20 +209,44 @@ class MAR(nn.Module):
         return ~torch.cat([buffer, mask], dim=1).bool()
 
     def forward_mae_encoder(self, tokens: torch.Tensor, mask: torch.Tensor, class_embedding: torch.Tensor) -> torch.Tensor:
-        """Known tokens (mask == 0) after `buffer_size` copies of the class embedding -> [B, L', enc]."""
+        """Known tokens (mask == 0) after `buffer_size` copies of the class embedding -> [B, L', enc].
+
+        Rows may know different numbers of tokens (a batch of canvases at different steps):
+        each row's known tokens are packed to the front, in order, padded to the longest row,
+        and padding is masked out as attention keys. Rows of equal counts take the official
+        path (no mask). Padded positions' outputs are never read."""
         x = self.z_proj(tokens)
         b, _, dim = x.shape
         x = torch.cat([class_embedding[:, None].to(x.dtype).expand(b, self.buffer_size, dim), x], dim=1)
         x = self.z_proj_ln(x + self.encoder_pos_embed_learned)
-        x = x[self._known_with_buffer(mask)].reshape(b, -1, dim)
-        return self.encoder_norm(self._run(self.encoder_blocks, x))
+        known = self._known_with_buffer(mask)
+        counts = known.sum(1)
+        if bool((counts == counts[0]).all()):
+            return self.encoder_norm(self._run(self.encoder_blocks, x[known].reshape(b, -1, dim)))
+        packed = self._packing(known)
+        x = x.gather(1, packed[..., None].expand(-1, -1, dim))
+        valid = torch.arange(packed.shape[1], device=x.device)[None] < counts[:, None]
+        return self.encoder_norm(self._run(self.encoder_blocks, x, attn_mask=valid[:, None, None, :]))
+
+    @staticmethod
+    def _packing(known: torch.Tensor) -> torch.Tensor:
+        """Per row, the known positions first (in order), then the rest: [B, max known count]."""
+        order = torch.sort((~known).to(torch.int8), dim=1, stable=True).indices
+        return order[:, : int(known.sum(1).max())]
 
     def forward_mae_decoder(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Encoder output -> z [B, seq_len, dec] for every position (mask tokens at the unknown ones)."""
         x = self.decoder_embed(x)
         known = self._known_with_buffer(mask)
         full = self.mask_token.to(x.dtype).repeat(known.shape[0], known.shape[1], 1)
-        full[known] = x.reshape(-1, x.shape[-1])
+        counts = known.sum(1)
+        if bool((counts == counts[0]).all()):
+            full[known] = x.reshape(-1, x.shape[-1])
+        else:  # packed rows (see forward_mae_encoder): scatter each row's valid entries back
+            packed = self._packing(known)
+            valid = torch.arange(packed.shape[1], device=x.device)[None] < counts[:, None]
+            rows = torch.arange(known.shape[0], device=x.device)[:, None].expand_as(packed)
+            full[rows[valid], packed[valid]] = x[valid]
         x = self.decoder_norm(self._run(self.decoder_blocks, full + self.decoder_pos_embed_learned))
         return x[:, self.buffer_size:] + self.diffusion_pos_embed_learned
 
@@ -227,8 +254,9 @@ class MAR(nn.Module):
                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """z [B, seq_len, dec] conditioning the diffusion head at every position.
 
-        tokens [B, seq_len, token_embed_dim]; mask [B, seq_len], 1 = unknown (every row the same
-        count); labels [B], `class_num` = the null class (CFG's unconditional rows).
+        tokens [B, seq_len, token_embed_dim]; mask [B, seq_len], 1 = unknown (rows may differ in
+        their counts; see `forward_mae_encoder`); labels [B], `class_num` = the null class (CFG's
+        unconditional rows).
         """
         x = self.forward_mae_encoder(tokens, mask, self.class_embedding(labels, generator))
         return self.forward_mae_decoder(x, mask)

@@ -44,9 +44,10 @@ def test_sample_replays_official_noise(case):
     out = model.sample(z, temperature=case["temperature"], cfg=case["cfg"], noise=DL_REF["noise"])
     assert out.x.shape == (n, DL_META["config"]["target_channels"])
     ref = DL_REF[case["name"]]
-    # random weights are no denoiser: x0 = x_t / sqrt(abar) explodes at t = 999, so |x| ~ 1e5;
-    # the agreement is measured relative to max(1, |x|)
-    assert ((out.x - ref).abs() / ref.abs().clamp(min=1)).max() < 1e-5
+    # random weights are no denoiser: x0 = x_t / sqrt(abar) explodes at t = 999, so |x| ~ 1e5 and
+    # float rounding (which depends on the thread count) is amplified; the agreement is measured
+    # relative to max(1, |x|): about 5e-6 with 2 threads, 2.3e-5 with 1
+    assert ((out.x - ref).abs() / ref.abs().clamp(min=1)).max() < 1e-4
     # the final step (t = 0) adds no noise: x is its mean, std 0
     assert torch.equal(out.x, out.mean) and not out.std.any() and (out.last_std > 0).all()
     assert out.noise is DL_REF["noise"]
@@ -163,4 +164,21 @@ def test_sample_tokens_replays_official(case):
                         cfg_schedule=case["cfg_schedule"], temperature=case["temperature"],
                         orders=TINY_REF[f"{case['name']}.orders"], head_noise=head_noise)
     ref = TINY_REF[f"{case['name']}.out"]
-    assert ((out - ref).abs() / ref.abs().clamp(min=1)).max() < 1e-5
+    assert ((out - ref).abs() / ref.abs().clamp(min=1)).max() < 1e-4  # see test_sample_replays_official_noise
+
+
+@torch.no_grad()
+def test_rows_with_different_known_counts_equal_running_each_row_alone():
+    """A batch of canvases at different steps (continuous speculative decoding's verification)
+    runs in one forward: known tokens packed and padded, padding masked as attention keys."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(0)
+    L = model.seq_len
+    tokens = torch.randn(4, L, model.config.token_embed_dim, generator=g)
+    mask = torch.ones(4, L)
+    for row, count in enumerate((3, 7, 7, 12)):
+        mask[row, torch.randperm(L, generator=g)[:count]] = 0
+    labels = torch.tensor([1, 2, model.config.class_num, 4])
+    z = model.compute_z(tokens, mask, labels)
+    alone = torch.cat([model.compute_z(tokens[i : i + 1], mask[i : i + 1], labels[i : i + 1]) for i in range(4)])
+    torch.testing.assert_close(z, alone, rtol=1e-5, atol=1e-5)

@@ -37,7 +37,10 @@ def test_generates_images_deterministically(pipe):
 
 
 def test_cspd_through_the_pipeline(pipe):
-    out = pipe([1, 2], decoding=ContinuousSpeculative(drafter=pipe, num_steps=6, num_draft=2), generator=gen(), output_type="pt")
+    from tests.image_ar.test_mar_continuous import bounded_model
+
+    bounded = MARPipeline(bounded_model(), pipe.vae)
+    out = bounded([1, 2], decoding=ContinuousSpeculative(drafter=bounded, num_steps=6, num_draft=2), generator=gen(), output_type="pt")
     assert out.stats.accepted_drafts == out.stats.drafted > 0  # the model drafting for itself
     with pytest.raises(ValueError, match="drafter"):
         pipe([1], decoding="cspd", generator=gen())
