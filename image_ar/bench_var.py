@@ -23,16 +23,8 @@ from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTrans
 
 
 def parse_pruning_spec(spec: str) -> Optional[CachedTokenPruning]:
-    """"none" or "STEP=KEEP,...[@START:STOP]" (e.g. "8=0.6,9=0.5@3:-4" or "5=0.5@0:"); the
-    default block range is the policy's (FastVAR's 3:-4)."""
-    if spec == "none":
-        return None
-    keep_part, _, layers = spec.partition("@")
-    keep = {int(step): float(ratio) for step, _, ratio in (item.partition("=") for item in keep_part.split(",") if item)}
-    if not layers:
-        return CachedTokenPruning(keep)
-    start, _, stop = layers.partition(":")
-    return CachedTokenPruning(keep, (int(start or 0), int(stop) if stop else None))
+    """"none", or a `CachedTokenPruning.from_spec` spec."""
+    return None if spec == "none" else CachedTokenPruning.from_spec(spec)
 
 
 def weights_mb(*pipes: VARPipeline) -> float:

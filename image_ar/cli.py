@@ -40,8 +40,9 @@ def register(commands, groups) -> None:
     image.add_argument("--top-p", type=float, default=None, help="default: the model's")
     image.add_argument("--preset", default=None, choices=["fid", "demo"], help="VAR: the official sampler settings")
     image.add_argument("--more-smooth", action="store_true", help="VAR: Gumbel-softmax soft maps (official visualisation option)")
-    image.add_argument("--pruning", default=None, metavar="STEP=KEEP,...",
-                       help="VAR: FastVAR cached token pruning, keep ratios per scale step, e.g. '4=0.6,5=0.5' "
+    image.add_argument("--pruning", default=None, metavar="STEP=KEEP,...[@START:STOP]",
+                       help="VAR: FastVAR cached token pruning, keep ratios per scale step and optionally the block "
+                            "range, e.g. '4=0.6,5=0.5' or '5=0.5@0:' "
                             "(negative steps count from the last: --pruning=-2=0.6,-1=0.5)")
     image.add_argument("--pruning-layers", type=int, nargs=2, default=None, metavar=("START", "STOP"),
                        help="VAR: the block range that prunes (default 3 -4, FastVAR's)")
@@ -169,23 +170,20 @@ def generate_image(args: argparse.Namespace) -> int:
 
 
 def parse_pruning(spec, layers):
-    """`--pruning "4=0.6,5=0.5"` (+ `--pruning-layers`) -> a CachedTokenPruning, or None."""
+    """`--pruning "4=0.6,5=0.5[@START:STOP]"` (+ `--pruning-layers`) -> a CachedTokenPruning, or None."""
+    from dataclasses import replace
+
     from mmgen.decoding import CachedTokenPruning
 
     if spec is None:
         if layers is not None:
             raise ValueError("--pruning-layers needs --pruning")
         return None
-    keep = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        step, eq, ratio = item.partition("=")
-        try:
-            keep[int(step)] = float(ratio)
-        except ValueError:
-            raise ValueError(f"bad --pruning item {item!r}: expected STEP=KEEP_RATIO, e.g. 5=0.5") from None
-    if not keep:
-        raise ValueError("--pruning names no step: expected STEP=KEEP_RATIO,...")
-    return CachedTokenPruning(keep, tuple(layers)) if layers is not None else CachedTokenPruning(keep)
+    try:
+        pruning = CachedTokenPruning.from_spec(spec)
+    except ValueError as error:
+        raise ValueError(f"bad --pruning item: {error}") from None
+    return replace(pruning, layers=tuple(layers)) if layers is not None else pruning
 
 
 def _given(options: dict) -> dict:

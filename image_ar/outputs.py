@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -73,6 +73,40 @@ class ClassLabelled:
         if class_names is not None and len(class_names) != self.num_classes:
             raise ValueError(f"{len(class_names)} class names for {self.num_classes} classes")
         return list(class_names) if class_names is not None else None
+
+    def pipeline_config(self) -> dict:
+        config = super().pipeline_config()
+        if self.class_names is not None:
+            config["class_names"] = self.class_names
+        return config
+
+
+class SamplingDefaults:
+    """Pipelines whose sampler options default to the official sampler's (`official_sampling`)
+    unless the pipeline was saved with its own; only the differences are saved."""
+
+    official_sampling: ClassVar[dict]
+
+    def set_sampling_defaults(self, sampling_defaults: Optional[dict]) -> None:
+        unknown = sorted(set(sampling_defaults or {}) - set(self.official_sampling))
+        if unknown:
+            raise ValueError(f"unknown sampling defaults {unknown}; allowed: {sorted(self.official_sampling)}")
+        self.sampling_defaults = {**self.official_sampling, **(sampling_defaults or {})}
+
+    def pipeline_config(self) -> dict:
+        config = super().pipeline_config()
+        config["sampling_defaults"] = {k: v for k, v in self.sampling_defaults.items() if self.official_sampling[k] != v}
+        return config
+
+
+def check_image_size(image_size: Optional[int], supported: int, detail: str = "") -> None:
+    """None or the model's own size; ValueError otherwise (`detail` explains the size)."""
+    if image_size is None:
+        return
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
+        raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
+    if image_size != supported:
+        raise ValueError(f"image_size {image_size} is not supported by this model: it generates {supported}px images{detail}")
 
 
 def check_output_type(output_type: str) -> None:

@@ -18,7 +18,14 @@ from mmgen.sampling import IntervalGuidance, SamplingConfig
 from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
 from mmgen.image_ar.llamagen.token_model import LlamaGenTokenModel
 from mmgen.image_ar.llamagen.vq import VQ_CONFIGS, VQConfig, VQModel
-from mmgen.image_ar.outputs import ClassLabelled, ImageGenerationOutput, check_output_type, postprocess
+from mmgen.image_ar.outputs import (
+    ClassLabelled,
+    ImageGenerationOutput,
+    SamplingDefaults,
+    check_image_size,
+    check_output_type,
+    postprocess,
+)
 
 #: The official `sample_c2i.py` defaults, used where a pipeline saved none of its own.
 OFFICIAL_SAMPLING = {"guidance_scale": 4.0, "cfg_interval": -1, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
@@ -27,7 +34,7 @@ OFFICIAL_SAMPLING = {"guidance_scale": 4.0, "cfg_interval": -1, "temperature": 1
 OFFICIAL_IGNORED_KEYS = (r"freqs_cis", r"causal_mask", r"layers\.\d+\.attention\.kv_cache\.[kv]_cache")
 
 
-class LlamaGenPipelineBase(Pipeline):
+class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
     """What every LlamaGen pipeline shares: a GPT over VQ tokens, then the VQ decoder.
 
     A subclass sets `official_sampling` (its official sampler's defaults) and turns its inputs
@@ -42,31 +49,18 @@ class LlamaGenPipelineBase(Pipeline):
             raise ValueError(
                 f"transformer vocabulary {transformer.config.vocab_size} != VQ codebook {vq.config.codebook_size}"
             )
-        unknown = sorted(set(sampling_defaults or {}) - set(self.official_sampling))
-        if unknown:
-            raise ValueError(f"unknown sampling defaults {unknown}; allowed: {sorted(self.official_sampling)}")
+        self.set_sampling_defaults(sampling_defaults)
         super().__init__(transformer=transformer, vq=vq, **others)
-        self.sampling_defaults = {**self.official_sampling, **(sampling_defaults or {})}
 
     @property
     def image_size(self) -> int:
         """The size the transformer was trained for: token grid x VQ downsampling."""
         return self.transformer.config.grid_size * self.vq.config.downsample_factor
 
-    def pipeline_config(self) -> dict:
-        return {"sampling_defaults": {k: v for k, v in self.sampling_defaults.items() if self.official_sampling[k] != v}}
-
     def check_image_size(self, image_size: Optional[int]) -> None:
         """None or the model's own size (LlamaGen has one token grid); ValueError otherwise."""
-        if image_size is None:
-            return
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
-            raise ValueError(f"image_size must be a positive integer, got {image_size!r}")
-        if image_size != self.image_size:
-            raise ValueError(
-                f"image_size {image_size} is not supported by this model: it generates {self.image_size}px images "
-                f"({self.transformer.config.grid_size}x{self.transformer.config.grid_size} tokens)"
-            )
+        grid = self.transformer.config.grid_size
+        check_image_size(image_size, self.image_size, f" ({grid}x{grid} tokens)")
 
     def token_model(self) -> LlamaGenTokenModel:
         """The GPT as the core's `TokenModel`, with the VQ codebook for relaxed acceptance."""
@@ -172,12 +166,6 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
-
-    def pipeline_config(self) -> dict:
-        config = super().pipeline_config()
-        if self.class_names is not None:
-            config["class_names"] = self.class_names
-        return config
 
     @classmethod
     def from_official(

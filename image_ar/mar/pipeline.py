@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -15,7 +15,7 @@ from mmgen.sampling import ConstantGuidance, LinearProgressGuidance, SamplingCon
 from mmgen.image_ar.mar.continuous_model import MARContinuousModel
 from mmgen.image_ar.mar.mar import MAR, MARConfig
 from mmgen.image_ar.mar.vae import MAR_LATENT_SCALE, OFFICIAL_IGNORED_KEYS, KLVAE, KLVAEConfig
-from mmgen.image_ar.outputs import ClassLabelled, ImageGenerationOutput, check_output_type, postprocess
+from mmgen.image_ar.outputs import ClassLabelled, ImageGenerationOutput, SamplingDefaults, check_output_type, postprocess
 
 #: The official sampler's defaults (`main_mar.py`; the README evaluates with 256 iterations,
 #: 64 is its faster setting); `from_official` sets each size's evaluation guidance.
@@ -24,7 +24,7 @@ OFFICIAL_SAMPLING = {"num_iter": 64, "guidance_scale": 3.0, "cfg_schedule": "lin
 OFFICIAL_GUIDANCE = {"mar_base": 2.9, "mar_large": 3.0, "mar_huge": 3.2}
 
 
-class MARPipeline(ClassLabelled, Pipeline):
+class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
     """Class-conditional MAR (Li et al. 2024, arXiv 2406.11838): continuous tokens revealed in a
     random order over `num_iter` masked steps, each sampled by the diffusion head, then the KL-16
     VAE decoder.
@@ -35,22 +35,18 @@ class MARPipeline(ClassLabelled, Pipeline):
     """
 
     component_types = {"transformer": (MAR, MARConfig), "vae": (KLVAE, KLVAEConfig)}
+    official_sampling = OFFICIAL_SAMPLING
 
     def __init__(self, transformer: MAR, vae: KLVAE, class_names: Optional[Sequence[str]] = None,
                  sampling_defaults: Optional[dict] = None):
-        unknown = sorted(set(sampling_defaults or {}) - set(OFFICIAL_SAMPLING))
-        if unknown:
-            raise ValueError(f"unknown sampling defaults {unknown}; allowed: {sorted(OFFICIAL_SAMPLING)}")
-        latent = transformer.config.img_size // transformer.config.vae_stride
+        self.set_sampling_defaults(sampling_defaults)
         if vae.config.embed_dim != transformer.config.vae_embed_dim or transformer.config.vae_stride != vae.config.downsample:
             raise ValueError(
                 f"MAR expects {transformer.config.vae_embed_dim}-channel latents at stride {transformer.config.vae_stride}; "
                 f"the VAE gives {vae.config.embed_dim} channels at stride {vae.config.downsample}"
             )
         super().__init__(transformer=transformer, vae=vae)
-        self.latent_size = latent
         self.class_names = self.check_class_names(class_names)
-        self.sampling_defaults = {**OFFICIAL_SAMPLING, **(sampling_defaults or {})}
 
     @property
     def num_classes(self) -> int:
@@ -59,12 +55,6 @@ class MARPipeline(ClassLabelled, Pipeline):
     @property
     def image_size(self) -> int:
         return self.transformer.config.img_size
-
-    def pipeline_config(self) -> dict:
-        config: dict[str, Any] = {"sampling_defaults": {k: v for k, v in self.sampling_defaults.items() if OFFICIAL_SAMPLING[k] != v}}
-        if self.class_names is not None:
-            config["class_names"] = self.class_names
-        return config
 
     def continuous_model(self, stochastic_last_step: bool = True) -> MARContinuousModel:
         """The transformer as the core's `ContinuousModel` (what `ContinuousSpeculative` takes

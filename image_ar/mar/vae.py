@@ -7,8 +7,8 @@ the VAE, as the official `engine_mar.py` does).
 
 Parameter names and shapes are the official `models/vae.py` `AutoencoderKL(embed_dim=16,
 ch_mult=(1, 1, 2, 2, 4))`'s (`encoder.*`, `decoder.*`, `quant_conv`, `post_quant_conv`), so the
-released `kl16.ckpt` loads strictly. That file nests the weights under "model" (the official
-loader reads `torch.load(path)["model"]`); `mmgen.hub.load_state_dict` unwraps it. The official
+released `kl16.ckpt` loads strictly. That file nests the weights under "model", which
+`mmgen.hub.load_state_dict` unwraps (reading it with `weights_only=True`). The official
 loader is non-strict, so a training checkpoint may also hold the LDM training loss
 (`loss.*`: LPIPS and discriminator weights, `loss.logvar`); those keys are dropped
 (`OFFICIAL_IGNORED_KEYS`), anything else must match exactly.

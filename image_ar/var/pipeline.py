@@ -13,7 +13,14 @@ from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.pipeline import Pipeline
 from mmgen.sampling import RampGuidance, SamplingConfig
 
-from mmgen.image_ar.outputs import ClassLabelled, ImageGenerationOutput, check_output_type, postprocess
+from mmgen.image_ar.outputs import (
+    ClassLabelled,
+    ImageGenerationOutput,
+    SamplingDefaults,
+    check_image_size,
+    check_output_type,
+    postprocess,
+)
 from mmgen.image_ar.var.scale_model import MoreSmooth, VARScaleModel
 from mmgen.image_ar.var.transformer import VARConfig, VARTransformer
 from mmgen.image_ar.var.vqvae import MultiScaleVQVAE, VQVAEConfig
@@ -26,11 +33,8 @@ VAR_PRESETS: dict[str, dict[str, Any]] = {
     "demo": {"guidance_scale": 4.0, "top_k": 900, "top_p": 0.95, "temperature": 1.0, "more_smooth": False},
 }
 
-#: Run-time state in some official files (the training mask is also a buffer of ours).
-OFFICIAL_IGNORED_KEYS: tuple[str, ...] = ()
 
-
-class VARPipeline(ClassLabelled, Pipeline):
+class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
     """Class-conditional VAR (Tian et al. 2024, arXiv 2404.02905): a transformer predicts each
     scale's token map from the coarser ones; the multi-scale VQVAE decodes the sum.
 
@@ -40,6 +44,7 @@ class VARPipeline(ClassLabelled, Pipeline):
     """
 
     component_types = {"transformer": (VARTransformer, VARConfig), "vqvae": (MultiScaleVQVAE, VQVAEConfig)}
+    official_sampling = VAR_PRESETS["fid"]
 
     def __init__(
         self,
@@ -48,13 +53,10 @@ class VARPipeline(ClassLabelled, Pipeline):
         class_names: Optional[Sequence[str]] = None,
         sampling_defaults: Optional[dict] = None,
     ):
-        unknown = sorted(set(sampling_defaults or {}) - set(VAR_PRESETS["fid"]))
-        if unknown:
-            raise ValueError(f"unknown sampling defaults {unknown}; allowed: {sorted(VAR_PRESETS['fid'])}")
+        self.set_sampling_defaults(sampling_defaults)
         super().__init__(transformer=transformer, vqvae=vqvae)
         VARScaleModel(transformer, vqvae)  # checks that the two match
         self.class_names = self.check_class_names(class_names)
-        self.sampling_defaults = {**VAR_PRESETS["fid"], **(sampling_defaults or {})}
 
     @property
     def num_classes(self) -> int:
@@ -63,14 +65,6 @@ class VARPipeline(ClassLabelled, Pipeline):
     @property
     def image_size(self) -> int:
         return self.vqvae.config.image_size
-
-    def pipeline_config(self) -> dict:
-        config: dict[str, Any] = {
-            "sampling_defaults": {k: v for k, v in self.sampling_defaults.items() if VAR_PRESETS["fid"][k] != v}
-        }
-        if self.class_names is not None:
-            config["class_names"] = self.class_names
-        return config
 
     def scale_model(self, pruning: Optional[CachedTokenPruning] = None) -> VARScaleModel:
         """The transformer and VQVAE as the core's `ScaleModel` (what `Collaborative` takes as a refiner)."""
@@ -91,12 +85,6 @@ class VARPipeline(ClassLabelled, Pipeline):
         if name not in VAR_PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose from {sorted(VAR_PRESETS)}")
         return VAR_PRESETS[name]
-
-    def check_image_size(self, image_size: Optional[int]) -> None:
-        if image_size is None:
-            return
-        if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size != self.image_size:
-            raise ValueError(f"image_size {image_size!r} is not supported by this model: it generates {self.image_size}px images")
 
     @torch.no_grad()
     def __call__(
@@ -135,7 +123,7 @@ class VARPipeline(ClassLabelled, Pipeline):
             output_type: "pil", "np" (uint8 HWC) or "pt" (float [0, 1] NCHW).
         """
         labels = self.check_class_labels(class_labels)
-        self.check_image_size(image_size)
+        check_image_size(image_size, self.image_size)
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, temperature, top_k, top_p, preset)
         smooth = self.preset(preset)["more_smooth"] if more_smooth is None else more_smooth
@@ -184,6 +172,6 @@ class VARPipeline(ClassLabelled, Pipeline):
         transformer = VARTransformer(config)
         vqvae = MultiScaleVQVAE(VQVAEConfig(patch_nums=config.patch_nums))
         var_path, vae_path = resolve_path(var_checkpoint), resolve_path(vae_checkpoint)
-        load_strict(transformer, load_state_dict(var_path), ignore=OFFICIAL_IGNORED_KEYS, source=str(var_path))
+        load_strict(transformer, load_state_dict(var_path), source=str(var_path))
         load_strict(vqvae, load_state_dict(vae_path), source=str(vae_path))
         return cls(transformer, vqvae)

@@ -46,6 +46,28 @@ class CachedTokenPruning:
         if stop is not None and (isinstance(stop, bool) or not isinstance(stop, int)):
             raise ValueError(f"layers stop must be an integer or None, got {stop!r}")
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "CachedTokenPruning":
+        """"STEP=KEEP,...[@START:STOP]" (e.g. "8=0.6,9=0.5@3:-4", "5=0.5@0:"): keep ratios per
+        scale step and optionally the block range (default FastVAR's 3:-4)."""
+        keep_part, at, layers = spec.partition("@")
+        keep = {}
+        for item in filter(None, (part.strip() for part in keep_part.split(","))):
+            step, _, ratio = item.partition("=")
+            try:
+                keep[int(step)] = float(ratio)
+            except ValueError:
+                raise ValueError(f"bad item {item!r} in pruning spec {spec!r}: expected STEP=KEEP_RATIO, e.g. 5=0.5") from None
+        if not keep:
+            raise ValueError(f"pruning spec {spec!r} names no step: expected STEP=KEEP_RATIO,...")
+        if not at:
+            return cls(keep)
+        start, _, stop = layers.partition(":")
+        try:
+            return cls(keep, (int(start or 0), int(stop) if stop else None))
+        except ValueError:
+            raise ValueError(f"bad block range {layers!r} in pruning spec {spec!r}: expected START:STOP, e.g. 3:-4") from None
+
     def keep_ratio(self, step: int, num_steps: int) -> float:
         """The keep ratio of `step` (1.0 when it runs in full)."""
         ratio = 1.0

@@ -109,3 +109,14 @@ def test_all_masked_step_is_an_error_not_nan():
     model.table[1] = float("nan")
     with pytest.raises(AllTokensMaskedError):
         run(NextScale(), model)
+
+
+def test_pruning_specs():
+    from mmgen.decoding import CachedTokenPruning
+
+    assert CachedTokenPruning.from_spec("8=0.6,9=0.5") == CachedTokenPruning({8: 0.6, 9: 0.5})
+    assert CachedTokenPruning.from_spec("-1=0.5@0:").layers == (0, None)
+    assert CachedTokenPruning.from_spec("5=0.5@3:-4").layers == (3, -4)
+    for bad, message in (("5:0.5", "bad item"), ("", "names no step"), ("5=0.5@a:b", "bad block range"), ("5=1.5", "keep ratio")):
+        with pytest.raises(ValueError, match=message):
+            CachedTokenPruning.from_spec(bad)

@@ -139,7 +139,8 @@ def test_more_smooth_feeds_soft_maps(pipe):
     tokens = torch.randint(0, 32, (2, 4))
     hard = vq.add_scale(None, 1, tokens)
     soft = vq.add_scale(None, 1, torch.nn.functional.one_hot(tokens, 32).float())
-    torch.testing.assert_close(hard[0], soft[0]) and torch.testing.assert_close(hard[1], soft[1])
+    torch.testing.assert_close(hard[0], soft[0])
+    torch.testing.assert_close(hard[1], soft[1])
 
 
 def test_bad_inputs_are_clear_errors(pipe, small):
