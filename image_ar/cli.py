@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import os
 from pathlib import Path
 
 import torch
 
-from mmgen.sampling import make_generator
+from mmgen.batch import write_atomic
 
 from mmgen.image_ar import bench
-from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, resolve_model
+from mmgen.image_ar.bundled import DEFAULT_MODEL
+from mmgen.image_ar.generation import DTYPES, ImageOptions, load_image_pipeline, prepare_call, png_bytes
 from mmgen.image_ar.llamagen import LlamaGenPipeline
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def register(commands, groups) -> None:
@@ -88,106 +85,27 @@ def register(commands, groups) -> None:
     bench_parser.set_defaults(run=lambda args: print(bench.run(args)) or 0)
 
 
-def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
-    """The pipeline a --model names: mmgen folders say their class in model_index.json;
-    transformers folders (config.json of model_type "janus") and, with --prompt, Hub ids are
-    Janus-Pro checkpoints."""
-    source = Path(resolve_model(model or DEFAULT_MODEL))
-    index, config = source / "model_index.json", source / "config.json"
-    class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-    is_janus = config.is_file() and json.loads(config.read_text()).get("model_type") == "janus"
-    if class_name == "MARPipeline":
-        from mmgen.image_ar.mar import MARPipeline
-
-        return MARPipeline.from_pretrained(source, device=device, dtype=dtype)
-    if class_name == "VARPipeline":
-        from mmgen.image_ar.var import VARPipeline
-
-        return VARPipeline.from_pretrained(source, device=device, dtype=dtype)
-    if class_name == "LlamaGenText2ImagePipeline":
-        from mmgen.image_ar.llamagen import LlamaGenText2ImagePipeline
-
-        return LlamaGenText2ImagePipeline.from_pretrained(source, device=device, dtype=dtype)
-    if is_janus or (prompts and class_name is None):
-        from mmgen.image_ar.janus import JanusPipeline
-
-        return JanusPipeline.from_pretrained(model, torch_dtype=dtype, device=device)
-    return LlamaGenPipeline.from_pretrained(source, device=device, dtype=dtype)
-
-
 def generate_image(args: argparse.Namespace) -> int:
-    from mmgen.image_ar.mar import MARPipeline
-    from mmgen.image_ar.var import VARPipeline
-
     dtype = getattr(torch, args.dtype)
-    pipe = load_image_pipeline(args.model, args.prompt is not None, args.device, dtype)
+    prompts = args.prompt is not None
+    pipe = load_image_pipeline(args.model, prompts, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
-    is_var, is_mar = isinstance(pipe, VARPipeline), isinstance(pipe, MARPipeline)
-    overrides = {} if args.window is None else {"window": args.window}
-    spec = args.decoding or ("ar" if is_var or is_mar else "sjd")
-    family = "scale" if is_var else "continuous" if is_mar else "token"
-    if is_mar:  # the decoder object carries the step count: the model's default unless --num-iter
-        overrides["num_steps"] = pipe.sampling_defaults["num_iter"] if args.num_iter is None else args.num_iter
-    decoder = decoder_from_spec(spec, args.model or DEFAULT_MODEL, args.device, dtype, family=family, **overrides)
-    sampling = dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.cfg_interval is not None:
-        sampling["cfg_interval"] = args.cfg_interval
-    var_options = dict(preset=args.preset, more_smooth=args.more_smooth or None, pruning=parse_pruning(args.pruning, args.pruning_layers))
-    if not is_var and any(v is not None for v in var_options.values()):
-        raise ValueError("--preset, --more-smooth and --pruning are VAR options; this model is not a VAR model")
-    generator = make_generator(args.seed, args.device)
-    if args.prompt is not None:
-        if isinstance(pipe, (LlamaGenPipeline, VARPipeline, MARPipeline)):
-            raise ValueError("this model is class-conditional: use --class-labels, not --prompt")
-        unsupported = sorted(set(_given(sampling)) - set(inspect.signature(pipe.__call__).parameters))
-        if unsupported:
-            raise ValueError(f"{type(pipe).__name__} has no option(s) {unsupported}")
-        output = pipe(args.prompt, decoding=decoder, generator=generator, **_given(sampling))
+    call = prepare_call(pipe, args.model or DEFAULT_MODEL, ImageOptions.from_namespace(args), args.device, dtype, prompts=prompts)
+    if prompts:
+        inputs = args.prompt
         names = [f"{i:03d}_{_slug(prompt)}.png" for i, prompt in enumerate(args.prompt)]
     else:
-        if not isinstance(pipe, (LlamaGenPipeline, VARPipeline, MARPipeline)):
-            raise ValueError("this model is text-to-image: use --prompt, not --class-labels")
-        labels = [pipe.class_index(label) for label in args.class_labels]
-        if is_var and args.cfg_interval is not None:
-            raise ValueError("--cfg-interval is a LlamaGen option; VAR ramps guidance over the scales")
-        options = {**sampling, **(var_options if is_var else {}), "num_iter": args.num_iter, "cfg_schedule": args.cfg_schedule}
-        unsupported = sorted(set(_given(options)) - set(inspect.signature(pipe.__call__).parameters))
-        if unsupported:
-            raise ValueError(f"{type(pipe).__name__} has no option(s) {unsupported}")
-        output = pipe(labels, decoding=decoder, generator=generator, **_given(options))
-        names = [f"{i:03d}_class{label}.png" for i, label in enumerate(labels)]
+        inputs = [pipe.class_index(label) for label in args.class_labels]
+        names = [f"{i:03d}_class{label}.png" for i, label in enumerate(inputs)]
+    output = call(inputs, args.seed, args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, image in zip(names, output.images):
-        path = out / name
-        tmp = path.with_name(path.name + ".tmp")
-        image.save(tmp, format="PNG")
-        os.replace(tmp, path)
-        print(f"wrote {path}")
+        write_atomic(out / name, png_bytes(image))
+        print(f"wrote {out / name}")
     print(output.stats.summary())
     print(json.dumps({"stats": output.stats.to_dict()}))
     return 0
-
-
-def parse_pruning(spec, layers):
-    """`--pruning "4=0.6,5=0.5[@START:STOP]"` (+ `--pruning-layers`) -> a CachedTokenPruning, or None."""
-    from dataclasses import replace
-
-    from mmgen.decoding import CachedTokenPruning
-
-    if spec is None:
-        if layers is not None:
-            raise ValueError("--pruning-layers needs --pruning")
-        return None
-    try:
-        pruning = CachedTokenPruning.from_spec(spec)
-    except ValueError as error:
-        raise ValueError(f"bad --pruning item: {error}") from None
-    return replace(pruning, layers=tuple(layers)) if layers is not None else pruning
-
-
-def _given(options: dict) -> dict:
-    return {k: v for k, v in options.items() if v is not None}
 
 
 def _slug(text: str, limit: int = 40) -> str:

@@ -4,6 +4,7 @@
     mmgen generate image --model DIR --class-labels 1 2 3 --out out/
     mmgen convert llamagen --gpt-checkpoint c2i_B_256.pt --vq-checkpoint vq_ds16_c2i.pt --out DIR
     mmgen bench --methods ar sjd-8 sjd-16 --batch-sizes 1 4 --json out/bench.json
+    mmgen batch jobs.jsonl --out out/ --batch-size 8       (torchrun ... -m mmgen.cli batch ... for many GPUs)
 
 The core has no static dependency on any modality: each modality package contributes its
 subcommands through a `register(commands, groups)` function in a module named in
@@ -19,7 +20,7 @@ import sys
 from typing import Optional, Sequence
 
 #: Modules that add subcommands (`register(commands, groups)`), one per modality package.
-COMMAND_MODULES = ("mmgen.image_ar.cli",)
+COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.image_ar.batch", "mmgen.apps.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,478 @@
+"""Batch-run machinery that knows no modality: line-numbered JSONL job files, atomic output
+files, per-rank manifests that make a run resumable, deterministic grouping and sharding over
+torch.distributed ranks, and the progress bar and summary table.
+
+A modality's batch command (e.g. `mmgen.image_ar.batch`) validates its own job schema and runs
+its pipelines; everything here is shared so that every modality resumes, shards and reports
+the same way.
+
+Durability contract. An output is written to a temp file in its own folder, fsynced and renamed
+over its final name (`write_atomic`): it is either absent or complete. Only then is its record
+appended, fsynced, to this rank's manifest part `manifest.rank{R}.jsonl`. An output counts as
+finished when a manifest record (merged file or any part) names it and its sha256 matches the
+file on disk, so a run killed at any point, even by SIGKILL, resumes without a corrupt, missing
+or duplicated output: a file written but not yet recorded is simply written again. At the end
+rank 0 merges every part into `manifest.jsonl` (one record per output, in job order) and
+removes the parts. The done-set never depends on which rank wrote a record, so the world size
+may change between runs.
+
+Not supported: two independent runs writing into one folder at the same time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequence, TypeVar, Union
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+MANIFEST = "manifest.jsonl"
+TEMP_SUFFIX = ".mmgen-tmp"
+ON_ERROR = ("stop", "skip")
+#: Ranks wait at barriers for the slowest one; a crashed rank is torn down by torchrun anyway.
+DIST_TIMEOUT = timedelta(days=1)
+
+PathLike = Union[str, os.PathLike]
+T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------------------------
+# Job files: JSON lines with their line numbers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LineError:
+    """Why line `line` (1-based) of a job file cannot run."""
+
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.message}"
+
+
+def read_jsonl(path: PathLike) -> tuple[list[tuple[int, Any]], list[LineError]]:
+    """The non-blank lines of a JSONL file as (line number, value), and the lines that are not
+    strict JSON (NaN/Infinity and repeated keys are refused: a typo should not run silently)."""
+    values, errors = [], []
+    for number, raw in enumerate(Path(path).read_bytes().splitlines(), start=1):
+        try:
+            text = raw.decode("utf-8")
+            if text.strip():
+                values.append((number, json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)))
+        except UnicodeDecodeError:
+            errors.append(LineError(number, "not UTF-8 text"))
+        except ValueError as error:  # json.JSONDecodeError is a ValueError
+            errors.append(LineError(number, f"invalid JSON: {error}"))
+    return values, errors
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    repeated = sorted({k for k in keys if keys.count(k) > 1})
+    if repeated:
+        raise ValueError(f"field(s) {repeated} given twice")
+    return dict(pairs)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def check_lines(errors: Sequence[LineError], on_error: str, source: PathLike, quiet: bool = False) -> None:
+    """Act on a job file's bad lines before any work starts: "stop" raises a ValueError naming
+    every bad line; "skip" reports them on stderr (unless `quiet`, e.g. on ranks > 0)."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    if not errors:
+        return
+    errors = sorted(errors, key=lambda e: e.line)
+    if on_error == "stop":
+        listing = "\n".join(f"  {e}" for e in errors)
+        raise ValueError(f"{len(errors)} invalid line(s) in {source}; nothing was run (--on-error skip runs the others):\n{listing}")
+    for error in errors if not quiet else ():
+        print(f"mmgen batch: skipping {source} {error}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Atomic output files
+# --------------------------------------------------------------------------------------------
+
+
+def write_atomic(path: PathLike, data: bytes) -> str:
+    """Write `data` to `path` so that it is never seen half-written, even after a crash: a temp
+    file in the same folder, fsync, `os.replace`, fsync of the folder. Returns the sha256 (hex)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 & ~umask, like open()
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (POSIX; a no-op where folders cannot be opened)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temp_files(folder: PathLike) -> int:
+    """Delete the temp files that killed `write_atomic` calls left in `folder`; returns how many.
+    Call it only while nothing writes into the folder (before the first barrier)."""
+    removed = 0
+    for path in Path(folder).glob(f".*{TEMP_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+    return removed
+
+
+def sha256_file(path: PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Manifests: one part per rank, merged by rank 0
+# --------------------------------------------------------------------------------------------
+
+
+def part_path(folder: PathLike, rank: int) -> Path:
+    return Path(folder) / f"manifest.rank{rank}.jsonl"
+
+
+class ManifestWriter:
+    """Appends records (dicts with at least "file" and "sha256") to one rank's manifest part,
+    one fsynced JSON line each. A line cut short by a kill is dropped when the part is reopened,
+    so the next record starts on a line of its own."""
+
+    def __init__(self, folder: PathLike, rank: int):
+        self.path = part_path(folder, rank)
+        _drop_partial_tail(self.path)
+        self._file = open(self.path, "ab")
+        _fsync_dir(self.path.parent)
+
+    def append(self, record: dict) -> None:
+        self._file.write(json.dumps(record, sort_keys=True, allow_nan=False).encode() + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "ManifestWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _drop_partial_tail(path: Path) -> None:
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as file:
+            file.truncate(data.rfind(b"\n") + 1)
+            os.fsync(file.fileno())
+
+
+def read_records(folder: PathLike) -> list[dict]:
+    """Every record of the merged manifest and of all parts (any world size), oldest source
+    first; lines that do not parse (a kill mid-append) are ignored."""
+    folder = Path(folder)
+    parts = sorted(folder.glob("manifest.rank*.jsonl"), key=lambda p: _rank_of(p.name))
+    records = []
+    for path in [folder / MANIFEST, *parts]:
+        if not path.is_file():
+            continue
+        for line in path.read_bytes().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("file"), str) and isinstance(record.get("sha256"), str):
+                records.append(record)
+    return records
+
+
+def _rank_of(name: str) -> int:
+    match = re.fullmatch(r"manifest\.rank(\d+)\.jsonl", name)
+    return int(match.group(1)) if match else -1
+
+
+def verified_records(
+    folder: PathLike,
+    records: Sequence[dict],
+    files: Optional[Collection[str]] = None,
+    current: Optional[Callable[[dict], Optional[dict]]] = None,
+) -> dict[str, dict]:
+    """file name -> its record, for the outputs that are finished: a record names the file (one
+    of `files`, when given), `current` keeps it (returns the record, possibly updated, or None to
+    drop it: e.g. its job was edited since) and its sha256 matches the file on disk. Among
+    several matching records of one file the last one wins."""
+    folder, hashes, done = Path(folder), {}, {}
+    for record in records:
+        name = record["file"]
+        if (files is not None and name not in files) or Path(name).name != name:
+            continue
+        record = current(record) if current is not None else record
+        if record is None:
+            continue
+        if name not in hashes:
+            path = folder / name
+            hashes[name] = sha256_file(path) if path.is_file() else None
+        if hashes[name] == record["sha256"]:
+            done[name] = record
+    return done
+
+
+def merge_manifest(
+    folder: PathLike,
+    order: Callable[[dict], Any],
+    current: Optional[Callable[[dict], Optional[dict]]] = None,
+) -> tuple[Path, int]:
+    """Rank 0, after the last barrier: the verified records of every source, one per file,
+    sorted by `order`, written atomically to `manifest.jsonl`; then the parts are removed.
+    Returns the manifest's path and its number of records."""
+    folder = Path(folder)
+    records = sorted(verified_records(folder, read_records(folder), current=current).values(), key=order)
+    text = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in records)
+    write_atomic(folder / MANIFEST, text.encode())
+    for part in folder.glob("manifest.rank*.jsonl"):
+        part.unlink()
+    return folder / MANIFEST, len(records)
+
+
+# --------------------------------------------------------------------------------------------
+# Grouping and sharding
+# --------------------------------------------------------------------------------------------
+
+
+def form_groups(items: Sequence[T], key: Callable[[T], Hashable], size: int) -> list[list[T]]:
+    """Items of equal `key` packed in order into groups of at most `size`; groups are ordered by
+    their first item. Call it on the whole job list (before sharding and before skipping
+    finished work) so that a group, and so its outputs, never depends on the world size or on
+    what a previous run finished."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"group size must be an integer >= 1, got {size!r}")
+    groups: list[list[T]] = []
+    filling: dict[Hashable, list[T]] = {}
+    for item in items:
+        k = key(item)
+        group = filling.get(k)
+        if group is None or len(group) == size:
+            group = filling[k] = []
+            groups.append(group)
+        group.append(item)
+    return groups
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in a torchrun job (RANK, WORLD_SIZE, LOCAL_RANK); one process
+    without them. Group g belongs to rank g % world_size."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Optional[dict] = None) -> "World":
+        env = os.environ if environ is None else environ
+        try:
+            world = cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        except ValueError:
+            raise ValueError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (torchrun sets them)") from None
+        if world.world_size < 1 or not 0 <= world.rank < world.world_size or world.local_rank < 0:
+            raise ValueError(f"bad torchrun environment: RANK={world.rank} WORLD_SIZE={world.world_size} LOCAL_RANK={world.local_rank}")
+        return world
+
+    def owns(self, index: int) -> bool:
+        return index % self.world_size == self.rank
+
+    def device(self, device: str) -> str:
+        """A plain "cuda" becomes this process's GPU, "cuda:LOCAL_RANK", when there are several ranks."""
+        return f"cuda:{self.local_rank}" if device == "cuda" and self.world_size > 1 else device
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum of `tensor` over all ranks (itself for one process)."""
+        if self.world_size == 1:
+            return tensor
+        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        total = tensor.to(on)
+        dist.all_reduce(total)
+        return total.to(tensor.device)
+
+
+@contextlib.contextmanager
+def process_group(world: World, device: str, timeout: timedelta = DIST_TIMEOUT) -> Iterator[None]:
+    """The torch.distributed group of a torchrun job (env:// rendezvous): nccl when `device` is a
+    GPU, else gloo. Only barriers and one small all-reduce go through it; nothing is pickled.
+    A no-op for one process or when the caller already set a group up."""
+    if world.world_size == 1 or dist.is_initialized():
+        yield
+        return
+    target = torch.device(device)
+    if target.type == "cuda":
+        torch.cuda.set_device(target)
+        dist.init_process_group("nccl", timeout=timeout, device_id=target)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+    try:
+        if (dist.get_rank(), dist.get_world_size()) != (world.rank, world.world_size):
+            raise RuntimeError(f"process group rank {dist.get_rank()}/{dist.get_world_size()} differs from the environment's {world}")
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Progress and summary
+# --------------------------------------------------------------------------------------------
+
+
+def progress_bar(total: int, enabled: bool = True, desc: str = "batch", unit: str = "img") -> tqdm:
+    """A tqdm bar over outputs, with throughput and ETA."""
+    return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, dynamic_ncols=True, smoothing=0.1)
+
+
+@dataclass
+class SummaryRow:
+    """One category's jobs (finished now, found finished, with failures), outputs written and
+    the seconds its pipeline calls took (summed over ranks)."""
+
+    category: tuple[str, ...]
+    jobs_done: int = 0
+    jobs_skipped: int = 0
+    jobs_failed: int = 0
+    outputs: int = 0
+    seconds: float = 0.0
+
+    @property
+    def outputs_per_s(self) -> float:
+        return self.outputs / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class BatchSummary:
+    """What a run did, per category and in total. The total's rate divides by the wall time
+    (all ranks together); a category's by its summed call time (the rate of one process)."""
+
+    columns: tuple[str, ...]
+    rows: list[SummaryRow]
+    wall_s: float
+    invalid_lines: int = 0
+
+    @property
+    def total(self) -> SummaryRow:
+        total = SummaryRow(("total",) + ("",) * (len(self.columns) - 1), seconds=self.wall_s)
+        for row in self.rows:
+            total.jobs_done += row.jobs_done
+            total.jobs_skipped += row.jobs_skipped
+            total.jobs_failed += row.jobs_failed
+            total.outputs += row.outputs
+        return total
+
+    def table(self, unit: str = "images") -> str:
+        header = [*self.columns, "done", "skipped", "failed", unit, "seconds", f"{unit}/s"]
+        lines = [[*r.category, r.jobs_done, r.jobs_skipped, r.jobs_failed, r.outputs, f"{r.seconds:.2f}",
+                  f"{r.outputs_per_s:.2f}"] for r in [*self.rows, self.total]]
+        cells = [[str(c) for c in line] for line in [header, *lines]]
+        widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+        left = len(self.columns)
+
+        def fmt(line):
+            return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+
+        rule = "-" * len(fmt(cells[0]))
+        out = [fmt(cells[0]), rule, *map(fmt, cells[1:-1]), rule, fmt(cells[-1])]
+        if self.invalid_lines:
+            out.append(f"invalid lines skipped: {self.invalid_lines}")
+        return "\n".join(out)
+
+    def to_dict(self) -> dict:
+        def row(r: SummaryRow) -> dict:
+            return {**dict(zip(self.columns, r.category)), "jobs_done": r.jobs_done, "jobs_skipped": r.jobs_skipped,
+                    "jobs_failed": r.jobs_failed, "outputs": r.outputs, "seconds": r.seconds, "outputs_per_s": r.outputs_per_s}
+
+        return {"rows": [row(r) for r in self.rows], "total": row(self.total), "wall_s": self.wall_s,
+                "invalid_lines": self.invalid_lines}
+
+
+@dataclass
+class Tally:
+    """One rank's counts per job (outputs written this run, found finished, failed) and call
+    seconds per category; `reduce` sums them over ranks so rank 0 can tell each job's status
+    even when its outputs were split over several ranks."""
+
+    job_categories: list[tuple[str, ...]]
+    counts: torch.Tensor = field(init=False)
+    seconds: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.categories = list(dict.fromkeys(self.job_categories))  # first-appearance order
+        self.counts = torch.zeros(len(self.job_categories), 3, dtype=torch.float64)
+        self.seconds = torch.zeros(len(self.categories), dtype=torch.float64)
+
+    def add(self, job: int, written: int = 0, existing: int = 0, failed: int = 0) -> None:
+        self.counts[job] += torch.tensor([written, existing, failed], dtype=torch.float64)
+
+    def add_seconds(self, category: tuple[str, ...], seconds: float) -> None:
+        self.seconds[self.categories.index(category)] += seconds
+
+    @property
+    def failed(self) -> int:
+        return int(self.counts[:, 2].sum())
+
+    def reduce(self, world: World) -> None:
+        flat = world.all_reduce_sum(torch.cat([self.counts.flatten(), self.seconds]))
+        self.counts = flat[: self.counts.numel()].view_as(self.counts).clone()
+        self.seconds = flat[self.counts.numel():].clone()
+
+    def summary(self, columns: tuple[str, ...], wall_s: float, invalid_lines: int = 0) -> BatchSummary:
+        rows = {c: SummaryRow(c, seconds=float(s)) for c, s in zip(self.categories, self.seconds)}
+        for category, (written, existing, failed) in zip(self.job_categories, self.counts.tolist()):
+            row = rows[category]
+            row.outputs += int(written)
+            if failed:
+                row.jobs_failed += 1
+            elif written:
+                row.jobs_done += 1
+            else:
+                row.jobs_skipped += 1
+        return BatchSummary(columns, list(rows.values()), wall_s, invalid_lines)
+
