@@ -1,3 +1,6 @@
-"""Gradio demo apps built on the pipelines.
+"""Gradio demo apps built on the pipelines (`mmgen demo ...`).
 
-Reserved namespace: nothing ships here yet (see the issue tracker)."""
+`image_demo` serves the class-conditional image pipelines with every decoding method of the
+core's registries; `image_request` is its UI-free request function. The core never imports
+this package.
+"""

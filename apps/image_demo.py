@@ -1,0 +1,173 @@
+"""The image demo: a Gradio app over the class-conditional image pipelines (`mmgen demo image`).
+
+The layout only wires widgets to `handle_generate` / `handle_model`, which turn widget values
+into a `DemoRequest` and the `DemoResult` of `run_request` (image_request.py, where inputs are
+checked) into widget values. The page loads nothing from the internet: the theme uses system
+fonts only (no web-font stylesheet), and analytics are off.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+import os
+from typing import Any, Optional, Sequence
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
+
+import gradio as gr  # noqa: E402
+import pandas as pd  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from mmgen.apps.image_request import (  # noqa: E402
+    MAX_GUIDANCE,
+    MAX_IMAGES,
+    MAX_SEED,
+    MAX_SPEC_CHARS,
+    MAX_STEPS,
+    MAX_TEMPERATURE,
+    DemoRequest,
+    DemoResult,
+    ModelCatalog,
+    model_info,
+    run_request,
+)
+
+__all__ = ["DemoRequest", "DemoResult", "ModelCatalog", "build_demo", "launch_demo", "run_request"]
+
+log = logging.getLogger(__name__)
+
+#: Requests waiting beyond this many are turned away ("queue full") instead of piling up.
+QUEUE_SIZE = 16
+#: Shown images are scaled up (nearest neighbour) so that 64-pixel samples stay crisp, and a
+#: run's images are shown side by side as one picture (Gradio 6's gallery stretches a lone
+#: image over its whole width and crops it).
+DISPLAY_SIZE = 256
+GAP = 8
+SYSTEM_FONTS = ("ui-sans-serif", "system-ui", "sans-serif")
+MONO_FONTS = ("ui-monospace", "Consolas", "monospace")
+PICTURE = dict(type="pil", interactive=False, height=300, buttons=["download", "fullscreen"])  # no "share": it uploads
+STATS_COLUMNS = ["run", "forwards", "tokens", "step compression", "mean accepted length", "time (s)", "speedup"]
+
+
+def theme() -> gr.themes.Base:
+    """Gradio's default look with system fonts: no font is fetched from anywhere."""
+    return gr.themes.Default(font=SYSTEM_FONTS, font_mono=MONO_FONTS)
+
+
+def handle_generate(catalog: ModelCatalog, max_images: int, model: str, class_name: str, method: str, options: str,
+                    compare: bool, num_images: Any, seed: Any, guidance: Any, temperature: Any, top_k: Any, top_p: Any,
+                    steps: Any) -> tuple:
+    """Widget values -> (the method's picture, the baseline's, stats table, trace chart); a bad
+    input or a failed run becomes a gr.Error that the page shows."""
+    request = DemoRequest(model=model, class_name=class_name, method=method, options=options or "", seed=seed,
+                          num_images=num_images, compare=bool(compare), guidance_scale=guidance, temperature=temperature,
+                          top_k=top_k, top_p=top_p, num_steps=steps)
+    try:
+        result = run_request(request, catalog, max_images)
+    except (ValueError, OSError) as error:
+        raise gr.Error(html.escape(str(error)), title="Invalid input", print_exception=False) from None
+    except Exception as error:  # keep the app up whatever a decoder does with odd options
+        log.exception("image demo request failed: %r", request)
+        raise gr.Error(html.escape(f"generation failed ({type(error).__name__}): {error}"), title="Generation failed",
+                       print_exception=False) from None
+    baseline = result.baseline
+    return (
+        gr.update(value=_side_by_side(result.method.images), label=f"method: {result.method.label}"),
+        gr.update(value=_side_by_side(baseline.images) if baseline else None, visible=baseline is not None),
+        pd.DataFrame(result.stats_rows(), columns=STATS_COLUMNS if baseline else STATS_COLUMNS[:-1]),
+        gr.update(value=_trace_frame(result.trace_rows()), label=f"Accepted tokens per forward: {result.method.label}"),
+    )
+
+
+def handle_model(catalog: ModelCatalog, model: str) -> tuple:
+    """A new model: its classes, its methods (from the core's registry for its kind) and its
+    sampler defaults and bounds."""
+    try:
+        info = model_info(catalog.pipeline(model))
+    except (ValueError, OSError) as error:
+        raise gr.Error(html.escape(str(error)), title="Model not loaded", print_exception=False) from None
+    d, has_top = info.defaults, info.vocab_size is not None
+    return (
+        gr.update(choices=info.class_names, value=info.class_names[0]),
+        gr.update(choices=info.methods, value=info.default_method),
+        gr.update(value=d.get("guidance_scale")),
+        gr.update(value=d.get("temperature")),
+        gr.update(value=d.get("top_k", 0), maximum=info.vocab_size or 1, visible=has_top),
+        gr.update(value=d.get("top_p", 1.0), visible=has_top),
+        gr.update(value=d.get("num_iter", 64), visible=info.family == "continuous"),
+    )
+
+
+def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, concurrency: int = 1) -> gr.Blocks:
+    """The app's Blocks, queued with `concurrency` requests at a time (launch it with
+    `launch_demo`, which sets the offline theme). The first model is loaded now, for its class
+    names."""
+    catalog = catalog or ModelCatalog.discover()
+    max_images = max(1, min(int(max_images), MAX_IMAGES))
+    first = next(iter(catalog.main))
+    info = model_info(catalog.pipeline(first))
+    d = info.defaults
+    companions = ", ".join(catalog.companions) or "none"
+    with gr.Blocks(title="mmgen image demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+        gr.Markdown("## mmgen: fast autoregressive image generation\nPick a model, a class and a decoding method; "
+                    "*compare* runs plain autoregressive decoding on the same seed beside it. "
+                    f"Companion models (drafters, refiners): {companions}.")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=300):
+                model = gr.Dropdown(list(catalog.main), value=first, label="Model", elem_id="model")
+                class_name = gr.Dropdown(info.class_names, value=info.class_names[0], label="Class", elem_id="class")
+                method = gr.Dropdown(info.methods, value=info.default_method, label="Decoding method", elem_id="method")
+                options = gr.Textbox(label="Decoding options", placeholder="key=value,... e.g. delta=0.2,window=8",
+                                     max_length=MAX_SPEC_CHARS, elem_id="options")
+                compare = gr.Checkbox(label="Compare with autoregressive decoding (same seed)", elem_id="compare")
+                with gr.Row():
+                    seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed")
+                    num_images = gr.Slider(1, max_images, value=1, step=1, label="Images", elem_id="num-images")
+                guidance = gr.Slider(0, MAX_GUIDANCE, value=d.get("guidance_scale"), step=0.1, label="Guidance (CFG)")
+                temperature = gr.Slider(0, MAX_TEMPERATURE, value=d.get("temperature"), step=0.05,
+                                        label="Temperature (0 = greedy)")
+                top_k = gr.Slider(0, info.vocab_size or 1, value=d.get("top_k", 0), step=1, label="Top-k (0 = off)",
+                                  visible=info.vocab_size is not None)
+                top_p = gr.Slider(0.01, 1.0, value=d.get("top_p", 1.0), step=0.01, label="Top-p (1 = off)",
+                                  visible=info.vocab_size is not None)
+                steps = gr.Slider(1, MAX_STEPS, value=d.get("num_iter", 64), step=1, label="MAR steps",
+                                  visible=info.family == "continuous")
+                run = gr.Button("Generate", variant="primary", elem_id="generate")
+            with gr.Column(scale=2):
+                with gr.Row():
+                    baseline = gr.Image(label="baseline: ar", visible=False, elem_id="baseline", **PICTURE)
+                    images = gr.Image(label="method", elem_id="images", **PICTURE)
+                stats = gr.Dataframe(headers=STATS_COLUMNS[:-1], label="Stats", interactive=False, wrap=True, elem_id="stats")
+                # One series, no colour: Gradio 6's plots keep the colour legend of their first
+                # data and drop series added by later updates. Autoregressive decoding's trace is
+                # 1 everywhere, so the method's alone says what compare mode needs.
+                chart = gr.LinePlot(None, x="forward", y="accepted", label="Accepted tokens per forward",
+                                    x_title="forward", y_title="tokens accepted", height=240, elem_id="chart")
+        model.change(lambda m: handle_model(catalog, m), model, [class_name, method, guidance, temperature, top_k, top_p, steps])
+        run.click(lambda *values: handle_generate(catalog, max_images, *values),
+                  [model, class_name, method, options, compare, num_images, seed, guidance, temperature, top_k, top_p, steps],
+                  [images, baseline, stats, chart], api_name="generate")
+    return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
+
+
+def launch_demo(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = None, share: bool = False,
+                block: bool = True) -> tuple:
+    """Serve the demo with the offline theme; `block=False` returns at once (tests, notebooks)."""
+    return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
+                       quiet=not block, theme=theme(), footer_links=["api"])
+
+
+def _trace_frame(rows: list[dict]) -> pd.DataFrame:
+    """The chart's data with numeric columns even when empty (the plot takes its axis types from them)."""
+    return pd.DataFrame(rows, columns=["forward", "accepted"]).astype({"forward": int, "accepted": float})
+
+
+def _side_by_side(images: Sequence[Image.Image]) -> Image.Image:
+    """A run's images in one row, each enlarged to about DISPLAY_SIZE pixels."""
+    scale = max(1, DISPLAY_SIZE // max(max(image.size) for image in images))
+    tiles = [image.resize((image.width * scale, image.height * scale), Image.NEAREST) for image in images]
+    row = Image.new("RGB", (sum(t.width for t in tiles) + GAP * (len(tiles) - 1), max(t.height for t in tiles)), "white")
+    for i, tile in enumerate(tiles):
+        row.paste(tile, (sum(t.width for t in tiles[:i]) + GAP * i, 0))
+    return row

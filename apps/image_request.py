@@ -1,0 +1,338 @@
+"""What the image demo does for one request, without any UI: check the inputs, run the pipeline
+(and, in compare mode, autoregressive decoding on the same seed), return images and stats.
+
+Kept apart from the Gradio layout (`image_demo.py`) so that it is tested directly and so that
+importing it needs no gradio. Every input is checked and bounded here, because the web page's
+own limits are no protection: Gradio's HTTP API takes any value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS, DecodeStats, parse_decoding
+from mmgen.image_ar.bundled import BUNDLED_MODELS, COMPANIONS, decoder_from_spec, load_class_pipeline
+from mmgen.sampling import make_generator
+
+#: Which decoder registry each kind of model takes (the methods the UI lists come from here,
+#: so a method added to a registry appears in the demo without editing it).
+REGISTRIES = {"token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS}
+#: Name endings of second models (drafters, refiners): companions, not main choices.
+COMPANION_SUFFIXES = tuple(sorted({suffix for _, suffix, _ in COMPANIONS.values()}))
+#: Decoder options that name a second model (draft:drafter=..., code:refiner=...).
+COMPANION_OPTIONS = frozenset(option for option, _, _ in COMPANIONS.values())
+
+#: The pipelines `load_class_pipeline` builds (the demo is class-conditional).
+CLASS_PIPELINES = ("LlamaGenPipeline", "VARPipeline", "MARPipeline")
+
+MAX_SEED = 2**31 - 1
+MAX_GUIDANCE = 20.0
+MAX_TEMPERATURE = 5.0
+MAX_STEPS = 256  # MAR masked steps
+MAX_IMAGES = 16  # hard cap, whatever --max-images says
+MAX_SPEC_CHARS = 200
+#: An integer decoder option may be at most this many times its default (window 16 -> 64):
+#: a few options set the cost of a forward, and an unbounded window stalls the demo.
+MAX_OPTION_FACTOR = 4
+MAX_OPTION_MAGNITUDE = 1e4  # any other number
+
+
+@dataclass
+class ModelCatalog:
+    """The models a demo offers: `main` (the choices) and `companions` (drafters and refiners
+    that two-model methods pair with their main model), each a display name -> bundled name or
+    folder. Loaded pipelines are cached; a lock per pipeline keeps two requests off one model."""
+
+    main: dict[str, str]
+    companions: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
+    _pipelines: dict[str, Any] = field(default_factory=dict, repr=False)
+    _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
+    _loading: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "ModelCatalog":
+        """The bundled models present in this installation, or the given bundled names and
+        pipeline folders; names ending in -draft/-small are companions. A bundled main model
+        brings its bundled companions along."""
+        if not models:
+            entries = [name for name, folder in BUNDLED_MODELS.items() if (Path(folder) / "model_index.json").is_file()]
+        else:
+            entries = [_checked_entry(str(entry)) for entry in models]
+            for entry in list(entries):
+                for suffix in COMPANION_SUFFIXES:
+                    companion = entry + suffix
+                    if companion in BUNDLED_MODELS and (Path(BUNDLED_MODELS[companion]) / "model_index.json").is_file():
+                        entries.append(companion)
+        named: dict[str, str] = {}
+        for entry in dict.fromkeys(entries):
+            name = entry if entry in BUNDLED_MODELS else Path(entry).name
+            named[entry if name in named else name] = entry  # two folders of one name: the second goes by its path
+        main = {n: s for n, s in named.items() if not n.endswith(COMPANION_SUFFIXES)}
+        companions = {n: s for n, s in named.items() if n not in main}
+        if not main:  # only companions were asked for: offer them as models
+            main, companions = companions, {}
+        if not main:
+            raise ValueError("no image models found: the bundled models are missing; pass --model FOLDER")
+        return cls(main, companions, device)
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.main, *self.companions]
+
+    def pipeline(self, name: str) -> Any:
+        """The loaded (cached) pipeline of a main or companion model."""
+        source = {**self.main, **self.companions}.get(name)
+        if source is None:
+            raise ValueError(f"unknown model {name!r}; choose one of {list(self.main)}")
+        with self._loading:
+            if name not in self._pipelines:
+                pipe = load_class_pipeline(source, self.device)
+                pipe.set_progress_bar_config(disable=True)
+                self._pipelines[name], self._locks[name] = pipe, threading.Lock()
+            return self._pipelines[name]
+
+    @contextmanager
+    def using(self, names: Sequence[str]) -> Iterator[None]:
+        """Hold these models' locks (in a fixed order, so two requests never deadlock)."""
+        with ExitStack() as stack:
+            for name in sorted(set(names)):
+                self.pipeline(name)
+                stack.enter_context(self._locks[name])
+            yield
+
+
+def _checked_entry(entry: str) -> str:
+    """A bundled name, or a folder whose model_index.json names a class-conditional pipeline."""
+    if entry in BUNDLED_MODELS:
+        return entry
+    index = Path(entry) / "model_index.json"
+    if not index.is_file():
+        raise ValueError(f"--model {entry!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
+                         "nor a pipeline folder with a model_index.json")
+    kind = json.loads(index.read_text()).get("_class_name")
+    if kind not in CLASS_PIPELINES:
+        raise ValueError(f"--model {entry!r} is a {kind}; the image demo serves class-conditional {CLASS_PIPELINES}")
+    return entry
+
+
+def family_of(pipe: Any) -> str:
+    """"scale" for VAR, "continuous" for MAR, else "token" (LlamaGen)."""
+    from mmgen.image_ar.mar import MARPipeline
+    from mmgen.image_ar.var import VARPipeline
+
+    return "scale" if isinstance(pipe, VARPipeline) else "continuous" if isinstance(pipe, MARPipeline) else "token"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the UI shows for a model: its classes, methods, and sampler defaults and bounds."""
+
+    family: str
+    class_names: list[str]
+    methods: list[str]
+    default_method: str
+    vocab_size: Optional[int]  # None: the model has no top-k/top-p (MAR)
+    defaults: dict[str, Any]
+
+
+def model_info(pipe: Any) -> ModelInfo:
+    """A loaded pipeline's classes, methods (its registry's; sjd first when offered, being
+    lossless and fast) and sampler defaults."""
+    family = family_of(pipe)
+    methods = list(REGISTRIES[family])
+    names = list(pipe.class_names) if pipe.class_names else [str(i) for i in range(pipe.num_classes)]
+    vocab = getattr(pipe.transformer.config, "vocab_size", None) if family != "continuous" else None
+    return ModelInfo(family, names, methods, "sjd" if "sjd" in methods else methods[0], vocab, dict(pipe.sampling_defaults))
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    """One press of Generate. None sampler values take the model's defaults."""
+
+    model: str
+    class_name: str
+    method: str = "sjd"
+    options: str = ""  # decoder options: "delta=0.2,window=8"
+    seed: int = 0
+    num_images: int = 1
+    compare: bool = False  # also run autoregressive decoding on the same seed
+    guidance_scale: Optional[float] = None
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    num_steps: Optional[int] = None  # MAR masked steps
+
+
+@dataclass
+class DemoRun:
+    """One decoding of the request: its label ("sjd", "ar (baseline)"), images and stats."""
+
+    label: str
+    images: list
+    stats: DecodeStats
+
+
+@dataclass
+class DemoResult:
+    """The method's run, and in compare mode the autoregressive baseline's before it."""
+
+    runs: list[DemoRun]
+
+    @property
+    def method(self) -> DemoRun:
+        return self.runs[-1]
+
+    @property
+    def baseline(self) -> Optional[DemoRun]:
+        return self.runs[0] if len(self.runs) > 1 else None
+
+    def stats_rows(self) -> list[dict[str, Any]]:
+        """One row per run: forwards, step compression, mean accepted length, wall time (and, in
+        compare mode, the wall-time speedup over the baseline)."""
+        rows = []
+        for run in self.runs:
+            s = run.stats
+            row = {"run": run.label, "forwards": s.forwards, "tokens": s.tokens,
+                   "step compression": round(s.step_compression, 2), "mean accepted length": round(s.mean_accepted_length, 2),
+                   "time (s)": round(s.wall_time_s, 3)}
+            if self.baseline is not None:
+                row["speedup"] = round(self.baseline.stats.wall_time_s / s.wall_time_s, 2) if s.wall_time_s else None
+            rows.append(row)
+        return rows
+
+    def trace_rows(self, run: Optional[DemoRun] = None) -> list[dict[str, Any]]:
+        """A run's accepted-length trace (default: the method's) as (forward, accepted) rows;
+        autoregressive decoding's is 1 at every forward."""
+        run = run or self.method
+        return [{"forward": i + 1, "accepted": round(a, 3)} for i, a in enumerate(run.stats.accepted_per_forward)]
+
+
+def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4) -> DemoResult:
+    """Check `request` (ValueError with a message for the user), generate, and return images
+    and stats; in compare mode autoregressive decoding runs first on the same seed."""
+    if request.model not in catalog.main:
+        raise ValueError(f"unknown model {request.model!r}; choose one of {list(catalog.main)}")
+    pipe = catalog.pipeline(request.model)
+    info = model_info(pipe)
+    label = _class_label(request.class_name, info.class_names)
+    seed = _int("seed", request.seed, 0, MAX_SEED)
+    count = _int("number of images", request.num_images, 1, max(1, min(max_images, MAX_IMAGES)))
+    sampling = _sampling(request, info)
+    name, options = _decoding(request.method, request.options, info.family, catalog, request.model)
+    if name in COMPANIONS:  # pair with the demo's cached companion unless the options name one
+        option, suffix, _ = COMPANIONS[name]
+        if option not in options and request.model + suffix in catalog.names:
+            options[option] = request.model + suffix
+    source = catalog.main[request.model]  # decoder_from_spec looks for bundled companions by this name
+    overrides = {}
+    if info.family == "continuous":
+        steps = info.defaults.get("num_iter") if request.num_steps is None else request.num_steps
+        overrides["num_steps"] = sampling["num_iter"] = _int("MAR steps", steps, 1, MAX_STEPS)
+    companions = [v for k, v in options.items() if k in COMPANION_OPTIONS]
+    with catalog.using([request.model, *companions]):
+        built = {k: catalog.pipeline(v) if k in COMPANION_OPTIONS else v for k, v in options.items()}
+        decoder = decoder_from_spec(name, source, catalog.device, family=info.family, **{**built, **overrides})
+        plan = [("ar (baseline)", decoder_from_spec("ar", source, catalog.device, family=info.family, **overrides))] \
+            if request.compare else []
+        plan.append((_spec_text(name, request.options), decoder))
+        runs = []
+        for run_label, run_decoder in plan:
+            output = pipe([label] * count, decoding=run_decoder, generator=make_generator(seed, catalog.device), **sampling)
+            runs.append(DemoRun(run_label, list(output.images), output.stats))
+    return DemoResult(runs)
+
+
+def _class_label(class_name: Any, names: list[str]) -> int:
+    if not isinstance(class_name, str) or class_name not in names:
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise ValueError(f"unknown class {class_name!r}; choose one of this model's classes ({shown})")
+    return names.index(class_name)
+
+
+def _int(what: str, value: Any, low: int, high: int) -> int:
+    """An integer in [low, high] (whole floats such as 3.0, as number boxes send, are accepted)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _float(what: str, value: Any, low: float, high: float, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (low < value if low_open else low <= value) or value > high:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise ValueError(f"{what} must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+def _sampling(request: DemoRequest, info: ModelInfo) -> dict[str, Any]:
+    """The sampler arguments this model's pipeline takes, checked and bounded."""
+    out: dict[str, Any] = {}
+    if request.guidance_scale is not None:
+        out["guidance_scale"] = _float("guidance", request.guidance_scale, 0.0, MAX_GUIDANCE)
+    if request.temperature is not None:
+        out["temperature"] = _float("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
+    if info.vocab_size is not None:  # MAR's pipeline has no top-k/top-p: the UI hides them
+        if request.top_k is not None:
+            out["top_k"] = _int("top-k", request.top_k, 0, info.vocab_size)
+        if request.top_p is not None:
+            out["top_p"] = _float("top-p", request.top_p, 0.0, 1.0, low_open=True)
+    return out
+
+
+def _decoding(method: Any, text: Any, family: str, catalog: ModelCatalog, model: str) -> tuple[str, dict[str, Any]]:
+    """The method (a shortcut of this model's registry) and its checked options: numbers and
+    booleans bounded, strings only for companion models the demo offers (never a path)."""
+    registry = REGISTRIES[family]
+    if not isinstance(method, str) or method not in registry:
+        raise ValueError(f"unknown decoding method {method!r} for this model; choose one of {sorted(registry)}")
+    if not isinstance(text, str) or len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"decoding options must be text of at most {MAX_SPEC_CHARS} characters")
+    if ":" in text:
+        raise ValueError(f"decoding options are key=value pairs separated by commas (e.g. 'delta=0.2,window=8'); "
+                         f"pick the method in the list, got {text!r}")
+    name, options = parse_decoding(f"{method}:{text}" if text.strip() else method)
+    defaults = _option_defaults(registry[name]())
+    for key, value in options.items():
+        if key in COMPANION_OPTIONS:
+            if value not in catalog.names or value == model:
+                others = [n for n in catalog.names if n != model]
+                raise ValueError(f"{key}={value!r}: name one of the demo's other models {others}")
+        elif key in defaults and not _is_number(defaults[key]) and defaults[key] is not None:
+            raise ValueError(f"decoding option {key!r} takes an object and cannot be set here")
+        elif not (_is_number(value) or value is None):
+            raise ValueError(f"decoding option {key}={value!r}: expected a number, true, false or null")
+        elif not isinstance(value, (bool, type(None))):
+            default = defaults.get(key)
+            if not abs(value) <= MAX_OPTION_MAGNITUDE:
+                raise ValueError(f"decoding option {key}={value!r} is out of range (|value| <= {MAX_OPTION_MAGNITUDE:g})")
+            if isinstance(default, int) and not isinstance(default, bool) and default > 0 and value > MAX_OPTION_FACTOR * default:
+                raise ValueError(f"decoding option {key}={value!r} is above this demo's limit of {MAX_OPTION_FACTOR * default} "
+                                 f"({MAX_OPTION_FACTOR}x its default {default})")
+    return name, options
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (bool, int, float))
+
+
+def _option_defaults(decoder: Any) -> dict[str, Any]:
+    """Default values of a decoder's settable fields and of its acceptance rule's."""
+    out: dict[str, Any] = {}
+    for obj in (getattr(decoder, "acceptance", None), decoder):
+        if is_dataclass(obj):
+            out.update({f.name: getattr(obj, f.name) for f in fields(obj) if f.repr and f.init})
+    return out
+
+
+def _spec_text(name: str, options: str) -> str:
+    return f"{name}:{options.strip()}" if options.strip() else name
+

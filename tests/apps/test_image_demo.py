@@ -1,0 +1,340 @@
+"""The image demo: its request function directly, its command, and the app in a real headless
+Chromium (Debian's, driven by playwright) that must never reach the internet.
+
+Browser tests skip when /usr/bin/chromium or playwright is missing, unless MMGEN_REQUIRE_BROWSER=1
+(CI), where that is a failure. Screenshots go to $MMGEN_TEST_ARTIFACTS/image_demo/ (default: a
+pytest temporary folder), one per scenario.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest
+
+from mmgen.apps.image_request import DemoRequest, ModelCatalog, model_info, run_request
+from mmgen.decoding import DECODERS, SCALE_DECODERS, Autoregressive
+from mmgen.image_ar import bundled
+
+from tests.conftest import tiny_pipeline
+
+CHROMIUM = Path("/usr/bin/chromium")
+#: Keep the browser off the network: no background services, and every host name but
+#: 127.0.0.1 resolves to nothing.
+CHROMIUM_ARGS = [
+    "--no-sandbox",  # tests may run as root (CI containers)
+    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-default-apps",
+    "--disable-extensions", "--disable-domain-reliability", "--disable-breakpad", "--no-first-run",
+    "--no-default-browser-check", "--metrics-recording-only", "--disable-gpu",
+    "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
+]
+TIMEOUT_MS = 60_000  # generous: the test machine's cores are shared
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return ModelCatalog.discover()
+
+
+def request(**changes) -> DemoRequest:
+    return DemoRequest(**{"model": "emoji64", "class_name": "cat-face", "method": "sjd", **changes})
+
+
+# --- the request function -------------------------------------------------------------------
+
+
+def test_catalog_offers_bundled_models_with_companions_apart(catalog, monkeypatch, tmp_path):
+    assert {"emoji64", "var-emoji64"} <= set(catalog.main)
+    assert {"emoji64-draft", "var-emoji64-small"} <= set(catalog.companions)
+    assert not any(name.endswith(("-draft", "-small")) for name in catalog.main)
+    monkeypatch.setitem(bundled.BUNDLED_MODELS, "ghost64", tmp_path / "not-installed")
+    assert "ghost64" not in ModelCatalog.discover().names
+    given = ModelCatalog.discover(["emoji64"])
+    assert list(given.main) == ["emoji64"] and list(given.companions) == ["emoji64-draft"]
+
+
+def test_catalog_takes_pipeline_folders_and_rejects_others(tmp_path):
+    tiny_pipeline().save_pretrained(tmp_path / "tiny")
+    tiny_pipeline(seed=1).save_pretrained(tmp_path / "tiny-draft")
+    catalog = ModelCatalog.discover([str(tmp_path / "tiny"), str(tmp_path / "tiny-draft")])
+    assert list(catalog.main) == ["tiny"] and list(catalog.companions) == ["tiny-draft"]
+    out = run_request(DemoRequest("tiny", "3", "draft", options="num_draft=2", seed=1), catalog)
+    assert out.method.stats.draft_forwards > 0 and out.method.images[0].size == (8, 8)
+    alone = ModelCatalog.discover([str(tmp_path / "tiny")])
+    with pytest.raises(ValueError, match="needs a draft model"):
+        run_request(DemoRequest("tiny", "3", "draft"), alone)
+    with pytest.raises(ValueError, match="nor a pipeline folder with a model_index.json"):
+        ModelCatalog.discover([str(tmp_path / "missing")])
+    (tmp_path / "t2i").mkdir()
+    (tmp_path / "t2i" / "model_index.json").write_text('{"_class_name": "LlamaGenText2ImagePipeline"}')
+    with pytest.raises(ValueError, match="serves class-conditional"):
+        ModelCatalog.discover([str(tmp_path / "t2i")])
+
+
+def test_methods_come_from_the_core_registries(catalog, monkeypatch):
+    token, scale = model_info(catalog.pipeline("emoji64")), model_info(catalog.pipeline("var-emoji64"))
+    assert token.methods == list(DECODERS) and token.default_method == "sjd" and token.vocab_size == 512
+    assert scale.methods == list(SCALE_DECODERS) and scale.family == "scale"
+    assert len(token.class_names) == 74 and "cat-face" in token.class_names
+    monkeypatch.setitem(DECODERS, "brand-new", Autoregressive)
+    assert "brand-new" in model_info(catalog.pipeline("emoji64")).methods
+    assert run_request(request(method="brand-new"), catalog).method.stats.forwards == 64
+
+
+def test_one_request_gives_images_and_stats(catalog):
+    out = run_request(request(num_images=2, seed=3), catalog)
+    assert [image.size for image in out.method.images] == [(64, 64), (64, 64)] and out.baseline is None
+    (row,) = out.stats_rows()
+    assert row["run"] == "sjd" and row["tokens"] == 64 and 1 <= row["forwards"] <= 64
+    assert row["step compression"] >= 1 and row["mean accepted length"] >= 1 and row["time (s)"] > 0
+    assert len(out.trace_rows()) == row["forwards"] and out.trace_rows()[0]["forward"] == 1
+
+
+def test_compare_runs_autoregressive_on_the_same_seed(catalog):
+    out = run_request(request(options="window=8", compare=True, seed=5), catalog)
+    alone = run_request(request(method="ar", seed=5), catalog)
+    assert [run.label for run in out.runs] == ["ar (baseline)", "sjd:window=8"]
+    assert out.baseline.images[0].tobytes() == alone.method.images[0].tobytes()
+    rows = out.stats_rows()
+    assert rows[0]["forwards"] == 64 and rows[0]["speedup"] == 1.0 and rows[1]["forwards"] < 64
+    assert {r["accepted"] for r in out.trace_rows(out.baseline)} == {1.0}
+
+
+def test_two_model_methods_pair_with_the_cached_companion(catalog):
+    out = run_request(DemoRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
+    assert out.method.stats.stage_forwards and out.baseline.stats.forwards == 6
+    assert "var-emoji64-small" in catalog._pipelines  # loaded once, through the catalog
+
+
+def test_continuous_models_take_bounded_steps(tmp_path):
+    from tests.image_ar.test_mar_pipeline import tiny_vae
+    from tests.image_ar.test_mar_model import tiny_model
+
+    from mmgen.image_ar.mar.pipeline import MARPipeline
+
+    pipe = MARPipeline(tiny_model(), tiny_vae(), class_names=[f"c{i}" for i in range(10)])
+    pipe.save_pretrained(tmp_path / "mar")
+    catalog = ModelCatalog.discover([str(tmp_path / "mar")])
+    info = model_info(catalog.pipeline("mar"))
+    assert info.family == "continuous" and info.vocab_size is None and info.default_method == "ar"
+    out = run_request(DemoRequest("mar", "c2", "ar", num_steps=3, top_k=99999), catalog)  # top-k: not a MAR option
+    assert out.method.stats.forwards == 3
+    with pytest.raises(ValueError, match=r"MAR steps must be an integer in \[1, 256\]"):
+        run_request(DemoRequest("mar", "c2", "ar", num_steps=257), catalog)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(method="lantern", options="delta=abc"), "delta='abc': expected a number"),
+        (dict(method="lantern", options="delta=0.5,delta=0.2"), "given twice"),
+        (dict(method="lantern", options="delta=2"), r"total-variation budget in \[0, 1\]"),
+        (dict(method="lantern", options="dleta=0.2"), r"unknown option\(s\) \['dleta'\]"),
+        (dict(options="window"), "expected key=value"),
+        (dict(options="window=65"), "above this demo's limit of 64"),
+        (dict(options="window=1e9"), "out of range"),
+        (dict(options="draft_init=1"), "takes an object"),
+        (dict(options="lantern:delta=0.2"), "key=value pairs"),
+        (dict(options="x" * 201), "at most 200 characters"),
+        (dict(method="draft", options="drafter=/etc"), "name one of the demo's other models"),
+        (dict(method="code"), "unknown decoding method 'code'"),
+        (dict(model="../emoji64"), "unknown model"),
+        (dict(class_name="<b>dog</b>"), "unknown class"),
+        (dict(top_p=0), r"top-p must be a number in \(0, 1\]"),
+        (dict(top_p=float("nan")), "top-p"),
+        (dict(top_k=513), r"top-k must be an integer in \[0, 512\]"),
+        (dict(guidance_scale=21), r"guidance must be a number in \[0, 20\]"),
+        (dict(temperature=-1), "temperature"),
+        (dict(seed=-1), "seed must be an integer"),
+        (dict(seed=1.5), "seed must be an integer"),
+        (dict(num_images=5), r"number of images must be an integer in \[1, 4\]"),
+        (dict(num_images=0), "number of images"),
+    ],
+)
+def test_bad_input_is_a_value_error_with_a_message(catalog, changes, message):
+    with pytest.raises(ValueError, match=message):
+        run_request(request(**changes), catalog)
+
+
+def test_ui_handler_turns_errors_into_escaped_gradio_errors(catalog):
+    import gradio as gr
+
+    from mmgen.apps.image_demo import handle_generate
+
+    values = dict(model="emoji64", class_name="<b>cat</b>", method="sjd", options="", compare=False, num_images=1, seed=0,
+                  guidance=2.0, temperature=1.0, top_k=0, top_p=1.0, steps=64)
+    with pytest.raises(gr.Error) as error:
+        handle_generate(catalog, 4, *values.values())
+    assert "unknown class" in error.value.message and "&lt;b&gt;cat&lt;/b&gt;" in error.value.message
+    values.update(model="var-emoji64", class_name="heart", method="code", options="handoffs=3")  # fails inside the decoder
+    with pytest.raises(gr.Error, match="generation failed"):
+        handle_generate(catalog, 4, *values.values())
+
+
+def test_switching_model_updates_classes_methods_and_bounds(catalog):
+    from mmgen.apps.image_demo import handle_model
+
+    classes, methods, guidance, _, top_k, top_p, steps = handle_model(catalog, "var-emoji64")
+    assert methods["choices"] == list(SCALE_DECODERS) and methods["value"] == "ar"
+    assert len(classes["choices"]) == 74 and top_k["maximum"] == 512 and guidance["value"] == 2.0
+    assert top_p["visible"] and not steps["visible"]
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def test_demo_command_parses_bounds_and_launches_locally(monkeypatch):
+    from mmgen import cli
+    from mmgen.apps import image_demo
+
+    args = cli.build_parser().parse_args(["demo", "image"])
+    assert (args.model, args.host, args.port, args.share, args.max_images, args.concurrency) == (None, "127.0.0.1", None, False, 4, 1)
+    args = cli.build_parser().parse_args(["demo", "image", "--model", "emoji64", "--model", "/x/y", "--port", "8000"])
+    assert args.model == ["emoji64", "/x/y"] and args.port == 8000
+    for bad in (["--max-images", "0"], ["--max-images", "17"], ["--port", "70000"], ["--concurrency", "x"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["demo", "image", *bad])
+    launched = {}
+    monkeypatch.setattr(image_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
+    assert cli.main(["demo", "image", "--model", "emoji64", "--max-images", "2", "--concurrency", "2"]) == 0
+    assert launched["host"] == "127.0.0.1" and launched["share"] is False
+    assert launched["demo"]._queue.default_concurrency_limit == 2 and launched["demo"]._queue.max_size == image_demo.QUEUE_SIZE
+    assert cli.main(["demo", "image", "--model", "nowhere/at-all"]) == 2
+
+
+# --- the app in a headless browser -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium through playwright; skip (or, with MMGEN_REQUIRE_BROWSER=1, fail)
+    when either is missing."""
+    reason = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = "the playwright package is not installed (pip install -e '.[dev]')"
+    if reason is None and not CHROMIUM.is_file():
+        reason = f"{CHROMIUM} is missing (apt-get install chromium)"
+    if reason is not None:
+        if os.environ.get("MMGEN_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"MMGEN_REQUIRE_BROWSER=1 but {reason}")
+        pytest.skip(reason)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def app_url(browser, catalog):
+    from mmgen.apps.image_demo import build_demo, launch_demo
+
+    demo = build_demo(catalog, max_images=2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launch_demo(demo, host="127.0.0.1", port=port, block=False)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> Path:
+    root = os.environ.get("MMGEN_TEST_ARTIFACTS")
+    folder = (Path(root) if root else tmp_path_factory.mktemp("artifacts")) / "image_demo"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def page(browser, app_url):
+    """A fresh page on the app; afterwards, every request it made must have stayed on 127.0.0.1."""
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    requested: list[str] = []
+    context.on("request", lambda r: requested.append(r.url))
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(app_url)
+    page.locator("#generate").wait_for()
+    yield page
+    context.close()
+    remote = sorted({url for url in requested if urlparse(url).scheme not in ("data", "blob")
+                     and urlparse(url).hostname != "127.0.0.1"})
+    assert not remote, f"the page reached beyond this machine: {remote}"
+
+
+def pick(page, elem_id: str, choice: str) -> None:
+    box = page.locator(f"#{elem_id} input")
+    box.click()
+    box.fill(choice)
+    page.get_by_role("option", name=choice, exact=True).click()
+
+
+def generate(page, *pictures: str) -> None:
+    page.locator("#generate").click()
+    for picture in pictures or ("images",):
+        page.locator(f"#{picture} img").first.wait_for()
+    page.locator("#chart svg").first.wait_for()
+
+
+def test_page_loads_without_the_internet(page, artifacts):
+    assert page.title() == "mmgen image demo"
+    assert page.locator("#model input").input_value() == "emoji64"
+    assert page.locator("#method input").input_value() == "sjd"
+    fonts = page.evaluate("getComputedStyle(document.querySelector('.gradio-container')).fontFamily")
+    assert "ui-sans-serif" in fonts or "system-ui" in fonts, fonts
+    page.screenshot(path=artifacts / "01-load.png", full_page=True)
+
+
+def test_generate_one_image(page, artifacts):
+    generate(page)
+    stats = page.locator("#stats").inner_text()
+    assert "sjd" in stats and "forwards" in stats and "step compression" in stats
+    assert page.locator("#images img").count() >= 1 and not page.locator("#baseline").is_visible()
+    page.screenshot(path=artifacts / "02-generate.png", full_page=True)
+
+
+def test_compare_mode_shows_both_runs_and_the_chart(page, artifacts):
+    pick(page, "method", "gsd")
+    page.locator("#compare input[type=checkbox]").check()
+    generate(page, "baseline", "images")
+    stats = page.locator("#stats").inner_text()
+    assert "ar (baseline)" in stats and "gsd" in stats and "speedup" in stats
+    assert page.locator("#chart .mark-line path").count() >= 1
+    page.screenshot(path=artifacts / "03-compare.png", full_page=True)
+
+
+def test_switching_to_var_lists_its_methods(page, artifacts):
+    from playwright.sync_api import expect
+
+    pick(page, "model", "var-emoji64")
+    expect(page.locator("#method input")).to_have_value("ar")
+    page.locator("#method input").click()
+    assert page.get_by_role("option", name="code", exact=True).is_visible()
+    assert page.get_by_role("option", name="sjd", exact=True).count() == 0
+    page.get_by_role("option", name="code", exact=True).click()
+    page.locator("#options textarea").fill("draft_steps=3")
+    generate(page)
+    assert "code:draft_steps=3" in page.locator("#stats").inner_text()
+    page.screenshot(path=artifacts / "04-var-code.png", full_page=True)
+
+
+def test_bad_option_shows_an_error_and_the_app_keeps_working(page, artifacts):
+    pick(page, "method", "lantern")
+    page.locator("#options textarea").fill("delta=abc")
+    page.locator("#generate").click()
+    message = page.get_by_text("decoding option delta='abc': expected a number")
+    message.wait_for()
+    page.wait_for_timeout(500)  # let the toast finish fading in
+    page.screenshot(path=artifacts / "05-error.png")
+    page.locator("[data-testid=toast-close]").first.click()
+    page.locator("#options textarea").fill("delta=0.2")
+    generate(page)
+    assert "lantern:delta=0.2" in page.locator("#stats").inner_text()
+    page.screenshot(path=artifacts / "06-after-error.png", full_page=True)
