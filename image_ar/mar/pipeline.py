@@ -14,7 +14,7 @@ from mmgen.sampling import ConstantGuidance, LinearProgressGuidance, SamplingCon
 
 from mmgen.image_ar.mar.continuous_model import MARContinuousModel
 from mmgen.image_ar.mar.mar import MAR, MARConfig
-from mmgen.image_ar.mar.vae import MAR_LATENT_SCALE, OFFICIAL_IGNORED_KEYS, KLVAE, KLVAEConfig
+from mmgen.image_ar.mar.vae import OFFICIAL_IGNORED_KEYS, KLVAE, KLVAEConfig
 from mmgen.image_ar.outputs import ClassLabelled, ImageGenerationOutput, SamplingDefaults, check_output_type, postprocess
 
 #: The official sampler's defaults (`main_mar.py`; the README evaluates with 256 iterations,
@@ -110,9 +110,10 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
 
     @torch.no_grad()
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
-        """Token latents [B, seq_len, D] -> images through the KL-16 decoder (latents / 0.2325)."""
+        """Token latents [B, seq_len, D] -> images through the VAE decoder (latents / its
+        scaling factor, officially 0.2325)."""
         check_output_type(output_type)
-        latents = self.transformer.unpatchify(tokens) / MAR_LATENT_SCALE
+        latents = self.transformer.unpatchify(tokens) / self.vae.config.scaling_factor
         return postprocess(self.vae.decode(latents.to(self.vae.post_quant_conv.weight.dtype)), output_type)
 
     @classmethod

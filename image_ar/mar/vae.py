@@ -3,7 +3,7 @@
 An image [B, 3, 256, 256] in [-1, 1] is encoded into a diagonal Gaussian over latents
 [B, 16, 16, 16] (16x downsampling); MAR samples it and multiplies by `MAR_LATENT_SCALE` to get
 its tokens, and divides by that scale before decoding (the scale is applied by MAR, outside
-the VAE, as the official `engine_mar.py` does).
+the VAE, as the official `engine_mar.py` does; `KLVAEConfig.scaling_factor` holds it).
 
 Parameter names and shapes are the official `models/vae.py` `AutoencoderKL(embed_dim=16,
 ch_mult=(1, 1, 2, 2, 4))`'s (`encoder.*`, `decoder.*`, `quant_conv`, `post_quant_conv`), so the
@@ -52,6 +52,9 @@ class KLVAEConfig:
     resolution: int = 256
     double_z: bool = True
     use_variational: bool = True
+    #: MAR's tokens are latents times this (diffusers' `AutoencoderKL.config.scaling_factor`); a
+    #: VAE trained elsewhere brings its own (chosen so the tokens have about unit variance).
+    scaling_factor: float = MAR_LATENT_SCALE
 
     def __post_init__(self) -> None:
         self.ch_mult = tuple(self.ch_mult)
@@ -152,5 +155,5 @@ class KLVAE(nn.Module):
         return DiagonalGaussian(moments)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents [B, embed_dim, h, w] (unscaled: MAR tokens / MAR_LATENT_SCALE) -> images."""
+        """Latents [B, embed_dim, h, w] (unscaled: MAR tokens / config.scaling_factor) -> images."""
         return self.decoder(self.post_quant_conv(latents))

@@ -230,7 +230,7 @@ class ContinuousSpeculative(ContinuousDecoder):
             raise ValueError("drafter and target must share the number of tokens, token dimension and head steps")
         state = model.start(conditions, sampling.uses_guidance)
         B, device = state.tokens.shape[0], state.device
-        recorder = StatsRecorder(device, max_accepted=1)
+        recorder = StatsRecorder(device, max_accepted=self.num_draft)  # steps committed per target forward
         noise = noise_table(model, B, device, generator)
         steps = model.schedule(state, self.num_steps, generator)
         ones = torch.ones(B, dtype=torch.long, device=device)
@@ -257,7 +257,6 @@ class ContinuousSpeculative(ContinuousDecoder):
             after = torch.cat([c.known.sum(1) + p.shape[1] for c, p in zip(canvases, window)])
             target = model.sample(model.head_inputs(stacked, positions), _gather(noise.repeat(len(window), 1, 1, 1), positions),
                                   sampling.temperature, _guidance(sampling, stacked, after))
-            recorder.record(ones, ones.bool())
             commit_to = len(window)
             verified = []
             for j, (p, d) in enumerate(zip(window, drafts)):
@@ -275,6 +274,7 @@ class ContinuousSpeculative(ContinuousDecoder):
             state.tokens, state.known = canvases[0].tokens, canvases[0].known
             for p, values in zip(window[:commit_to], verified):
                 _commit(state, p, values)
+            recorder.record(ones * commit_to, ones.bool())
             done += commit_to
         stats = recorder.finish(model.num_tokens, B, 0)
         stats.baseline_forwards, stats.draft_forwards = len(steps), draft_forwards

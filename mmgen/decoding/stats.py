@@ -21,7 +21,8 @@ class DecodeStats:
     (`stage_forwards`) and the tokens it sampled over all rows (`stage_tokens`). Next-scale
     decoders set `baseline_forwards` to the number of steps. Continuous speculative decoding
     counts the `drafted` tokens, the `accepted_drafts`, and the residual samples that ran out of
-    rejection rounds (`fallbacks`).
+    rejection rounds (`fallbacks`). `accepted_per_forward[i]` is the mean number of tokens the
+    rows still decoding finalised at forward i (the trace behind the histogram).
     Peak memory is the CUDA allocator's peak and None on CPU, where torch has no allocator
     statistics.
     """
@@ -40,6 +41,7 @@ class DecodeStats:
     drafted: int = 0
     accepted_drafts: int = 0
     fallbacks: int = 0
+    accepted_per_forward: list[float] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -76,6 +78,7 @@ class StatsRecorder:
         self.device = torch.device(device)
         self.histogram = torch.zeros(max_accepted + 1, dtype=torch.long, device=self.device)
         self.forwards = 0
+        self._trace: list[torch.Tensor] = []  # per forward: tokens finalised, summed over active rows, and active rows
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._start = time.perf_counter()
@@ -84,12 +87,15 @@ class StatsRecorder:
         """One forward: `accepted` [B] tokens finalised by each row, counted where `active`."""
         self.forwards += 1
         self.histogram.scatter_add_(0, accepted.clamp(0, self.histogram.numel() - 1), active.long())
+        self._trace.append(torch.stack([(accepted * active).sum(), active.sum()]))
 
     def finish(self, tokens: int, rows: int, cache_bytes: int) -> DecodeStats:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - self._start
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        trace = torch.stack(self._trace).double() if self._trace else torch.zeros(0, 2, dtype=torch.float64)
+        per_forward = (trace[:, 0] / trace[:, 1].clamp_min(1)).tolist()
         return DecodeStats(
             forwards=self.forwards,
             tokens=tokens,
@@ -98,4 +104,5 @@ class StatsRecorder:
             wall_time_s=wall,
             peak_memory_bytes=peak,
             cache_bytes=cache_bytes,
+            accepted_per_forward=per_forward,
         )
