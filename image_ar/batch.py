@@ -83,10 +83,10 @@ from mmgen.batch import (
     progress_bar,
     read_jsonl,
     read_records,
-    remove_stale_temp_files,
     verified_records,
-    write_atomic,
 )
+
+from mmgen.files import remove_stale_temp_files, write_atomic
 
 from mmgen.image_ar.generation import DTYPES, ImageCall, ImageOptions, load_image_pipeline, png_bytes, prepare_call
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mmgen.batch import write_atomic
+from mmgen.files import write_atomic
 
 from mmgen.image_ar import bench
 from mmgen.image_ar.bundled import DEFAULT_MODEL

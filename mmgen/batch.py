@@ -22,11 +22,9 @@ Not supported: two independent runs writing into one folder at the same time.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
-import secrets
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,8 +35,9 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from mmgen.files import fsync_dir, sha256_file, write_atomic
+
 MANIFEST = "manifest.jsonl"
-TEMP_SUFFIX = ".mmgen-tmp"
 ON_ERROR = ("stop", "skip")
 #: Ranks wait at barriers for the slowest one; a crashed rank is torn down by torchrun anyway.
 DIST_TIMEOUT = timedelta(days=1)
@@ -107,61 +106,6 @@ def check_lines(errors: Sequence[LineError], on_error: str, source: PathLike, qu
 
 
 # --------------------------------------------------------------------------------------------
-# Atomic output files
-# --------------------------------------------------------------------------------------------
-
-
-def write_atomic(path: PathLike, data: bytes) -> str:
-    """Write `data` to `path` so that it is never seen half-written, even after a crash: a temp
-    file in the same folder, fsync, `os.replace`, fsync of the folder. Returns the sha256 (hex)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # 0o666 & ~umask, like open()
-    try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return hashlib.sha256(data).hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make a rename in `folder` durable (POSIX; a no-op where folders cannot be opened)."""
-    if not hasattr(os, "O_DIRECTORY"):
-        return
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove_stale_temp_files(folder: PathLike) -> int:
-    """Delete the temp files that killed `write_atomic` calls left in `folder`; returns how many.
-    Call it only while nothing writes into the folder (before the first barrier)."""
-    removed = 0
-    for path in Path(folder).glob(f".*{TEMP_SUFFIX}"):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed += 1
-    return removed
-
-
-def sha256_file(path: PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-# --------------------------------------------------------------------------------------------
 # Manifests: one part per rank, merged by rank 0
 # --------------------------------------------------------------------------------------------
 
@@ -179,7 +123,7 @@ class ManifestWriter:
         self.path = part_path(folder, rank)
         _drop_partial_tail(self.path)
         self._file = open(self.path, "ab")
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
 
     def append(self, record: dict) -> None:
         self._file.write(json.dumps(record, sort_keys=True, allow_nan=False).encode() + b"\n")

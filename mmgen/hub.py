@@ -15,6 +15,8 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from mmgen.files import write_atomic
+
 PathLike = Union[str, os.PathLike]
 
 #: Where official training scripts nest the weights, in the order they are tried.
@@ -152,10 +154,8 @@ def _listing(title: str, items: Iterable[str], limit: int = 25) -> str:
 
 def save_safetensors(state_dict: Mapping[str, torch.Tensor], path: PathLike) -> None:
     """Write tensors atomically (temp file + rename), contiguous and on the CPU."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}, str(tmp))
-    os.replace(tmp, path)
+    write_atomic(path, save({k: v.detach().contiguous().cpu() for k, v in state_dict.items()}))

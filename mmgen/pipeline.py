@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from mmgen.files import write_atomic
 from mmgen.hub import CheckpointError, load_state_dict, load_strict, resolve_path, save_safetensors
 from mmgen.sampling import make_generator
 
@@ -185,6 +186,4 @@ def _check_shared(root: Path, name: str, reference: str) -> Path:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=True) + "\n").encode())

@@ -1,4 +1,4 @@
-"""The modality-free batch machinery: atomic files, manifests and resume, grouping and sharding,
+"""The modality-free batch machinery and durable files: atomic files, manifests and resume, grouping and sharding,
 line-numbered job files, the summary."""
 
 import json
@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from mmgen import batch
+from mmgen import batch, files
 from mmgen.batch import (
     LineError,
     ManifestWriter,
@@ -19,11 +19,9 @@ from mmgen.batch import (
     part_path,
     read_jsonl,
     read_records,
-    remove_stale_temp_files,
-    sha256_file,
     verified_records,
-    write_atomic,
 )
+from mmgen.files import remove_stale_temp_files, sha256_file, write_atomic
 
 
 def test_write_atomic_writes_the_whole_file_and_returns_its_checksum(tmp_path):
@@ -44,7 +42,7 @@ def test_write_atomic_failure_keeps_the_old_file_and_leaves_no_temp(tmp_path, mo
     def fail(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(batch.os, "replace", fail)
+    monkeypatch.setattr(files.os, "replace", fail)
     with pytest.raises(OSError, match="disk full"):
         write_atomic(path, b"new")
     assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["a.png"]
@@ -52,7 +50,7 @@ def test_write_atomic_failure_keeps_the_old_file_and_leaves_no_temp(tmp_path, mo
 
 def test_remove_stale_temp_files_removes_only_temp_files(tmp_path):
     (tmp_path / "a.png").write_bytes(b"x")
-    (tmp_path / f".a.png.0123abcd{batch.TEMP_SUFFIX}").write_bytes(b"half")
+    (tmp_path / f".a.png.0123abcd{files.TEMP_SUFFIX}").write_bytes(b"half")
     (tmp_path / ".hidden").write_bytes(b"keep")
     assert remove_stale_temp_files(tmp_path) == 1
     assert sorted(os.listdir(tmp_path)) == [".hidden", "a.png"]

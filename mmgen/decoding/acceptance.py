@@ -89,7 +89,7 @@ def _set_number(rule, name: str, valid, meaning: str) -> None:
     """Validate a numeric field of a frozen rule and store it as a float (CLI specs may give ints)."""
     value = getattr(rule, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(float(value)):
-        raise ValueError(f"{name} must be a number {meaning}, got {value!r}")
+        raise ValueError(f"{name} must be a number: {meaning}; got {value!r}")
     object.__setattr__(rule, name, float(value))
 
 

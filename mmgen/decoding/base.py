@@ -45,7 +45,7 @@ class Decoder:
 
     def capacity(self, num_tokens: int) -> int:
         """Cache positions after the conditions that decoding `num_tokens` may touch."""
-        return num_tokens + 2 * self.window
+        return num_tokens + 2 * min(self.window, num_tokens)
 
 
 def raise_if_masked(bad: torch.Tensor) -> None:

@@ -50,7 +50,7 @@ class SpeculativeJacobi(Decoder):
         progress: Optional[Progress] = None,
     ) -> DecodeOutput:
         check_num_tokens(num_tokens)
-        L, V = self.window, model.vocab_size
+        L, V = min(self.window, num_tokens), model.vocab_size  # a wider window has nothing to draft
         rule = self.acceptance.bind(model)
         init = resolve_draft_init(self.draft_init)
         state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)

@@ -78,14 +78,17 @@ class Collaborative(ScaleDecoder):
 
     `schedule` generalises the hand-off to any number of models: [(model or None, first step),
     ...], None standing for the pipeline's own model; it overrides `refiner`/`draft_steps`.
+    `draft_steps=None` drafts all but the last two steps: the paper's N = 8 of VAR's 10 scales,
+    and a valid split for a model with fewer scales.
     """
 
     refiner: Any = None
-    draft_steps: int = 8
+    draft_steps: Optional[int] = None
     handoffs: Optional[Sequence[tuple[Any, int]]] = None
 
     def __post_init__(self):
-        check_int("draft_steps", self.draft_steps, 1)
+        if self.draft_steps is not None:
+            check_int("draft_steps", self.draft_steps, 1)
 
     def schedule(self, model: ScaleModel) -> list[tuple[ScaleModel, int]]:
         model = as_scale_model(model)
@@ -94,7 +97,8 @@ class Collaborative(ScaleDecoder):
         elif self.refiner is None:
             raise ValueError("Collaborative needs a refiner: a smaller model on the same tokenizer")
         else:
-            stages = [(model, 0), (as_scale_model(self.refiner, "refiner"), self.draft_steps)]
+            draft = max(1, len(model.step_sizes) - 2) if self.draft_steps is None else self.draft_steps
+            stages = [(model, 0), (as_scale_model(self.refiner, "refiner"), draft)]
         steps = len(model.step_sizes)
         starts = [s for _, s in stages]
         if not stages or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= steps:

@@ -25,7 +25,7 @@ ALPHA = 1e-3  # false-alarm rate of each chi-square test (seeds are fixed, so th
 
 @pytest.mark.parametrize("labels", [[3], [1, 5, 7, 9]])
 @pytest.mark.parametrize("guidance", [1.0, 4.0, IntervalGuidance(4.0, 10)])
-@pytest.mark.parametrize("window", [4, 16])
+@pytest.mark.parametrize("window", [4, 16, 4096])
 def test_greedy_sjd_is_token_identical_to_ar(labels, guidance, window):
     model = LlamaGenTokenModel(tiny_transformer())
     sampling = SamplingConfig(top_k=1, guidance=guidance)

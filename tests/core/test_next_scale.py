@@ -59,6 +59,12 @@ def test_collaborative_hands_off_with_one_prefill_of_every_drafted_map():
     assert out.stats.stage_tokens == [3 * 5, 3 * 9] and out.stats.step_compression == 1.0  # one forward per scale, as AR
 
 
+def test_collaborative_drafts_all_but_the_last_two_steps_by_default():
+    for sizes, split in (((1, 4, 9), [1, 2]), ((1, 2, 3, 4, 5, 6), [4, 2]), ((1, 4), [1, 1])):
+        large, small = ToyScaleModel(step_sizes=sizes, seed=1), ToyScaleModel(step_sizes=sizes, seed=2)
+        assert run(Collaborative(refiner=small), large).stats.stage_forwards == split
+
+
 def test_collaborative_with_the_same_model_equals_next_scale():
     for seed in range(5):
         a = run(NextScale(), ToyScaleModel(seed=3), seed=seed, sampling=SamplingConfig(guidance=RampGuidance(2.0, 3)))
