@@ -257,11 +257,7 @@ def last_log(run: str) -> dict:
 
 
 def model_card(f: dict) -> str:
-    runs = f["runs"]
-    row = lambda name, what: (
-        f"| {name} | {what} | {f['params'][name] / 1e6:.2f}M | {runs[name]['final']['step']} | "
-        f"{runs[name]['args']['batch_size']} | {runs[name]['args']['lr']:g} | {runs[name]['final']['loss']:.3f} |"
-    )
+    row = lambda name, what: component_row(f, name, what)
     return f"""# emoji64: bundled class-conditional LlamaGen models
 
 Trained on this project's CPU machine by `benchmarks/train.py` (see its docstring for the exact
@@ -324,6 +320,14 @@ python -m benchmarks.train export --data data/emoji64.npz --vq runs/vq --gpt run
     --draft runs/gpt-draft --classifier runs/classifier --out image_ar/assets
 ```
 """
+
+
+def component_row(facts: dict, name: str, what: str) -> str:
+    """A model card's table row for one trained component: parameters and its run's last log
+    (`facts` holds "params" and "runs" by component name)."""
+    run = facts["runs"][name]
+    return (f"| {name} | {what} | {facts['params'][name] / 1e6:.2f}M | {run['final']['step']} | "
+            f"{run['args']['batch_size']} | {run['args']['lr']:g} | {run['final']['loss']:.3f} |")
 
 
 def round_to_half(model: torch.nn.Module) -> torch.nn.Module:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, last_log, load_images, load_trained, random_flip, round_to_half, train_loop
+from benchmarks.train import add_training_arguments, component_row, last_log, load_images, load_trained, random_flip, round_to_half, train_loop
 from mmgen.image_ar.var.transformer import VARConfig, VARTransformer
 from mmgen.image_ar.var.vqvae import MultiScaleVQVAE, VQVAEConfig
 
@@ -143,11 +143,7 @@ def export(args) -> None:
 
 
 def model_card(f: dict) -> str:
-    runs = f["runs"]
-    row = lambda name, what: (
-        f"| {name} | {what} | {f['params'][name] / 1e6:.2f}M | {runs[name]['final']['step']} | "
-        f"{runs[name]['args']['batch_size']} | {runs[name]['args']['lr']:g} | {runs[name]['final']['loss']:.3f} |"
-    )
+    row = lambda name, what: component_row(f, name, what)
     L, S = VAR_EMOJI["large"], VAR_EMOJI["small"]
     return f"""# var-emoji64: bundled VAR models (a large drafter and a small refiner)
 

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from mmgen.decoding import Decoder
+from mmgen.files import write_atomic
 from mmgen.metrics import token_nll
 from mmgen.sampling import SamplingConfig
 
@@ -205,24 +206,23 @@ def write_report(report: dict, json_path: Optional[str], markdown_path: Optional
     for path, content in ((json_path, json.dumps(report, indent=2) + "\n"), (markdown_path, text)):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(str(path) + ".tmp")
-            tmp.write_text(content)
-            os.replace(tmp, path)
+            write_atomic(path, content.encode())
     return text
 
 
-def is_var_bench(args) -> bool:
-    """VAR models (bundled `var-*` names, folders of a VARPipeline, `--random-weights var-dN`)
-    take the next-scale benchmark."""
+def bench_family(args) -> str:
+    """"var" for next-scale models (bundled `var-*` names, VARPipeline folders, `--random-weights
+    var-dN`), "mar" for continuous-token ones (MARPipeline folders), else "token"."""
     if args.random_weights:
-        return args.random_weights.startswith("var-")
+        return "var" if args.random_weights.startswith("var-") else "token"
     kinds = set()
     for name in args.models:
         index = Path(resolve_model(name)) / "model_index.json"
-        kinds.add(index.is_file() and json.loads(index.read_text()).get("_class_name") == "VARPipeline")
+        class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+        kinds.add({"VARPipeline": "var", "MARPipeline": "mar"}.get(class_name, "token"))
     if len(kinds) > 1:
-        raise ValueError("benchmark VAR models and token models in separate runs")
-    return kinds == {True}
+        raise ValueError(f"benchmark one kind of model per run (token, VAR or MAR), got {sorted(kinds)}")
+    return kinds.pop()
 
 
 def run(args) -> str:
@@ -230,10 +230,15 @@ def run(args) -> str:
     dtype = getattr(torch, args.dtype)
     report = {"environment": environment(device, args.command_line),
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}
-    if is_var_bench(args):
+    family = bench_family(args)
+    if family == "var":
         from mmgen.image_ar.bench_var import run_var
 
         run_var(args, report, device, dtype)
+    elif family == "mar":
+        from mmgen.image_ar.bench_mar import run_mar
+
+        run_mar(args, report, device, dtype)
     elif args.random_weights:
         report["forward_cost"] = forward_cost_rows(args.random_weights, args.windows, args.batch_sizes, device, dtype,
                                                    args.guidance_scale != 1, args.repeats, args.warmup)
@@ -255,7 +260,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
                         help="decoding specs: a shortcut (ar, sjd, sjd-coupled, gsd, lantern, lantern++, draft, entropy-switch) "
                              "with optional options, e.g. sjd:window=8, lantern:delta=0.2, draft:drafter=emoji64-draft; "
-                             "VAR models: ar, code:draft_steps=N[,refiner=NAME]")
+                             "VAR models: ar, code:draft_steps=N[,refiner=NAME]; MAR models: ar[:num_steps=N], "
+                             "cspd:num_draft=N,prefill_ratio=R,flatten=F[,drafter=NAME]")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4], help="speed rows per batch size (none: skip)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)

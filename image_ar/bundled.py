@@ -7,6 +7,9 @@ quality proxies; `emoji64-eval.npz` holds the held-out real images. See
 `assets/emoji64/MODEL_CARD.md`. `var-emoji64` and `var-emoji64-small` are two VAR transformers
 of different depths on one multi-scale VQVAE (`benchmarks/train_var.py`; a large drafter and a
 small refiner for collaborative decoding); see `assets/var-emoji64/MODEL_CARD.md`.
+`mar-emoji64` and `mar-emoji64-draft` are two MARs of different sizes on one KL VAE
+(`benchmarks/train_mar.py`; a target and a drafter for continuous speculative decoding); see
+`assets/mar-emoji64/MODEL_CARD.md`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ BUNDLED_MODELS = {
     "emoji64-draft": ASSETS / "emoji64-draft",
     "var-emoji64": ASSETS / "var-emoji64",
     "var-emoji64-small": ASSETS / "var-emoji64-small",
+    "mar-emoji64": ASSETS / "mar-emoji64",
+    "mar-emoji64-draft": ASSETS / "mar-emoji64-draft",
 }
 DEFAULT_MODEL = "emoji64"
 QUALITY_CLASSIFIER = ASSETS / "emoji64-classifier"

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from mmgen.decoding import parse_decoding
 from mmgen.sampling import make_generator
 
 from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, resolve_model
@@ -124,6 +125,18 @@ def model_family(pipe) -> str:
     return "token" if isinstance(pipe, LlamaGenPipeline) else "prompt"
 
 
+def masked_steps(spec: str, default: int, num_iter: Optional[int] = None) -> dict:
+    """The `num_steps` a continuous decoder built from `spec` must get: `num_iter` when given,
+    else none when the spec names its own, else the model's `default`. A spec and `num_iter`
+    that disagree are an error rather than one silently winning."""
+    named = parse_decoding(spec)[1].get("num_steps")
+    if named is not None and num_iter is not None and named != num_iter:
+        raise ValueError(f"the decoding spec sets num_steps={named} but num_iter is {num_iter}: give one of them")
+    if named is not None:
+        return {}
+    return {"num_steps": default if num_iter is None else num_iter}
+
+
 def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, device: str, dtype: torch.dtype,
                  prompts: bool = False) -> ImageCall:
     """The decoder and keyword options for `pipe`, every option checked against the model's
@@ -133,8 +146,8 @@ def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, de
     is_var, is_mar = family == "scale", family == "continuous"
     overrides = {} if options.window is None else {"window": options.window}
     spec = options.decoding or ("ar" if is_var or is_mar else "sjd")
-    if is_mar:  # the decoder object carries the step count: the model's default unless num_iter
-        overrides["num_steps"] = pipe.sampling_defaults["num_iter"] if options.num_iter is None else options.num_iter
+    if is_mar:
+        overrides.update(masked_steps(spec, pipe.sampling_defaults["num_iter"], options.num_iter))
     decoder = decoder_from_spec(spec, model, device, dtype, family="token" if family == "prompt" else family, **overrides)
     sampling = dict(guidance_scale=options.guidance_scale, temperature=options.temperature, top_k=options.top_k,
                     top_p=options.top_p, cfg_interval=options.cfg_interval)

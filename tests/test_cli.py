@@ -189,6 +189,16 @@ def test_generate_image_with_mar(mar_dir, tmp_path, extra):
     assert stats["baseline_forwards"] == int(extra[extra.index("--num-iter") + 1])
 
 
+def test_mar_steps_come_from_the_spec_or_num_iter_never_both(mar_dir, tmp_path):
+    result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
+                   "--out", tmp_path, "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["stats"]["baseline_forwards"] == 2
+    result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
+                   "--num-iter", "3", "--out", tmp_path, "--no-progress")
+    assert result.returncode == 2 and "num_steps=2 but num_iter is 3" in result.stderr
+
+
 def test_mar_rejects_token_options(mar_dir, tmp_path):
     result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--top-k", 5, "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and "has no option(s) ['top_k']" in result.stderr

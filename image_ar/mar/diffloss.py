@@ -201,11 +201,15 @@ class GaussianDiffusion:
         mean = self._at(self.post_coef1, t) * x0 + self._at(self.post_coef2, t) * x_t
         return mean, self._at(self.post_log_var, t)
 
-    def p_mean_log_var(self, eps: torch.Tensor, var_values: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor):
-        """Mean and log variance of p(x_{t-1} | x_t) (no x0 clipping, as MAR samples)."""
+    def p_mean_log_var(self, eps: torch.Tensor, var_values: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
+                       clip: Optional[float] = None):
+        """Mean and log variance of p(x_{t-1} | x_t); the predicted x0 is clipped to [-clip, clip]
+        when `clip` is given (MAR officially samples without clipping)."""
         frac = (var_values + 1) / 2
         log_var = frac * self._at(self.log_betas, t) + (1 - frac) * self._at(self.post_log_var, t)
         x0 = self._at(self.sqrt_recip_abar, t) * x_t - self._at(self.sqrt_recipm1_abar, t) * eps
+        if clip is not None:
+            x0 = x0.clamp(-clip, clip)
         mean, _ = self.q_posterior(x0, x_t, t)
         return mean, log_var
 
@@ -262,9 +266,10 @@ class DiffLoss(nn.Module):
     `num_sampling_steps` respaced ones."""
 
     def __init__(self, target_channels: int, z_channels: int, depth: int, width: int,
-                 num_sampling_steps: str = "100", grad_checkpointing: bool = False):
+                 num_sampling_steps: str = "100", grad_checkpointing: bool = False, clip_denoised: Optional[float] = None):
         super().__init__()
         self.in_channels = target_channels
+        self.clip_denoised = clip_denoised  # see MARConfig.clip_denoised
         self.net = SimpleMLPAdaLN(target_channels, width, 2 * target_channels, z_channels, depth, grad_checkpointing)
         self.train_diffusion = GaussianDiffusion(1000)
         self.gen_diffusion = GaussianDiffusion(1000, str(num_sampling_steps))
@@ -333,7 +338,7 @@ class DiffLoss(nn.Module):
                 eps, var_values = eps_u + cfg * (eps_c - eps_u), out[:n, self.in_channels:]
             else:
                 eps, var_values = self.net(x, diff.net_timesteps(t), z).split(self.in_channels, dim=1)
-            mean, log_var = diff.p_mean_log_var(eps, var_values, x, t)
+            mean, log_var = diff.p_mean_log_var(eps, var_values, x, t, self.clip_denoised)
             nonzero = float(i != 0)  # the last step (t = 0) adds no noise
             x = mean + nonzero * torch.exp(0.5 * log_var) * noise[k] * temperature
         last_std = torch.exp(0.5 * log_var) * temperature

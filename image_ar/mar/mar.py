@@ -61,6 +61,11 @@ class MARConfig:
     num_sampling_steps: str = "100"
     diffusion_batch_mul: int = 4
     grad_checkpointing: bool = False
+    #: Not an official option (officially None): clip the head's predicted x0 to [-c, c] while
+    #: sampling (ADM's `clip_denoised`, with a bound for unit-variance latents). The cosine
+    #: schedule's first sampling step multiplies the eps error by about 630 (x0 = (x_t - eps)
+    #: / sqrt(abar_999), abar_999 ~ 2.5e-9), which only a well-trained head survives.
+    clip_denoised: Optional[float] = None
 
     def __post_init__(self):
         if self.img_size % (self.vae_stride * self.patch_size):
@@ -151,7 +156,7 @@ class MAR(nn.Module):
         self.reset_parameters()
 
         self.diffloss = DiffLoss(c.token_embed_dim, dec, c.diffloss_d, c.diffloss_w,
-                                 c.num_sampling_steps, c.grad_checkpointing)
+                                 c.num_sampling_steps, c.grad_checkpointing, c.clip_denoised)
 
     def reset_parameters(self):
         """Official init of the transformer part (the diffusion head initialises itself)."""

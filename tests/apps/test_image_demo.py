@@ -49,8 +49,8 @@ def request(**changes) -> DemoRequest:
 
 
 def test_catalog_offers_bundled_models_with_companions_apart(catalog, monkeypatch, tmp_path):
-    assert {"emoji64", "var-emoji64"} <= set(catalog.main)
-    assert {"emoji64-draft", "var-emoji64-small"} <= set(catalog.companions)
+    assert {"emoji64", "var-emoji64", "mar-emoji64"} <= set(catalog.main)
+    assert {"emoji64-draft", "var-emoji64-small", "mar-emoji64-draft"} <= set(catalog.companions)
     assert not any(name.endswith(("-draft", "-small")) for name in catalog.main)
     monkeypatch.setitem(bundled.BUNDLED_MODELS, "ghost64", tmp_path / "not-installed")
     assert "ghost64" not in ModelCatalog.discover().names

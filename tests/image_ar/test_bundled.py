@@ -36,7 +36,7 @@ def test_bundled_models_load_offline_and_generate(pipe):
 
 def test_unknown_bundled_name_is_passed_through_as_a_path():
     assert resolve_model("not-a-bundled-model") == "not-a-bundled-model"
-    assert set(BUNDLED_MODELS) == {"emoji64", "emoji64-draft", "var-emoji64", "var-emoji64-small"}
+    assert set(BUNDLED_MODELS) == {"emoji64", "emoji64-draft", "var-emoji64", "var-emoji64-small", "mar-emoji64", "mar-emoji64-draft"}
 
 
 @torch.no_grad()

@@ -53,6 +53,18 @@ def test_sample_replays_official_noise(case):
     assert out.noise is DL_REF["noise"]
 
 
+def test_clip_denoised_bounds_the_predicted_x0():
+    """The official head blows up (|x| ~ 1e5) unclipped; with the predicted x0 clipped to
+    [-c, c] every posterior mean is a convex mix of x0 and x_t, so tokens stay near [-c, c]."""
+    model, n = official_diffloss(), DL_META["config"]["n"]
+    z = DL_REF["z"][:n]
+    free = model.sample(z, noise=DL_REF["noise"])
+    model.clip_denoised = 2.0
+    clipped = model.sample(z, noise=DL_REF["noise"])
+    assert free.x.abs().max() > 1e3 and clipped.x.abs().max() < 4.0
+    assert MARConfig().clip_denoised is None  # the official sampler never clips
+
+
 def test_sample_draws_from_the_generator_only():
     model, n = official_diffloss(), DL_META["config"]["n"]
     z = DL_REF["z"]
