@@ -356,6 +356,7 @@ class _RankRun:
             if len(output.images) != len(rows):
                 raise RuntimeError(f"the pipeline returned {len(output.images)} images for {len(rows)} rows")
             stats = output.stats.to_dict()
+            del stats["accepted_per_forward"]  # one float per forward, repeated in every row's record: the histogram suffices
             for position, (row, image) in enumerate(zip(rows, output.images)):
                 if row.file in self.done:
                     continue
