@@ -181,6 +181,30 @@ def test_speculative_output_follows_the_target_distribution():
     assert min(stats.ks_2samp(flat.tokens[:, j, 0].numpy(), plain[:, j].numpy()).pvalue for j in range(4)) < ALPHA
 
 
+class CausalToyModel(ToyContinuousModel):
+    """Next-token diffusion (as VibeVoice generates speech latents): one position per step, left
+    to right, each conditioned on the tokens before it."""
+
+    def schedule(self, state, num_steps, generator):
+        B = state.tokens.shape[0]
+        return [torch.full((B, 1), i, dtype=torch.long) for i in range(self.num_tokens)]
+
+
+def test_causal_continuous_model_takes_the_same_speculative_decoder():
+    target, drafter = CausalToyModel(seed=0), CausalToyModel(seed=1, scale=0.8)
+    rows = 20_000
+    plain = sampled(MaskedContinuous(num_steps=4), target, rows, 0).tokens[..., 0]
+    same = sampled(ContinuousSpeculative(drafter=target, num_steps=4, num_draft=2, prefill_ratio=0.0), target, 64, 0)
+    assert torch.equal(same.tokens, sampled(MaskedContinuous(num_steps=4), target, 64, 0).tokens)
+    assert same.stats.forwards == 2  # two windows of two drafted tokens, one target forward each
+    spec = sampled(ContinuousSpeculative(drafter=drafter, num_steps=4, num_draft=3, prefill_ratio=0.0), target, rows, 1)
+    assert 0 < spec.stats.accepted_drafts < spec.stats.drafted
+    for j in range(4):
+        assert stats.ks_2samp(spec.tokens[:, j, 0].numpy(), plain[:, j].numpy()).pvalue > ALPHA
+    assert stats.ks_2samp((spec.tokens[:, 0, 0] * spec.tokens[:, 3, 0]).numpy(),
+                          (plain[:, 0] * plain[:, 3]).numpy()).pvalue > ALPHA
+
+
 def test_prefill_ratio_one_is_the_target_alone():
     target, drafter = ToyContinuousModel(), ToyContinuousModel(seed=1)
     spec = sampled(ContinuousSpeculative(drafter=drafter, num_steps=4, prefill_ratio=1.0), target, 8, 0)
