@@ -244,8 +244,10 @@ class GroupedAcceptance(NeighbourhoodAcceptance):
         # A token the sampling filters removed (p = 0) claims nothing, so it is never emitted.
         return partner, partner_p, member & (sorted_p > 0)
 
-    def _offsets(self):
-        return [o for o in range(-self.rank_window, self.rank_window + 1) if o != 0]
+    def _offsets(self, vocab_size: int):
+        # Ranks further apart than the vocabulary have no partner: skipping them changes nothing.
+        reach = min(self.rank_window, vocab_size - 1)
+        return [o for o in range(-reach, reach + 1) if o != 0]
 
     def relaxed_target(self, p, q):
         sorted_p, sorted_idx = p.sort(-1, descending=True)
@@ -253,7 +255,7 @@ class GroupedAcceptance(NeighbourhoodAcceptance):
         moved_in = torch.zeros_like(sorted_p)
         claimed = torch.zeros_like(sorted_p)  # in rank order
         V = p.shape[-1]
-        for offset in self._offsets():
+        for offset in self._offsets(V):
             _, partner_p, member = self._members(sorted_p, sorted_idx, offset)
             moved_in += partner_p * member
             # The token at rank r + offset is claimed by rank r with weight q(rank r).
@@ -269,7 +271,7 @@ class GroupedAcceptance(NeighbourhoodAcceptance):
         group_p = p.gather(-1, drafts[..., None]).squeeze(-1)
         group_q = q.gather(-1, drafts[..., None]).squeeze(-1)
         at_x = lambda t: t.gather(-1, rank_x).squeeze(-1)  # a rank-ordered table's entry at x
-        for offset in self._offsets():
+        for offset in self._offsets(p.shape[-1]):
             partner, partner_p, member = self._members(sorted_p, sorted_idx, offset)
             m = at_x(member)
             group_p = group_p + at_x(partner_p) * m

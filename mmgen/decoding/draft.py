@@ -62,7 +62,7 @@ class DraftSpeculative(Decoder):
         drafter = as_token_model(self.drafter)
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.vocab_size}")
-        k = self.num_draft
+        k = min(self.num_draft, num_tokens)  # more drafts than tokens have nothing to draft
         rule = self.acceptance.bind(model)
         state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
         draft_state = drafter.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)

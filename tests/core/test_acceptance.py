@@ -164,6 +164,20 @@ def _params(rule):
     return {k: getattr(rule, k) for k in ("k", "delta", "lam", "rank_window", "prob_threshold", "distance_threshold") if hasattr(rule, k)}
 
 
+def test_grouped_rank_window_beyond_the_vocabulary_changes_nothing():
+    """Ranks further apart than V have no partner, so windows past V - 1 are skipped (a demo
+    request of rank_window=4096 used to loop 8192 times over the vocabulary)."""
+    global rule_model
+    p, q, rule_model = random_case(4)
+    x = torch.tensor([[int(q.argmax())]])
+    full, huge = (GroupedAcceptance(rank_window=w, prob_threshold=0.5, distance_threshold=2.0).bind(rule_model)
+                  for w in (V - 1, 100 * V))
+    assert len(huge._offsets(V)) == 2 * (V - 1)
+    assert torch.equal(full.relaxed_target(p[None, None], q[None, None]), huge.relaxed_target(p[None, None], q[None, None]))
+    literal = lambda r: type(r)(**{**_params(r), "bounded": False}).bind(rule_model).probabilities(p[None, None], q[None, None], x)
+    assert all(torch.equal(a, b) for a, b in zip(literal(full), literal(huge)))
+
+
 def test_lam_one_and_delta_zero_are_lossless():
     global rule_model
     p, q, rule_model = random_case(3)

@@ -31,6 +31,7 @@ def lossless_decoders():
         "coupled-left": CoupledJacobi(window=4, draft_init=LeftNeighbourInit()),
         "draft-4": DraftSpeculative(drafter=DRAFTER, num_draft=4),
         "draft-1": DraftSpeculative(drafter=DRAFTER, num_draft=1),
+        "coupled-4096": CoupledJacobi(window=4096),  # clamped to the 64 tokens
         "sjd-window-1": SpeculativeJacobi(window=1),
         "coupled-window-1": CoupledJacobi(window=1),
     }
@@ -166,3 +167,11 @@ def test_drafter_cache_follows_every_rejection(token_model):
     assert drafter.checked > 50 and drafter.truncated > 10  # rejections happened and were rewound
     for b, history in enumerate(drafter.history):  # what the drafter holds is the output's prefix
         assert history == out.tokens[b, : len(history)].tolist()
+
+
+def test_more_drafts_than_tokens_are_clamped_and_stay_exact():
+    model = LlamaGenTokenModel(tiny_transformer())
+    sampling, conditions = SamplingConfig(top_k=1, guidance=4.0), torch.tensor([1, 5])
+    ar = Autoregressive().generate(model, conditions, 8, sampling, torch.Generator().manual_seed(0))
+    out = DraftSpeculative(drafter=DRAFTER, num_draft=4096).generate(model, conditions, 8, sampling, torch.Generator().manual_seed(1))
+    assert torch.equal(ar.tokens, out.tokens) and len(out.stats.accepted_histogram) == 8 + 2
