@@ -233,6 +233,8 @@ def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4
     source = catalog.main[request.model]  # decoder_from_spec looks for bundled companions by this name
     overrides = {}
     if info.family == "continuous":
+        if "num_steps" in options:  # one control per setting: the steps box would silently win
+            raise ValueError("set MAR's masked steps with the steps control, not as a decoding option")
         steps = info.defaults.get("num_iter") if request.num_steps is None else request.num_steps
         overrides["num_steps"] = sampling["num_iter"] = _int("MAR steps", steps, 1, MAX_STEPS)
     companions = [v for k, v in options.items() if k in COMPANION_OPTIONS]

@@ -22,11 +22,11 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from mmgen.decoding import Decoder
+from mmgen.decoding import DecodeStats, Decoder
 from mmgen.files import write_atomic
 from mmgen.metrics import token_nll
 from mmgen.sampling import SamplingConfig
@@ -70,6 +70,16 @@ def _sync(device: torch.device) -> None:
 # ------------------------------------------------------------------------------ trained models
 
 
+def timed_decodes(run: Callable[[list[int], int], DecodeStats], batch: int, num_classes: int, repeats: int,
+                  warmup: int) -> list[DecodeStats]:
+    """`warmup` untimed decodes, then the stats of `repeats` decodes: repeat r decodes classes
+    r*B ... r*B + B - 1 with seed r, the same for every method. `run(labels, seed)` decodes once."""
+    labels = lambda seed: ((seed * batch + torch.arange(batch)) % num_classes).tolist()
+    for seed in range(10_000, 10_000 + warmup):
+        run(labels(seed), seed)
+    return [run(labels(seed), seed) for seed in range(repeats)]
+
+
 @torch.no_grad()
 def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], batch_sizes: Sequence[int],
                sampling: SamplingConfig, repeats: int, warmup: int) -> list[dict]:
@@ -83,12 +93,9 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
         baseline = None
         for method in methods:
             decoder = decoders[method]
-            # Repeat r decodes classes r*B ... r*B + B - 1 (the same for every method) with seed r.
-            labels = lambda seed: (seed * batch + torch.arange(batch, device=device)) % pipe.num_classes
-            run = lambda seed: decoder.generate(token_model, labels(seed), n, sampling, torch.Generator(device).manual_seed(seed))
-            for seed in range(warmup):
-                run(10_000 + seed)
-            stats = [run(seed).stats for seed in range(repeats)]
+            run = lambda labels, seed: decoder.generate(token_model, torch.tensor(labels, device=device), n, sampling,
+                                                        torch.Generator(device).manual_seed(seed)).stats
+            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup)
             row = {
                 "model": model_name, "method": method, "batch": batch,
                 "forwards": statistics.median(s.forwards for s in stats),

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from mmgen.image_ar.bench import timed_decodes
 from mmgen.image_ar.bench_var import weights_mb
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec, resolve_model
 from mmgen.image_ar.generation import masked_steps
@@ -42,12 +43,9 @@ def mar_speed_rows(pipe: MARPipeline, model_name: str, decoders: dict, batch_siz
     for batch in batch_sizes:
         baseline = None
         for method, decoder in decoders.items():
-            labels = lambda seed: ((seed * batch + torch.arange(batch)) % pipe.num_classes).tolist()
-            run = lambda seed: pipe(labels(seed), decoding=decoder, generator=torch.Generator(device).manual_seed(seed),
-                                    output_type="pt", **options)
-            for seed in range(warmup):
-                run(10_000 + seed)
-            stats = [run(seed).stats for seed in range(repeats)]
+            run = lambda labels, seed: pipe(labels, decoding=decoder, generator=torch.Generator(device).manual_seed(seed),
+                                            output_type="pt", **options).stats
+            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup)
             drafter = getattr(decoder, "drafter", None)
             drafted = sum(s.drafted for s in stats)
             row = {

@@ -18,6 +18,7 @@ import torch
 
 from mmgen.decoding.pruning import CachedTokenPruning
 
+from mmgen.image_ar.bench import timed_decodes
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec
 from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTransformer, VQVAEConfig
 
@@ -49,12 +50,9 @@ def var_speed_rows(pipe: VARPipeline, model_name: str, decoders: dict, prunings:
         baseline = None
         for method, pruning_spec in ((m, p) for m in methods for p in prunings):
             decoder, pruning = decoders[method], parse_pruning_spec(pruning_spec)
-            labels = lambda seed: ((seed * batch + torch.arange(batch)) % pipe.num_classes).tolist()
-            run = lambda seed: pipe(labels(seed), decoding=decoder, pruning=pruning, generator=torch.Generator(device).manual_seed(seed),
-                                    output_type="pt", **options)
-            for seed in range(warmup):
-                run(10_000 + seed)
-            stats = [run(seed).stats for seed in range(repeats)]
+            run = lambda labels, seed: pipe(labels, decoding=decoder, pruning=pruning, generator=torch.Generator(device).manual_seed(seed),
+                                            output_type="pt", **options).stats
+            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup)
             refiner = getattr(decoder, "refiner", None)
             row = {
                 "model": model_name, "method": method, "pruning": pruning_spec, "batch": batch,

@@ -154,6 +154,7 @@ def test_continuous_models_take_bounded_steps(tmp_path):
         (dict(seed=1.5), "seed must be an integer"),
         (dict(num_images=5), r"number of images must be an integer in \[1, 4\]"),
         (dict(num_images=0), "number of images"),
+        (dict(model="mar-emoji64", class_name="heart", method="cspd", options="num_steps=4"), "with the steps control"),
     ],
 )
 def test_bad_input_is_a_value_error_with_a_message(catalog, changes, message):

@@ -37,6 +37,17 @@ def test_greedy_sjd_is_token_identical_to_ar(labels, guidance, window):
     assert sum(sjd.stats.accepted_histogram[k] * k for k in range(len(sjd.stats.accepted_histogram))) >= 64 * len(labels)
 
 
+def test_accepted_per_forward_is_the_trace_behind_the_histogram():
+    model = LlamaGenTokenModel(tiny_transformer())
+    out = SpeculativeJacobi(window=8).generate(model, torch.tensor([2]), 64, SamplingConfig(top_k=1), torch.Generator().manual_seed(0))
+    trace = out.stats.accepted_per_forward
+    assert len(trace) == out.stats.forwards and sum(trace) == 64
+    counts = [0] * len(out.stats.accepted_histogram)
+    for accepted in trace:
+        counts[int(accepted)] += 1
+    assert counts == out.stats.accepted_histogram
+
+
 # ------------------------------------------------------------------ distribution tests
 
 VOCAB, LENGTH = 3, 4  # 81 sequences: small enough to enumerate

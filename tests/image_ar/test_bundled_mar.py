@@ -45,7 +45,7 @@ def test_cspd_with_the_target_as_drafter_keeps_every_token_on_trained_weights(pi
     spec = ContinuousSpeculative(drafter=model, num_steps=12, num_draft=4).generate(model, labels, sampling,
                                                                                     torch.Generator().manual_seed(3))
     assert spec.stats.accepted_drafts == spec.stats.drafted > 0 and spec.stats.fallbacks == 0
-    torch.testing.assert_close(spec.tokens, plain.tokens, rtol=1e-4, atol=1e-5)
+    assert torch.equal(spec.tokens, plain.tokens)  # kept drafts are the drafter's own samples
     assert spec.stats.forwards < plain.stats.forwards
 
 
