@@ -29,13 +29,15 @@ from mmgen.decoding.continuous import (
     GaussianTokens,
     MaskedContinuous,
 )
-from mmgen.decoding.coupled import CoupledJacobi
-from mmgen.decoding.draft import DraftSpeculative
+from mmgen.decoding.coupled import CoupledJacobi, CounterNoise
+from mmgen.decoding.draft import DraftModelProposer, DraftSpeculative
 from mmgen.decoding.entropy_switch import EntropySwitch
 from mmgen.decoding.drafts import AboveNeighbourInit, DraftContext, DraftInit, LeftNeighbourInit, RandomDraftInit
-from mmgen.decoding.jacobi import SpeculativeJacobi
+from mmgen.decoding.jacobi import JacobiProposer, SpeculativeJacobi
+from mmgen.decoding.ngram import NGramProposer, PromptLookup
 from mmgen.decoding.next_scale import Collaborative, MapSmoothing, NextScale, ScaleDecodeOutput, ScaleDecoder
 from mmgen.decoding.pruning import CachedTokenPruning
+from mmgen.decoding.speculative import Proposer, Stopping, Streamer, TokenQueueStreamer, speculative_decode
 from mmgen.decoding.stats import DecodeStats
 
 #: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
@@ -47,6 +49,7 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
     "lantern": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(delta=0.1)),
     "lantern++": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(lam=2.0)),
     "draft": DraftSpeculative,
+    "lookup": PromptLookup,
     "entropy-switch": EntropySwitch,
 }
 
@@ -140,6 +143,16 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
 
 
 __all__ = [
+    "speculative_decode",
+    "TokenQueueStreamer",
+    "Streamer",
+    "Stopping",
+    "Proposer",
+    "PromptLookup",
+    "NGramProposer",
+    "JacobiProposer",
+    "DraftModelProposer",
+    "CounterNoise",
     "AboveNeighbourInit",
     "AcceptanceRule",
     "CONTINUOUS_DECODERS",

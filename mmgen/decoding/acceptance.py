@@ -220,7 +220,7 @@ class GroupedAcceptance(NeighbourhoodAcceptance):
     prob_threshold: float = 0.15
     distance_threshold: float = 0.5
     bounded: bool = True
-    close: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    close: Optional["ClosePairs"] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         check_int("rank_window", self.rank_window, 0)
@@ -317,16 +317,39 @@ def nearest_neighbours(codebook: torch.Tensor, k: int) -> torch.Tensor:
     return _cached("nn", codebook, k, build)
 
 
-def close_pairs(embeddings: torch.Tensor, threshold: float) -> torch.Tensor:
-    """[V, V] bool: squared L2 distance between token embeddings below `threshold`."""
+class ClosePairs:
+    """The pairs of tokens whose embeddings are close, as a sorted list of codes a * V + b:
+    O(pairs) memory instead of a [V, V] table (22 GB of bools at a 150k text vocabulary), and
+    membership by binary search."""
+
+    def __init__(self, codes: torch.Tensor, vocab_size: int):
+        self.codes, self.vocab_size = codes, vocab_size
+
+    def to(self, device) -> "ClosePairs":
+        return ClosePairs(self.codes.to(device), self.vocab_size)
+
+    def __getitem__(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Bool tensor: is (a, b) close, for index tensors a, b of one shape."""
+        a, b = pair
+        query = a * self.vocab_size + b
+        if not len(self.codes):
+            return torch.zeros_like(query, dtype=torch.bool)
+        at = torch.searchsorted(self.codes, query.reshape(-1)).clamp_max(len(self.codes) - 1).view_as(query)
+        return self.codes[at] == query
+
+
+def close_pairs(embeddings: torch.Tensor, threshold: float) -> ClosePairs:
+    """The token pairs whose squared L2 embedding distance is below `threshold`."""
 
     def build():
         table = embeddings.float()
-        sq = (table**2).sum(-1)
-        return torch.cat([
-            (sq[start : start + len(chunk), None] + sq[None] - 2 * chunk @ table.T) < threshold
-            for start, chunk in _enumerate_chunks(table)
-        ])
+        V, sq = table.shape[0], (table**2).sum(-1)
+        codes = []
+        for start, chunk in _enumerate_chunks(table):
+            close = (sq[start : start + len(chunk), None] + sq[None] - 2 * chunk @ table.T) < threshold
+            a, b = close.nonzero(as_tuple=True)
+            codes.append((a + start) * V + b)  # row-major, so already sorted
+        return ClosePairs(torch.cat(codes), V)
 
     return _cached("close", embeddings, float(threshold), build)
 

@@ -14,10 +14,13 @@ from mmgen.sampling import AllTokensMaskedError, SamplingConfig
 
 @dataclass
 class DecodeOutput:
-    """Generated tokens [B, num_tokens] and the decode's statistics."""
+    """Generated tokens [B, num_tokens] ([B, num_tokens, K] for frames of K codebooks) and the
+    decode's statistics. With stopping, `lengths` [B] holds each row's token count (its stop
+    token included) and the tokens after it are padding; fixed-length decodes leave it None."""
 
     tokens: torch.Tensor
     stats: DecodeStats
+    lengths: Optional[torch.Tensor] = None
 
 
 class Progress(Protocol):
@@ -66,12 +69,3 @@ def check_int(name: str, value: Any, minimum: int) -> None:
 
 def check_num_tokens(num_tokens: int) -> None:
     check_int("num_tokens", num_tokens, 1)
-
-
-def report_progress(pos: torch.Tensor, num_tokens: int, done: int, progress: Optional[Progress]) -> int:
-    """The speculative decoders' one host sync per iteration: tokens the slowest row has
-    finalised (`pos` is each row's newest finalised index); the progress bar gains the change."""
-    now = min(int(pos.min()) + 1, num_tokens)
-    if progress is not None and now > done:
-        progress.update(now - done)
-    return now

@@ -11,10 +11,10 @@ import torch
 from mmgen.decoding import (
     Autoregressive, CoupledJacobi, DraftSpeculative, LeftNeighbourInit, SpeculativeJacobi, make_decoder,
 )
-from mmgen.decoding.coupled import race_noise
+from mmgen.decoding.coupled import CounterNoise
 from mmgen.decoding.drafts import AboveNeighbourInit, DraftContext
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
-from mmgen.sampling import SamplingConfig, race
+from mmgen.sampling import SamplingConfig
 
 from tests.conftest import tiny_transformer
 from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, VOCAB, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
@@ -65,18 +65,20 @@ def test_sampling_matches_exact_distribution(enumerable, name):
 
 
 def test_coupled_equals_autoregressive_sampling_with_the_same_noise(token_model):
-    """Coupled Jacobi is AR sampling with a noise table fixed in advance, token for token."""
+    """Coupled Jacobi is AR sampling with noise fixed in advance (a counter-based function of
+    one seed drawn from the generator, row and position), token for token."""
     sampling = SamplingConfig(temperature=1.0, guidance=3.0)
     labels, n = torch.tensor([0, 4, 8]), 64
     out = CoupledJacobi(window=16).generate(token_model, labels, n, sampling, torch.Generator().manual_seed(3))
-    noise = race_noise(3, n, token_model.vocab_size, torch.Generator().manual_seed(3), "cpu")
+    seed = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(3)))
+    noise = CounterNoise(seed, token_model.vocab_size, "cpu")
     state = token_model.start(labels, n + 2, True)
     tokens, logits = [], state.first_logits
     for t in range(n):
         if t:
             logits = token_model.forward(state, tokens[-1][:, None])
             token_model.commit(state, torch.ones(3, dtype=torch.long))
-        tokens.append(race(sampling.probs(logits, torch.full((3, 1), t)), noise[:, t : t + 1])[:, 0])
+        tokens.append(noise.race(sampling.probs(logits, torch.full((3, 1), t)), torch.full((3, 1), t))[:, 0])
     assert torch.equal(out.tokens, torch.stack(tokens, 1))
     assert out.stats.forwards < n  # and it took fewer forwards than AR
 
@@ -175,3 +177,18 @@ def test_more_drafts_than_tokens_are_clamped_and_stay_exact():
     ar = Autoregressive().generate(model, conditions, 8, sampling, torch.Generator().manual_seed(0))
     out = DraftSpeculative(drafter=DRAFTER, num_draft=4096).generate(model, conditions, 8, sampling, torch.Generator().manual_seed(1))
     assert torch.equal(ar.tokens, out.tokens) and len(out.stats.accepted_histogram) == 8 + 2
+
+
+def test_counter_noise_is_exponential_and_addressed_by_row_and_position():
+    """E(row, position, token) ~ Exp(1) i.i.d.: mean and variance 1, P(E > 1) = 1/e, no
+    correlation between neighbouring rows, positions or tokens; any window reads the same."""
+    noise = CounterNoise(12345, 4096, "cpu")
+    rows, positions = torch.arange(8)[:, None].expand(8, 64), torch.arange(64).expand(8, 64)
+    e = noise.exponential(rows, positions).double()  # [8, 64, 4096]
+    n = e.numel()
+    assert abs(e.mean() - 1) < 5 / n**0.5 and abs(e.var() - 1) < 10 / n**0.5
+    assert abs((e > 1).double().mean() - torch.e ** -1) < 5 / n**0.5
+    for a, b in [(e[1:], e[:-1]), (e[:, 1:], e[:, :-1]), (e[..., 1:], e[..., :-1])]:
+        assert abs(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]) < 5 / a.numel() ** 0.5
+    assert torch.equal(noise.exponential(rows[2:4, 10:12], positions[2:4, 10:12]).double(), e[2:4, 10:12])
+    assert not torch.equal(CounterNoise(12346, 4096, "cpu").exponential(rows, positions).double(), e)

@@ -1,0 +1,105 @@
+"""Prompt lookup: drafts copied from the context where its last n-gram occurred before.
+
+Prompt lookup decoding (Saxena 2023; transformers' `prompt_lookup_num_tokens`) drafts the
+tokens that followed the most recent earlier occurrence of the context's last n tokens, trying
+n = `max_ngram` down to 1. Text that quotes or repeats its prompt (VLM answers, code, lists)
+accepts long runs of such drafts. The drafts are deterministic, so their law is one-hot and
+any lossless rule keeps the output exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from mmgen.decoding.acceptance import ExactAcceptance
+from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens
+from mmgen.decoding.speculative import DecodeRun, Proposer, Stopping, Streamer, speculative_decode
+from mmgen.modeling import TokenModel
+from mmgen.sampling import SamplingConfig
+
+
+def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, max_ngram: int) -> torch.Tensor:
+    """For each row of `sequence` [B, S] (valid up to `length` [B]), the `num_draft` tokens after
+    the latest earlier match of its last n tokens (longest n first); rows with no match repeat
+    their last token. Positions past a row's valid tokens are never read as context."""
+    B, S = sequence.shape
+    device = sequence.device
+    last = (length - 1).clamp_min(0)
+    drafts = sequence.gather(1, last[:, None]).expand(B, num_draft).clone()
+    found = torch.zeros(B, dtype=torch.bool, device=device)
+    for n in range(min(max_ngram, S - 1), 0, -1):
+        tail = sequence.gather(1, (length[:, None] - n + torch.arange(n, device=device)).clamp(0, S - 1))  # [B, n]
+        grams = sequence.unfold(1, n, 1)  # [B, S - n + 1, n]: the n-gram starting at each index
+        starts = torch.arange(grams.shape[1], device=device)
+        # An earlier occurrence: it ends before the tail starts being the last n tokens.
+        match = (grams == tail[:, None]).all(-1) & (starts[None] + n < length[:, None]) & (length[:, None] >= n + 1)
+        latest = torch.where(match, starts[None], -1).max(1).values
+        hit = (latest >= 0) & ~found
+        follow = (latest[:, None] + n + torch.arange(num_draft, device=device)).clamp(0, S - 1)
+        copied = sequence.gather(1, follow)
+        # Past the row's valid tokens the copy has nothing to follow: repeat its last copied token.
+        valid = follow < length[:, None]
+        copied = torch.where(valid, copied, copied.gather(1, (valid.sum(1, keepdim=True) - 1).clamp_min(0)))
+        drafts = torch.where(hit[:, None], copied, drafts)
+        found |= hit
+    return drafts
+
+
+class NGramProposer(Proposer):
+    """Drafts by prompt lookup over `context` [B, P] (the prompt's token ids, optional) and the
+    tokens generated so far."""
+
+    def __init__(self, num_draft: int, max_ngram: int, context: Optional[torch.Tensor]):
+        self.num_draft, self.max_ngram, self.context = num_draft, max_ngram, context
+
+    def propose(self, run: DecodeRun):
+        B = run.batch_size
+        context = self.context if self.context is not None else run.tokens.new_zeros(B, 0)
+        context = context.to(run.device).expand(B, -1)
+        sequence = torch.cat([context, run.tokens], 1)
+        drafts = lookup_drafts(sequence, context.shape[1] + run.pos + 1, self.num_draft, self.max_ngram)
+        return drafts, F.one_hot(drafts, run.vocab_size).float()
+
+
+@dataclass
+class PromptLookup(Decoder):
+    """Prompt-lookup speculative decoding (`NGramProposer`), lossless with `ExactAcceptance`.
+    `context` is the prompt's token ids ([P] or [B, P]); without it only the generated tokens
+    are searched (repeating image rows, audio loops)."""
+
+    num_draft: int = 8
+    max_ngram: int = 3
+    acceptance: Any = field(default_factory=ExactAcceptance)
+    context: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def __post_init__(self):
+        check_int("num_draft", self.num_draft, 1)
+        check_int("max_ngram", self.max_ngram, 1)
+
+    @property
+    def window(self) -> int:
+        return self.num_draft + 1
+
+    def generate(
+        self,
+        model: TokenModel,
+        conditions: Any,
+        num_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        progress: Optional[Progress] = None,
+        stopping: Optional[Stopping] = None,
+        streamer: Optional[Streamer] = None,
+    ) -> DecodeOutput:
+        check_num_tokens(num_tokens)
+        context = self.context
+        if context is not None:
+            context = torch.as_tensor(context, dtype=torch.long)
+            context = context[None] if context.ndim == 1 else context
+        proposer = NGramProposer(min(self.num_draft, num_tokens), self.max_ngram, context)
+        return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, self.acceptance.bind(model),
+                                  self.capacity(num_tokens), progress, stopping, streamer)

@@ -1,0 +1,398 @@
+"""The one speculative loop: propose, verify, finalise, commit.
+
+Every token decoder of the core is this loop with two roles filled in (gpt-fast's
+`speculative_decode`, vLLM's proposer / rejection-sampler split):
+
+- a **proposer** (`Proposer`) says where the k drafts of each forward come from: none
+  (autoregressive), the previous forward's own samples (Jacobi), a small model, an n-gram of
+  the context, a fixed noise table (coupled Jacobi). It may also replace the token draw
+  (`Proposer.draw`), which is how coupled decoding fixes its noise.
+- an **acceptance rule** (`mmgen.decoding.acceptance`) says which drafts survive and what to
+  resample at the first rejection.
+
+The loop owns the rest, once: the prefill token, per-row positions, the finalise step (accepted
+prefix + one resampled or bonus token), stopping (per-row stop tokens and lengths, nothing
+after a stop is ever emitted or committed), streaming, stats and the one host sync per
+forward.
+
+Frames. A model with `num_codebooks = K > 1` emits K tokens per position (codec TTS). Drafts,
+laws and samples then carry a codebook axis ([B, k, K], [B, k, K, V]); the rule runs on the
+flattened (position, codebook) pairs, and a frame counts as accepted only when all its
+codebooks are. At the first rejected frame the accepted codebooks are kept, the first rejected
+codebook is resampled from its residual and the later ones are the target's own samples.
+With codebooks that are independent given the prefix (parallel heads, as Dia's), every
+codebook of that frame is then distributed as the target's, so the loop stays lossless; models
+whose later codebooks depend on earlier ones (CSM's depth decoder) must present per-codebook
+conditionals for the drafted codebooks and are not handled by this rule yet. K = 1 is the
+plain token case, bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Sequence, Union
+
+import torch
+
+from mmgen.decoding.base import DecodeOutput, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.stats import StatsRecorder
+from mmgen.modeling import DecodeState, TokenModel
+from mmgen.sampling import SamplingConfig, invalid_rows, sample
+
+
+# --------------------------------------------------------------------------------------------
+# Stopping and streaming
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Stopping:
+    """When each row ends: at its first stop token (which is kept) or after `max_new_tokens`
+    tokens (an int, or one per row), whichever comes first. For frames, a stop token is read
+    on codebook `stop_codebook`. Image models decode a fixed length and pass no `Stopping`."""
+
+    stop_tokens: Sequence[int] = ()
+    max_new_tokens: Union[int, Sequence[int], torch.Tensor, None] = None
+    stop_codebook: int = 0
+    pad_token: int = 0  # what the output holds after a row's end
+
+    def limits(self, batch: int, num_tokens: int, device) -> torch.Tensor:
+        """Per-row token budget [B], at most `num_tokens`."""
+        if self.max_new_tokens is None:
+            return torch.full((batch,), num_tokens, dtype=torch.long, device=device)
+        limit = torch.as_tensor(self.max_new_tokens, dtype=torch.long, device=device).expand(batch).clone()
+        if bool((limit < 1).any()):
+            raise ValueError(f"max_new_tokens must be >= 1 per row, got {self.max_new_tokens!r}")
+        return limit.clamp_max(num_tokens)
+
+    def stop_ids(self, device) -> Optional[torch.Tensor]:
+        ids = [int(t) for t in self.stop_tokens]
+        return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
+
+
+class Streamer(Protocol):
+    """Receives each row's newly finalised tokens after every forward (transformers'
+    `BaseStreamer` idea, per row): `put(rows)` with one tensor per row ([n] or [n, K], n may
+    be 0), then `end()` once."""
+
+    def put(self, rows: list[torch.Tensor]) -> Any: ...
+
+    def end(self) -> Any: ...
+
+
+class TokenQueueStreamer:
+    """A streamer that is also an iterator: run `generate` in a thread and iterate over
+    `(row, tokens)` pairs here as they are committed (transformers' `TextIteratorStreamer`)."""
+
+    def __init__(self, timeout: Optional[float] = None):
+        import queue
+
+        self._queue: "queue.Queue" = queue.Queue()
+        self.timeout = timeout
+
+    def put(self, rows):
+        for row, tokens in enumerate(rows):
+            if len(tokens):
+                self._queue.put((row, tokens))
+
+    def end(self):
+        self._queue.put(None)
+
+    def __iter__(self):
+        while (item := self._queue.get(timeout=self.timeout)) is not None:
+            yield item
+
+
+# --------------------------------------------------------------------------------------------
+# Proposers
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeRun:
+    """What the loop shares with its proposer during one decode.
+
+    `tokens` [B, T(, K)] holds each row's finalised tokens (valid up to `pos`, the index of the
+    newest one; later entries are scratch); `pos` [B]; `active` [B] rows still decoding.
+    """
+
+    model: TokenModel
+    state: DecodeState
+    conditions: Any
+    sampling: SamplingConfig
+    generator: torch.Generator
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    active: torch.Tensor
+    num_tokens: int
+    capacity: int
+    num_draft: int
+    vocab_size: int
+    num_codebooks: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def newest(self) -> torch.Tensor:
+        """Each row's newest finalised token [B, 1(, K)]: the first slot of every window."""
+        return gather_slots(self.tokens, self.pos[:, None])
+
+
+class Proposer:
+    """Where drafts come from, for one decode (a decoder builds a fresh one per `generate`).
+
+    `num_draft` drafts per forward (0 is autoregressive decoding). `samples_every_slot` asks
+    the loop for the target's own sample at every slot of the window (Jacobi carries them over
+    as the next drafts), not just at the bonus slot.
+    """
+
+    num_draft: int = 0
+    samples_every_slot: bool = False
+
+    def start(self, run: DecodeRun) -> None:
+        """Called once the prefill token is finalised."""
+
+    def propose(self, run: DecodeRun) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Drafts [B, k(, K)] and the laws they were drawn from [B, k(, K), V] (None for rules
+        that need none)."""
+        B = run.batch_size
+        shape = (B, 0) if run.num_codebooks == 1 else (B, 0, run.num_codebooks)
+        return torch.zeros(shape, dtype=torch.long, device=run.device), None
+
+    def update(self, run: DecodeRun, n_acc: torch.Tensor, next_token: torch.Tensor, fresh: torch.Tensor,
+               p: torch.Tensor, active: torch.Tensor) -> None:
+        """After a commit (`run.pos` already moved): `n_acc` [B] drafts kept, `next_token` the
+        token finalised after them, `fresh` the target's samples, `p` its probabilities,
+        `active` [B] the rows that were decoding in this forward."""
+
+    def draw(self, run: DecodeRun, probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The target's token draw from `probs` [B, n(, K), V] at generated-token `index` [B, n]."""
+        return sample(probs, run.generator)
+
+    def finish(self, stats) -> None:
+        """Add the proposer's own counters to the stats."""
+
+    @property
+    def cache_bytes(self) -> int:
+        return 0
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+def speculative_decode(
+    model: TokenModel,
+    conditions: Any,
+    num_tokens: int,
+    sampling: Union[SamplingConfig, Sequence[SamplingConfig]],
+    generator: torch.Generator,
+    proposer: Proposer,
+    rule: Any = None,
+    capacity: Optional[int] = None,
+    progress: Optional[Progress] = None,
+    stopping: Optional[Stopping] = None,
+    streamer: Optional[Streamer] = None,
+) -> DecodeOutput:
+    """Decode up to `num_tokens` tokens per row with `proposer` and acceptance `rule`.
+
+    Each forward feeds every row its newest finalised token plus k drafts, verifies the drafts
+    left to right, and finalises the accepted prefix plus one token (resampled at the first
+    rejection, the bonus sample when every draft passed), so each forward finalises 1 to k + 1
+    tokens per row. Rows advance independently and finished rows idle with fixed shapes.
+    """
+    check_num_tokens(num_tokens)
+    k = proposer.num_draft
+    K = int(getattr(model, "num_codebooks", 1))
+    sampling = _per_codebook(sampling, K)
+    uses_guidance = any(s.uses_guidance for s in sampling)
+    capacity = capacity if capacity is not None else num_tokens + 2 * min(k + 1, num_tokens)
+    state = model.start(conditions, capacity, uses_guidance)
+    B, device, V = state.batch_size, state.device, model.vocab_size
+    recorder = StatsRecorder(device, max_accepted=k + 1)
+    slots = torch.arange(k + 2, device=device)
+    frame = () if K == 1 else (K,)
+    tokens = torch.zeros(B, num_tokens + 2 * (k + 1), *frame, dtype=torch.long, device=device)
+    limit = (stopping or Stopping()).limits(B, num_tokens, device)
+    stop_ids = stopping.stop_ids(device) if stopping is not None else None
+    variable = stopping is not None
+    run = DecodeRun(model, state, conditions, sampling[0], generator, tokens, torch.zeros(B, dtype=torch.long, device=device),
+                    torch.ones(B, dtype=torch.bool, device=device), num_tokens, capacity, k, V, K)
+
+    def probs(logits, index):
+        return _probs(sampling, logits, index)
+
+    # Token 0 comes from the prefill.
+    zero = torch.zeros(B, 1, dtype=torch.long, device=device)
+    p0 = probs(state.first_logits, zero)
+    bad = _invalid(p0)
+    tokens[:, 0] = proposer.draw(run, p0, zero)[:, 0]
+    run.active = ~(_is_stop(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
+    proposer.start(run)
+    recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
+    emitted = torch.ones(B, dtype=torch.long, device=device)  # tokens finalised per row
+    report = _Reporter(num_tokens, limit, progress, streamer)
+    # Fixed-length decoding without drafts knows its forwards; every other loop reads one
+    # number per forward (the slowest active row), which also drives progress and stopping.
+    synced = k > 0 or variable or streamer is not None
+    slowest = report(tokens, emitted, run.active, synced)
+
+    while slowest < num_tokens:
+        active = run.active
+        drafts, q = proposer.propose(run)
+        window = torch.cat([run.newest(), drafts], 1)
+        index = run.pos[:, None] + 1 + slots[: k + 1]  # generated-token index each slot predicts
+        p = probs(model.forward(state, window), index)
+        bad |= _invalid(p) & active
+
+        if k > 0:
+            accepted, residual = _verify(rule, p[:, :-1], q, drafts, generator, index[:, :-1], run)
+        every = proposer.samples_every_slot or K > 1
+        fresh = proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
+        if k > 0:
+            resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
+            n_acc, next_token = _finalise(accepted, resampled, fresh, drafts, K)
+        else:
+            n_acc, next_token = torch.zeros(B, dtype=torch.long, device=device), fresh[:, -1]
+
+        # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
+        written = torch.cat([window, fresh[:, -1:]], 1)
+        written = written.scatter(1, _frame_index((n_acc + 1)[:, None], K), next_token[:, None])
+        tokens.scatter_(1, _frame_index(run.pos[:, None] + slots, K), written)
+        step = n_acc + 1
+        still = active
+        if variable:
+            # Cut each row at its budget, and just after its first stop token among the new ones.
+            step = torch.minimum(step, limit - emitted)
+            stops = _is_stop(written[:, 1:], stop_ids, stopping) & (slots[1:] <= step[:, None])
+            hit = stops.any(1)
+            step = torch.where(hit, stops.long().argmax(1) + 1, step)
+            still = still & ~hit
+        step = torch.where(active, step, 0)
+        model.commit(state, step)
+        recorder.record(step, active)
+        run.pos = run.pos + step
+        emitted = emitted + step
+        run.active = still & (emitted < limit)
+        proposer.update(run, n_acc, next_token, fresh, p, active)
+        slowest = report(tokens, emitted, run.active, synced)
+
+    if streamer is not None:
+        streamer.end()
+    raise_if_masked(bad)
+    stats = recorder.finish(num_tokens, B, state.cache_bytes + proposer.cache_bytes)
+    proposer.finish(stats)
+    if not variable:
+        return DecodeOutput(tokens[:, :num_tokens], stats)
+    # Nothing after a row's end is output: pad it.
+    past = torch.arange(num_tokens, device=device)[None] >= emitted[:, None]
+    out = tokens[:, :num_tokens].masked_fill(_frame_index(past, K), stopping.pad_token)
+    return DecodeOutput(out, stats, emitted)
+
+
+def _per_codebook(sampling, K: int) -> list[SamplingConfig]:
+    if isinstance(sampling, SamplingConfig):
+        return [sampling] * K
+    sampling = list(sampling)
+    if len(sampling) != K or not all(isinstance(s, SamplingConfig) for s in sampling):
+        raise ValueError(f"sampling must be one SamplingConfig or one per codebook ({K}), got {len(sampling)}")
+    return sampling
+
+
+def _probs(sampling: list[SamplingConfig], logits, index: torch.Tensor) -> torch.Tensor:
+    """float32 probabilities [B, n, V], or [B, n, K, V] for frames (each codebook its own config)."""
+    if len(sampling) == 1:
+        return sampling[0].probs(logits, index)
+    return torch.stack([s.probs(logits[:, :, c], index) for c, s in enumerate(sampling)], 2)
+
+
+def _invalid(p: torch.Tensor) -> torch.Tensor:
+    bad = invalid_rows(p)
+    return bad.flatten(1).any(-1)
+
+
+def _verify(rule, p, q, drafts, generator, index, run):
+    """(accepted [B, k(, K)], residual or None): the rule on flattened (position, codebook).
+    A rule with `verify` (coupled decoding's match) sees the positions and the run instead."""
+    verify = getattr(rule, "verify", None)
+    if verify is not None:
+        return verify(p, q, drafts, index, run)
+    if drafts.ndim == 2:
+        return rule(p, q, drafts, generator)
+    B, k, K, V = p.shape
+    accepted, residual = rule(p.reshape(B, k * K, V), q.reshape(B, k * K, V), drafts.reshape(B, k * K), generator)
+    return accepted.view(B, k, K), residual.view(B, k, K, V)
+
+
+def _finalise(accepted, resampled, fresh, drafts, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accepted draft prefix n_acc [B] and the token finalised after it [B(, K)].
+
+    Tokens: the bonus sample when every draft passed, else the resample at the first rejected
+    position. Frames: the first rejected frame keeps its accepted codebooks, takes the resample
+    at its first rejected codebook and the target's own samples after it.
+    """
+    k = drafts.shape[1]
+    frame_ok = accepted if K == 1 else accepted.all(-1)
+    n_acc = frame_ok.long().cumprod(-1).sum(-1)
+    at = n_acc.clamp_max(k - 1)[:, None]
+    if K == 1:
+        return n_acc, torch.where(n_acc == k, fresh[:, -1], resampled.gather(1, at)[:, 0])
+    pick = lambda t: t.gather(1, at[..., None].expand(-1, -1, K))[:, 0]  # [B, K] at the first rejected frame
+    ok = pick(accepted.long()).cumprod(-1).bool()  # codebooks accepted before the first rejection
+    first_bad = torch.cat([~ok[:, :1], ok[:, :-1] & ~ok[:, 1:]], 1)
+    rejected_frame = torch.where(ok, pick(drafts), torch.where(first_bad, pick(resampled), pick(fresh[:, :-1])))
+    return n_acc, torch.where((n_acc == k)[:, None], fresh[:, -1], rejected_frame)
+
+
+def _frame_index(index: torch.Tensor, K: int) -> torch.Tensor:
+    return index if K == 1 else index[..., None].expand(*index.shape, K)
+
+
+def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[b, index[b, i], ...] for t [B, n, ...] and index [B, m]: slots with their trailing axes
+    (codebooks, vocabulary) kept."""
+    shape = (*index.shape, *t.shape[2:])
+    return t.gather(1, index.view(*index.shape, *[1] * (t.ndim - 2)).expand(shape))
+
+
+def where_slots(mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.where with a [B, n] slot mask over tensors [B, n, ...]."""
+    return torch.where(mask.view(*mask.shape, *[1] * (a.ndim - mask.ndim)), a, b)
+
+
+def _is_stop(new: torch.Tensor, stop_ids: Optional[torch.Tensor], stopping: Optional[Stopping]) -> torch.Tensor:
+    """Which tokens [B, n] (frames: their stop codebook) are stop tokens."""
+    if stop_ids is None:
+        return torch.zeros(new.shape[:2], dtype=torch.bool, device=new.device)
+    if new.ndim == 3:
+        new = new[..., stopping.stop_codebook]
+    return (new[..., None] == stop_ids).any(-1)
+
+
+class _Reporter:
+    """Progress (tokens of the slowest row still decoding) and streaming of new tokens."""
+
+    def __init__(self, num_tokens: int, limit: torch.Tensor, progress: Optional[Progress], streamer: Optional[Streamer]):
+        self.num_tokens, self.limit, self.progress, self.streamer = num_tokens, limit, progress, streamer
+        self.done = 0
+        self.streamed = [0] * len(limit)
+
+    def __call__(self, tokens: torch.Tensor, emitted: torch.Tensor, active: torch.Tensor, synced: bool) -> int:
+        if not synced:  # one token per row per forward, every row active to the end
+            now = self.done + 1
+        else:
+            now = int(torch.where(active, emitted, self.num_tokens).min())  # the one host sync
+        if self.streamer is not None:
+            ends = torch.minimum(emitted, self.limit).tolist()
+            self.streamer.put([tokens[b, s:e] for b, (s, e) in enumerate(zip(self.streamed, ends))])
+            self.streamed = ends
+        if self.progress is not None and now > self.done:
+            self.progress.update(min(now, self.num_tokens) - self.done)
+        self.done = min(now, self.num_tokens)
+        return now

@@ -1,0 +1,277 @@
+"""The one speculative loop: stopping, streaming, frames of codebooks and prompt lookup.
+
+Lossless is checked both ways, as for every proposer: greedy outputs token-identical to
+autoregressive decoding, and sampled outputs matching the exactly enumerated distribution
+(chi-square, tests/core/test_decoding.py).
+"""
+
+import itertools
+import threading
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, PromptLookup, SpeculativeJacobi
+from mmgen.decoding.ngram import lookup_drafts
+from mmgen.decoding.speculative import Stopping, TokenQueueStreamer
+from mmgen.image_ar.llamagen import LlamaGenTokenModel
+from mmgen.modeling import DecodeState
+from mmgen.sampling import Logits, SamplingConfig
+
+from tests.conftest import tiny_transformer
+from tests.core.test_decoding import ALPHA, LENGTH, VOCAB, enumerable, exact_joint  # noqa: F401
+
+DRAFTER = LlamaGenTokenModel(tiny_transformer(seed=7))
+GREEDY = SamplingConfig(top_k=1, guidance=4.0)
+
+
+def decoders():
+    return {
+        "ar": Autoregressive(),
+        "sjd": SpeculativeJacobi(window=8),
+        "sjd-left": SpeculativeJacobi(window=8, draft_init="left"),
+        "coupled": CoupledJacobi(window=8),
+        "draft": DraftSpeculative(drafter=DRAFTER, num_draft=4),
+        "lookup": PromptLookup(num_draft=6, max_ngram=2),
+    }
+
+
+class Committed:
+    """A token model wrapper that counts what each row commits."""
+
+    def __init__(self, model):
+        self.model, self.vocab_size = model, model.vocab_size
+        self.committed = None
+
+    def start(self, conditions, capacity, guidance):
+        state = self.model.start(conditions, capacity, guidance)
+        self.committed = torch.zeros(state.batch_size, dtype=torch.long)
+        return state
+
+    def forward(self, state, tokens):
+        return self.model.forward(state, tokens)
+
+    def commit(self, state, accepted):
+        self.committed += accepted
+        self.model.commit(state, accepted)
+
+    def rewind(self, state, n):
+        self.model.rewind(state, n)
+
+
+class Collect:
+    def __init__(self):
+        self.rows, self.ended = None, 0
+
+    def put(self, rows):
+        if self.rows is None:
+            self.rows = [[] for _ in rows]
+        for row, new in zip(self.rows, rows):
+            row.extend(new.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def greedy_stop_token():
+    """A token greedy AR emits mid-sequence in row 0 (and first at index 11 there)."""
+    model = LlamaGenTokenModel(tiny_transformer())
+    tokens = Autoregressive().generate(model, torch.tensor([1, 5, 7]), 64, GREEDY, torch.Generator()).tokens
+    for i in range(8, 40):
+        if (tokens[0, :i] != tokens[0, i]).all():
+            return int(tokens[0, i]), i, tokens
+    raise AssertionError("no fresh token in row 0")
+
+
+@pytest.mark.parametrize("name", sorted(decoders()))
+def test_stop_tokens_end_rows_and_nothing_after_is_committed_or_emitted(name):
+    stop, first, full = greedy_stop_token()
+    model = Committed(LlamaGenTokenModel(tiny_transformer()))
+    stopping = Stopping(stop_tokens=[stop], max_new_tokens=[64, 64, 20], pad_token=-1)
+    streamed = Collect()
+    out = decoders()[name].generate(model, torch.tensor([1, 5, 7]), 64, GREEDY, torch.Generator().manual_seed(1),
+                                    stopping=stopping, streamer=streamed)
+    expected = []
+    for b in range(3):
+        hits = (full[b] == stop).nonzero().flatten().tolist()
+        expected.append(min([h + 1 for h in hits] + [64, stopping.max_new_tokens[b]]))
+    assert out.lengths.tolist() == expected and expected[0] == first + 1
+    for b, n in enumerate(expected):
+        assert torch.equal(out.tokens[b, :n], full[b, :n])  # greedy: identical to AR up to the stop
+        assert (out.tokens[b, n:] == -1).all()  # nothing after the stop is output
+        assert streamed.rows[b] == full[b, :n].tolist()  # streamed exactly once, in order
+    assert streamed.ended == 1
+    # The model kept every fed token up to the stop and none after it (the last token is never fed).
+    assert model.committed.tolist() == [n - 1 for n in expected]
+
+
+@pytest.mark.parametrize("name", ["sjd", "draft", "lookup", "coupled"])
+def test_sampling_with_a_stop_token_matches_exact_distribution(enumerable, name):
+    """Rows end at token 2: the outputs (sequence up to and with its stop) follow the exact law."""
+    sampling = SamplingConfig(temperature=0.9, guidance=2.0)
+    seqs, joint = exact_joint(enumerable, 1, sampling)
+    stop = 2
+    truncated = {}
+    for seq, p in zip(seqs.tolist(), joint.tolist()):
+        cut = seq[: seq.index(stop) + 1] if stop in seq else seq
+        truncated[tuple(cut)] = truncated.get(tuple(cut), 0.0) + p
+    n = 6000
+    decoder = {
+        "sjd": SpeculativeJacobi(window=3),
+        "draft": DraftSpeculative(drafter=LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11)), num_draft=2),
+        "lookup": PromptLookup(num_draft=2, max_ngram=1),
+        "coupled": CoupledJacobi(window=3),
+    }[name]
+    out = decoder.generate(enumerable, torch.full((n,), 1), LENGTH, sampling, torch.Generator().manual_seed(0),
+                           stopping=Stopping(stop_tokens=[stop]))
+    keys = sorted(truncated)
+    counts = dict.fromkeys(keys, 0)
+    for row, length in zip(out.tokens.tolist(), out.lengths.tolist()):
+        counts[tuple(row[:length])] += 1  # a key error would be an impossible output
+    observed = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
+    expected = torch.tensor([truncated[k] for k in keys], dtype=torch.float64) * n
+    assert chisquare(observed, expected).pvalue > ALPHA
+
+
+def test_queue_streamer_yields_rows_as_they_commit():
+    model = LlamaGenTokenModel(tiny_transformer())
+    streamer = TokenQueueStreamer(timeout=60)
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", SpeculativeJacobi(window=4).generate(
+        model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator().manual_seed(0), streamer=streamer)))
+    thread.start()
+    rows = [[], []]
+    chunks = 0
+    for row, tokens in streamer:
+        rows[row].extend(tokens.tolist())
+        chunks += 1
+    thread.join()
+    assert rows == result["out"].tokens.tolist() and chunks > 2
+
+
+def test_per_row_budgets_without_stop_tokens():
+    model = LlamaGenTokenModel(tiny_transformer())
+    ar = Autoregressive().generate(model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator())
+    out = SpeculativeJacobi(window=8).generate(model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator(),
+                                               stopping=Stopping(max_new_tokens=[5, 32]))
+    assert out.lengths.tolist() == [5, 32]
+    assert torch.equal(out.tokens[0, :5], ar.tokens[0, :5]) and (out.tokens[0, 5:] == 0).all()
+    assert torch.equal(out.tokens[1], ar.tokens[1])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Autoregressive().generate(model, torch.tensor([1]), 8, GREEDY, torch.Generator(), stopping=Stopping(max_new_tokens=0))
+
+
+# ------------------------------------------------------------------------------------------
+# Frames: K codebook tokens per position
+# ------------------------------------------------------------------------------------------
+
+
+class ToyFrameModel:
+    """K parallel codebook heads over a running mean of the frames so far (the shape of Dia's
+    decoder, without its weights). The cache is each row's running sum and length."""
+
+    def __init__(self, vocab_size=2, num_codebooks=4, dim=8, scale=1.5, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.vocab_size, self.num_codebooks = vocab_size, num_codebooks
+        self.embed = torch.randn(num_codebooks, vocab_size, dim, generator=g)
+        self.label = torch.randn(4, dim, generator=g)
+        self.head = torch.randn(num_codebooks, dim, vocab_size, generator=g) * scale
+
+    def _logits(self, total, count):
+        return torch.einsum("bnd,kdv->bnkv", torch.tanh(total / count[..., None]), self.head)
+
+    def start(self, conditions, capacity, guidance):
+        total = self.label[conditions][:, None]
+        count = torch.ones(len(conditions), 1)
+        state = DecodeState(cache=None, batch_size=len(conditions), guidance=False,
+                            first_logits=Logits(self._logits(total, count)))
+        state.extra = {"total": total[:, 0], "count": count[:, 0], "fed": None}
+        return state
+
+    def frame_embeddings(self, frames):  # [B, n, K] -> [B, n, D]
+        return sum(self.embed[c][frames[..., c]] for c in range(self.num_codebooks))
+
+    def forward(self, state, frames):
+        e = self.frame_embeddings(frames)
+        state.extra["fed"] = e
+        total = state.extra["total"][:, None] + e.cumsum(1)
+        count = state.extra["count"][:, None] + torch.arange(1, frames.shape[1] + 1)
+        return Logits(self._logits(total, count))
+
+    def commit(self, state, accepted):
+        keep = torch.arange(state.extra["fed"].shape[1])[None] < accepted[:, None]
+        state.extra["total"] = state.extra["total"] + (state.extra["fed"] * keep[..., None]).sum(1)
+        state.extra["count"] = state.extra["count"] + accepted
+
+    def rewind(self, state, n):
+        raise NotImplementedError
+
+
+def exact_frame_joint(model, label, length, sampling):
+    """P(sequence of frames) for every sequence, by teacher forcing."""
+    K, V = model.num_codebooks, model.vocab_size
+    frames = list(itertools.product(range(V), repeat=K))
+    seqs = torch.tensor(list(itertools.product(frames, repeat=length)))  # [N, length, K]
+    state = model.start(torch.full((len(seqs),), label), length, False)
+    logits = Logits(torch.cat([state.first_logits.cond, model.forward(state, seqs[:, :-1]).cond], 1))
+    probs = torch.stack([s.probs(logits[:, :, c], torch.arange(length).expand(len(seqs), -1)) for c, s in enumerate(sampling)], 2)
+    joint = probs.gather(-1, seqs[..., None]).squeeze(-1).double().prod(-1).prod(-1)
+    return seqs, joint / joint.sum()
+
+
+def test_frames_greedy_jacobi_equals_ar():
+    model = ToyFrameModel(vocab_size=4, scale=3.0)
+    sampling = SamplingConfig(temperature=0.0)
+    ar = Autoregressive().generate(model, torch.tensor([0, 1, 2]), 24, sampling, torch.Generator())
+    out = SpeculativeJacobi(window=6).generate(model, torch.tensor([0, 1, 2]), 24, sampling, torch.Generator().manual_seed(2))
+    assert ar.tokens.shape == (3, 24, 4) and torch.equal(ar.tokens, out.tokens)
+    assert out.stats.forwards < ar.stats.forwards
+
+
+@pytest.mark.parametrize("name", ["ar", "sjd"])
+def test_frames_sampling_matches_exact_distribution(name):
+    """K = 4 codebooks of 2 tokens, 2 frames: 256 outcomes; per-codebook temperatures."""
+    model = ToyFrameModel()
+    sampling = [SamplingConfig(temperature=t) for t in (1.0, 0.8, 1.2, 1.0)]
+    seqs, joint = exact_frame_joint(model, 1, 2, sampling)
+    n = 8000
+    decoder = Autoregressive() if name == "ar" else SpeculativeJacobi(window=2)
+    out = decoder.generate(model, torch.full((n,), 1), 2, sampling, torch.Generator().manual_seed(0))
+    if name == "sjd":
+        # A random frame of 4 codebooks passes whole about 1 time in 16; the rest exercise the
+        # partly accepted frame (kept codebooks, one resample, the target's own samples after).
+        assert out.stats.accepted_histogram[2] > 0.03 * n, "drafted frames were hardly ever accepted"
+    weights = 2 ** torch.arange(8).flip(0)
+    codes = (out.tokens.reshape(n, -1) * weights).sum(-1)
+    order = (seqs.reshape(len(seqs), -1) * weights).sum(-1)
+    observed = torch.bincount(codes, minlength=256).double()[order]
+    expected = joint * n
+    small = expected < 5
+    obs = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
+
+
+# ------------------------------------------------------------------------------------------
+# Prompt lookup
+# ------------------------------------------------------------------------------------------
+
+
+def test_lookup_drafts_copy_what_followed_the_latest_match():
+    seq = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 0, 0], [5, 6, 5, 6, 5, 0, 0, 0, 0, 0, 0, 0]])
+    drafts = lookup_drafts(seq, torch.tensor([10, 5]), num_draft=3, max_ngram=2)
+    # Row 0 ends "1 2": latest earlier "1 2" at 4 -> "3 7 1". Row 1 ends "6 5": latest earlier at 1 -> "6 5" then
+    # nothing valid follows, so the last copied token repeats.
+    assert drafts.tolist() == [[3, 7, 1], [6, 5, 5]]
+    none = lookup_drafts(torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), num_draft=2, max_ngram=2)
+    assert none.tolist() == [[4, 4]]
+
+
+def test_prompt_lookup_accepts_copies_of_its_context():
+    model = LlamaGenTokenModel(tiny_transformer())
+    ar = Autoregressive().generate(model, torch.tensor([3]), 64, GREEDY, torch.Generator())
+    # The context holds the answer: lookup drafts it and every draft is accepted.
+    out = PromptLookup(num_draft=8, max_ngram=1, context=ar.tokens[0, :40]).generate(
+        model, torch.tensor([3]), 64, GREEDY, torch.Generator())
+    assert torch.equal(out.tokens, ar.tokens) and out.stats.forwards < 40
