@@ -4,14 +4,11 @@ The adapter drives `JanusForConditionalGeneration`'s Llama trunk with a transfor
 `DynamicCache` and its own 2-D attention mask, so every decoder of the core (autoregressive,
 speculative Jacobi with per-row acceptance, ...) runs on Janus without touching transformers.
 
-Cache layout ("holes + crop"). The cache has one slot axis shared by all rows. A forward appends
-n slots per row; `commit(accepted)` keeps the first accepted[b] of them for row b by setting the
-rest to 0 in the mask, then crops the slots that no row kept. At batch 1 rollback is therefore
-exactly a crop; at batch > 1 only the shorter rows carry masked slots ("holes"). Attention gives
-a masked slot exactly zero weight, and every token carries an explicit position id (its row's
-logical position), so a row with holes computes what a contiguous cache would. When holes
-outgrow the longest row, the cache is compacted (each row's kept slots gathered to the right),
-so it never holds more than about twice what the longest row needs.
+Cache layout ("holes + crop"): the core's `mmgen.cache.SlotKVCache` over a `DynamicCache`. A
+forward appends n slots per row; `commit(accepted)` keeps the first accepted[b] of them for row
+b by masking the rest, then crops the slots that no row kept. Attention gives a masked slot
+exactly zero weight, and every token carries an explicit position id (its row's logical
+position), so a row with holes computes what a contiguous cache would.
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from mmgen.cache import SlotKVCache
 from mmgen.modeling import DecodeState, normalised_rows
 from mmgen.sampling import Logits
 
@@ -35,60 +33,6 @@ class JanusConditions:
 
     input_ids: torch.Tensor  # [B, P] int64
     attention_mask: torch.Tensor  # [B, P], 0 on left padding
-
-
-@dataclass
-class JanusCache:
-    """The transformers cache plus what the adapter keeps beside it.
-
-    `mask` [R, S] marks the slots each row attends to (R = 2B with guidance, conditional rows
-    first); `positions` [R] is each row's next position id; `pending` the slots appended by a
-    forward that has not been committed yet.
-    """
-
-    kv: object  # transformers DynamicCache
-    mask: torch.Tensor
-    positions: torch.Tensor
-    prompt_length: int
-    pending: int = 0
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.kv.layers for t in (layer.keys, layer.values) if t is not None)
-
-    def crop(self, length: int) -> None:
-        """Drop slots from `length` on (Cache.crop takes the count to remove, negated)."""
-        remove = self.length - length
-        if remove > 0:
-            self.kv.crop(-remove)
-            self.mask = self.mask[:, :length]
-
-    def compact(self, width: int) -> None:
-        """Squeeze the holes out: each row's kept generated slots move, in order, to the right end
-        of a `width`-slot region (width >= every row's count); the prompt region stays as is.
-
-        Keys already carry their rotary positions and attention does not depend on the order of
-        the keys it attends to, so this changes rounding only.
-        """
-        p = self.prompt_length
-        kept = self.mask[:, p:]
-        rows, g = kept.shape
-        counts = kept.sum(1, keepdim=True)
-        # Destination of each kept slot; dropped slots all go to the spare column `width`.
-        target = torch.where(kept, width - counts + kept.long().cumsum(1) - 1, width)
-        source = torch.zeros(rows, width + 1, dtype=torch.long, device=kept.device)
-        source = source.scatter(1, target, torch.arange(g, device=kept.device).expand(rows, g))[:, :width]
-        for layer in self.kv.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                index = source[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
-                setattr(layer, name, torch.cat([t[:, :, :p], t[:, :, p:].gather(2, index)], dim=2))
-        slots = torch.arange(width, device=kept.device)
-        self.mask = torch.cat([self.mask[:, :p], slots >= width - counts], dim=1)
 
 
 class JanusTokenModel:
@@ -107,7 +51,7 @@ class JanusTokenModel:
     adds changes nothing but rounding.
 
     `compact_ratio` bounds the holes that rows with uneven acceptance leave (see
-    `JanusCache.compact`); None never compacts.
+    `mmgen.cache.SlotKVCache.compact`); None never compacts.
     """
 
     def __init__(
@@ -175,57 +119,22 @@ class JanusTokenModel:
         positions = torch.arange(length, device=ids.device).expand(rows, -1)
         embeds = self.model.get_input_embeddings()(ids)
         hidden = self._trunk(embeds, mask, positions, kv)[:, -1:]
-        cache = JanusCache(kv, mask, torch.full((rows,), length, device=ids.device), prompt_length=length)
+        cache = SlotKVCache(kv, mask, prompt_length=length, compact_ratio=self.compact_ratio)
         return DecodeState(cache, batch, guidance, self._logits(hidden, guidance))
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
-        cache: JanusCache = state.cache
-        cache.crop(cache.length - cache.pending)  # an uncommitted forward commits nothing
         if state.guidance:
             tokens = torch.cat([tokens, tokens])
-        rows, n = tokens.shape
-        positions = cache.positions[:, None] + torch.arange(n, device=tokens.device)
-        mask = torch.cat([cache.mask, cache.mask.new_ones(rows, n)], dim=1)
+        mask, positions = state.cache.open(tokens.shape[1])
         embeds = self.model.prepare_embeddings_for_image_generation(tokens)
-        hidden = self._trunk(embeds, mask, positions, cache.kv)
-        cache.mask, cache.pending = mask, n
-        return self._logits(hidden, state.guidance)
+        return self._logits(self._trunk(embeds, mask, positions, state.cache.kv), state.guidance)
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
-        cache: JanusCache = state.cache
-        accepted = torch.cat([accepted, accepted]) if state.guidance else accepted
-        start = cache.length - cache.pending
-        cache.mask[:, start:] = torch.arange(cache.pending, device=accepted.device) < accepted[:, None]
-        cache.positions = cache.positions + accepted
-        # One host sync: the longest accepted run (no row reads past it, so crop there) and
-        # the longest row (for compaction).
-        longest, width = torch.stack([accepted.max(), cache.positions.max() - cache.prompt_length]).tolist()
-        cache.crop(start + (longest if cache.pending else 0))
-        cache.pending = 0
-        self._maybe_compact(cache, width)
+        state.cache.commit(torch.cat([accepted, accepted]) if state.guidance else accepted)
 
     def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
-        cache: JanusCache = state.cache
-        cache.crop(cache.length - cache.pending)
-        cache.pending = 0
-        keep_n = torch.cat([num_generated, num_generated]) if state.guidance else num_generated
-        p = cache.prompt_length
-        generated = cache.mask[:, p:]
-        kept = generated & (generated.long().cumsum(-1) <= keep_n[:, None])
-        cache.mask = torch.cat([cache.mask[:, :p], kept], dim=1)
-        cache.positions = p + keep_n
-        used = kept.any(0).nonzero()
-        cache.crop(p + (int(used.max()) + 1 if used.numel() else 0))
-        self._maybe_compact(cache, int(keep_n.max()))
-
-    def _maybe_compact(self, cache: JanusCache, width: int) -> None:
-        """Compact once holes outnumber `compact_ratio` x the longest row's generated slots, so
-        the cache stays within (1 + ratio) x what the longest row needs, at O(1) amortised
-        copies per slot. Never at batch 1, which has no holes."""
-        holes = cache.length - cache.prompt_length - width
-        if self.compact_ratio is not None and holes > 0 and holes > self.compact_ratio * width:
-            cache.compact(width)
+        state.cache.rewind(torch.cat([num_generated, num_generated]) if state.guidance else num_generated)
 
     # ---------------------------------------------------------------- helpers
     def _trunk(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:

@@ -75,3 +75,58 @@ def test_cached_decoding_equals_full_causal_forward():
     cache.advance(1)
     rest = model.forward_hidden(model.tok_embeddings(tokens[:, :-1]), cache.positions(11), cache)
     torch.testing.assert_close(torch.cat([first, rest], 1), full, rtol=1e-5, atol=1e-5)
+
+
+class _Layer:
+    def __init__(self, keys, values):
+        self.keys, self.values = keys, values
+
+
+class _Store:
+    """A stand-in for transformers' DynamicCache: layers of [R, H, S, D] keys/values, crop(-n)."""
+
+    def __init__(self, rows, slots, layers=2):
+        self.layers = [_Layer(torch.arange(rows * slots, dtype=torch.float32).view(rows, 1, slots, 1) + 1000 * i,
+                              -torch.arange(rows * slots, dtype=torch.float32).view(rows, 1, slots, 1)) for i in range(layers)]
+
+    def crop(self, n):
+        for layer in self.layers:
+            layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+
+    def append(self, n):
+        for layer in self.layers:
+            rows, _, s, _ = layer.keys.shape
+            new = torch.arange(s, s + n, dtype=torch.float32).view(1, 1, n, 1).expand(rows, 1, n, 1) + 100 * torch.arange(rows).view(rows, 1, 1, 1)
+            layer.keys, layer.values = torch.cat([layer.keys, new], 2), torch.cat([layer.values, -new], 2)
+
+
+def test_slot_cache_commit_rewind_and_compaction_keep_each_rows_tokens_in_order():
+    from mmgen.cache import SlotKVCache
+
+    store = _Store(rows=2, slots=3)
+    cache = SlotKVCache(store, torch.ones(2, 3, dtype=torch.bool), prompt_length=3, compact_ratio=None)
+    mask, positions = cache.open(4)
+    store.append(4)
+    assert mask.shape == (2, 7) and positions.tolist() == [[3, 4, 5, 6]] * 2
+    cache.commit(torch.tensor([4, 1]))
+    assert cache.positions.tolist() == [7, 4] and cache.mask[:, 3:].tolist() == [[True] * 4, [True, False, False, False]]
+    kept_row1 = store.layers[0].keys[1, 0, :, 0][cache.mask[1]].tolist()
+    cache.compact(4)  # row 1's single kept slot moves right; its keys come along
+    assert cache.mask[:, 3:].tolist() == [[True] * 4, [False, False, False, True]]
+    assert store.layers[0].keys[1, 0, :, 0][cache.mask[1]].tolist() == kept_row1
+    cache.rewind(torch.tensor([2, 1]))
+    assert cache.positions.tolist() == [5, 4] and cache.mask.sum(1).tolist() == [5, 4]
+
+
+def test_slot_cache_eviction_and_recent_window():
+    from mmgen.cache import SlotKVCache
+
+    store = _Store(rows=2, slots=10)
+    cache = SlotKVCache(store, torch.ones(2, 10, dtype=torch.bool), prompt_length=10, compact_ratio=None)
+    drop = torch.zeros(2, 10, dtype=torch.bool)
+    drop[0, 3:6] = True  # token dropping: row 0 loses three prompt tokens
+    cache.evict(drop)
+    assert cache.mask.sum(1).tolist() == [7, 10] and cache.positions.tolist() == [10, 10]  # positions stay
+    cache.keep_recent(window=4, sink=2)
+    assert cache.mask[0].nonzero().flatten().tolist() == [0, 1, 6, 7, 8, 9]
+    assert cache.mask[1].nonzero().flatten().tolist() == [0, 1, 6, 7, 8, 9]
