@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgen.decoding.pruning import CachedTokenPruning
+from mmgen.hooks import ModelHook, hooks_attached
 
 #: Scale schedules (side of each token map) of the released 256 px and 512 px models.
 PATCH_NUMS = {256: (1, 2, 3, 4, 5, 6, 8, 10, 13, 16), 512: (1, 2, 3, 4, 6, 9, 13, 18, 24, 32)}
@@ -284,7 +285,9 @@ class AdaLNSelfAttn(nn.Module):
         keep = 1.0 - self.drop_path_rate
         return x * x.new_empty(x.shape[0], 1, 1).bernoulli_(keep).div_(keep)
 
-    def forward(self, x, cond, mask=None, cache=None, prune: Optional["_LayerPruning"] = None):
+    def branches(self, cond, mask=None, cache=None) -> tuple[Callable, Callable]:
+        """The block's two residual branches (attention, FFN) as functions of the residual
+        stream, for hooks that compose them themselves (`mmgen.hooks`; FastVAR)."""
         gamma1, gamma2, scale1, scale2, shift1, shift2 = self.modulation(cond)
 
         def attn(h):
@@ -293,8 +296,12 @@ class AdaLNSelfAttn(nn.Module):
         def ffn(h):
             return self.ffn(self.ln_wo_grad(h).mul(scale2.add(1)).add_(shift2)).mul(gamma2)
 
-        x = x + self.drop_path(attn(x) if prune is None else prune(attn, x, "attn"))
-        return x + self.drop_path(ffn(x) if prune is None else prune(ffn, x, "ffn"))
+        return attn, ffn
+
+    def forward(self, x, cond, mask=None, cache=None):
+        attn, ffn = self.branches(cond, mask, cache)
+        x = x + self.drop_path(attn(x))
+        return x + self.drop_path(ffn(x))
 
 
 class AdaLNBeforeHead(nn.Module):
@@ -309,21 +316,23 @@ class AdaLNBeforeHead(nn.Module):
         return self.ln_wo_grad(x).mul(scale.add(1)).add_(shift)
 
 
-@dataclass
-class _LayerPruning:
-    """FastVAR at one layer for one step. At the cache step (`keep` None) a branch runs in full
-    and its output is remembered; at a pruned step it runs on the `keep` tokens farthest from
-    the mean of the current residual stream and the other slots take the remembered output,
-    area-resized to the current grid."""
+class FastVARHook(ModelHook):
+    """FastVAR at one block for one step, as a hook on the block (`mmgen.hooks`). At the cache
+    step (`keep` None) a branch runs in full and its output is remembered; at a pruned step it
+    runs on the `keep` tokens farthest from the mean of the current residual stream and the
+    other slots take the remembered output, area-resized to the current grid."""
 
-    policy: CachedTokenPruning
-    memory: dict
-    layer: int
-    keep: Optional[int]
-    hw: tuple[int, int]
-    span: Optional[slice] = None  # the cache step's tokens inside a multi-scale chunk (a hand-off prefill)
+    def __init__(self, policy: CachedTokenPruning, memory: dict, layer: int, keep: Optional[int], hw: tuple[int, int],
+                 span: Optional[slice] = None):  # span: the cache step's tokens inside a multi-scale chunk (a hand-off prefill)
+        super().__init__()
+        self.policy, self.memory, self.layer, self.keep, self.hw, self.span = policy, memory, layer, keep, hw, span
 
-    def __call__(self, branch: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, name: str) -> torch.Tensor:
+    def new_forward(self, block: "AdaLNSelfAttn", x, cond, mask=None, cache=None):
+        attn, ffn = block.branches(cond, mask, cache)
+        x = x + block.drop_path(self.prune(attn, x, "attn"))
+        return x + block.drop_path(self.prune(ffn, x, "ffn"))
+
+    def prune(self, branch: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, name: str) -> torch.Tensor:
         if self.keep is None:
             out = branch(x)
             self.memory[(self.layer, name)] = out if self.span is None else out[:, self.span]
@@ -498,16 +507,15 @@ class VARTransformer(nn.Module):
         if max(cache.lengths) + n > cache.capacity:
             raise ValueError(f"the cache holds {cache.capacity} tokens; {max(cache.lengths)} + {n} do not fit")
         mask = self.attn_bias_for_masking[:, :, begin:end, begin:end] if num_steps > 1 else None
-        prunes = [None] * c.depth
-        if pruning is not None:
-            prunes = self._layer_pruning(pruning, cache, first_step, num_steps)
+        hooks = self._fastvar_hooks(pruning, cache, first_step, num_steps) if pruning is not None else {}
         block_cond = self.block_condition(cond)
-        for block, prune in zip(self.blocks, prunes):
-            x = block(x, block_cond, mask, cache, prune)
+        with hooks_attached(hooks, "fastvar"):
+            for block in self.blocks:
+                x = block(x, block_cond, mask, cache)
         return self.get_logits(x, cond)
 
-    def _layer_pruning(self, policy: CachedTokenPruning, cache: VARCache, first_step: int, num_steps: int) -> list:
-        """Per-layer FastVAR state for scales [first_step, first_step + num_steps). A chunk of
+    def _fastvar_hooks(self, policy: CachedTokenPruning, cache: VARCache, first_step: int, num_steps: int) -> dict:
+        """The FastVAR hook of each pruned block for scales [first_step, first_step + num_steps). A chunk of
         several scales (a collaborative hand-off's prefill) runs every token, pruned scales
         included; when it holds the cache step, that step's outputs are remembered from its
         slice of the chunk. Pruning applies to scales decoded alone."""
@@ -532,6 +540,6 @@ class VARTransformer(nn.Module):
             pn = c.patch_nums[pruned[0]]
             keep = policy.keep_count(pruned[0], c.num_steps, pn * pn)
         else:
-            return [None] * c.depth
-        return [_LayerPruning(policy, memory, i, keep, (pn, pn), span) if policy.prunes_layer(i, c.depth) else None
-                for i in range(c.depth)]
+            return {}
+        return {block: FastVARHook(policy, memory, i, keep, (pn, pn), span)
+                for i, block in enumerate(self.blocks) if policy.prunes_layer(i, c.depth)}
