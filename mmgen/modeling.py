@@ -175,6 +175,58 @@ class ContinuousModel(Protocol):
         ...
 
 
+@dataclass
+class CausalContinuousState:
+    """What a cached causal continuous model keeps while decoding: its cache, and the head
+    conditioning `first_inputs` of generated token 0 (a tensor or tuple of tensors [B, 1, ...])."""
+
+    cache: Any
+    batch_size: int
+    guidance: bool
+    first_inputs: Any
+    device: torch.device
+    extra: Any = None
+
+    @property
+    def cache_bytes(self) -> int:
+        return int(getattr(self.cache, "nbytes", 0))
+
+
+@runtime_checkable
+class CausalContinuousModel(Protocol):
+    """Next-token diffusion with a cache (VibeVoice's speech latents, causal MAR): continuous
+    tokens [B, n, D] left to right, each sampled by a diffusion head from the backbone's
+    conditioning at its position. The `TokenModel` shape (start / forward / commit / rewind)
+    over continuous tokens, plus the head's `sample` with given noise (as `ContinuousModel`),
+    so speculative decoding verifies k drafted tokens in one cached forward and rolls back by
+    not committing, instead of re-running and cloning a canvas."""
+
+    token_dim: int
+    head_steps: int
+
+    def start(self, conditions: Any, capacity: int, guidance: bool) -> CausalContinuousState:
+        """Prefill the conditions; a cache with `capacity` positions after them."""
+        ...
+
+    def forward(self, state: CausalContinuousState, tokens: torch.Tensor) -> Any:
+        """Feed tokens [B, n, D] at each row's committed length; returns the head conditioning
+        of the n positions after each fed token (tensors [B, n, ...], or a tuple of them, e.g.
+        conditional and unconditional halves). Commits nothing."""
+        ...
+
+    def commit(self, state: CausalContinuousState, accepted: torch.Tensor) -> None:
+        """Keep the first `accepted[b]` tokens of row b from the last forward."""
+        ...
+
+    def rewind(self, state: CausalContinuousState, num_generated: torch.Tensor) -> None:
+        """Row b keeps its first `num_generated[b]` generated tokens."""
+        ...
+
+    def sample(self, inputs: Any, noise: torch.Tensor, temperature: float, guidance_scale: torch.Tensor) -> HeadSample:
+        """Sample the head with given noise [B, n, head_steps + 1, D] and guidance [B, n]."""
+        ...
+
+
 def normalised_rows(weight: torch.Tensor) -> torch.Tensor:
     """`weight` with l2-normalised rows (a VQ codebook as the decoder looks it up).
 

@@ -29,6 +29,7 @@ from mmgen.decoding.continuous import (
     GaussianTokens,
     MaskedContinuous,
 )
+from mmgen.decoding.causal_continuous import CausalContinuousSpeculative
 from mmgen.decoding.coupled import CoupledJacobi, CounterNoise
 from mmgen.decoding.draft import DraftModelProposer, DraftSpeculative
 from mmgen.decoding.entropy_switch import EntropySwitch
@@ -143,6 +144,7 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
 
 
 __all__ = [
+    "CausalContinuousSpeculative",
     "speculative_decode",
     "TokenQueueStreamer",
     "Streamer",
