@@ -20,7 +20,7 @@ from mmgen.decoding.acceptance import (
     residual_distribution,
 )
 from mmgen.decoding.autoregressive import Autoregressive
-from mmgen.decoding.base import DecodeOutput, Decoder
+from mmgen.decoding.base import BaseDecoder, DecodeOutput, Decoder
 from mmgen.decoding.continuous import (
     ContinuousAcceptance,
     ContinuousDecoder,
@@ -129,11 +129,19 @@ def _field_names(obj: Any) -> set[str]:
     return {f.name for f in fields(obj) if f.repr and f.init} if is_dataclass(obj) else set()
 
 
+#: The shortcuts of each decoder family (`BaseDecoder.family`).
+FAMILY_DECODERS: dict[str, dict[str, Callable[[], Any]]] = {
+    "token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS,
+}
+
+
 def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECODERS) -> Any:
     """A decoder object from itself, a shortcut name or a spec ("lantern:delta=0.2"); pass
-    `registry=SCALE_DECODERS` for next-scale models, `CONTINUOUS_DECODERS` for continuous ones."""
-    kind = {id(SCALE_DECODERS): ScaleDecoder, id(CONTINUOUS_DECODERS): ContinuousDecoder}.get(id(registry), Decoder)
-    if isinstance(decoding, kind):
+    `registry=SCALE_DECODERS` for next-scale models, `CONTINUOUS_DECODERS` for continuous ones
+    (or `FAMILY_DECODERS[family]`). A decoder object must be of that registry's family."""
+    family = next((name for name, table in FAMILY_DECODERS.items() if table is registry), "token")
+    kind = {"token": Decoder, "scale": ScaleDecoder, "continuous": ContinuousDecoder}[family]
+    if isinstance(decoding, BaseDecoder) and decoding.family == family:
         return decoding
     if isinstance(decoding, str):
         name, options = parse_decoding(decoding)
@@ -144,6 +152,8 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
 
 
 __all__ = [
+    "BaseDecoder",
+    "FAMILY_DECODERS",
     "CausalContinuousSpeculative",
     "speculative_decode",
     "TokenQueueStreamer",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, ClassVar, Optional, Protocol
 
 import torch
 
@@ -14,11 +14,15 @@ from mmgen.sampling import AllTokensMaskedError, SamplingConfig
 
 @dataclass
 class DecodeOutput:
-    """Generated tokens [B, num_tokens] ([B, num_tokens, K] for frames of K codebooks) and the
-    decode's statistics. With stopping, `lengths` [B] holds each row's token count (its stop
-    token included) and the tokens after it are padding; fixed-length decodes leave it None."""
+    """What every decoder returns: the generated tokens and the decode's statistics.
 
-    tokens: torch.Tensor
+    `tokens` is [B, num_tokens] for token models ([B, num_tokens, K] for frames of K
+    codebooks), the list of token maps [B, step_sizes[k]] for next-scale models and the canvas
+    [B, L, D] for continuous ones. With stopping, `lengths` [B] holds each row's token count
+    (its stop token included) and the tokens after it are padding; fixed-length decodes leave
+    it None."""
+
+    tokens: Any
     stats: DecodeStats
     lengths: Optional[torch.Tensor] = None
 
@@ -29,8 +33,20 @@ class Progress(Protocol):
     def update(self, n: int) -> Any: ...
 
 
-class Decoder:
-    """Base class: `generate(model, conditions, num_tokens, sampling, generator)`."""
+class BaseDecoder:
+    """What every decoder of the core is: a small strategy object (swappable like a diffusers
+    scheduler) whose `generate` drives one kind of model and returns a `DecodeOutput`. `family`
+    names that kind: "token" (`TokenModel`), "scale" (`ScaleModel`), "continuous"
+    (`ContinuousModel`) or "causal-continuous" (`CausalContinuousModel`)."""
+
+    family: ClassVar[str] = ""
+
+
+class Decoder(BaseDecoder):
+    """Base class of token decoders: `generate(model, conditions, num_tokens, sampling,
+    generator, progress, stopping, streamer)`."""
+
+    family: ClassVar[str] = "token"
 
     #: Tokens fed to the model per forward; the cache needs room for twice this past the end.
     window: int = 1

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
-from mmgen.decoding.base import Progress, check_int, check_num_tokens
+from mmgen.decoding.base import BaseDecoder, Progress, check_int, check_num_tokens
 from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousOutput, GaussianTokens, _check_sampling
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.modeling import CausalContinuousModel, HeadSample
@@ -33,13 +33,14 @@ def _slots(inputs: Any, part: slice) -> Any:
 
 
 @dataclass
-class CausalContinuousSpeculative:
+class CausalContinuousSpeculative(BaseDecoder):
     """Next-token diffusion, autoregressive (`drafter=None`) or speculative with a small causal
     drafter of the same token space drafting `num_draft` tokens per target forward."""
 
     drafter: Any = None
     num_draft: int = 4
     acceptance: ContinuousAcceptance = field(default_factory=ContinuousAcceptance)
+    family: ClassVar[str] = "causal-continuous"
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from mmgen.decoding.base import check_int
+from mmgen.decoding.base import BaseDecoder, DecodeOutput, check_int
 from mmgen.decoding.stats import DecodeStats, StatsRecorder
 from mmgen.modeling import ContinuousModel, ContinuousState, HeadSample
 from mmgen.sampling import SamplingConfig
@@ -108,12 +108,8 @@ class ContinuousAcceptance:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class ContinuousOutput:
-    """The canvas [B, L, D] of generated tokens and the decode's statistics."""
-
-    tokens: torch.Tensor
-    stats: DecodeStats
+#: The canvas [B, L, D] of generated tokens and the decode's statistics.
+ContinuousOutput = DecodeOutput
 
 
 def noise_table(model: ContinuousModel, batch: int, device: torch.device, generator: torch.Generator) -> torch.Tensor:
@@ -153,8 +149,11 @@ def _step(model: ContinuousModel, state: ContinuousState, positions: torch.Tenso
     return out
 
 
-class ContinuousDecoder:
-    """Base class: `generate(model, conditions, sampling, generator)` fills the canvas."""
+class ContinuousDecoder(BaseDecoder):
+    """Base class of masked continuous decoders: `generate(model, conditions, sampling,
+    generator)` fills the canvas."""
+
+    family: ClassVar[str] = "continuous"
 
     num_steps: int
 

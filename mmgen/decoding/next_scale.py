@@ -4,11 +4,11 @@ collaborative decoding, where models of different sizes take turns over the scal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, ClassVar, Optional, Protocol, Sequence
 
 import torch
 
-from mmgen.decoding.base import Progress, check_int, raise_if_masked
+from mmgen.decoding.base import BaseDecoder, DecodeOutput, Progress, check_int, raise_if_masked
 from mmgen.decoding.stats import DecodeStats, StatsRecorder
 from mmgen.modeling import ScaleModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
@@ -21,12 +21,8 @@ class MapSmoothing(Protocol):
     def __call__(self, probs: torch.Tensor, step: int, num_steps: int, generator: torch.Generator) -> torch.Tensor: ...
 
 
-@dataclass
-class ScaleDecodeOutput:
-    """Token maps [B, step_sizes[k]] for every step k, and the decode's statistics."""
-
-    tokens: list[torch.Tensor]
-    stats: DecodeStats
+#: Token maps [B, step_sizes[k]] for every step k, and the decode's statistics.
+ScaleDecodeOutput = DecodeOutput
 
 
 def as_scale_model(model: Any, role: str = "model") -> ScaleModel:
@@ -38,8 +34,11 @@ def as_scale_model(model: Any, role: str = "model") -> ScaleModel:
     return model
 
 
-class ScaleDecoder:
-    """Base class: `generate(model, conditions, sampling, generator)` decodes every step."""
+class ScaleDecoder(BaseDecoder):
+    """Base class of next-scale decoders: `generate(model, conditions, sampling, generator)`
+    decodes every step."""
+
+    family: ClassVar[str] = "scale"
 
     def generate(
         self,
