@@ -39,7 +39,7 @@ from mmgen.decoding.ngram import NGramProposer, PromptLookup
 from mmgen.decoding.next_scale import Collaborative, MapSmoothing, NextScale, ScaleDecodeOutput, ScaleDecoder
 from mmgen.decoding.pruning import CachedTokenPruning
 from mmgen.decoding.speculative import Proposer, Stopping, Streamer, TokenQueueStreamer, speculative_decode
-from mmgen.decoding.stats import DecodeStats
+from mmgen.decoding.stats import DecodeStats, DraftCounters, StageCounters
 
 #: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
 DECODERS: dict[str, Callable[[], Decoder]] = {
@@ -152,6 +152,8 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
 
 
 __all__ = [
+    "DraftCounters",
+    "StageCounters",
     "BaseDecoder",
     "FAMILY_DECODERS",
     "CausalContinuousSpeculative",

@@ -20,7 +20,7 @@ import torch
 
 from mmgen.decoding.base import BaseDecoder, Progress, check_int, check_num_tokens
 from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousOutput, GaussianTokens, _check_sampling
-from mmgen.decoding.stats import StatsRecorder
+from mmgen.decoding.stats import DraftCounters, StatsRecorder
 from mmgen.modeling import CausalContinuousModel, HeadSample
 from mmgen.sampling import SamplingConfig, uniform
 
@@ -129,5 +129,5 @@ class CausalContinuousSpeculative(BaseDecoder):
             done = now
 
         stats = recorder.finish(num_tokens, B, state.cache_bytes + (draft_state.cache_bytes if k else 0))
-        stats.draft_forwards, stats.drafted, stats.accepted_drafts, stats.fallbacks = draft_forwards, drafted, kept, fallbacks
+        stats.extra = DraftCounters(draft_forwards, drafted, kept, fallbacks)
         return ContinuousOutput(out[:, :num_tokens], stats)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, check_int
-from mmgen.decoding.stats import DecodeStats, StatsRecorder
+from mmgen.decoding.stats import DecodeStats, DraftCounters, StatsRecorder
 from mmgen.modeling import ContinuousModel, ContinuousState, HeadSample
 from mmgen.sampling import SamplingConfig
 
@@ -276,6 +276,6 @@ class ContinuousSpeculative(ContinuousDecoder):
             recorder.record(ones * commit_to, ones.bool())
             done += commit_to
         stats = recorder.finish(model.num_tokens, B, 0)
-        stats.baseline_forwards, stats.draft_forwards = len(steps), draft_forwards
-        stats.drafted, stats.accepted_drafts, stats.fallbacks = drafted, kept, fallbacks
+        stats.baseline_forwards = len(steps)
+        stats.extra = DraftCounters(draft_forwards, drafted, kept, fallbacks)
         return ContinuousOutput(state.tokens, stats)

@@ -10,6 +10,7 @@ import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens
+from mmgen.decoding.stats import DraftCounters
 from mmgen.decoding.speculative import Proposer, Stopping, Streamer, speculative_decode
 from mmgen.modeling import TokenModel
 from mmgen.sampling import SamplingConfig, sample
@@ -61,7 +62,7 @@ class DraftModelProposer(Proposer):
         self.first_round = False
 
     def finish(self, stats):
-        stats.draft_forwards = self.forwards
+        stats.extra = DraftCounters(draft_forwards=self.forwards)
 
     @property
     def cache_bytes(self):

@@ -9,7 +9,7 @@ import torch
 
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens, raise_if_masked
 from mmgen.decoding.draft import as_token_model
-from mmgen.decoding.stats import StatsRecorder
+from mmgen.decoding.stats import StageCounters, StatsRecorder
 from mmgen.modeling import TokenModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
 
@@ -95,6 +95,5 @@ class EntropySwitch(Decoder):
         raise_if_masked(bad)
         stats = recorder.finish(num_tokens, B, large_state.cache_bytes + small_state.cache_bytes)
         stats.forwards = large_forwards + small_forwards
-        stats.stage_forwards = [large_forwards, small_forwards]
-        stats.stage_tokens = [int(large_tokens), B * num_tokens - int(large_tokens)]
+        stats.extra = StageCounters([large_forwards, small_forwards], [int(large_tokens), B * num_tokens - int(large_tokens)])
         return DecodeOutput(tokens, stats)

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence
 import torch
 
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, Progress, check_int, raise_if_masked
-from mmgen.decoding.stats import DecodeStats, StatsRecorder
+from mmgen.decoding.stats import DecodeStats, StageCounters, StatsRecorder
 from mmgen.modeling import ScaleModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
 
@@ -151,5 +151,5 @@ def decode_schedule(
         del state  # frees this model's cache before the next model allocates its own
     raise_if_masked(bad)
     stats = recorder.finish(sum(sizes), len(tokens[0]), cache_bytes)
-    stats.stage_forwards, stats.stage_tokens, stats.baseline_forwards = stage_forwards, stage_tokens, num_steps
+    stats.extra, stats.baseline_forwards = StageCounters(stage_forwards, stage_tokens), num_steps
     return ScaleDecodeOutput(tokens, stats)

@@ -3,28 +3,56 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Optional
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Optional
 
 import torch
 
 
 @dataclass
+class DraftCounters:
+    """Per-family extra of decoders where a second model proposes (draft-model speculation,
+    continuous speculative decoding): the drafter's forwards, prefill included, and for
+    continuous drafts the tokens `drafted`, the `accepted_drafts` and the residual samples that
+    ran out of rejection rounds (`fallbacks`)."""
+
+    draft_forwards: int = 0
+    drafted: int = 0
+    accepted_drafts: int = 0
+    fallbacks: int = 0
+
+
+@dataclass
+class StageCounters:
+    """Per-family extra of decoders that hand work between models (entropy switching,
+    next-scale schedules): per model in their schedule, its forwards (`stage_forwards`) and the
+    tokens it sampled over all rows (`stage_tokens`)."""
+
+    stage_forwards: list[int] = field(default_factory=list)
+    stage_tokens: list[int] = field(default_factory=list)
+
+
+#: Every family extra, for reading its counters with their defaults on any stats object.
+EXTRAS = (DraftCounters, StageCounters)
+_EXTRA_DEFAULTS = {f.name: f for cls in EXTRAS for f in fields(cls)}
+
+
+@dataclass
 class DecodeStats:
-    """Counters of one `generate` call.
+    """Counters of one `generate` call: a small common core plus a per-family `extra`.
 
     `forwards` counts model calls over the whole batch, the prefill included, so plain
     autoregressive decoding of n tokens takes exactly n. `accepted_histogram[k]` counts the
     (row, forward) pairs that finalised k tokens; rows that had finished are not counted.
-    `draft_forwards` counts a separate draft model's calls (draft-model speculation only).
-    Decoders that hand work between models report, per model in their schedule, its forwards
-    (`stage_forwards`) and the tokens it sampled over all rows (`stage_tokens`). Next-scale
-    decoders set `baseline_forwards` to the number of steps. Continuous speculative decoding
-    counts the `drafted` tokens, the `accepted_drafts`, and the residual samples that ran out of
-    rejection rounds (`fallbacks`). `accepted_per_forward[i]` is the mean number of tokens the
-    rows still decoding finalised at forward i (the trace behind the histogram).
-    Peak memory is the CUDA allocator's peak and None on CPU, where torch has no allocator
-    statistics.
+    `accepted_per_forward[i]` is the mean number of tokens the rows still decoding finalised at
+    forward i (the trace behind the histogram). Decoders whose baseline is not one forward per
+    token (next-scale models: one per scale; masked continuous models: one per step) set
+    `baseline_forwards`. Peak memory is the CUDA allocator's peak and None on CPU, where torch
+    has no allocator statistics.
+
+    `extra` holds one family's own counters (`DraftCounters`, `StageCounters`) or None. Its
+    fields read as attributes of the stats (`stats.draft_forwards`), with their defaults when
+    the decode had none, and `to_dict` flattens them.
     """
 
     forwards: int = 0
@@ -34,14 +62,19 @@ class DecodeStats:
     wall_time_s: float = 0.0
     peak_memory_bytes: Optional[int] = None
     cache_bytes: int = 0
-    draft_forwards: int = 0
-    stage_forwards: list[int] = field(default_factory=list)
-    stage_tokens: list[int] = field(default_factory=list)
     baseline_forwards: Optional[int] = None
-    drafted: int = 0
-    accepted_drafts: int = 0
-    fallbacks: int = 0
     accepted_per_forward: list[float] = field(default_factory=list)
+    extra: Optional[Any] = None
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not core fields: a family counter.
+        extra = self.__dict__.get("extra")
+        if extra is not None and hasattr(extra, name):
+            return getattr(extra, name)
+        if name in _EXTRA_DEFAULTS:
+            f = _EXTRA_DEFAULTS[name]
+            return f.default_factory() if f.default_factory is not MISSING else f.default
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     @property
     def mean_accepted_length(self) -> float:
@@ -58,7 +91,10 @@ class DecodeStats:
         return baseline / self.forwards if self.forwards else 0.0
 
     def to_dict(self) -> dict:
-        out = asdict(self)
+        """The core counters, every family counter (defaults where the decode had none) and
+        the derived figures, flat."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        out.update({name: getattr(self, name) for name in _EXTRA_DEFAULTS})
         out["mean_accepted_length"] = self.mean_accepted_length
         out["step_compression"] = self.step_compression
         return out
