@@ -181,7 +181,7 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     """
     logits = logits.float()
     if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return one_hot(logits.argmax(-1), logits.shape[-1])
     logits = logits / temperature
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -194,6 +194,13 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
         drop_sorted[..., 1:] = cumulative[..., :-1] > top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), -math.inf)
     return logits.softmax(-1)
+
+
+def one_hot(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 one-hot distributions [..., V] on `tokens` [...], built in place (no int64
+    [..., V] intermediate: 8 bytes per entry at a 150k vocabulary)."""
+    out = torch.zeros(*tokens.shape, vocab_size, device=tokens.device)
+    return out.scatter_(-1, tokens[..., None], 1.0)
 
 
 def invalid_rows(probs: torch.Tensor) -> torch.Tensor:
@@ -219,7 +226,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (the exponential race used
     by gpt-fast), and draws its noise from `generator`, so a seed reproduces the output.
     """
-    return race(probs, torch.empty_like(probs).exponential_(generator=generator))
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return torch.div(probs, noise, out=noise).argmax(-1)  # race(probs, noise), without a second [..., V] buffer
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

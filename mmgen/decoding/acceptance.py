@@ -81,8 +81,11 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _normalise_or(fallback: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """mass / its sum over the last axis, or `fallback` where it has none; reuses `mass`'s
+    buffer (a fresh temporary at every call site), so a [B, n, V] residual costs one buffer."""
     total = mass.sum(-1, keepdim=True)
-    return torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), fallback)
+    mass.div_(total.clamp_min(torch.finfo(mass.dtype).tiny))
+    return torch.where(total > 0, mass, fallback, out=mass)
 
 
 def _set_number(rule, name: str, valid, meaning: str) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
+
+from mmgen.sampling import one_hot
 
 
 @dataclass
@@ -40,7 +41,7 @@ class DraftInit:
 
     def __call__(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.propose(ctx)
-        return tokens, F.one_hot(tokens, ctx.vocab_size).float()
+        return tokens, one_hot(tokens, ctx.vocab_size)
 
     def propose(self, ctx: DraftContext) -> torch.Tensor:
         raise NotImplementedError
@@ -65,7 +66,7 @@ class RandomDraftInit(DraftInit):
     def __call__(self, ctx):
         tokens = self.propose(ctx)
         if self.law == "one-hot":
-            return tokens, F.one_hot(tokens, ctx.vocab_size).float()
+            return tokens, one_hot(tokens, ctx.vocab_size)
         return tokens, torch.full((*tokens.shape, ctx.vocab_size), 1.0 / ctx.vocab_size, device=tokens.device)
 
     def propose(self, ctx):

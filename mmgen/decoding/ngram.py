@@ -13,13 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens
 from mmgen.decoding.speculative import DecodeRun, Proposer, Stopping, Streamer, speculative_decode
 from mmgen.modeling import TokenModel
-from mmgen.sampling import SamplingConfig
+from mmgen.sampling import SamplingConfig, one_hot
 
 
 def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, max_ngram: int) -> torch.Tensor:
@@ -62,7 +61,7 @@ class NGramProposer(Proposer):
         context = context.to(run.device).expand(B, -1)
         sequence = torch.cat([context, run.tokens], 1)
         drafts = lookup_drafts(sequence, context.shape[1] + run.pos + 1, self.num_draft, self.max_ngram)
-        return drafts, F.one_hot(drafts, run.vocab_size).float()
+        return drafts, one_hot(drafts, run.vocab_size)
 
 
 @dataclass
