@@ -18,16 +18,15 @@ time ([B, V]) whatever the vocabulary and length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens
+from mmgen.decoding.base import check_int
 from mmgen.decoding.drafts import RandomDraftInit, resolve_draft_init
 from mmgen.decoding.jacobi import JacobiProposer
-from mmgen.decoding.speculative import DecodeRun, Stopping, Streamer, speculative_decode
-from mmgen.modeling import TokenModel
-from mmgen.sampling import SamplingConfig, race
+from mmgen.decoding.speculative import DecodeRun, SpeculativeDecoder
+from mmgen.sampling import race
 
 _MASK = 0xFFFFFFFF
 
@@ -92,7 +91,7 @@ class MatchAcceptance:
 
 
 @dataclass
-class CoupledJacobi(Decoder):
+class CoupledJacobi(SpeculativeDecoder):
     """Jacobi decoding under fixed per-position noise (lossless sampling).
 
     Each forward feeds `window` tokens per row (the newest finalised token and window - 1
@@ -108,21 +107,8 @@ class CoupledJacobi(Decoder):
     def __post_init__(self):
         check_int("window", self.window, 1)
 
-    def generate(
-        self,
-        model: TokenModel,
-        conditions: Any,
-        num_tokens: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator,
-        progress: Optional[Progress] = None,
-        stopping: Optional[Stopping] = None,
-        streamer: Optional[Streamer] = None,
-    ) -> DecodeOutput:
-        check_num_tokens(num_tokens)
+    def roles(self, model, num_tokens, generator):
         L = min(self.window, num_tokens)  # a wider window has nothing to draft
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         noise = CounterNoise(seed, model.vocab_size, generator.device)
-        proposer = CoupledProposer(L, resolve_draft_init(self.draft_init), noise)
-        return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, MatchAcceptance(noise),
-                                  self.capacity(num_tokens), progress, stopping, streamer)
+        return CoupledProposer(L, resolve_draft_init(self.draft_init), noise), MatchAcceptance(noise)

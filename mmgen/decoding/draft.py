@@ -4,16 +4,16 @@ verifies (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
-from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens
+from mmgen.decoding.base import check_int
 from mmgen.decoding.stats import DraftCounters
-from mmgen.decoding.speculative import Proposer, Stopping, Streamer, speculative_decode
+from mmgen.decoding.speculative import Proposer, SpeculativeDecoder
 from mmgen.modeling import TokenModel
-from mmgen.sampling import SamplingConfig, sample
+from mmgen.sampling import sample
 
 
 def as_token_model(drafter: Any) -> TokenModel:
@@ -70,7 +70,7 @@ class DraftModelProposer(Proposer):
 
 
 @dataclass
-class DraftSpeculative(Decoder):
+class DraftSpeculative(SpeculativeDecoder):
     """Draft-model speculative decoding (`DraftModelProposer`), lossless with `ExactAcceptance`."""
 
     drafter: Any = None
@@ -84,23 +84,11 @@ class DraftSpeculative(Decoder):
     def window(self) -> int:
         return self.num_draft + 1
 
-    def generate(
-        self,
-        model: TokenModel,
-        conditions: Any,
-        num_tokens: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator,
-        progress: Optional[Progress] = None,
-        stopping: Optional[Stopping] = None,
-        streamer: Optional[Streamer] = None,
-    ) -> DecodeOutput:
-        check_num_tokens(num_tokens)
+    def roles(self, model, num_tokens, generator):
         if self.drafter is None:
             raise ValueError("DraftSpeculative needs a drafter: a smaller model with the same tokenizer")
         drafter = as_token_model(self.drafter)
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.vocab_size}")
-        proposer = DraftModelProposer(drafter, min(self.num_draft, num_tokens))  # more drafts than tokens have nothing to draft
-        return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, self.acceptance.bind(model),
-                                  self.capacity(num_tokens), progress, stopping, streamer)
+        # More drafts than tokens have nothing to draft.
+        return DraftModelProposer(drafter, min(self.num_draft, num_tokens)), self.acceptance.bind(model)

@@ -11,16 +11,14 @@ accepted length; the reference code advances the whole batch by the minimum.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
-from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens
+from mmgen.decoding.base import check_int
 from mmgen.decoding.drafts import DraftContext, RandomDraftInit, resolve_draft_init
-from mmgen.decoding.speculative import DecodeRun, Proposer, Stopping, Streamer, gather_slots, speculative_decode, where_slots
-from mmgen.modeling import TokenModel
-from mmgen.sampling import SamplingConfig
+from mmgen.decoding.speculative import DecodeRun, Proposer, SpeculativeDecoder, gather_slots, where_slots
 
 
 class JacobiProposer(Proposer):
@@ -71,7 +69,7 @@ class JacobiProposer(Proposer):
 
 
 @dataclass
-class SpeculativeJacobi(Decoder):
+class SpeculativeJacobi(SpeculativeDecoder):
     """Speculative Jacobi decoding (SJD, arXiv 2410.01699), lossless with `ExactAcceptance`.
 
     Each forward feeds `window` tokens per row: the row's newest finalised token and
@@ -87,19 +85,6 @@ class SpeculativeJacobi(Decoder):
     def __post_init__(self):
         check_int("window", self.window, 1)
 
-    def generate(
-        self,
-        model: TokenModel,
-        conditions: Any,
-        num_tokens: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator,
-        progress: Optional[Progress] = None,
-        stopping: Optional[Stopping] = None,
-        streamer: Optional[Streamer] = None,
-    ) -> DecodeOutput:
-        check_num_tokens(num_tokens)
+    def roles(self, model, num_tokens, generator):
         L = min(self.window, num_tokens)  # a wider window has nothing to draft
-        proposer = JacobiProposer(L, resolve_draft_init(self.draft_init))
-        return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, self.acceptance.bind(model),
-                                  self.capacity(num_tokens), progress, stopping, streamer)
+        return JacobiProposer(L, resolve_draft_init(self.draft_init)), self.acceptance.bind(model)

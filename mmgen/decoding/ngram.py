@@ -15,10 +15,9 @@ from typing import Any, Optional
 import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
-from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens
-from mmgen.decoding.speculative import DecodeRun, Proposer, Stopping, Streamer, speculative_decode
-from mmgen.modeling import TokenModel
-from mmgen.sampling import SamplingConfig, one_hot
+from mmgen.decoding.base import check_int
+from mmgen.decoding.speculative import DecodeRun, Proposer, SpeculativeDecoder
+from mmgen.sampling import one_hot
 
 
 def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, max_ngram: int) -> torch.Tensor:
@@ -65,7 +64,7 @@ class NGramProposer(Proposer):
 
 
 @dataclass
-class PromptLookup(Decoder):
+class PromptLookup(SpeculativeDecoder):
     """Prompt-lookup speculative decoding (`NGramProposer`), lossless with `ExactAcceptance`.
     `context` is the prompt's token ids ([P] or [B, P]); without it only the generated tokens
     are searched (repeating image rows, audio loops)."""
@@ -83,22 +82,9 @@ class PromptLookup(Decoder):
     def window(self) -> int:
         return self.num_draft + 1
 
-    def generate(
-        self,
-        model: TokenModel,
-        conditions: Any,
-        num_tokens: int,
-        sampling: SamplingConfig,
-        generator: torch.Generator,
-        progress: Optional[Progress] = None,
-        stopping: Optional[Stopping] = None,
-        streamer: Optional[Streamer] = None,
-    ) -> DecodeOutput:
-        check_num_tokens(num_tokens)
+    def roles(self, model, num_tokens, generator):
         context = self.context
         if context is not None:
             context = torch.as_tensor(context, dtype=torch.long)
             context = context[None] if context.ndim == 1 else context
-        proposer = NGramProposer(min(self.num_draft, num_tokens), self.max_ngram, context)
-        return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, self.acceptance.bind(model),
-                                  self.capacity(num_tokens), progress, stopping, streamer)
+        return NGramProposer(min(self.num_draft, num_tokens), self.max_ngram, context), self.acceptance.bind(model)

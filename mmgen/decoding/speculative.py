@@ -34,7 +34,7 @@ from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
-from mmgen.decoding.base import DecodeOutput, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.modeling import DecodeState, TokenModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
@@ -180,6 +180,32 @@ class Proposer:
     @property
     def cache_bytes(self) -> int:
         return 0
+
+
+class SpeculativeDecoder(Decoder):
+    """A token decoder that is `speculative_decode` with its two roles: a subclass says which
+    (`roles`), the loop does the rest. A new proposer is one `Proposer` class plus, for users,
+    a small dataclass like this."""
+
+    def roles(self, model: TokenModel, num_tokens: int, generator: torch.Generator) -> tuple[Proposer, Any]:
+        """A fresh proposer for one decode, and the acceptance rule bound to `model`."""
+        raise NotImplementedError
+
+    def generate(
+        self,
+        model: TokenModel,
+        conditions: Any,
+        num_tokens: int,
+        sampling: SamplingConfig,
+        generator: torch.Generator,
+        progress: Optional[Progress] = None,
+        stopping: Optional[Stopping] = None,
+        streamer: Optional[Streamer] = None,
+    ) -> DecodeOutput:
+        check_num_tokens(num_tokens)
+        proposer, rule = self.roles(model, num_tokens, generator)
+        return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, rule,
+                                  self.capacity(num_tokens), progress, stopping, streamer)
 
 
 # --------------------------------------------------------------------------------------------

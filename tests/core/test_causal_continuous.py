@@ -5,7 +5,7 @@ import torch
 from scipy import stats
 
 from mmgen.decoding import CausalContinuousSpeculative, ContinuousAcceptance
-from mmgen.modeling import CausalContinuousModel, CausalContinuousState, HeadSample
+from mmgen.modeling import CausalContinuousModel, CausalContinuousState
 from mmgen.sampling import SamplingConfig
 
 from tests.core.test_continuous import ALPHA, ToyContinuousModel
@@ -52,18 +52,6 @@ class CachedCausalToy(ToyContinuousModel):
 
     def rewind(self, state, num_generated):
         state.cache["length"] = num_generated.clone()
-
-    def sample(self, inputs, noise, temperature, guidance_scale):
-        cond, uncond = inputs
-        x = noise[:, :, 0]
-        for t in range(1, self.head_steps + 1):
-            eps = cond @ self.out
-            if uncond is not None:
-                eps = uncond @ self.out + guidance_scale[..., None] * (eps - uncond @ self.out)
-            mean = 0.6 * x + eps
-            std = torch.full_like(mean, 0.5 * temperature)
-            x = mean + std * noise[:, :, t]
-        return HeadSample(x, mean, std)
 
 
 def run(decoder, model, rows, seed, n=4, guidance=1.0):

@@ -130,7 +130,9 @@ class ToyContinuousModel:
         for t in range(1, self.head_steps + 1):
             eps = cond @ self.out
             if uncond is not None:
-                eps = uncond @ self.out + guidance_scale[:, None, None] * (eps - uncond @ self.out)
+                # guidance per row [B] (masked models) or per row and position [B, n] (causal ones)
+                scale = guidance_scale.reshape(guidance_scale.shape[0], -1, 1)
+                eps = uncond @ self.out + scale * (eps - uncond @ self.out)
             mean = 0.6 * x + eps
             std = torch.full_like(mean, 0.5 * temperature)
             x = mean + std * noise[:, :, t]
