@@ -59,7 +59,11 @@ class Decoder(BaseDecoder):
         sampling: SamplingConfig,
         generator: torch.Generator,
         progress: Optional[Progress] = None,
+        stopping: Optional[Any] = None,
+        streamer: Optional[Any] = None,
     ) -> DecodeOutput:
+        """Decode `num_tokens` tokens per row (at most, with a `speculative.Stopping`), calling
+        `streamer.put` with each row's new tokens as they are committed."""
         raise NotImplementedError
 
     def capacity(self, num_tokens: int) -> int:

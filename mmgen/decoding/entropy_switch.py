@@ -48,8 +48,12 @@ class EntropySwitch(Decoder):
         sampling: SamplingConfig,
         generator: torch.Generator,
         progress: Optional[Progress] = None,
+        stopping: Optional[Any] = None,
+        streamer: Optional[Any] = None,
     ) -> DecodeOutput:
         check_num_tokens(num_tokens)
+        if stopping is not None or streamer is not None:
+            raise ValueError("EntropySwitch decodes a fixed number of tokens: it takes no stopping or streamer yet")
         if self.small is None:
             raise ValueError("EntropySwitch needs a small model with the same tokenizer (small=...)")
         small = as_token_model(self.small)
