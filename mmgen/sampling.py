@@ -227,7 +227,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     by gpt-fast), and draws its noise from `generator`, so a seed reproduces the output.
     """
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return torch.div(probs, noise, out=noise).argmax(-1)  # race(probs, noise), without a second [..., V] buffer
+    # race(probs, noise) without a second [..., V] buffer; a draw has no gradient, so detach
+    return torch.div(probs.detach(), noise, out=noise).argmax(-1)
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,8 @@ def _normalise_or(fallback: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """mass / its sum over the last axis, or `fallback` where it has none; reuses `mass`'s
     buffer (a fresh temporary at every call site), so a [B, n, V] residual costs one buffer."""
     total = mass.sum(-1, keepdim=True)
+    if mass.requires_grad or fallback.requires_grad:  # out= has no autograd: the plain path
+        return torch.where(total > 0, mass / total.clamp_min(torch.finfo(mass.dtype).tiny), fallback)
     mass.div_(total.clamp_min(torch.finfo(mass.dtype).tiny))
     return torch.where(total > 0, mass, fallback, out=mass)
 
