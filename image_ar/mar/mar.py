@@ -62,9 +62,10 @@ class MARConfig:
     diffusion_batch_mul: int = 4
     grad_checkpointing: bool = False
     #: Not an official option (officially None): clip the head's predicted x0 to [-c, c] while
-    #: sampling (ADM's `clip_denoised`, with a bound for unit-variance latents). The cosine
-    #: schedule's first sampling step multiplies the eps error by about 630 (x0 = (x_t - eps)
-    #: / sqrt(abar_999), abar_999 ~ 2.5e-9), which only a well-trained head survives.
+    #: sampling (ADM's `clip_denoised`, with a bound for unit-variance latents). At the cosine
+    #: schedule's first sampling step x0 = (x_t - sqrt(1 - abar) eps) / sqrt(abar_999) (abar_999
+    #: ~ 2.5e-9) carries the eps error into the next x_t multiplied by about 316 with 100 steps
+    #: (3500 with 10), which only a well-trained head survives.
     clip_denoised: Optional[float] = None
 
     def __post_init__(self):

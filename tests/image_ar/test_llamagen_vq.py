@@ -67,7 +67,12 @@ def test_decode_code_matches_official(tiny):
     model, ref = tiny
     with torch.no_grad():
         decoded = model.decode_code(ref["vq.output.indices"])
-    torch.testing.assert_close(decoded, ref["vq.output.decoded"], atol=1e-5, rtol=0)
+    # Error source: the decoder's float32 convolutions, group norms and attention (oneDNN/MKL
+    # kernels, thread count, CPU). Measured: <= 4.2e-6 (2.6e-6 of max |decoded| = 1.6) under
+    # OMP_NUM_THREADS=1/2/4, ATEN_CPU_CAPABILITY=default/avx2, MKL_ENABLE_INSTRUCTIONS=SSE4_2,
+    # MKL_CBWR=COMPATIBLE; 3e-5 of max(1, max |decoded|) leaves > 11x (atol=1e-5 left 2.4x).
+    scale = max(1.0, ref["vq.output.decoded"].abs().max().item())
+    torch.testing.assert_close(decoded, ref["vq.output.decoded"], atol=3e-5 * scale, rtol=0)
 
 
 def test_code_shapes_decode_identically(tiny):

@@ -50,8 +50,8 @@ def test_masked_decoder_reproduces_the_official_sampler(cfg, schedule, temperatu
 
 
 def bounded_model():
-    """The tiny MAR with its head's output layer zeroed (eps = 0, fixed variance): random heads
-    blow samples up to 1e5-1e7 with a last-step std of 6e-3, where any rounding difference
+    """The tiny MAR with its head's output layer zeroed (eps = 0, fixed variance): a random head
+    is no denoiser and blows samples up to 1e5-1e7 with a last-step std of 6e-3, where any rounding difference
     between the drafter's and the verifier's forward (one padded batch against per-step
     batches, equal to 1e-6, see test_mar_model) flips acceptances. A zeroed head is bounded and
     ignores z, so the verification plumbing (canvases, positions, noise alignment) is what this

@@ -1,7 +1,11 @@
 """MAR's KL-16 VAE against facts produced by the official code (LTH14/mar `models/vae.py`, float32
-CPU). The fixture and its JSON description are written by
-/work/compare/mar_vae/gen_vae_reference.py, which runs the official modules; no official code is
-imported here.
+CPU). The fixture and its JSON description were written by gen_vae_reference.py, which ran the
+official modules and no longer exists; /work/compare/mar/check_vae_reference.py (outside the
+repository) re-runs the official `models/vae.py` of LTH14/mar at commit
+fe470ac24afbee924668d8c5c83e9fec60af3a73 on the stored weights and inputs. On an AMD EPYC (AVX2,
+MKL) it differs from the stored outputs by up to 7.4e-6 (mean, |mean| <= 4.2) and 8.3e-6 (sample,
+|sample| <= 8.2): the fixture was made with other float32 kernels, and the encoder is
+well-conditioned (~2e-6 of the values' scale). No official code is imported here.
 
 - layouts: the official `AutoencoderKL(embed_dim=16, ch_mult=(1,1,2,2,4))` (key -> shape, in
   order, and parameter count), and its use_variational=False variant.
@@ -23,7 +27,13 @@ from mmgen.image_ar.mar.vae import MAR_LATENT_SCALE, OFFICIAL_IGNORED_KEYS, Diag
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 META = json.loads((FIXTURES / "mar_vae_reference.json").read_text())
-TOL = 1e-5
+# Tolerance of the encoder/decoder outputs, relative to max(1, max |reference|) (`scaled_diff`).
+# Error source: float32 convolutions, group norms and attention summed in other orders (oneDNN/MKL
+# kernels, thread count, CPU, and ours vs the official op order). Measured: <= 1.8e-6 (encode,
+# 7.6e-6 on |mean| <= 4.2) and <= 8e-7 (decode) under OMP_NUM_THREADS=1/2/4,
+# ATEN_CPU_CAPABILITY=default/avx2, MKL_ENABLE_INSTRUCTIONS=SSE4_2 and MKL_CBWR=COMPATIBLE; the
+# official code on this machine is itself 1.8e-6 away from the stored outputs. 2e-5 leaves > 10x.
+TOL = 2e-5
 
 
 def layout(module):
@@ -36,6 +46,11 @@ def layout_sha(lay):
 
 def max_diff(a, b):
     return (a.float() - b.float()).abs().max().item()
+
+
+def scaled_diff(ours, ref):
+    """max |ours - ref| relative to max(1, max |ref|): float32 rounding scales with the values."""
+    return max_diff(ours, ref) / max(1.0, ref.float().abs().max().item())
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,9 +133,9 @@ def test_encode_matches_official(reference):
     with torch.no_grad():
         post = model.encode(t["input.images"])
     assert post.mean.shape == (2, 4, 8, 8)
-    assert max_diff(post.mean, t["output.mean"]) < TOL
-    assert max_diff(post.logvar, t["output.logvar"]) < TOL
-    assert max_diff(post.std, t["output.std"]) < TOL
+    assert scaled_diff(post.mean, t["output.mean"]) < TOL
+    assert scaled_diff(post.logvar, t["output.logvar"]) < TOL
+    assert scaled_diff(post.std, t["output.std"]) < TOL
     assert torch.equal(post.mode(), post.mean)
 
 
@@ -130,16 +145,19 @@ def test_decode_matches_official(reference):
         images = model.decode(t["input.latents"])
         of_sample = model.decode(t["output.sample"])
     assert images.shape == (2, 3, 16, 16)
-    assert max_diff(images, t["output.decoded"]) < TOL
-    assert max_diff(of_sample, t["output.decoded_of_sample"]) < TOL
+    assert scaled_diff(images, t["output.decoded"]) < TOL
+    assert scaled_diff(of_sample, t["output.decoded_of_sample"]) < TOL
 
 
 def test_gaussian_clamps_logvar_and_kl_as_official(reference):
     _, t = reference
     dist = DiagonalGaussian(t["input.extreme_moments"])
     assert (dist.logvar.min().item(), dist.logvar.max().item()) == (-30.0, 20.0)
-    assert torch.equal(dist.logvar, t["output.extreme.logvar"])
+    assert torch.equal(dist.logvar, t["output.extreme.logvar"])  # a clamp of stored values: exact
+    # exp is vectorised (SLEEF, <= 1 ulp) or scalar (libm) depending on ATEN_CPU_CAPABILITY: the
+    # two may differ by 2 ulp (2.4e-7); rtol 1e-6 allows 8 ulp. Measured: 0 in every setting.
     assert torch.allclose(dist.std, t["output.extreme.std"], rtol=1e-6, atol=0)
+    # sums of 27 terms up to exp(20): reduction order and exp's last bits; measured 0, rtol 1e-5
     assert torch.allclose(dist.kl(), t["output.extreme.kl"], rtol=1e-5)
     assert torch.allclose(dist.kl(DiagonalGaussian(t["input.other_moments"])), t["output.extreme.kl_other"], rtol=1e-5)
 
@@ -155,12 +173,17 @@ def test_sample_equals_official_seeded_sample(reference):
     model, t = reference
     seed = META["tiny"]["sample_seed"]
     official_posterior = DiagonalGaussian(torch.cat([t["output.mean"], t["output.logvar"]], dim=1))
-    assert torch.equal(official_posterior.sample(torch.Generator().manual_seed(seed)), t["output.sample"])
+    # Same noise (torch.randn is bit-exact for a seed), but mean + exp(logvar / 2) * eps goes
+    # through exp, whose vectorised (SLEEF) and scalar kernels may differ by 2 ulp of std; with
+    # |std * eps| and |sample| <= 8.2 that is <= ~4e-6. Measured: 0 with AVX2 kernels, 3.0e-6 with
+    # ATEN_CPU_CAPABILITY=default; 2e-6 of max(1, max |sample|) = 1.6e-5 leaves > 5x.
+    assert scaled_diff(official_posterior.sample(torch.Generator().manual_seed(seed)), t["output.sample"]) < 2e-6
     with torch.no_grad():
         post = model.encode(t["input.images"])
     sample = post.sample(torch.Generator().manual_seed(seed))
-    # |sample| reaches 8 here: the encoder's ~4e-6 float32 differences scale with std * eps
-    assert max_diff(sample, t["output.sample"]) < 2 * TOL
+    # our encoder's float32 differences (see TOL) carried by mean + std * eps (|eps| <= ~3):
+    # measured <= 1.4e-5 on |sample| <= 8.2 (1.7e-6 scaled); TOL leaves > 10x
+    assert scaled_diff(sample, t["output.sample"]) < TOL
 
 
 def test_sample_is_reproducible_and_uses_only_the_given_generator(reference):

@@ -204,7 +204,13 @@ def test_training_forward_equals_the_official_forward(vq_reference):
     (out.reconstruction.square().mean() + out.vq_loss).backward()
     for name in GRAD_NAMES:
         ref = t[f"output.grad.{name}"]
-        torch.testing.assert_close(params[name].grad, ref, rtol=1e-4, atol=1e-6 * ref.abs().max().item(), msg=name)
+        # Error source: float32 backward through the encoder/decoder convolutions (oneDNN/MKL
+        # kernels, thread count, CPU); a bias gradient sums the whole feature map, whose terms
+        # cancel, so its rounding is relative to the largest entry, not to each. Measured: <= 3.6e-6
+        # of max |grad| (encoder.conv_in.bias) under OMP_NUM_THREADS=1/2/4,
+        # ATEN_CPU_CAPABILITY=default/avx2, MKL_ENABLE_INSTRUCTIONS=SSE4_2, MKL_CBWR=COMPATIBLE;
+        # atol 5e-5 of it leaves > 13x (1e-6 of it, with rtol 1e-4, was used to 0.69).
+        torch.testing.assert_close(params[name].grad, ref, rtol=1e-4, atol=5e-5 * ref.abs().max().item(), msg=name)
     for p in model.parameters():
         p.grad = None
 
