@@ -5,6 +5,10 @@ embeddings. Parameter names and shapes are the official checkpoints', so their f
 strictly, and the numerics are the official ones, including a quirk that matters for
 reproduction: the rotary table is all zeros at the condition positions, so the condition
 token's queries and keys are zero vectors (its attention logits are exactly 0).
+
+Attention runs on PyTorch's default SDPA backend unless `attention_backend="math"` is passed,
+which runs the math backend for that call only, as the official `generate` does for its decode
+steps (in bfloat16 the backends round differently; see `LlamaGenTokenModel`).
 """
 
 from __future__ import annotations
@@ -185,6 +189,44 @@ class FeedForward(nn.Module):
         return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
 
 
+#: How `LlamaGenTransformer.forward_hidden` may run attention: "default" lets PyTorch pick the
+#: SDPA backend (flash / memory-efficient / math); "math" runs the math backend, the official
+#: decode loop's choice (`sdp_kernel(enable_math=True)` only).
+ATTENTION_BACKENDS = ("default", "math")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    dropout_p: float = 0.0,
+    backend: str = "default",
+) -> torch.Tensor:
+    """Scaled dot-product attention [B, H, n, D] on `backend`; `mask` is boolean (True: may
+    attend), additive (`additive_mask`), or None (causal).
+
+    "math" calls the math kernel directly, with the boolean mask turned into the additive
+    (0 / -inf, query dtype) mask that SDPA's dispatcher hands it, so the result is bit-identical
+    to `F.scaled_dot_product_attention` under `sdpa_kernel(SDPBackend.MATH)` (a test pins this)
+    without that context manager's process-wide backend flags, which would also switch the
+    attention of any other thread.
+    """
+    if backend == "default":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p)
+    if backend != "math":
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    if mask is not None and mask.dtype == torch.bool:
+        mask = additive_mask(mask, q.dtype)
+    return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, mask, dropout_p, mask is None)[0]
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask (True: may attend) as SDPA's dispatcher hands it to the math
+    kernel: 0 where True, -inf where False, in the query's dtype."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 class Attention(nn.Module):
     def __init__(self, config: LlamaGenConfig, layer: int):
         super().__init__()
@@ -204,6 +246,7 @@ class Attention(nn.Module):
         cache: Optional[StaticKVCache] = None,
         positions: Optional[torch.Tensor] = None,
         mask: Optional[torch.Tensor] = None,
+        backend: str = "default",
     ) -> torch.Tensor:
         B, n, _ = x.shape
         kv = self.n_kv_head * self.head_dim
@@ -216,10 +259,7 @@ class Attention(nn.Module):
         if self.n_kv_head != self.n_head:
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None,
-            dropout_p=self.attn_dropout_p if self.training else 0.0,
-        )
+        out = attention(q, k, v, mask, self.attn_dropout_p if self.training else 0.0, backend)
         return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(B, n, -1)))
 
 
@@ -237,8 +277,8 @@ class TransformerBlock(nn.Module):
         else:
             self.drop_path = nn.Identity()
 
-    def forward(self, x, rope, cache=None, positions=None, mask=None):
-        h = x + self.drop_path(self.attention(self.attention_norm(x), rope, cache, positions, mask))
+    def forward(self, x, rope, cache=None, positions=None, mask=None, backend="default"):
+        h = x + self.drop_path(self.attention(self.attention_norm(x), rope, cache, positions, mask, backend))
         return h + self.drop_path(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -304,14 +344,23 @@ class LlamaGenTransformer(nn.Module):
         return logits, loss
 
     def forward_hidden(
-        self, h: torch.Tensor, positions: torch.Tensor, cache: Optional[StaticKVCache] = None
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Optional[StaticKVCache] = None,
+        attention_backend: str = "default",
     ) -> torch.Tensor:
         """Run embeddings h [B, n, dim] at absolute `positions` [B, n]; with a cache, write K/V
-        there and attend to each row's earlier cached positions. Returns float32 logits."""
+        there and attend to each row's earlier cached positions. `attention_backend` is one of
+        `ATTENTION_BACKENDS`. Returns float32 logits."""
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         rope = self.rope(positions, h.device)
         mask = cache.attention_mask(positions) if cache is not None else None  # None: causal
+        if mask is not None and attention_backend == "math":
+            mask = additive_mask(mask, h.dtype)  # once per forward, not in every layer
         for layer in self.layers:
-            h = layer(h, rope, cache, positions, mask)
+            h = layer(h, rope, cache, positions, mask, attention_backend)
         return self.output(self.norm(h)).float()
 
     def setup_cache(self, batch_size: int, max_length: int) -> StaticKVCache:

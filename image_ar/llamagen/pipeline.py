@@ -62,9 +62,11 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         grid = self.transformer.config.grid_size
         check_image_size(image_size, self.image_size, f" ({grid}x{grid} tokens)")
 
-    def token_model(self) -> LlamaGenTokenModel:
-        """The GPT as the core's `TokenModel`, with the VQ codebook for relaxed acceptance."""
-        return LlamaGenTokenModel(self.transformer, codebook=self.vq.quantize.codebook())
+    def token_model(self, official_attention: Optional[bool] = None) -> LlamaGenTokenModel:
+        """The GPT as the core's `TokenModel`, with the VQ codebook for relaxed acceptance.
+        `official_attention`: see `LlamaGenTokenModel` (None: on for bfloat16/float16 weights)."""
+        codebook = self.vq.quantize.codebook()
+        return LlamaGenTokenModel(self.transformer, codebook=codebook, official_attention=official_attention)
 
     def sampling_config(
         self,
@@ -88,14 +90,16 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         sampling: SamplingConfig,
         generator: Optional[torch.Generator],
         output_type: str,
+        official_attention: Optional[bool] = None,
     ) -> ImageGenerationOutput:
         """Decode one image per condition row with `decoding`, then run the VQ decoder."""
         check_output_type(output_type)
+        model = self.token_model(official_attention)
         decoder = resolve_decoder(decoding)
         generator = self.generator_for(generator)
         num_tokens = self.transformer.config.block_size
         with self.progress_bar(num_tokens) as bar:
-            result = decoder.generate(self.token_model(), conditions, num_tokens, sampling, generator, bar)
+            result = decoder.generate(model, conditions, num_tokens, sampling, generator, bar)
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
 
     @torch.no_grad()
@@ -208,6 +212,7 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
         generator: Optional[torch.Generator] = None,
         image_size: Optional[int] = None,
         output_type: str = "pil",
+        official_attention: Optional[bool] = None,
     ) -> ImageGenerationOutput:
         """Generate one image per class label.
 
@@ -224,9 +229,13 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
             generator: the source of every random draw; None seeds one from OS entropy.
             image_size: must equal the model's size if given (LlamaGen has one token grid).
             output_type: "pil", "np" (uint8 HWC) or "pt" (float [0, 1] NCHW).
+            official_attention: run the decoding forwards' attention on SDPA's math backend,
+                as the official sampler does; None (default) does so for bfloat16/float16
+                weights only, where it makes greedy outputs match the official ones (float32
+                keeps the default backend). See `LlamaGenTokenModel`.
         """
         labels = self.check_inputs(class_labels, image_size)
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_interval, temperature, top_k, top_p)
         conditions = torch.tensor(labels, device=self.device)
-        return self.generate(conditions, decoding, sampling, generator, output_type)
+        return self.generate(conditions, decoding, sampling, generator, output_type, official_attention)

@@ -53,13 +53,31 @@ class LlamaGenTokenModel:
     class-conditional models, the learned null caption for text-conditional ones), both fed
     the same image tokens, as the official `generate` does. Conditions are class ids [B], or
     for t2i models `CaptionConditions` (or bare caption features [B, T, C], all rows valid).
+
+    `official_attention`: run the attention of the decoding forwards (everything after the
+    condition prefix) on SDPA's math backend, as the official `generate` does (its decode loop
+    enables only the math kernel; its prefill keeps the default). The backends agree closely in
+    float32 but round differently in bfloat16/float16, where greedy outputs then drift apart
+    from the official ones. None (the default) turns it on for bfloat16/float16 weights and
+    leaves float32 on the default backend.
     """
 
-    def __init__(self, transformer: LlamaGenTransformer, codebook: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        transformer: LlamaGenTransformer,
+        codebook: Optional[torch.Tensor] = None,
+        official_attention: Optional[bool] = None,
+    ):
         self.transformer = transformer
         self.vocab_size = transformer.config.vocab_size
         self.row_length = transformer.config.grid_size  # raster order: tokens per image row
         self._codebook = codebook
+        if official_attention is None:
+            official_attention = transformer.tok_embeddings.weight.dtype in (torch.bfloat16, torch.float16)
+        elif not isinstance(official_attention, bool):
+            raise ValueError(f"official_attention must be True, False or None (by dtype), got {official_attention!r}")
+        #: The SDPA backend of `forward` (the decoding forwards); `start` (the prefix) keeps the default.
+        self.decode_attention = "math" if official_attention else "default"
 
     def token_embeddings(self) -> torch.Tensor:
         """The GPT's input embedding of each image token [V, dim]."""
@@ -92,7 +110,8 @@ class LlamaGenTokenModel:
         if state.guidance:
             tokens = torch.cat([tokens, tokens])
         h = self.transformer.tok_embeddings(tokens)
-        logits = self.transformer.forward_hidden(h, state.cache.positions(tokens.shape[1]), state.cache)
+        positions = state.cache.positions(tokens.shape[1])
+        logits = self.transformer.forward_hidden(h, positions, state.cache, attention_backend=self.decode_attention)
         return _split(logits, state.guidance)
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:

@@ -63,7 +63,13 @@ def test_logits_equal_the_official_cached_path(reference):
     ours = torch.cat(
         [torch.cat([state.first_logits.cond, rest.cond], 1), torch.cat([state.first_logits.uncond, rest.uncond], 1)]
     )
-    torch.testing.assert_close(ours, t["output.logits"], rtol=1e-5, atol=1e-5)
+    # Error source: float32 matmuls and attention (BLAS/SDPA kernels, thread count, CPU) with
+    # errors relative to the logits' scale, not to each logit. Measured: <= 3.7e-7 of
+    # max |logit| (13.1) under OMP_NUM_THREADS=1/2/4, ATEN_CPU_CAPABILITY=default/avx2,
+    # MKL_ENABLE_INSTRUCTIONS=SSE4_2, MKL_CBWR=COMPATIBLE; 1e-5 of it leaves > 25x (the former
+    # elementwise rtol=atol=1e-5 was used to 1/3 under MKL_CBWR=COMPATIBLE).
+    scale = max(1.0, t["output.logits"].abs().max().item())
+    torch.testing.assert_close(ours, t["output.logits"], rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("interval,key", [(-1, "output.greedy_cfg4"), (3, "output.greedy_cfg4_interval3")])
@@ -117,3 +123,86 @@ def test_bfloat16_model_keeps_float32_probabilities(reference):
     assert state.first_logits.cond.dtype == torch.float32
     out = SpeculativeJacobi(window=4).generate(tm, t["input.cond"], 16, SamplingConfig(guidance=4.0), torch.Generator().manual_seed(0))
     assert out.tokens.shape == (2, 16)
+
+
+# --- official attention: the official decode loop's math SDPA backend -------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("masked", [True, False])
+def test_math_attention_is_sdpa_under_the_math_backend_bit_for_bit(dtype, masked):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from mmgen.image_ar.llamagen.gpt import additive_mask, attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=g).to(dtype) for n in (5, 40, 40))
+    mask = None
+    if masked:  # a cache's mask: each row sees its own prefix, the rest is stale or unused
+        positions = torch.tensor([[20], [31]]) + torch.arange(5)
+        mask = (torch.arange(40)[None, None] <= positions[:, :, None])[:, None]
+    else:
+        k, v = k[:, :, :5], v[:, :, :5]  # causal self-attention of a teacher-forced pass
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+    assert torch.equal(attention(q, k, v, mask, backend="math"), reference)
+    if masked:  # what forward_hidden hands every layer: the mask converted once per forward
+        assert torch.equal(attention(q, k, v, additive_mask(mask, dtype), backend="math"), reference)
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        attention(q, k, v, mask, backend="flash")
+
+
+def _half_model(reference, dtype=torch.bfloat16):
+    model = LlamaGenTransformer(reference[0].config).eval()
+    model.load_state_dict(reference[0].state_dict())
+    return model.to(dtype)
+
+
+class _MathContextTokenModel(LlamaGenTokenModel):
+    """The reference: every decoding forward inside `sdpa_kernel(SDPBackend.MATH)`, as the
+    official `decode_n_tokens` does; the prefix (`start`) on the default backend."""
+
+    def forward(self, state, tokens):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            return super().forward(state, tokens)
+
+
+@pytest.mark.parametrize("decoder", [Autoregressive(), SpeculativeJacobi(window=5)])
+def test_official_attention_equals_an_explicit_math_backend_run_in_bfloat16(reference, decoder):
+    model, t = _half_model(reference), reference[1]
+    sampling = SamplingConfig(temperature=0.0, guidance=IntervalGuidance(4.0, -1))
+    run = lambda tm: decoder.generate(tm, t["input.cond"], 16, sampling, torch.Generator().manual_seed(0)).tokens
+    expected = run(_MathContextTokenModel(model, official_attention=False))
+    assert torch.equal(run(LlamaGenTokenModel(model)), expected)  # bf16: on by default
+    assert torch.equal(run(LlamaGenTokenModel(model, official_attention=True)), expected)
+
+
+def test_official_attention_picks_the_backend_of_decoding_forwards_only(reference, monkeypatch):
+    from mmgen.image_ar.llamagen import gpt
+
+    used = []
+    real = gpt.attention
+    monkeypatch.setattr(gpt, "attention", lambda *a, **kw: used.append(a[5]) or real(*a, **kw))
+    cond = reference[1]["input.cond"]
+
+    def backends(model, **kw):
+        used.clear()
+        tm = LlamaGenTokenModel(model, **kw)
+        state = tm.start(cond, 4, guidance=True)
+        start = set(used)
+        used.clear()
+        tm.forward(state, torch.zeros(2, 3, dtype=torch.long))
+        return start, set(used), tm.decode_attention
+
+    fp32, bf16, fp16 = reference[0], _half_model(reference), _half_model(reference, torch.float16)
+    assert backends(fp32) == ({"default"}, {"default"}, "default")  # float32 output unchanged
+    assert backends(bf16) == ({"default"}, {"math"}, "math")  # the prefix, as officially, on the default
+    assert backends(fp16) == ({"default"}, {"math"}, "math")
+    assert backends(bf16, official_attention=False) == ({"default"}, {"default"}, "default")
+    assert backends(fp32, official_attention=True) == ({"default"}, {"math"}, "math")
+    with pytest.raises(ValueError, match="official_attention must be True, False or None"):
+        LlamaGenTokenModel(fp32, official_attention="math")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        fp32.forward_hidden(torch.zeros(1, 1, 64), torch.zeros(1, 1, dtype=torch.long), attention_backend="fast")

@@ -149,3 +149,22 @@ def test_generator_on_another_device_is_a_value_error(pipe):
 def test_window_below_one_is_a_value_error():
     with pytest.raises(ValueError, match="window must be an integer >= 1"):
         SpeculativeJacobi(window=0)
+
+
+def test_official_attention_reaches_the_decoding_forwards(pipe, monkeypatch):
+    from mmgen.image_ar.llamagen import gpt
+
+    used = []
+    real = gpt.attention
+    monkeypatch.setattr(gpt, "attention", lambda *a, **kw: used.append(a[5]) or real(*a, **kw))
+    run = lambda **kw: pipe([3], decoding="sjd", generator=torch.Generator().manual_seed(0), **kw).tokens
+    default = run()  # float32 weights: the default backend, outputs unchanged
+    assert set(used) == {"default"}
+    used.clear()
+    forced = run(official_attention=True)
+    assert "math" in used and used.count("default") == len(pipe.transformer.layers)  # the prefix only
+    assert forced.shape == default.shape
+    assert pipe.token_model(official_attention=True).decode_attention == "math"
+    assert pipe.token_model().decode_attention == "default"
+    with pytest.raises(ValueError, match="official_attention must be True, False or None"):
+        run(official_attention="math")
