@@ -32,11 +32,11 @@ def register(commands, groups) -> None:
 
 
 def run_image_demo(args: argparse.Namespace) -> int:
-    import torch
+    from mmgen.cli import check_device
 
+    check_device(args.device)  # a bad or missing device fails here, in one line, before any model loads
     from mmgen.apps.image_demo import ModelCatalog, build_demo, launch_demo
 
-    torch.device(args.device)  # a bad device name fails here, with torch's message
     catalog = ModelCatalog.discover(args.model, device=args.device)
     demo = build_demo(catalog, max_images=args.max_images, concurrency=args.concurrency)
     print(f"mmgen demo image: models {list(catalog.main)} (companions {list(catalog.companions)}) on {args.device}")

@@ -4,13 +4,26 @@ The layout only wires widgets to `handle_generate` / `handle_model`, which turn 
 into a `DemoRequest` and the `DemoResult` of `run_request` (image_request.py, where inputs are
 checked) into widget values. The page loads nothing from the internet: the theme uses system
 fonts only (no web-font stylesheet), and analytics are off.
+
+Gradio checks a dropdown's value against its choices, and a slider's against its bounds, as the
+page was built: API calls (gradio_client, HTTP) get no model-change event to update them. So the
+class and method dropdowns take any value and the top-k slider spans every model's vocabulary;
+`run_request` checks each value against the chosen model.
+
+Error messages are plain text, not HTML-escaped: Gradio sends one message to the API (which
+returns it as it is) and to the page (whose toast renders it as sanitised HTML). So that a
+value quoted in a message cannot become markup there (an `<img>` would even be fetched), a `<`
+or `&` that could start a tag or an entity is written as the Python escape `\\x3c` / `\\x26`:
+still plain text, and the quoted value still reads as the literal it is.
 """
 
 from __future__ import annotations
 
-import html
+import json
 import logging
 import os
+import re
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
@@ -32,6 +45,7 @@ from mmgen.apps.image_request import (  # noqa: E402
     model_info,
     run_request,
 )
+from mmgen.image_ar.bundled import BUNDLED_MODELS  # noqa: E402
 
 __all__ = ["DemoRequest", "DemoResult", "ModelCatalog", "build_demo", "launch_demo", "run_request"]
 
@@ -48,6 +62,15 @@ SYSTEM_FONTS = ("ui-sans-serif", "system-ui", "sans-serif")
 MONO_FONTS = ("ui-monospace", "Consolas", "monospace")
 PICTURE = dict(type="pil", interactive=False, height=300, buttons=["download", "fullscreen"])  # no "share": it uploads
 STATS_COLUMNS = ["run", "forwards", "tokens", "step compression", "mean accepted length", "time (s)", "speedup"]
+#: The stats table breaks lines between words only, never inside one: Gradio's `wrap=True`
+#: breaks anywhere, which split headers ("for|war|ds", "compr|essio|n") where the column is
+#: narrow. A table wider than its column scrolls sideways instead.
+CSS = """
+#stats th, #stats td, #stats th *, #stats td * { word-break: keep-all; overflow-wrap: normal; hyphens: none; }
+"""
+#: Chart titles; next-scale decoders record forwards and tokens per step, not per-step time.
+TRACE_TITLE = "Accepted tokens per forward: {label}"
+STEPS_TITLE = "Tokens per step (scale) and the model that ran it: {label} (per-step time is not recorded)"
 
 
 def theme() -> gr.themes.Base:
@@ -66,17 +89,20 @@ def handle_generate(catalog: ModelCatalog, max_images: int, model: str, class_na
     try:
         result = run_request(request, catalog, max_images)
     except (ValueError, OSError) as error:
-        raise gr.Error(html.escape(str(error)), title="Invalid input", print_exception=False) from None
+        raise gr.Error(plain_message(str(error)), title="Invalid input", print_exception=False) from None
     except Exception as error:  # keep the app up whatever a decoder does with odd options
         log.exception("image demo request failed: %r", request)
-        raise gr.Error(html.escape(f"generation failed ({type(error).__name__}): {error}"), title="Generation failed",
+        raise gr.Error(plain_message(f"generation failed ({type(error).__name__}): {error}"), title="Generation failed",
                        print_exception=False) from None
-    baseline = result.baseline
+    baseline, label = result.baseline, result.method.label
+    steps = result.step_rows()  # next-scale runs: tokens per step by model, instead of the flat accepted-length line
     return (
-        gr.update(value=_side_by_side(result.method.images), label=f"method: {result.method.label}"),
+        gr.update(value=_side_by_side(result.method.images), label=f"method: {label}"),
         gr.update(value=_side_by_side(baseline.images) if baseline else None, visible=baseline is not None),
         pd.DataFrame(result.stats_rows(), columns=STATS_COLUMNS if baseline else STATS_COLUMNS[:-1]),
-        gr.update(value=_trace_frame(result.trace_rows()), label=f"Accepted tokens per forward: {result.method.label}"),
+        gr.update(value=_trace_frame([] if steps else result.trace_rows()), label=TRACE_TITLE.format(label=label),
+                  visible=not steps),
+        gr.update(value=_steps_frame(steps), label=STEPS_TITLE.format(label=label), visible=bool(steps)),
     )
 
 
@@ -86,7 +112,7 @@ def handle_model(catalog: ModelCatalog, model: str) -> tuple:
     try:
         info = model_info(catalog.pipeline(model))
     except (ValueError, OSError) as error:
-        raise gr.Error(html.escape(str(error)), title="Model not loaded", print_exception=False) from None
+        raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
     d, has_top = info.defaults, info.vocab_size is not None
     return (
         gr.update(choices=info.class_names, value=info.class_names[0]),
@@ -109,6 +135,8 @@ def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, conc
     info = model_info(catalog.pipeline(first))
     d = info.defaults
     companions = ", ".join(catalog.companions) or "none"
+    # The API's bound for top-k (see the module docstring); the page narrows it to each model's.
+    top_k_bound = max([info.vocab_size or 1, *_config_vocab_sizes(catalog)])
     with gr.Blocks(title="mmgen image demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown("## mmgen: fast autoregressive image generation\nPick a model, a class and a decoding method; "
                     "*compare* runs plain autoregressive decoding on the same seed beside it. "
@@ -116,8 +144,10 @@ def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, conc
         with gr.Row():
             with gr.Column(scale=1, min_width=300):
                 model = gr.Dropdown(list(catalog.main), value=first, label="Model", elem_id="model")
-                class_name = gr.Dropdown(info.class_names, value=info.class_names[0], label="Class", elem_id="class")
-                method = gr.Dropdown(info.methods, value=info.default_method, label="Decoding method", elem_id="method")
+                class_name = gr.Dropdown(info.class_names, value=info.class_names[0], label="Class", elem_id="class",
+                                         allow_custom_value=True)  # checked against the model in run_request
+                method = gr.Dropdown(info.methods, value=info.default_method, label="Decoding method", elem_id="method",
+                                     allow_custom_value=True)
                 options = gr.Textbox(label="Decoding options", placeholder="key=value,... e.g. delta=0.2,window=8",
                                      max_length=MAX_SPEC_CHARS, elem_id="options")
                 compare = gr.Checkbox(label="Compare with autoregressive decoding (same seed)", elem_id="compare")
@@ -127,7 +157,7 @@ def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, conc
                 guidance = gr.Slider(0, MAX_GUIDANCE, value=d.get("guidance_scale"), step=0.1, label="Guidance (CFG)")
                 temperature = gr.Slider(0, MAX_TEMPERATURE, value=d.get("temperature"), step=0.05,
                                         label="Temperature (0 = greedy)")
-                top_k = gr.Slider(0, info.vocab_size or 1, value=d.get("top_k", 0), step=1, label="Top-k (0 = off)",
+                top_k = gr.Slider(0, top_k_bound, value=d.get("top_k", 0), step=1, label="Top-k (0 = off)",
                                   visible=info.vocab_size is not None)
                 top_p = gr.Slider(0.01, 1.0, value=d.get("top_p", 1.0), step=0.01, label="Top-p (1 = off)",
                                   visible=info.vocab_size is not None)
@@ -144,23 +174,69 @@ def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, conc
                 # 1 everywhere, so the method's alone says what compare mode needs.
                 chart = gr.LinePlot(None, x="forward", y="accepted", label="Accepted tokens per forward",
                                     x_title="forward", y_title="tokens accepted", height=240, elem_id="chart")
-        model.change(lambda m: handle_model(catalog, m), model, [class_name, method, guidance, temperature, top_k, top_p, steps])
+                # Next-scale (VAR) runs: one bar per step, labelled with the model that ran it
+                # ("3 · var-emoji64"). Not a colour per model: Gradio 6 drops the colour of a
+                # plot whose first data had none, and the series a later update adds (CoDe's refiner).
+                steps_chart = gr.BarPlot(None, x="step", y="tokens", label="Tokens per step (scale)",
+                                         x_title="step (scale) · model", y_title="tokens per image", height=280,
+                                         x_label_angle=-30, visible=False, elem_id="steps-chart")
+        model_widgets = [class_name, method, guidance, temperature, top_k, top_p, steps]
+        model.change(lambda m: handle_model(catalog, m), model, model_widgets)
+        if top_k_bound != (info.vocab_size or 1):  # give the page the first model's own bound
+            demo.load(lambda: handle_model(catalog, first), None, model_widgets)
         run.click(lambda *values: handle_generate(catalog, max_images, *values),
                   [model, class_name, method, options, compare, num_images, seed, guidance, temperature, top_k, top_p, steps],
-                  [images, baseline, stats, chart], api_name="generate")
+                  [images, baseline, stats, chart, steps_chart], api_name="generate")
     return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
 
 
 def launch_demo(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = None, share: bool = False,
                 block: bool = True) -> tuple:
-    """Serve the demo with the offline theme; `block=False` returns at once (tests, notebooks)."""
+    """Serve the demo with the offline theme and its CSS; `block=False` returns at once (tests, notebooks)."""
     return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
-                       quiet=not block, theme=theme(), footer_links=["api"])
+                       quiet=not block, theme=theme(), css=CSS, footer_links=["api"])
 
 
 def _trace_frame(rows: list[dict]) -> pd.DataFrame:
     """The chart's data with numeric columns even when empty (the plot takes its axis types from them)."""
     return pd.DataFrame(rows, columns=["forward", "accepted"]).astype({"forward": int, "accepted": float})
+
+
+def _steps_frame(rows: list[dict]) -> pd.DataFrame:
+    """The step chart's data: one category per step, named with its model ("3 · var-emoji64";
+    zero-padded, "03 · var-d30", where there are ten steps or more, so that the names sort in
+    step order), and the tokens it emitted per image."""
+    width = len(str(len(rows)))
+    steps = [f"{r['step']:0{width}d} · {r['model']}" for r in rows]
+    return pd.DataFrame({"step": steps, "tokens": [r["tokens"] for r in rows]}, columns=["step", "tokens"]).astype(
+        {"step": str, "tokens": int})
+
+
+def _config_vocab_sizes(catalog: ModelCatalog) -> list[int]:
+    """The vocabulary of every main model, from its saved transformer config (no weights
+    loaded); models without one (MAR, unreadable folders) are skipped."""
+    sizes = []
+    for source in catalog.main.values():
+        path = Path(BUNDLED_MODELS.get(source, source)) / "transformer" / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        size = config.get("vocab_size") if isinstance(config, dict) else None
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            sizes.append(size)
+    return sizes
+
+
+#: A `<` that could open a tag, comment or declaration, and a `&` that could open an entity.
+MARKUP = re.compile(r"<(?=[A-Za-z/!?])|&(?=[A-Za-z#])")
+
+
+def plain_message(text: str) -> str:
+    """An error message as one line of plain text that the page's toast cannot read as markup
+    (see the module docstring): "unknown class '<b>'" -> "unknown class '\\x3cb>'"."""
+    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
+    return MARKUP.sub(lambda m: "\\x3c" if m.group() == "<" else "\\x26", line)
 
 
 def _side_by_side(images: Sequence[Image.Image]) -> Image.Image:

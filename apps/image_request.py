@@ -90,7 +90,7 @@ class ModelCatalog:
         """The loaded (cached) pipeline of a main or companion model."""
         source = {**self.main, **self.companions}.get(name)
         if source is None:
-            raise ValueError(f"unknown model {name!r}; choose one of {list(self.main)}")
+            raise ValueError(f"unknown model {shown(name)}; choose one of {list(self.main)}")
         with self._loading:
             if name not in self._pipelines:
                 pipe = load_class_pipeline(source, self.device)
@@ -172,11 +172,26 @@ class DemoRequest:
 
 @dataclass
 class DemoRun:
-    """One decoding of the request: its label ("sjd", "ar (baseline)"), images and stats."""
+    """One decoding of the request: its label ("sjd", "ar (baseline)"), images and stats. For
+    next-scale models also the tokens each step (scale) emits per image and the models of the
+    decoder's schedule, in order (`stats.stage_forwards` says how many steps each ran)."""
 
     label: str
     images: list
     stats: DecodeStats
+    step_sizes: tuple[int, ...] = ()
+    stage_models: tuple[str, ...] = ()
+
+    def step_rows(self) -> list[dict[str, Any]]:
+        """(step, tokens, model) per step of a next-scale run: the tokens the step emitted per
+        image and the model that ran it (the decoders record no per-step time). Empty for
+        token-by-token runs."""
+        if not self.step_sizes:
+            return []
+        models = [self.stage_models[i] if i < len(self.stage_models) else f"stage {i + 1}"
+                  for i, count in enumerate(self.stats.stage_forwards) for _ in range(count)]
+        return [{"step": k + 1, "tokens": size, "model": models[k] if k < len(models) else "?"}
+                for k, size in enumerate(self.step_sizes)]
 
 
 @dataclass
@@ -213,12 +228,16 @@ class DemoResult:
         run = run or self.method
         return [{"forward": i + 1, "accepted": round(a, 3)} for i, a in enumerate(run.stats.accepted_per_forward)]
 
+    def step_rows(self, run: Optional[DemoRun] = None) -> list[dict[str, Any]]:
+        """A next-scale run's (step, tokens, model) rows (default: the method's); see `DemoRun`."""
+        return (run or self.method).step_rows()
+
 
 def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4) -> DemoResult:
     """Check `request` (ValueError with a message for the user), generate, and return images
     and stats; in compare mode autoregressive decoding runs first on the same seed."""
     if request.model not in catalog.main:
-        raise ValueError(f"unknown model {request.model!r}; choose one of {list(catalog.main)}")
+        raise ValueError(f"unknown model {shown(request.model)}; choose one of {list(catalog.main)}")
     pipe = catalog.pipeline(request.model)
     info = model_info(pipe)
     label = _class_label(request.class_name, info.class_names)
@@ -231,6 +250,11 @@ def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4
         if option not in options and request.model + suffix in catalog.names:
             options[option] = request.model + suffix
     source = catalog.main[request.model]  # decoder_from_spec looks for bundled companions by this name
+    scales: dict[str, Any] = {}
+    if info.family == "scale":  # what the chart shows: each step's tokens and the model that ran it
+        option, suffix = COMPANIONS[name][:2] if name in COMPANIONS else (None, None)
+        companion = [str(options.get(option, request.model + suffix))] if option else []
+        scales = dict(step_sizes=tuple(pipe.transformer.config.step_sizes), stage_models=(request.model, *companion))
     overrides = {}
     if info.family == "continuous":
         if "num_steps" in options:  # one control per setting: the steps box would silently win
@@ -241,20 +265,28 @@ def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4
     with catalog.using([request.model, *companions]):
         built = {k: catalog.pipeline(v) if k in COMPANION_OPTIONS else v for k, v in options.items()}
         decoder = decoder_from_spec(name, source, catalog.device, family=info.family, **{**built, **overrides})
-        plan = [("ar (baseline)", decoder_from_spec("ar", source, catalog.device, family=info.family, **overrides))] \
-            if request.compare else []
-        plan.append((_spec_text(name, request.options), decoder))
+        plan = [("ar (baseline)", decoder_from_spec("ar", source, catalog.device, family=info.family, **overrides),
+                 {**scales, "stage_models": scales.get("stage_models", ())[:1]})] if request.compare else []
+        plan.append((_spec_text(name, request.options), decoder, scales))
         runs = []
-        for run_label, run_decoder in plan:
+        for run_label, run_decoder, run_scales in plan:
             output = pipe([label] * count, decoding=run_decoder, generator=make_generator(seed, catalog.device), **sampling)
-            runs.append(DemoRun(run_label, list(output.images), output.stats))
+            runs.append(DemoRun(run_label, list(output.images), output.stats, **run_scales))
     return DemoResult(runs)
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """`value` as error messages quote it: its repr, cut to `limit` characters (a request's
+    fields may be any size through the API; a message stays one short line). Plain text: the
+    page's toast renders it (through Gradio's sanitiser), the API returns it as it is."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _class_label(class_name: Any, names: list[str]) -> int:
     if not isinstance(class_name, str) or class_name not in names:
-        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-        raise ValueError(f"unknown class {class_name!r}; choose one of this model's classes ({shown})")
+        listed = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise ValueError(f"unknown class {shown(class_name)}; choose one of this model's classes ({listed})")
     return names.index(class_name)
 
 
@@ -263,7 +295,7 @@ def _int(what: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
+        raise ValueError(f"{what} must be an integer in [{low}, {high}], got {shown(value)}")
     return value
 
 
@@ -271,7 +303,7 @@ def _float(what: str, value: Any, low: float, high: float, low_open: bool = Fals
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not (low < value if low_open else low <= value) or value > high:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-        raise ValueError(f"{what} must be a number in {interval}, got {value!r}")
+        raise ValueError(f"{what} must be a number in {interval}, got {shown(value)}")
     return float(value)
 
 
@@ -295,7 +327,7 @@ def _decoding(method: Any, text: Any, family: str, catalog: ModelCatalog, model:
     booleans bounded, strings only for companion models the demo offers (never a path)."""
     registry = REGISTRIES[family]
     if not isinstance(method, str) or method not in registry:
-        raise ValueError(f"unknown decoding method {method!r} for this model; choose one of {sorted(registry)}")
+        raise ValueError(f"unknown decoding method {shown(method)} for this model; choose one of {sorted(registry)}")
     if not isinstance(text, str) or len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"decoding options must be text of at most {MAX_SPEC_CHARS} characters")
     if ":" in text:

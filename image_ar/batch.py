@@ -26,8 +26,9 @@ before skipping finished work, so an image never depends on the world size or on
 it does depend on `--batch-size` (default 8: each forward serves several rows, while a failed
 or interrupted group loses at most 8 images; raise it where memory allows). With `--batch-size 1`
 row k of a job equals `mmgen generate image --seed <seed + k>` with its class and options.
-Every manifest record carries its group (seed, class ids, member files, position) and the
-`mmgen generate image` command that regenerates that group. Give jobs of one model and
+Every manifest record carries its group (seed, class ids, member files, position), the
+`mmgen generate image` command that regenerates that group and, as `command_file`, the name
+that command gives this row's image. Give jobs of one model and
 options seeds at least `count` apart, or their rows share seeds.
 
 Outputs and resume. Files are written atomically, then recorded with their sha256 and the
@@ -86,13 +87,21 @@ from mmgen.batch import (
     verified_records,
 )
 
+from mmgen.cli import check_seed
 from mmgen.files import remove_stale_temp_files, write_atomic
 
-from mmgen.image_ar.generation import DTYPES, ImageCall, ImageOptions, load_image_pipeline, png_bytes, prepare_call
+from mmgen.image_ar.generation import (
+    DTYPES,
+    ImageCall,
+    ImageOptions,
+    image_file_names,
+    load_image_pipeline,
+    png_bytes,
+    prepare_call,
+)
 
 DEFAULT_BATCH_SIZE = 8
 MAX_COUNT = 10_000
-MAX_SEED = 2**63 - 1 - MAX_COUNT  # row seeds seed + k stay within torch's seed range
 OUTPUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 #: field -> expected kind; the optional ones are ImageOptions' fields (decoding is required).
@@ -114,10 +123,10 @@ def register(commands, groups) -> None:
                        help=f"images per pipeline call, from jobs of one model and options (default {DEFAULT_BATCH_SIZE})")
     batch.add_argument("--on-error", default="stop", choices=ON_ERROR,
                        help="invalid lines: stop before any work (default) or skip them and run the rest")
-    batch.add_argument("--device", default="cpu", help="cpu or cuda (under torchrun: each rank's LOCAL_RANK GPU)")
-    batch.add_argument("--dtype", default="float32", choices=DTYPES)
+    batch.add_argument("--device", default="cpu", help="cpu (default) or cuda (under torchrun: each rank's LOCAL_RANK GPU)")
+    batch.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
     batch.add_argument("--dry-run", action="store_true", help="check the job file and print the plan; generate nothing")
-    batch.add_argument("--no-progress", action="store_true")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     batch.set_defaults(run=run_batch)
 
 
@@ -180,8 +189,8 @@ def check_fields(value: Any) -> dict:
             raise ValueError(f"{name} must be {KINDS[kind]}, got {json.dumps(value[name])}")
     if not 1 <= value["count"] <= MAX_COUNT:
         raise ValueError(f"count must be in [1, {MAX_COUNT}], got {value['count']}")
-    if not 0 <= value["seed"] <= MAX_SEED:
-        raise ValueError(f"seed must be in [0, 2**63 - 1 - {MAX_COUNT}], got {value['seed']}")
+    check_seed(value["seed"])
+    check_seed(value["seed"] + value["count"] - 1, f"the last row's seed (seed + count - 1 = {value['seed']} + {value['count'] - 1})")
     name = value["output"]
     if not OUTPUT_NAME.fullmatch(name) or ".." in name:
         raise ValueError(f"output {name!r} is not a safe file-name stem: 1 to 128 letters, digits, '.', '_' or '-', "
@@ -202,7 +211,8 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 
 def options_of(spec: dict) -> ImageOptions:
-    given = {k: spec[k] for k in OPTIONAL if k in spec}
+    """A job's options as `generate image` parses its flags (numbers of float fields as floats)."""
+    given = {k: float(spec[k]) if OPTIONAL[k] == "float" else spec[k] for k in OPTIONAL if k in spec}
     if "pruning_layers" in given:
         given["pruning_layers"] = tuple(given["pruning_layers"])
     return ImageOptions(decoding=spec["decoding"], **given)
@@ -351,6 +361,8 @@ class _RankRun:
         group = {"index": g, "seed": rows[0].seed, "class_ids": [row.job.class_id for row in rows],
                  "members": [row.file for row in rows]}
         group["command"] = reproduce_command(rows, group["seed"], self.args)
+        command_files = image_file_names(group["class_ids"], rows[0].job.spec["model"], group["seed"], rows[0].job.options,
+                                         call.family)
         try:
             output = call(group["class_ids"], group["seed"], self.device)
             if len(output.images) != len(rows):
@@ -365,7 +377,7 @@ class _RankRun:
                 self.manifest.append({
                     "file": row.file, "sha256": sha256, "bytes": len(data), "line": row.job.line, "index": row.index,
                     "spec": row.job.spec, "class_id": row.job.class_id, "seed": row.seed, "group": {**group, "row": position},
-                    "stats": stats, "rank": self.world.rank, "world_size": self.world.world_size,
+                    "command_file": command_files[position], "stats": stats, "rank": self.world.rank, "world_size": self.world.world_size,
                 })
                 written.add(row.file)
                 self.tally.add(self.job_index[row.job], written=1)
@@ -380,8 +392,8 @@ class _RankRun:
 
 
 def reproduce_command(rows: list[Row], seed: int, args: argparse.Namespace) -> str:
-    """The `mmgen generate image` command that regenerates a group (its image at position i is
-    `<i:03d>_class<id>.png`)."""
+    """The `mmgen generate image` command that regenerates a group (it names its images by
+    `generation.image_file_names`; each record holds its own as `command_file`)."""
     job = rows[0].job
     command = ["mmgen", "generate", "image", "--model", job.spec["model"], *job.options.flags(), "--seed", str(seed),
                "--class-labels", *(str(row.job.class_id) for row in rows), "--out", "OUT"]

@@ -9,22 +9,26 @@ Two modes:
   at official model sizes (speed does not depend on the weights).
 
 Both write a Markdown table and a JSON file that state the machine, device, versions and the
-exact command.
+exact command. A progress bar on stderr counts the decodes (forwards with --random-weights)
+of the whole run; --no-progress turns it off.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from mmgen.decoding import DecodeStats, Decoder
 from mmgen.files import write_atomic
@@ -62,6 +66,25 @@ def environment(device: torch.device, command: str) -> dict:
     }
 
 
+def progress_bar(enabled: bool = True) -> tqdm:
+    """The bench's one progress bar (stderr): each part adds the work it plans (`plan`) and
+    ticks once per decode."""
+    return tqdm(total=0, desc="bench", unit="decode", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def plan(progress: Optional[tqdm], count: int, what: str) -> None:
+    """Add `count` units of work, described by `what`, to the bar."""
+    if progress is not None:
+        progress.total += count
+        progress.set_postfix_str(what, refresh=False)
+        progress.refresh()
+
+
+def tick(progress: Optional[tqdm], n: int = 1) -> None:
+    if progress is not None:
+        progress.update(n)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -71,18 +94,25 @@ def _sync(device: torch.device) -> None:
 
 
 def timed_decodes(run: Callable[[list[int], int], DecodeStats], batch: int, num_classes: int, repeats: int,
-                  warmup: int) -> list[DecodeStats]:
+                  warmup: int, progress: Optional[tqdm] = None, what: str = "") -> list[DecodeStats]:
     """`warmup` untimed decodes, then the stats of `repeats` decodes: repeat r decodes classes
-    r*B ... r*B + B - 1 with seed r, the same for every method. `run(labels, seed)` decodes once."""
+    r*B ... r*B + B - 1 with seed r, the same for every method. `run(labels, seed)` decodes once;
+    `progress` gains each decode (`what` names the row)."""
     labels = lambda seed: ((seed * batch + torch.arange(batch)) % num_classes).tolist()
+    plan(progress, warmup + repeats, what)
     for seed in range(10_000, 10_000 + warmup):
         run(labels(seed), seed)
-    return [run(labels(seed), seed) for seed in range(repeats)]
+        tick(progress)
+    stats = []
+    for seed in range(repeats):
+        stats.append(run(labels(seed), seed))
+        tick(progress)
+    return stats
 
 
 @torch.no_grad()
 def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], batch_sizes: Sequence[int],
-               sampling: SamplingConfig, repeats: int, warmup: int) -> list[dict]:
+               sampling: SamplingConfig, repeats: int, warmup: int, progress: Optional[tqdm] = None) -> list[dict]:
     device = pipe.device
     token_model = pipe.token_model()
     n = pipe.transformer.config.block_size
@@ -95,7 +125,7 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
             decoder = decoders[method]
             run = lambda labels, seed: decoder.generate(token_model, torch.tensor(labels, device=device), n, sampling,
                                                         torch.Generator(device).manual_seed(seed)).stats
-            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup)
+            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup, progress, f"{model_name} {method} batch {batch}")
             row = {
                 "model": model_name, "method": method, "batch": batch,
                 "forwards": statistics.median(s.forwards for s in stats),
@@ -119,7 +149,7 @@ def score_samples(scorer, token_model: LlamaGenTokenModel, images: torch.Tensor,
 
 @torch.no_grad()
 def sample_and_score(pipe: LlamaGenPipeline, decoder: Decoder, sampling: SamplingConfig, labels: torch.Tensor,
-                     batch_size: int, seed: int, scorer) -> dict:
+                     batch_size: int, seed: int, scorer, progress: Optional[tqdm] = None) -> dict:
     """Generate one image per label in chunks from one seeded generator, then score them.
 
     Also returns the per-row step compression over all chunks: tokens finalised per row per
@@ -129,10 +159,10 @@ def sample_and_score(pipe: LlamaGenPipeline, decoder: Decoder, sampling: Samplin
     device = pipe.device
     token_model = pipe.token_model()
     generator = torch.Generator(device).manual_seed(seed)
-    outputs = [
-        decoder.generate(token_model, chunk.to(device), pipe.transformer.config.block_size, sampling, generator)
-        for chunk in labels.split(batch_size)
-    ]
+    outputs = []
+    for chunk in labels.split(batch_size):
+        outputs.append(decoder.generate(token_model, chunk.to(device), pipe.transformer.config.block_size, sampling, generator))
+        tick(progress)
     tokens = torch.cat([o.tokens for o in outputs])
     histogram = [sum(h) for h in itertools.zip_longest(*(o.stats.accepted_histogram for o in outputs), fillvalue=0)]
     row_compression = sum(k * c for k, c in enumerate(histogram)) / sum(histogram)
@@ -141,17 +171,24 @@ def sample_and_score(pipe: LlamaGenPipeline, decoder: Decoder, sampling: Samplin
 
 
 def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], sampling: SamplingConfig,
-                 per_class: int, batch_size: int, seed: int) -> list[dict]:
+                 per_class: int, batch_size: int, seed: int, progress: Optional[tqdm] = None) -> list[dict]:
     """Quality proxies of each method's samples: the same labels and seed for every method."""
     from mmgen.image_ar.quality import ImageQualityProxies
 
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
     labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
-    return [
-        {"model": model_name, "method": method,
-         **sample_and_score(pipe, decoder_from_spec(method, model_name, pipe.device, pipe.transformer.output.weight.dtype), sampling, labels, batch_size, seed, scorer)}
-        for method in methods
-    ]
+    rows = []
+    for method in methods:
+        plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} quality")
+        decoder = decoder_from_spec(method, model_name, pipe.device, pipe.transformer.output.weight.dtype)
+        rows.append({"model": model_name, "method": method,
+                     **sample_and_score(pipe, decoder, sampling, labels, batch_size, seed, scorer, progress)})
+    return rows
+
+
+def quality_chunks(labels: torch.Tensor, batch_size: int) -> int:
+    """Decodes of one method's quality samples."""
+    return -(-len(labels) // batch_size)
 
 
 # ------------------------------------------------------------------------------ random weights
@@ -159,7 +196,8 @@ def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str]
 
 @torch.no_grad()
 def forward_cost_rows(preset: str, windows: Sequence[int], batch_sizes: Sequence[int], device: torch.device,
-                      dtype: torch.dtype, guidance: bool, repeats: int, warmup: int) -> list[dict]:
+                      dtype: torch.dtype, guidance: bool, repeats: int, warmup: int,
+                      progress: Optional[tqdm] = None) -> list[dict]:
     """Latency of one W-token forward (the verify step) vs a 1-token AR step, cache half full."""
     torch.manual_seed(0)
     with torch.device(device):
@@ -170,11 +208,13 @@ def forward_cost_rows(preset: str, windows: Sequence[int], batch_sizes: Sequence
         labels = torch.arange(batch, device=device)
         base = None
         for window in windows:
+            plan(progress, warmup + repeats, f"{preset} batch {batch} window {window}")
             state = token_model.start(labels, model.config.block_size + 2 * max(windows), guidance=guidance)
             state.cache.advance(model.config.block_size // 2)
             tokens = torch.randint(0, model.config.vocab_size, (batch, window), device=device)
             for _ in range(warmup):
                 token_model.forward(state, tokens)
+                tick(progress)
             times = []
             for _ in range(repeats):
                 _sync(device)
@@ -182,6 +222,7 @@ def forward_cost_rows(preset: str, windows: Sequence[int], batch_sizes: Sequence
                 token_model.forward(state, tokens)
                 _sync(device)
                 times.append(time.perf_counter() - start)
+                tick(progress)
             seconds = statistics.median(times)
             base = seconds if window == 1 else base
             rows.append({"preset": preset, "batch": batch, "window": window, "ms_per_forward": seconds * 1e3,
@@ -238,49 +279,68 @@ def run(args) -> str:
     report = {"environment": environment(device, args.command_line),
               "args": {k: v for k, v in vars(args).items() if not callable(v)}}
     family = bench_family(args)
-    if family == "var":
-        from mmgen.image_ar.bench_var import run_var
+    with progress_bar(not getattr(args, "no_progress", False)) as progress:
+        if family == "var":
+            from mmgen.image_ar.bench_var import run_var
 
-        run_var(args, report, device, dtype)
-    elif family == "mar":
-        from mmgen.image_ar.bench_mar import run_mar
+            run_var(args, report, device, dtype, progress)
+        elif family == "mar":
+            from mmgen.image_ar.bench_mar import run_mar
 
-        run_mar(args, report, device, dtype)
-    elif args.random_weights:
-        report["forward_cost"] = forward_cost_rows(args.random_weights, args.windows, args.batch_sizes, device, dtype,
-                                                   args.guidance_scale != 1, args.repeats, args.warmup)
-    else:
-        report["speed"], report["quality"] = [], []
-        for name in args.models:
-            pipe = LlamaGenPipeline.from_pretrained(resolve_model(name), device=device, dtype=dtype)
-            sampling = pipe.sampling_config(args.guidance_scale, None, args.temperature, args.top_k, args.top_p)
-            if args.batch_sizes:
-                report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats, args.warmup)
-            if args.quality_per_class > 0:
-                report["quality"] += quality_rows(pipe, name, args.methods, sampling, args.quality_per_class,
-                                                  args.quality_batch_size, args.seed)
+            run_mar(args, report, device, dtype, progress)
+        elif args.random_weights:
+            report["forward_cost"] = forward_cost_rows(args.random_weights, args.windows, args.batch_sizes, device, dtype,
+                                                       args.guidance_scale != 1, args.repeats, args.warmup, progress)
+        else:
+            report["speed"], report["quality"] = [], []
+            for name in args.models:
+                pipe = LlamaGenPipeline.from_pretrained(resolve_model(name), device=device, dtype=dtype)
+                sampling = pipe.sampling_config(args.guidance_scale, None, args.temperature, args.top_k, args.top_p)
+                if args.batch_sizes:
+                    report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats,
+                                                  args.warmup, progress)
+                if args.quality_per_class > 0:
+                    report["quality"] += quality_rows(pipe, name, args.methods, sampling, args.quality_per_class,
+                                                      args.quality_batch_size, args.seed, progress)
     return write_report(report, args.json, args.markdown)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default, except where it is None (the help says what
+    happens then) or a flag's False."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser) -> None:
-    parser.add_argument("--models", nargs="+", default=["emoji64"], help="bundled model names or pipeline folders")
+    """`mmgen bench`'s options (its parser uses `HelpFormatter`, which shows the defaults)."""
+    from mmgen.cli import seed_arg
+
+    parser.add_argument("--models", nargs="+", default=["emoji64"], help="bundled model names or pipeline folders, "
+                        "all LlamaGen, all VAR or all MAR")
+    from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS
+
     parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
-                        help="decoding specs: a shortcut (ar, sjd, sjd-coupled, gsd, lantern, lantern++, draft, entropy-switch) "
-                             "with optional options, e.g. sjd:window=8, lantern:delta=0.2, draft:drafter=emoji64-draft; "
-                             "VAR models: ar, code:draft_steps=N[,refiner=NAME]; MAR models: ar[:num_steps=N], "
+                        help=f"decoding specs: a shortcut ({', '.join(DECODERS)}) with optional options, e.g. sjd:window=8 "
+                             "(or sjd-8), lantern:delta=0.2, draft:drafter=emoji64-draft; VAR models "
+                             f"({', '.join(SCALE_DECODERS)}): ar, code:draft_steps=N[,refiner=NAME]; MAR models "
+                             f"({', '.join(CONTINUOUS_DECODERS)}): ar[:num_steps=N], "
                              "cspd:num_draft=N,prefill_ratio=R,flatten=F[,drafter=NAME]")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4], help="speed rows per batch size (none: skip)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--guidance-scale", type=float, help="default: each model's own (random weights: CFG on)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed decodes per speed row (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed decodes before each speed row")
+    parser.add_argument("--guidance-scale", type=float, help="CFG scale (default: each model's own; random weights: CFG on)")
     parser.add_argument("--temperature", type=float, help="default: each model's own")
     parser.add_argument("--top-k", type=int, help="default: each model's own")
     parser.add_argument("--top-p", type=float, help="default: each model's own")
     parser.add_argument("--quality-per-class", type=int, default=2, help="samples per class for the quality proxies (0: skip)")
-    parser.add_argument("--quality-batch-size", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--quality-batch-size", type=int, default=32, help="images per decode of the quality samples")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the quality samples, in [0, 2**63)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, mps")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset with random weights instead: "
                         "a LlamaGen preset (e.g. GPT-B: verify-window cost) or var-d16 ... var-d36 (whole decodes)")
     parser.add_argument("--prunings", nargs="+", default=["none"], metavar="SPEC",
@@ -290,3 +350,4 @@ def add_arguments(parser) -> None:
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8, 16], help="with --random-weights")
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--markdown", help="write the report as Markdown here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

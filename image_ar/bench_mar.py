@@ -20,23 +20,22 @@ from typing import Sequence
 
 import torch
 
-from mmgen.image_ar.bench import timed_decodes
+from mmgen.image_ar.bench import plan, quality_chunks, tick, timed_decodes
 from mmgen.image_ar.bench_var import weights_mb
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec, resolve_model
-from mmgen.image_ar.generation import masked_steps
 from mmgen.image_ar.mar import MAR, MARPipeline
 
 
 def continuous_decoders(methods: Sequence[str], pipe: MARPipeline, model_name: str) -> dict:
     """Decoders for method specs, on the model's step count unless a spec names `num_steps`."""
     dtype, default = pipe.transformer.z_proj.weight.dtype, pipe.sampling_defaults["num_iter"]
-    return {m: decoder_from_spec(m, model_name, pipe.device, dtype, family="continuous", **masked_steps(m, default))
+    return {m: decoder_from_spec(m, model_name, pipe.device, dtype, family="continuous", defaults={"num_steps": default})
             for m in methods}
 
 
 @torch.no_grad()
 def mar_speed_rows(pipe: MARPipeline, model_name: str, decoders: dict, batch_sizes: Sequence[int], options: dict,
-                   repeats: int, warmup: int) -> list[dict]:
+                   repeats: int, warmup: int, progress=None) -> list[dict]:
     """`decoders`: method -> continuous decoder; the first is the baseline of `speedup`."""
     device = pipe.device
     rows = []
@@ -45,7 +44,7 @@ def mar_speed_rows(pipe: MARPipeline, model_name: str, decoders: dict, batch_siz
         for method, decoder in decoders.items():
             run = lambda labels, seed: pipe(labels, decoding=decoder, generator=torch.Generator(device).manual_seed(seed),
                                             output_type="pt", **options).stats
-            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup)
+            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup, progress, f"{model_name} {method} batch {batch}")
             drafter = getattr(decoder, "drafter", None)
             drafted = sum(s.drafted for s in stats)
             row = {
@@ -76,21 +75,25 @@ def mar_diffusion_loss(model: MAR, latents: torch.Tensor, labels: torch.Tensor, 
 
 @torch.no_grad()
 def mar_quality_rows(pipe: MARPipeline, model_name: str, decoders: dict, options: dict, per_class: int, batch_size: int,
-                     seed: int) -> list[dict]:
+                     seed: int, progress=None) -> list[dict]:
     from mmgen.image_ar.quality import ImageQualityProxies
 
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
     labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
     rows = []
     for method, decoder in decoders.items():
+        plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} quality")
         generator = torch.Generator(pipe.device).manual_seed(seed)
-        images = torch.cat([pipe(chunk.tolist(), decoding=decoder, generator=generator, output_type="pt", **options).images
-                            for chunk in labels.split(batch_size)])
+        images = []
+        for chunk in labels.split(batch_size):
+            images.append(pipe(chunk.tolist(), decoding=decoder, generator=generator, output_type="pt", **options).images)
+            tick(progress)
+        images = torch.cat(images)
         rows.append({"model": model_name, "method": method, **scorer(images, labels.to(pipe.device))})
     return rows
 
 
-def run_mar(args, report: dict, device: torch.device, dtype: torch.dtype) -> None:
+def run_mar(args, report: dict, device: torch.device, dtype: torch.dtype, progress=None) -> None:
     """The MAR part of `mmgen bench`: bundled or saved MAR pipelines."""
     if args.random_weights:
         raise ValueError("--random-weights takes LlamaGen or VAR presets; MAR models are benchmarked from pipeline folders")
@@ -102,7 +105,8 @@ def run_mar(args, report: dict, device: torch.device, dtype: torch.dtype) -> Non
         pipe.set_progress_bar_config(disable=True)
         decoders = continuous_decoders(args.methods, pipe, name)
         if args.batch_sizes:
-            report["speed"] += mar_speed_rows(pipe, name, decoders, args.batch_sizes, options, args.repeats, args.warmup)
+            report["speed"] += mar_speed_rows(pipe, name, decoders, args.batch_sizes, options, args.repeats, args.warmup,
+                                              progress)
         if args.quality_per_class > 0:
             report["quality"] += mar_quality_rows(pipe, name, decoders, options, args.quality_per_class,
-                                                  args.quality_batch_size, args.seed)
+                                                  args.quality_batch_size, args.seed, progress)

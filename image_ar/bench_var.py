@@ -18,8 +18,8 @@ import torch
 
 from mmgen.decoding.pruning import CachedTokenPruning
 
-from mmgen.image_ar.bench import timed_decodes
-from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec
+from mmgen.image_ar.bench import plan, quality_chunks, tick, timed_decodes
+from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec, resolve_model
 from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTransformer, VQVAEConfig
 
 
@@ -41,7 +41,7 @@ def weights_mb(*pipes: VARPipeline) -> float:
 
 @torch.no_grad()
 def var_speed_rows(pipe: VARPipeline, model_name: str, decoders: dict, prunings: Sequence[str],
-                   batch_sizes: Sequence[int], options: dict, repeats: int, warmup: int) -> list[dict]:
+                   batch_sizes: Sequence[int], options: dict, repeats: int, warmup: int, progress=None) -> list[dict]:
     """`decoders`: method name -> scale decoder (the "ar" row is the baseline)."""
     device = pipe.device
     methods = list(decoders)
@@ -52,7 +52,8 @@ def var_speed_rows(pipe: VARPipeline, model_name: str, decoders: dict, prunings:
             decoder, pruning = decoders[method], parse_pruning_spec(pruning_spec)
             run = lambda labels, seed: pipe(labels, decoding=decoder, pruning=pruning, generator=torch.Generator(device).manual_seed(seed),
                                             output_type="pt", **options).stats
-            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup)
+            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup, progress,
+                                  f"{model_name} {method} pruning {pruning_spec} batch {batch}")
             refiner = getattr(decoder, "refiner", None)
             row = {
                 "model": model_name, "method": method, "pruning": pruning_spec, "batch": batch,
@@ -79,17 +80,21 @@ def var_token_nll(pipe: VARPipeline, labels: torch.Tensor, tokens: torch.Tensor)
 
 @torch.no_grad()
 def var_quality_rows(pipe: VARPipeline, model_name: str, methods: Sequence[str], prunings: Sequence[str], options: dict,
-                     per_class: int, batch_size: int, seed: int) -> list[dict]:
+                     per_class: int, batch_size: int, seed: int, progress=None) -> list[dict]:
     from mmgen.image_ar.quality import ImageQualityProxies
 
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
     labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
     rows = []
     for method, pruning_spec in ((m, p) for m in methods for p in prunings):
+        plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} pruning {pruning_spec} quality")
         decoder = decoder_from_spec(method, model_name, pipe.device, pipe.transformer.class_emb.weight.dtype, family="scale")
         generator = torch.Generator(pipe.device).manual_seed(seed)
-        outs = [pipe(chunk.tolist(), decoding=decoder, pruning=parse_pruning_spec(pruning_spec), generator=generator,
-                     output_type="pt", **options) for chunk in labels.split(batch_size)]
+        outs = []
+        for chunk in labels.split(batch_size):
+            outs.append(pipe(chunk.tolist(), decoding=decoder, pruning=parse_pruning_spec(pruning_spec), generator=generator,
+                             output_type="pt", **options))
+            tick(progress)
         images, tokens = torch.cat([o.images for o in outs]), torch.cat([o.tokens for o in outs])
         nll = torch.cat([var_token_nll(pipe, l.to(pipe.device), t) for l, t in zip(labels.split(256), tokens.split(256))])
         rows.append({"model": model_name, "method": method, "pruning": pruning_spec,
@@ -114,7 +119,7 @@ def scale_decoders(methods: Sequence[str], pipe: VARPipeline, model_name: str, r
     return {m: decoder_from_spec(m, model_name, pipe.device, dtype, family="scale", **overrides(m)) for m in methods}
 
 
-def run_var(args, report: dict, device: torch.device, dtype: torch.dtype) -> None:
+def run_var(args, report: dict, device: torch.device, dtype: torch.dtype, progress=None) -> None:
     """The VAR part of `mmgen bench`: bundled/saved VAR pipelines, or official sizes with random weights."""
     options = {k: v for k, v in dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
                                      top_p=args.top_p).items() if v is not None}
@@ -126,18 +131,16 @@ def run_var(args, report: dict, device: torch.device, dtype: torch.dtype) -> Non
             if p is not None:
                 p.set_progress_bar_config(disable=True)
         report["speed"] = var_speed_rows(pipe, args.random_weights, scale_decoders(args.methods, pipe, "", refiner), args.prunings,
-                                         args.batch_sizes, options, args.repeats, args.warmup)
+                                         args.batch_sizes, options, args.repeats, args.warmup, progress)
         return
     report.setdefault("speed", [])
     report.setdefault("quality", [])
     for name in args.models:
-        from mmgen.image_ar.bundled import resolve_model
-
         pipe = VARPipeline.from_pretrained(resolve_model(name), device=device, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         if args.batch_sizes:
             report["speed"] += var_speed_rows(pipe, name, scale_decoders(args.methods, pipe, name), args.prunings,
-                                              args.batch_sizes, options, args.repeats, args.warmup)
+                                              args.batch_sizes, options, args.repeats, args.warmup, progress)
         if args.quality_per_class > 0:
             report["quality"] += var_quality_rows(pipe, name, args.methods, args.prunings, options, args.quality_per_class,
-                                                  args.quality_batch_size, args.seed)
+                                                  args.quality_batch_size, args.seed, progress)

@@ -8,27 +8,37 @@ from pathlib import Path
 
 import torch
 
+from mmgen.cli import seed_arg
 from mmgen.files import write_atomic
 
 from mmgen.image_ar import bench
-from mmgen.image_ar.bundled import DEFAULT_MODEL
-from mmgen.image_ar.generation import DTYPES, ImageOptions, load_image_pipeline, prepare_call, png_bytes
+from mmgen.image_ar.bundled import BUNDLED_MODELS, COMPANIONS, DEFAULT_MODEL
+from mmgen.image_ar.generation import (
+    DTYPES,
+    ImageOptions,
+    check_targets,
+    image_file_names,
+    load_image_pipeline,
+    png_bytes,
+    prepare_call,
+)
 from mmgen.image_ar.llamagen import LlamaGenPipeline
 
 
 def register(commands, groups) -> None:
-    image = groups["generate"].add_parser("image", help="image generation: class-conditional or text-to-image")
-    image.add_argument("--model", default=None, help=f"a bundled model name (default: {DEFAULT_MODEL}), a pipeline folder "
-                       "written by save_pretrained / `mmgen convert` (LlamaGen c2i or t2i), or a Janus-Pro transformers "
-                       "folder / Hugging Face repo id (with --prompt)")
+    image = groups["generate"].add_parser(
+        "image", help="image generation: class-conditional or text-to-image",
+        description="One PNG per class label or prompt, named <position>_<class or prompt>_<model>_seed<seed>_<decoding "
+                    "and options>.png; an existing file is an error unless --overwrite.")
+    image.add_argument("--model", default=None, metavar="NAME_OR_PATH",
+                       help=f"a bundled model ({', '.join(BUNDLED_MODELS)}; default: {DEFAULT_MODEL}), a pipeline folder "
+                            "written by save_pretrained or `mmgen convert` (LlamaGen class-conditional or text-to-image, "
+                            "VAR, MAR), or a Janus-Pro transformers folder or Hugging Face repo id (with --prompt). "
+                            "Names starting with ./ ../ / or ~ are always folders")
     condition = image.add_mutually_exclusive_group(required=True)
     condition.add_argument("--class-labels", nargs="+", help="one image per class: class ids or class names")
     condition.add_argument("--prompt", nargs="+", help="one image per prompt (text-to-image models)")
-    image.add_argument("--decoding", default=None, metavar="SPEC",
-                       help="decoder: ar, sjd, sjd-coupled, draft (lossless) or gsd, lantern, lantern++, entropy-switch "
-                            "(lossy), optionally with options, e.g. 'lantern:delta=0.2,window=8' or "
-                            "'draft:drafter=emoji64-draft'; for VAR models ar or code (e.g. 'code:draft_steps=4'). "
-                            "Default: sjd, for VAR ar")
+    image.add_argument("--decoding", default=None, metavar="SPEC", help=decoding_help())
     image.add_argument("--window", type=int, default=None, help="tokens scored per forward (Jacobi decoders; default 16)")
     image.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the model's)")
     image.add_argument("--cfg-interval", type=int, default=None, help="guide tokens t <= N + 1 only (default: the model's)")
@@ -45,11 +55,14 @@ def register(commands, groups) -> None:
                        help="VAR: the block range that prunes (default 3 -4, FastVAR's)")
     image.add_argument("--num-iter", type=int, default=None, help="MAR: masked steps (default: the model's, officially 64)")
     image.add_argument("--cfg-schedule", default=None, choices=["linear", "constant"], help="MAR: guidance schedule")
-    image.add_argument("--seed", type=int, default=0)
-    image.add_argument("--device", default="cpu")
-    image.add_argument("--dtype", default="float32", choices=DTYPES)
-    image.add_argument("--out", required=True, help="output folder for the PNG files")
-    image.add_argument("--no-progress", action="store_true")
+    image.add_argument("--seed", type=seed_arg, default=0, help="seed of the random generator, in [0, 2**63) (default 0): "
+                       "the same seed, model and options give the same images")
+    image.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
+    image.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+    image.add_argument("--out", required=True, help="output folder for the PNG files (created if missing)")
+    image.add_argument("--overwrite", action="store_true", help="replace existing files of the same names (default: "
+                       "an existing file is an error, before any work)")
+    image.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     image.set_defaults(run=generate_image)
 
     llamagen = groups["convert"].add_parser("llamagen", help="official LlamaGen c2i or t2i GPT + VQ .pt files")
@@ -80,37 +93,47 @@ def register(commands, groups) -> None:
     mar.add_argument("--out", required=True)
     mar.set_defaults(run=convert_mar)
 
-    bench_parser = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding")
+    bench_parser = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding",
+                                       formatter_class=bench.HelpFormatter)
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=lambda args: print(bench.run(args)) or 0)
+
+
+def decoding_help() -> str:
+    """`--decoding`'s help, listing every registered decoder of each model family."""
+    from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS
+
+    companions = ", ".join(COMPANIONS)
+    return (f"decoder, optionally with options as NAME:key=value,...: for LlamaGen and Janus models {', '.join(DECODERS)} "
+            "(default: sjd, lossless speculative Jacobi decoding; 'sjd-8' is 'sjd:window=8'; e.g. "
+            f"'lantern:delta=0.2,window=8', 'draft:drafter=emoji64-draft'); for VAR models {', '.join(SCALE_DECODERS)} "
+            f"(default: ar; code is CoDe, e.g. 'code:draft_steps=4'); for MAR models {', '.join(CONTINUOUS_DECODERS)} "
+            f"(default: ar; cspd is continuous speculative decoding, e.g. 'cspd:num_draft=4'). {companions} use the "
+            "bundled companion of a bundled model unless the spec names one. A setting given both here and as a flag "
+            "(--window, --num-iter) must agree")
 
 
 def generate_image(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     prompts = args.prompt is not None
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a folder")
     pipe = load_image_pipeline(args.model, prompts, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
-    call = prepare_call(pipe, args.model or DEFAULT_MODEL, ImageOptions.from_namespace(args), args.device, dtype, prompts=prompts)
-    if prompts:
-        inputs = args.prompt
-        names = [f"{i:03d}_{_slug(prompt)}.png" for i, prompt in enumerate(args.prompt)]
-    else:
-        inputs = [pipe.class_index(label) for label in args.class_labels]
-        names = [f"{i:03d}_class{label}.png" for i, label in enumerate(inputs)]
+    options = ImageOptions.from_namespace(args)
+    call = prepare_call(pipe, args.model or DEFAULT_MODEL, options, args.device, dtype, prompts=prompts)
+    inputs = args.prompt if prompts else [pipe.class_index(label) for label in args.class_labels]
+    paths = [out / name for name in image_file_names(inputs, args.model or DEFAULT_MODEL, args.seed, options, call.family, prompts)]
+    check_targets(paths, args.overwrite)
     output = call(inputs, args.seed, args.device)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name, image in zip(names, output.images):
-        write_atomic(out / name, png_bytes(image))
-        print(f"wrote {out / name}")
+    for path, image in zip(paths, output.images):
+        write_atomic(path, png_bytes(image))
+        print(f"wrote {path}")
     print(output.stats.summary())
     print(json.dumps({"stats": output.stats.to_dict()}))
     return 0
-
-
-def _slug(text: str, limit: int = 40) -> str:
-    """A file-name-safe stem from a prompt."""
-    return "".join(c if c.isalnum() else "-" for c in text.lower())[:limit].strip("-") or "prompt"
 
 
 def convert_llamagen(args: argparse.Namespace) -> int:

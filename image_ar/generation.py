@@ -4,25 +4,31 @@
 (`load_image_pipeline`), turn decoding and sampling options into a decoder and the pipeline's
 keyword arguments (`prepare_call`, which raises ValueError for anything the model cannot take),
 run it with a seeded generator (`ImageCall`), and encode the images (`png_bytes`).
+`image_file_names` names what `generate image` writes.
+
+A decoder setting that both the spec and a flag give (`--decoding sjd:window=4 --window 8`,
+MAR's `--decoding ar:num_steps=8 --num-iter 16`) is an error unless they agree, for every model
+family (`bundled.merge_decoding_options`). MAR's step count is `--num-iter`, else the spec's
+`num_steps`, else the model's `sampling_defaults["num_iter"]`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
 import io
-import json
 import os
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from mmgen.decoding import parse_decoding
 from mmgen.sampling import make_generator
 
-from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, resolve_model
+from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, load_pipeline
 from mmgen.image_ar.llamagen import LlamaGenPipeline
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -86,30 +92,8 @@ class ImageCall:
 
 
 def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
-    """The pipeline a --model names: mmgen folders say their class in model_index.json;
-    transformers folders (config.json of model_type "janus") and, with --prompt, Hub ids are
-    Janus-Pro checkpoints."""
-    source = Path(resolve_model(model or DEFAULT_MODEL))
-    index, config = source / "model_index.json", source / "config.json"
-    class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-    is_janus = config.is_file() and json.loads(config.read_text()).get("model_type") == "janus"
-    if class_name == "MARPipeline":
-        from mmgen.image_ar.mar import MARPipeline
-
-        return MARPipeline.from_pretrained(source, device=device, dtype=dtype)
-    if class_name == "VARPipeline":
-        from mmgen.image_ar.var import VARPipeline
-
-        return VARPipeline.from_pretrained(source, device=device, dtype=dtype)
-    if class_name == "LlamaGenText2ImagePipeline":
-        from mmgen.image_ar.llamagen import LlamaGenText2ImagePipeline
-
-        return LlamaGenText2ImagePipeline.from_pretrained(source, device=device, dtype=dtype)
-    if is_janus or (prompts and class_name is None):
-        from mmgen.image_ar.janus import JanusPipeline
-
-        return JanusPipeline.from_pretrained(model, torch_dtype=dtype, device=device)
-    return LlamaGenPipeline.from_pretrained(source, device=device, dtype=dtype)
+    """The pipeline a --model names (default: the bundled `emoji64`); see `bundled.load_pipeline`."""
+    return load_pipeline(model or DEFAULT_MODEL, device, dtype, prompts=prompts)
 
 
 def model_family(pipe) -> str:
@@ -125,18 +109,6 @@ def model_family(pipe) -> str:
     return "token" if isinstance(pipe, LlamaGenPipeline) else "prompt"
 
 
-def masked_steps(spec: str, default: int, num_iter: Optional[int] = None) -> dict:
-    """The `num_steps` a continuous decoder built from `spec` must get: `num_iter` when given,
-    else none when the spec names its own, else the model's `default`. A spec and `num_iter`
-    that disagree are an error rather than one silently winning."""
-    named = parse_decoding(spec)[1].get("num_steps")
-    if named is not None and num_iter is not None and named != num_iter:
-        raise ValueError(f"the decoding spec sets num_steps={named} but num_iter is {num_iter}: give one of them")
-    if named is not None:
-        return {}
-    return {"num_steps": default if num_iter is None else num_iter}
-
-
 def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, device: str, dtype: torch.dtype,
                  prompts: bool = False) -> ImageCall:
     """The decoder and keyword options for `pipe`, every option checked against the model's
@@ -144,11 +116,6 @@ def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, de
     `model` names the pipeline for bundled companions (`<model>-draft`)."""
     family = model_family(pipe)
     is_var, is_mar = family == "scale", family == "continuous"
-    overrides = {} if options.window is None else {"window": options.window}
-    spec = options.decoding or ("ar" if is_var or is_mar else "sjd")
-    if is_mar:
-        overrides.update(masked_steps(spec, pipe.sampling_defaults["num_iter"], options.num_iter))
-    decoder = decoder_from_spec(spec, model, device, dtype, family="token" if family == "prompt" else family, **overrides)
     sampling = dict(guidance_scale=options.guidance_scale, temperature=options.temperature, top_k=options.top_k,
                     top_p=options.top_p, cfg_interval=options.cfg_interval)
     var_options = dict(preset=options.preset, more_smooth=options.more_smooth,
@@ -169,7 +136,51 @@ def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, de
     if hasattr(pipe, "sampling_config"):  # the sampler's own bounds (top_p in (0, 1], ...), now rather than mid-run
         accepted = inspect.signature(pipe.sampling_config).parameters
         pipe.sampling_config(**{k: v for k, v in given.items() if k in accepted})
+    spec = default_decoding(family) if options.decoding is None else options.decoding
+    flags = {"window": options.window, "num_steps": options.num_iter if is_mar else None}
+    defaults = {"num_steps": pipe.sampling_defaults["num_iter"]} if is_mar else None
+    decoder = decoder_from_spec(spec, model, device, dtype, family="token" if family == "prompt" else family,
+                                defaults=defaults, **{k: v for k, v in flags.items() if v is not None})
     return ImageCall(pipe, decoder, family, given)
+
+
+def default_decoding(family: str) -> str:
+    """The decoder a call gets without --decoding: sjd (lossless speculative Jacobi) for token
+    models, the plain sampler ("ar") for VAR and MAR."""
+    return "ar" if family in ("scale", "continuous") else "sjd"
+
+
+def image_file_names(inputs: Sequence[Union[int, str]], model: Union[str, os.PathLike], seed: int,
+                     options: ImageOptions, family: str, prompts: bool = False) -> list[str]:
+    """The PNG names `generate image` writes: position, class id or prompt, model, seed,
+    decoding spec and any other option, e.g. `000_class7_emoji64_seed0_sjd.png` or
+    `001_class3_var-emoji64_seed2_code-draft_steps=4_pruning=5=0.5.png`, so that runs with other
+    seeds, decoders, options or models do not collide. Settings longer than 60 characters are
+    cut and end in a hash of the whole."""
+    spec = default_decoding(family) if options.decoding is None else options.decoding
+    flags = [flag.removeprefix("--") for flag in replace(options, decoding=None).flags()]
+    settings = _file_slug("_".join([spec, *flags]))
+    if len(settings) > 60:
+        settings = settings[:51] + "-" + hashlib.sha256("_".join([spec, *flags]).encode()).hexdigest()[:8]
+    run = f"{_file_slug(Path(os.fspath(model)).name) or 'model'}_seed{seed}_{settings}"
+    labels = [(_file_slug(str(x).lower())[:40] or "prompt") if prompts else f"class{x}" for x in inputs]
+    return [f"{i:03d}_{label}_{run}.png" for i, label in enumerate(labels)]
+
+
+def _file_slug(text: str) -> str:
+    """`text` with every run of characters outside [A-Za-z0-9._=-] as one '-' (safe in file names)."""
+    return re.sub(r"[^A-Za-z0-9._=-]+", "-", text).strip("-.")
+
+
+def check_targets(paths: Sequence[Path], overwrite: bool) -> None:
+    """Refuse to replace existing files unless `overwrite` (before any work)."""
+    existing = [p for p in paths if p.exists() or p.is_symlink()]
+    if existing and not overwrite:
+        more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
+        raise FileExistsError(f"{existing[0]}{more} already exist(s): pass --overwrite to replace, or choose another --out")
+    folders = [p for p in existing if p.is_dir()]
+    if folders:
+        raise IsADirectoryError(f"{folders[0]} is a folder; an image would replace it")
 
 
 def parse_pruning(spec: Optional[str], layers: Optional[Sequence[int]]):

@@ -9,6 +9,10 @@
 The core has no static dependency on any modality: each modality package contributes its
 subcommands through a `register(commands, groups)` function in a module named in
 `COMMAND_MODULES`, imported by name when the parser is built.
+
+Options every subcommand shares are checked here, once, before any subcommand runs:
+`--device` (`check_device`: the device must exist on this machine) and `--seed` (`seed_arg`,
+`check_seed`: 0 <= seed < 2**63). Bad input is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -17,14 +21,71 @@ import argparse
 import importlib
 import shlex
 import sys
-from typing import Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
 #: Modules that add subcommands (`register(commands, groups)`), one per modality package.
 COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.image_ar.batch", "mmgen.apps.cli")
+#: Seeds are torch generator seeds: 0 <= seed < 2**63.
+SEED_LIMIT = 2**63
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`mmgen generate image: error: ...`), as every other bad
+    input gets; `--help` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def check_seed(seed: Any, name: str = "seed") -> int:
+    """`seed` as an int in [0, 2**63) (what torch.Generator.manual_seed takes); ValueError otherwise."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{name} must be an integer in [0, 2**63), got {seed!r}")
+    return seed
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of `--seed`: a decimal integer checked by `check_seed`."""
+    try:
+        return check_seed(int(text.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}") from None
+
+
+def check_device(device: Any) -> "torch.device":
+    """`device` as a torch.device that exists on this machine; ValueError with one line otherwise
+    (an unknown name, a backend this torch lacks, no GPU, or a GPU index past the last one)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a device name (e.g. cpu, cuda, cuda:1, mps)") from None
+    if parsed.type == "cpu":
+        return parsed
+    backend = torch.backends.mps if parsed.type == "mps" else getattr(torch, parsed.type, None)
+    if backend is None or not callable(getattr(backend, "is_available", None)):
+        raise ValueError(f"--device {device}: mmgen runs on cpu, cuda, mps or xpu devices")
+    if not backend.is_available():
+        raise ValueError(f"--device {device}: no {parsed.type} device is available on this machine (torch "
+                         f"{torch.__version__}); use --device cpu")
+    count = backend.device_count() if callable(getattr(backend, "device_count", None)) else 1
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} {parsed.type} device(s), "
+                         f"numbered 0 to {count - 1}")
+    return parsed
+
+
+def version() -> str:
+    """The installed distribution's version (importlib.metadata)."""
+    import mmgen
+
+    return mmgen.__version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmgen", description="Fast autoregressive generation on one decoding core.")
+    parser = Parser(prog="mmgen", description="Fast autoregressive generation on one decoding core.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     groups = {
         "generate": commands.add_parser("generate", help="generate samples with a pipeline").add_subparsers(dest="target", required=True),
@@ -40,6 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = "mmgen " + shlex.join(argv)  # recorded by reports (e.g. `mmgen bench`)
     try:
+        if getattr(args, "device", None) is not None:  # every subcommand, before any work
+            check_device(args.device)
         return args.run(args)
     except (ValueError, OSError) as error:
         print(f"mmgen: error: {error}", file=sys.stderr)

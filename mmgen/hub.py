@@ -7,6 +7,7 @@ missing, unexpected and mis-shaped key.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from pathlib import Path
@@ -21,26 +22,52 @@ PathLike = Union[str, os.PathLike]
 
 #: Where official training scripts nest the weights, in the order they are tried.
 NESTED_KEYS = ("model", "module", "state_dict", "model_ema", "generator_ema")
+#: Metadata classes that training checkpoints pickle beside the weights and that
+#: `weights_only=True` may rebuild: plain attribute bags that run no code (LlamaGen's scripts
+#: save their `args`). Nothing else is allowed.
+SAFE_METADATA = (argparse.Namespace,)
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match the model."""
 
 
+def looks_like_path(name: PathLike) -> bool:
+    """Whether `name` is meant as a local path rather than a Hub repo id: it starts with ./, ../,
+    / or ~ (or is a PathLike), or it contains a path separator and exists."""
+    if isinstance(name, os.PathLike):
+        return True
+    text = str(name)
+    starts = ("./", "../", "/", "~", "." + os.sep, ".." + os.sep, os.sep)
+    return text in (".", "..") or text.startswith(starts) or (os.sep in text and Path(text).exists())
+
+
+def local_path(name: PathLike) -> Optional[Path]:
+    """The local file or folder `name` names, or None when it is a Hub repo id. A name that
+    looks like a path (`looks_like_path`) must exist: FileNotFoundError otherwise."""
+    local = Path(name).expanduser()
+    if local.exists():
+        return local
+    if looks_like_path(name):
+        raise FileNotFoundError(f"{name} does not exist (a local path, not a Hugging Face repo id)")
+    return None
+
+
 def resolve_path(path_or_repo: PathLike, filename: Optional[str] = None) -> Path:
     """A local path for a file or folder, downloading from the Hugging Face Hub if needed.
 
     `path_or_repo` is a local file or folder, or a repo id ("org/name"); with `filename`, one
-    file of that folder or repo. Offline or missing repos give an OSError that says so.
+    file of that folder or repo. Anything that looks like a path (./x, ../x, /x, ~/x) is never
+    a repo id. Offline or missing repos give an OSError that says so.
     """
-    local = Path(path_or_repo).expanduser()
-    if local.exists():
+    local = local_path(path_or_repo)
+    if local is not None:
         target = local / filename if filename else local
         if not target.exists():
             raise FileNotFoundError(f"{target} does not exist")
         return target
     repo = str(path_or_repo)
-    if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
+    if not re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", repo):
         raise FileNotFoundError(f"{repo!r} is neither an existing path nor a Hugging Face repo id")
     try:
         import huggingface_hub
@@ -61,7 +88,8 @@ def load_state_dict(path: PathLike, key: Optional[str] = None) -> dict[str, torc
     """Read a `.safetensors`, `.pt`, `.pth` or `.bin` file into a flat tensor dict on the CPU.
 
     Nested training checkpoints are unwrapped: `key` if given, else the first of
-    `NESTED_KEYS` present. Pickled code is refused (`weights_only=True`).
+    `NESTED_KEYS` present. Pickled code is refused (`weights_only=True`); besides tensors and
+    plain containers only the metadata classes of `SAFE_METADATA` (argparse.Namespace) load.
     """
     path = Path(path)
     if not path.is_file():
@@ -76,13 +104,27 @@ def load_state_dict(path: PathLike, key: Optional[str] = None) -> dict[str, torc
     if path.suffix not in (".pt", ".pth", ".bin", ".ckpt"):
         raise CheckpointError(f"unsupported checkpoint format {path.suffix!r} ({path}); use .safetensors, .pt, .pth or .bin")
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(SAFE_METADATA)):
+            data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise CheckpointError(
-            f"{path} could not be loaded with weights_only=True (truncated, corrupt, or it contains "
-            f"pickled objects other than tensors, which mmgen refuses to run): {error}"
-        ) from error
+        raise CheckpointError(_load_failure(path, error)) from error
     return unwrap_state_dict(data, key, str(path))
+
+
+def _load_failure(path: Path, error: Exception) -> str:
+    """One line on why `torch.load(weights_only=True)` refused `path`: the classes it would
+    have had to run, when that is the reason."""
+    try:
+        allowed = {f"{c.__module__}.{c.__qualname__}" for c in SAFE_METADATA}
+        unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - allowed)
+    except Exception:  # not a zip checkpoint, truncated, ...: torch's own message says more
+        unsafe = []
+    if unsafe:
+        return (f"{path} contains pickled objects of {', '.join(unsafe)}, which mmgen does not load (weights_only=True "
+                f"allows tensors, plain containers and argparse.Namespace); save the state dict alone, e.g. "
+                f"torch.save(checkpoint['model'], 'weights.pt'), in a trusted environment")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return f"{path} could not be loaded with weights_only=True (truncated or corrupt?): {first}"
 
 
 def unwrap_state_dict(data: object, key: Optional[str] = None, source: str = "checkpoint") -> dict[str, torch.Tensor]:

@@ -19,13 +19,19 @@ def mmgen(*args):
     return subprocess.run([sys.executable, "-m", "mmgen.cli", *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("decoding", ["ar", "sjd", "sjd-coupled:window=4", "lantern:delta=0.2"])
-def test_generate_image_writes_pngs_and_prints_stats(model_dir, tmp_path, decoding):
+def positions(folder):
+    """"<position>_<class or prompt>" of each file in `folder` (names go on with model, seed, decoding)."""
+    return sorted("_".join(p.name.split("_")[:2]) for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("decoding,slug", [("ar", "ar"), ("sjd", "sjd"), ("sjd-coupled:window=4", "sjd-coupled-window=4"),
+                                           ("lantern:delta=0.2", "lantern-delta=0.2")])
+def test_generate_image_writes_pngs_and_prints_stats(model_dir, tmp_path, decoding, slug):
     result = mmgen("generate", "image", "--model", model_dir, "--class-labels", 3, 8, "--decoding", decoding,
                    "--seed", 4, "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["000_class3.png", "001_class8.png"]
+    assert files == [f"000_class3_tiny-llamagen_seed4_{slug}.png", f"001_class8_tiny-llamagen_seed4_{slug}.png"]
     assert Image.open(tmp_path / files[0]).size == (8, 8)
     stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
     assert stats["tokens"] == 16 and stats["rows"] == 2 and stats["forwards"] >= 1
@@ -35,7 +41,8 @@ def test_generate_image_writes_pngs_and_prints_stats(model_dir, tmp_path, decodi
 def test_same_seed_same_files(model_dir, tmp_path):
     for name in ("a", "b"):
         assert mmgen("generate", "image", "--model", model_dir, "--class-labels", 1, "--seed", 7, "--out", tmp_path / name, "--no-progress").returncode == 0
-    assert (tmp_path / "a" / "000_class1.png").read_bytes() == (tmp_path / "b" / "000_class1.png").read_bytes()
+    name = "000_class1_tiny-llamagen_seed7_sjd.png"
+    assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -60,15 +67,15 @@ def test_bad_input_exits_with_a_message(model_dir, tmp_path, args, message):
 def test_bundled_model_is_the_default_and_class_names_work(tmp_path):
     result = mmgen("generate", "image", "--class-labels", "cat-face", 0, "--seed", 1, "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class7.png", "001_class0.png"]
-    assert Image.open(tmp_path / "000_class7.png").size == (64, 64)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class7_emoji64_seed1_sjd.png", "001_class0_emoji64_seed1_sjd.png"]
+    assert Image.open(tmp_path / "000_class7_emoji64_seed1_sjd.png").size == (64, 64)
     bad = mmgen("generate", "image", "--class-labels", "no-such-class", "--out", tmp_path / "x", "--no-progress")
     assert bad.returncode == 2 and "unknown class name 'no-such-class'" in bad.stderr
 
 
 def test_missing_model_is_a_clear_error(tmp_path):
     result = mmgen("generate", "image", "--model", tmp_path / "nope", "--class-labels", 1, "--out", tmp_path)
-    assert result.returncode == 2 and "neither an existing path nor a Hugging Face repo id" in result.stderr
+    assert result.returncode == 2 and "does not exist (a local path, not a Hugging Face repo id)" in result.stderr
 
 
 @pytest.mark.parametrize("kind", ["t2i", "janus"])
@@ -85,7 +92,8 @@ def test_generate_image_from_prompts(tmp_path, kind):
     result = mmgen("generate", "image", "--model", tmp_path / "model", "--prompt", "a red cat", "the blue sky",
                    "--decoding", "sjd:window=4", "--out", tmp_path / "out", "--no-progress")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["000_a-red-cat.png", "001_the-blue-sky.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["000_a-red-cat_model_seed0_sjd-window=4.png",
+                                                                     "001_the-blue-sky_model_seed0_sjd-window=4.png"]
     wrong = mmgen("generate", "image", "--model", tmp_path / "model", "--class-labels", 1, "--out", tmp_path / "x", "--no-progress")
     assert wrong.returncode == 2 and "use --prompt" in wrong.stderr
 
@@ -146,7 +154,7 @@ def test_generate_image_with_var(var_dirs, tmp_path, extra):
     extra = [a.format(small=var_dirs / "small") for a in extra]
     result = mmgen("generate", "image", "--model", var_dirs / "large", "--class-labels", 3, 8, *extra, "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class3.png", "001_class8.png"]
+    assert positions(tmp_path) == ["000_class3", "001_class8"]
     stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
     assert stats["tokens"] == 30 and stats["stage_forwards"] == ([2, 2] if "code" in " ".join(extra) else [4])
 
@@ -183,7 +191,7 @@ def test_generate_image_with_mar(mar_dir, tmp_path, extra):
     extra = [a.format(model=mar_dir) for a in extra]
     result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 3, 8, *extra, "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["000_class3.png", "001_class8.png"]
+    assert positions(tmp_path) == ["000_class3", "001_class8"]
     stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
     assert stats["rows"] == 2 and (stats["drafted"] > 0) == ("cspd" in " ".join(extra))
     assert stats["baseline_forwards"] == int(extra[extra.index("--num-iter") + 1])
@@ -196,7 +204,7 @@ def test_mar_steps_come_from_the_spec_or_num_iter_never_both(mar_dir, tmp_path):
     assert json.loads(result.stdout.strip().splitlines()[-1])["stats"]["baseline_forwards"] == 2
     result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
                    "--num-iter", "3", "--out", tmp_path, "--no-progress")
-    assert result.returncode == 2 and "num_steps=2 but num_iter is 3" in result.stderr
+    assert result.returncode == 2 and "'ar:num_steps=2' sets num_steps=2 but --num-iter (num_iter) is 3" in result.stderr
 
 
 def test_mar_rejects_token_options(mar_dir, tmp_path):

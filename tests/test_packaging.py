@@ -1,8 +1,12 @@
-"""The distribution maps every top-level folder into the mmgen namespace (DESIGN.md)."""
+"""The distribution maps every top-level folder into the mmgen namespace (docs/architecture.md),
+and pyproject.toml names only files that exist."""
 
+import glob
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -52,3 +56,23 @@ def test_wheel_contents_and_imports(tmp_path):
                             env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith(str(target))
+
+
+def test_every_path_pyproject_names_exists():
+    text = (ROOT / "pyproject.toml").read_text()
+    project = tomllib.loads(text)
+    assert (ROOT / project["project"]["readme"]).is_file()
+    setuptools = project["tool"]["setuptools"]
+    folders = setuptools["package-dir"]
+    for folder in folders.values():
+        assert (ROOT / folder / "__init__.py").is_file(), folder
+    for package in setuptools["packages"]:
+        parts = package.split(".")
+        base = next(i for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in folders)
+        assert (ROOT / folders[".".join(parts[:base])] / Path(*parts[base:]) / "__init__.py").is_file(), package
+    for package, patterns in setuptools["package-data"].items():
+        for pattern in patterns:
+            assert glob.glob(str(ROOT / folders[package] / pattern), recursive=True), f"{package}: {pattern} matches nothing"
+    # Files named in comments too (e.g. "see image_ar/assets/emoji64/MODEL_CARD.md").
+    for name in re.findall(r"[\w./-]+\.(?:md|py|json|toml|txt)\b", text):
+        assert (ROOT / name).exists(), f"pyproject.toml names {name}, which does not exist"

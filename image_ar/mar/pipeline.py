@@ -105,7 +105,10 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         if num_iter is not None or isinstance(decoding, str):
             decoder = replace(decoder, num_steps=self.sampling_defaults["num_iter"] if num_iter is None else num_iter)
         model = self.continuous_model(stochastic_last_step=isinstance(decoder, ContinuousSpeculative))
-        result = decoder.generate(model, torch.tensor(labels, device=self.device), sampling, self.generator_for(generator))
+        with self.progress_bar(model.num_tokens, desc="tokens") as bar:
+            result = decoder.generate(_CanvasProgress(model, bar), torch.tensor(labels, device=self.device), sampling,
+                                      self.generator_for(generator))
+            bar.update(bar.total - bar.n)
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
 
     @torch.no_grad()
@@ -131,6 +134,30 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         defaults = {"guidance_scale": OFFICIAL_GUIDANCE[model]} if isinstance(model, str) else None
         return cls(transformer.eval(), autoencoder.eval(), sampling_defaults=defaults)
 
+
+class _CanvasProgress:
+    """The target `ContinuousModel` as the decoder sees it, advancing a progress bar by the tokens
+    every row knows whenever the decoder runs the backbone (continuous decoders take no
+    progress object; the first B rows of a state are the committed canvas, also when the
+    target verifies several drafted canvases at once)."""
+
+    def __init__(self, model: MARContinuousModel, bar):
+        self.model, self.bar, self.rows = model, bar, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def start(self, conditions: torch.Tensor, guidance: bool):
+        state = self.model.start(conditions, guidance)
+        self.rows = state.tokens.shape[0]
+        return state
+
+    def head_inputs(self, state, positions: torch.Tensor):
+        if not self.bar.disable:
+            known = int(state.known[: self.rows].sum(1).min())  # one host sync per backbone forward
+            if known > self.bar.n:
+                self.bar.update(known - self.bar.n)
+        return self.model.head_inputs(state, positions)
 
 
 def ema_weights(path) -> dict:

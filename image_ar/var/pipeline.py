@@ -154,12 +154,16 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         var_checkpoint: PathLike,
         vae_checkpoint: PathLike,
         depth: Union[int, VARConfig] = 16,
-        image_size: int = 256,
+        image_size: Optional[int] = None,
+        vqvae: Optional[VQVAEConfig] = None,
     ) -> "VARPipeline":
         """Load the official `.pth` files (`var_d16.pth`, `vae_ch160v4096z32.pth`) strictly.
 
         `depth` picks the official preset (16, 20, 24, 30 at 256 px; 36 at 512 px) or is a
-        complete config; the VQVAE is the official one with that resolution's patch_nums.
+        complete config. `vqvae` is the VQVAE's config (default: the official
+        `vae_ch160v4096z32`); it takes the transformer's patch_nums. `image_size`, when given,
+        must be the size the two generate. Both files load strictly; a transformer and VQVAE
+        that do not fit together (vocabulary, channels) are a ValueError.
         """
         if isinstance(depth, VARConfig):
             config = depth
@@ -167,11 +171,14 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
             if depth not in (16, 20, 24, 30, 36):
                 raise ValueError(f"official VAR depths are 16, 20, 24, 30 and 36, got {depth!r}")
             config = VARConfig.from_preset(f"d{depth}")
-        if config.num_tokens != sum(p * p for p in config.patch_nums) or config.patch_nums[-1] * 16 != image_size:
-            raise ValueError(f"VAR-d{config.depth} generates {config.patch_nums[-1] * 16}px images, not {image_size}px")
+        if vqvae is not None and not isinstance(vqvae, VQVAEConfig):
+            raise ValueError(f"vqvae must be a VQVAEConfig, got {type(vqvae).__name__}")
+        vq_config = replace(vqvae or VQVAEConfig(), patch_nums=config.patch_nums)
+        if config.num_tokens != sum(p * p for p in config.patch_nums) or (image_size is not None and vq_config.image_size != image_size):
+            raise ValueError(f"VAR-d{config.depth} with this VQVAE generates {vq_config.image_size}px images, not {image_size}px")
         transformer = VARTransformer(config)
-        vqvae = MultiScaleVQVAE(VQVAEConfig(patch_nums=config.patch_nums))
+        vq = MultiScaleVQVAE(vq_config)
         var_path, vae_path = resolve_path(var_checkpoint), resolve_path(vae_checkpoint)
         load_strict(transformer, load_state_dict(var_path), source=str(var_path))
-        load_strict(vqvae, load_state_dict(vae_path), source=str(vae_path))
-        return cls(transformer, vqvae)
+        load_strict(vq, load_state_dict(vae_path), source=str(vae_path))
+        return cls(transformer, vq)

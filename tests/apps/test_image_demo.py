@@ -21,7 +21,7 @@ from mmgen.apps.image_request import DemoRequest, ModelCatalog, model_info, run_
 from mmgen.decoding import DECODERS, SCALE_DECODERS, Autoregressive
 from mmgen.image_ar import bundled
 
-from tests.conftest import tiny_pipeline
+from tests.conftest import tiny_pipeline, tiny_transformer, tiny_vq
 
 CHROMIUM = Path("/usr/bin/chromium")
 #: Keep the browser off the network: no background services, and every host name but
@@ -111,6 +111,16 @@ def test_two_model_methods_pair_with_the_cached_companion(catalog):
     assert "var-emoji64-small" in catalog._pipelines  # loaded once, through the catalog
 
 
+def test_next_scale_runs_report_tokens_per_step_and_the_model_of_each_step(catalog):
+    out = run_request(DemoRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
+    sizes = [1, 4, 9, 16, 36, 64]  # var-emoji64's scales 1, 2, 3, 4, 6, 8
+    assert out.step_rows() == [{"step": k + 1, "tokens": n, "model": "var-emoji64" if k < 3 else "var-emoji64-small"}
+                               for k, n in enumerate(sizes)]
+    assert [r["model"] for r in out.step_rows(out.baseline)] == ["var-emoji64"] * 6
+    assert {r["accepted"] for r in out.trace_rows()} == {1.0}  # what the chart showed before: a flat line
+    assert run_request(request(), catalog).step_rows() == []  # token-by-token runs keep the accepted-length trace
+
+
 def test_continuous_models_take_bounded_steps(tmp_path):
     from tests.image_ar.test_mar_pipeline import tiny_vae
     from tests.image_ar.test_mar_model import tiny_model
@@ -144,7 +154,8 @@ def test_continuous_models_take_bounded_steps(tmp_path):
         (dict(method="draft", options="drafter=/etc"), "name one of the demo's other models"),
         (dict(method="code"), "unknown decoding method 'code'"),
         (dict(model="../emoji64"), "unknown model"),
-        (dict(class_name="<b>dog</b>"), "unknown class"),
+        (dict(class_name="<b>dog</b>"), "unknown class '<b>dog</b>'"),  # plain text, not HTML-escaped
+        (dict(class_name="x" * 10_000), r"unknown class 'x{58}…; choose"),  # any size through the API: cut
         (dict(top_p=0), r"top-p must be a number in \(0, 1\]"),
         (dict(top_p=float("nan")), "top-p"),
         (dict(top_k=513), r"top-k must be an integer in \[0, 512\]"),
@@ -162,19 +173,53 @@ def test_bad_input_is_a_value_error_with_a_message(catalog, changes, message):
         run_request(request(**changes), catalog)
 
 
-def test_ui_handler_turns_errors_into_escaped_gradio_errors(catalog):
+UI_VALUES = dict(model="emoji64", class_name="cat-face", method="sjd", options="", compare=False, num_images=1, seed=0,
+                 guidance=2.0, temperature=1.0, top_k=0, top_p=1.0, steps=64)
+
+
+def test_ui_handler_turns_errors_into_plain_text_gradio_errors(catalog, monkeypatch):
     import gradio as gr
 
-    from mmgen.apps.image_demo import handle_generate
+    from mmgen.apps import image_demo
 
-    values = dict(model="emoji64", class_name="<b>cat</b>", method="sjd", options="", compare=False, num_images=1, seed=0,
-                  guidance=2.0, temperature=1.0, top_k=0, top_p=1.0, steps=64)
+    values = {**UI_VALUES, "class_name": "<b>cat</b> & 'dog'"}
     with pytest.raises(gr.Error) as error:
-        handle_generate(catalog, 4, *values.values())
-    assert "unknown class" in error.value.message and "&lt;b&gt;cat&lt;/b&gt;" in error.value.message
+        image_demo.handle_generate(catalog, 4, *values.values())
+    # Plain text: no &lt; / &#x27; (HTML escaping made API messages unreadable); a "<" that could
+    # open a tag is the Python escape \x3c, so that the page's toast shows it instead of rendering it.
+    assert error.value.message.startswith("unknown class \"\\x3cb>cat\\x3c/b> & 'dog'\"; choose one of this model's classes (")
     values.update(model="var-emoji64", class_name="heart", method="code", options="handoffs=3")  # fails inside the decoder
     with pytest.raises(gr.Error, match="generation failed"):
-        handle_generate(catalog, 4, *values.values())
+        image_demo.handle_generate(catalog, 4, *values.values())
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("kernel said 'no'\n  at <step 3>, |x| <= 2")
+
+    monkeypatch.setattr(image_demo, "run_request", fail)
+    with pytest.raises(gr.Error) as error:
+        image_demo.handle_generate(catalog, 4, *UI_VALUES.values())
+    assert error.value.message == "generation failed (RuntimeError): kernel said 'no' at \\x3cstep 3>, |x| <= 2"  # one line
+
+
+def test_var_chart_shows_tokens_per_step_by_model_not_a_flat_accepted_line(catalog):
+    from mmgen.apps.image_demo import STEPS_TITLE, handle_generate
+
+    values = {**UI_VALUES, "model": "var-emoji64", "class_name": "heart", "method": "code", "options": "draft_steps=3"}
+    *_, trace, steps = handle_generate(catalog, 4, *values.values())
+    assert trace["visible"] is False and steps["visible"] is True
+    assert steps["label"] == STEPS_TITLE.format(label="code:draft_steps=3") and "per-step time is not recorded" in steps["label"]
+    frame = steps["value"]
+    assert list(frame["step"]) == [f"{k} · var-emoji64" for k in (1, 2, 3)] + [f"{k} · var-emoji64-small" for k in (4, 5, 6)]
+    assert list(frame["tokens"]) == [1, 4, 9, 16, 36, 64] and frame["tokens"].nunique() > 1
+    *_, trace, steps = handle_generate(catalog, 4, *UI_VALUES.values())  # LlamaGen: the accepted-length trace
+    assert trace["visible"] is True and steps["visible"] is False and len(trace["value"]) >= 1
+
+
+def test_step_labels_sort_in_step_order_from_ten_steps():
+    from mmgen.apps.image_demo import _steps_frame
+
+    frame = _steps_frame([{"step": k, "tokens": k * k, "model": "var-d30" if k < 9 else "var-d16"} for k in range(1, 11)])
+    assert list(frame["step"]) == sorted(frame["step"]) and frame["step"].iloc[0] == "01 · var-d30"
 
 
 def test_switching_model_updates_classes_methods_and_bounds(catalog):
@@ -208,6 +253,73 @@ def test_demo_command_parses_bounds_and_launches_locally(monkeypatch):
     assert cli.main(["demo", "image", "--model", "nowhere/at-all"]) == 2
 
 
+# --- the app over its API (gradio_client, no page, no UI events) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def server_url(catalog):
+    """The demo served on a free local port (the API tests and the browser tests share it)."""
+    from mmgen.apps.image_demo import build_demo, launch_demo
+
+    demo = build_demo(catalog, max_images=2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launch_demo(demo, host="127.0.0.1", port=port, block=False)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+def api_call(url: str, **changes):
+    from gradio_client import Client
+
+    values = {**UI_VALUES, **changes}
+    return Client(url, verbose=False).predict(*values.values(), api_name="/generate")
+
+
+def test_api_takes_any_method_and_class_of_the_chosen_model_without_a_ui_event(server_url):
+    # The page was built with emoji64's methods; an API caller never sends the model-change
+    # event that would list VAR's, and Gradio used to refuse "code" as "not in the list of choices".
+    picture, baseline, stats, trace, steps = api_call(server_url, model="var-emoji64", class_name="heart", method="code",
+                                                      options="draft_steps=3")
+    assert stats["data"][0][:3] == ["code:draft_steps=3", 6, 130] and Path(picture["value"]).is_file()
+    assert steps["visible"] and [row[1] for row in steps["value"]["data"]] == [1, 4, 9, 16, 36, 64]
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="unknown decoding method 'sjd'"):  # still checked, against the model's family
+        api_call(server_url, model="var-emoji64", class_name="heart", method="sjd")
+
+
+def test_api_errors_are_plain_text(server_url):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError) as error:
+        api_call(server_url, class_name="<b>cat</b> 'x'")
+    message = str(error.value)
+    assert "unknown class \"\\x3cb>cat\\x3c/b> 'x'\"; choose one" in message and "&" not in message
+    with pytest.raises(AppError, match=r"decoding option delta='abc': expected a number"):
+        api_call(server_url, method="lantern", options="delta=abc")
+
+
+def test_top_k_bound_spans_every_models_vocabulary(tmp_path):
+    from mmgen.apps.image_demo import build_demo
+
+    from mmgen.image_ar.llamagen import LlamaGenPipeline
+
+    tiny_pipeline().save_pretrained(tmp_path / "small-vocab")
+    big = LlamaGenPipeline(tiny_transformer(vocab_size=64, block_size=16), tiny_vq(codebook_size=64))
+    big.save_pretrained(tmp_path / "big-vocab")
+    catalog = ModelCatalog.discover([str(tmp_path / "small-vocab"), str(tmp_path / "big-vocab")])
+    demo = build_demo(catalog)
+    (top_k,) = [block for block in demo.blocks.values() if getattr(block, "label", None) == "Top-k (0 = off)"]
+    assert top_k.maximum == 64  # so that an API call may ask big-vocab for top-k 50; run_request bounds it per model
+    # the page still gets the first model's own bound, from a load event
+    assert any(target[1] == "load" for fn in demo.fns.values() for target in fn.targets)
+    with pytest.raises(ValueError, match=r"top-k must be an integer in \[0, 32\]"):
+        run_request(DemoRequest("small-vocab", "3", "ar", top_k=50), catalog)
+    assert run_request(DemoRequest("big-vocab", "3", "ar", top_k=50), catalog).method.stats.forwards == 16
+
+
 # --- the app in a headless browser -----------------------------------------------------------
 
 
@@ -233,16 +345,8 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def app_url(browser, catalog):
-    from mmgen.apps.image_demo import build_demo, launch_demo
-
-    demo = build_demo(catalog, max_images=2)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    launch_demo(demo, host="127.0.0.1", port=port, block=False)
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+def app_url(browser, server_url):
+    return server_url
 
 
 @pytest.fixture(scope="module")
@@ -277,11 +381,30 @@ def pick(page, elem_id: str, choice: str) -> None:
     page.get_by_role("option", name=choice, exact=True).click()
 
 
-def generate(page, *pictures: str) -> None:
+def generate(page, *pictures: str, chart: str = "chart") -> None:
     page.locator("#generate").click()
     for picture in pictures or ("images",):
         page.locator(f"#{picture} img").first.wait_for()
-    page.locator("#chart svg").first.wait_for()
+    page.locator(f"#{chart} svg").first.wait_for()
+
+
+#: Words of the stats table's header cells that the browser laid out over more than one line.
+BROKEN_HEADER_WORDS_JS = """() => {
+    const broken = [];
+    for (const cell of document.querySelectorAll('#stats th')) {
+        const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+        for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+            for (const word of node.data.matchAll(/\\S+/g)) {
+                const range = document.createRange();
+                range.setStart(node, word.index);
+                range.setEnd(node, word.index + word[0].length);
+                const lines = new Set([...range.getClientRects()].filter(r => r.width > 0).map(r => Math.round(r.top)));
+                if (lines.size > 1) broken.push(word[0]);
+            }
+        }
+    }
+    return broken;
+}"""
 
 
 def test_page_loads_without_the_internet(page, artifacts):
@@ -309,6 +432,13 @@ def test_compare_mode_shows_both_runs_and_the_chart(page, artifacts):
     assert "ar (baseline)" in stats and "gsd" in stats and "speedup" in stats
     assert page.locator("#chart .mark-line path").count() >= 1
     page.screenshot(path=artifacts / "03-compare.png", full_page=True)
+    # A narrow window: seven columns no longer fit, and header words used to break mid-word
+    # ("for|war|ds", "compr|essio|n"); now lines break between words and the table scrolls.
+    page.set_viewport_size({"width": 800, "height": 1000})
+    page.wait_for_timeout(500)
+    assert page.locator("#stats th").count() >= 7
+    assert page.evaluate(BROKEN_HEADER_WORDS_JS) == []
+    page.screenshot(path=artifacts / "03b-compare-narrow.png", full_page=True)
 
 
 def test_switching_to_var_lists_its_methods(page, artifacts):
@@ -321,9 +451,31 @@ def test_switching_to_var_lists_its_methods(page, artifacts):
     assert page.get_by_role("option", name="sjd", exact=True).count() == 0
     page.get_by_role("option", name="code", exact=True).click()
     page.locator("#options textarea").fill("draft_steps=3")
-    generate(page)
+    generate(page, chart="steps-chart")
     assert "code:draft_steps=3" in page.locator("#stats").inner_text()
+    # Not the flat accepted-length line: one bar per scale, named with the model that ran it.
+    expect(page.locator("#chart")).to_be_hidden()
+    chart = page.locator("#steps-chart")
+    expect(chart).to_contain_text("per-step time is not recorded")
+    expect(chart).to_contain_text("6 · var-emoji64-small")
+    assert "3 · var-emoji64" in chart.inner_text() and chart.locator(".mark-rect path").count() == 6
     page.screenshot(path=artifacts / "04-var-code.png", full_page=True)
+
+
+def test_markup_in_an_error_is_shown_as_text_and_fetches_nothing(page, artifacts):
+    from playwright.sync_api import expect
+
+    box = page.locator("#class input")  # takes any value: the server checks it against the model
+    box.click()
+    box.fill('<img src="http://example.com/x.png"><b>dog</b>')
+    box.press("Enter")
+    page.locator("#generate").click()
+    toast = page.locator("[data-testid=toast-text]").first
+    expect(toast).to_contain_text("unknown class '\\x3cimg src=\"http://example.com/x.png\">\\x3cb>dog\\x3c/b>'")
+    assert toast.locator("img, b").count() == 0  # and the page fixture checks that nothing was fetched
+    page.wait_for_timeout(500)  # let the toast finish fading in
+    page.screenshot(path=artifacts / "05a-markup-error.png")
+    page.locator("[data-testid=toast-close]").first.click()
 
 
 def test_bad_option_shows_an_error_and_the_app_keeps_working(page, artifacts):

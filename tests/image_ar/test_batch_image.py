@@ -158,7 +158,8 @@ def test_batch_size_1_equals_generate_image_with_each_rows_seed(tmp_path, one_th
     for k in range(2):
         assert main(["generate", "image", "--class-labels", "cat-face", "--decoding", "sjd", "--temperature", "0.9",
                      "--seed", str(3 + k), "--out", str(tmp_path / f"gen{k}"), "--no-progress"]) == 0
-        assert (tmp_path / "batch" / f"cat_{k:03d}.png").read_bytes() == (tmp_path / f"gen{k}" / "000_class7.png").read_bytes()
+        generated = tmp_path / f"gen{k}" / f"000_class7_emoji64_seed{3 + k}_sjd_temperature=0.9.png"
+        assert (tmp_path / "batch" / f"cat_{k:03d}.png").read_bytes() == generated.read_bytes()
 
 
 def test_each_record_says_how_to_regenerate_its_group(reference, tmp_path, one_thread):
@@ -168,7 +169,8 @@ def test_each_record_says_how_to_regenerate_its_group(reference, tmp_path, one_t
     assert group["command"] == "mmgen generate image --model emoji64 --decoding=sjd --seed 5 --class-labels 3 4 --out OUT"
     argv = shlex.split(group["command"].replace("OUT", str(tmp_path)))[1:]
     assert main([*argv, "--no-progress"]) == 0
-    assert (tmp_path / "001_class4.png").read_bytes() == (reference / "concerned_000.png").read_bytes()
+    assert record["command_file"] == "001_class4_emoji64_seed5_sjd.png"
+    assert (tmp_path / record["command_file"]).read_bytes() == (reference / "concerned_000.png").read_bytes()
 
 
 BAD_LINES = [
@@ -280,9 +282,10 @@ def test_var_and_mar_jobs_take_their_family_options_and_records_reproduce_them(t
     records = read_manifest(tmp_path / "out")
     assert [r["file"] for r in records] == ["v_000.png", "v_001.png", "m_000.png", "m_001.png"]
     assert "--preset=demo --more-smooth --pruning=3=0.5 --pruning-layers 0 2 --seed 1" in records[1]["group"]["command"]
-    assert "--guidance-scale=2 --num-iter=3 --cfg-schedule=constant --seed 1" in records[3]["group"]["command"]
+    assert "--guidance-scale=2.0 --num-iter=3 --cfg-schedule=constant --seed 1" in records[3]["group"]["command"]
     for record in (records[1], records[3]):
         argv = shlex.split(record["group"]["command"].replace("OUT", str(tmp_path / "again")))[1:]
         assert main([*argv, "--no-progress"]) == 0
-        again = tmp_path / "again" / f"{record['group']['row']:03d}_class{record['class_id']}.png"
+        again = tmp_path / "again" / record["command_file"]
+        assert again.name.startswith(f"{record['group']['row']:03d}_class{record['class_id']}_")
         assert again.read_bytes() == (tmp_path / "out" / record["file"]).read_bytes()

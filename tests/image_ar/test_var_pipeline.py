@@ -182,3 +182,22 @@ def test_next_scale_and_collaborative_run_on_the_core_directly(pipe, small):
     a = NextScale().generate(pipe.scale_model(), labels, sampling, gen())
     b = Collaborative(refiner=small, draft_steps=3).generate(pipe, labels, sampling, gen())
     assert [t.shape[1] for t in a.tokens] == [t.shape[1] for t in b.tokens] == [1, 4, 9, 16]
+
+
+def test_from_official_takes_a_non_default_vqvae_config(pipe, tmp_path):
+    """A checkpoint of another VQVAE layout (here 32 codes, 8 channels, 2 levels) loads when its
+    config is given; the default (official) layout names the mismatch."""
+    from mmgen.hub import CheckpointError
+
+    torch.save({"model": pipe.transformer.state_dict()}, tmp_path / "var_tiny.pth")
+    torch.save(pipe.vqvae.state_dict(), tmp_path / "vae_tiny.pth")
+    config, vq_config = pipe.transformer.config, pipe.vqvae.config
+    loaded = VARPipeline.from_official(tmp_path / "var_tiny.pth", tmp_path / "vae_tiny.pth", depth=config,
+                                       vqvae=VQVAEConfig(**{**vq_config.to_dict(), "patch_nums": (1, 2)}), image_size=8)
+    assert loaded.vqvae.config == vq_config  # the transformer's patch_nums
+    loaded.set_progress_bar_config(disable=True)
+    assert torch.equal(loaded([1, 2], generator=gen(), output_type="pt").tokens, pipe([1, 2], generator=gen(), output_type="pt").tokens)
+    with pytest.raises(CheckpointError, match="shape mismatches"):
+        VARPipeline.from_official(tmp_path / "var_tiny.pth", tmp_path / "vae_tiny.pth", depth=config)
+    with pytest.raises(ValueError, match="generates 8px images, not 256px"):
+        VARPipeline.from_official(tmp_path / "var_tiny.pth", tmp_path / "vae_tiny.pth", depth=config, vqvae=vq_config, image_size=256)
