@@ -8,6 +8,7 @@ own limits are no protection: Gradio's HTTP API takes any value.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import threading
@@ -16,20 +17,14 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS, DecodeStats, parse_decoding
-from mmgen.image_ar.bundled import BUNDLED_MODELS, COMPANIONS, decoder_from_spec, load_class_pipeline
+from mmgen import registry
+from mmgen.decoding import DecodeStats, parse_decoding
+from mmgen.image_ar.bundled import BUNDLED_MODELS, decoder_from_spec, load_class_pipeline
 from mmgen.sampling import make_generator
 
-#: Which decoder registry each kind of model takes (the methods the UI lists come from here,
-#: so a method added to a registry appears in the demo without editing it).
-REGISTRIES = {"token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS}
-#: Name endings of second models (drafters, refiners): companions, not main choices.
-COMPANION_SUFFIXES = tuple(sorted({suffix for _, suffix, _ in COMPANIONS.values()}))
-#: Decoder options that name a second model (draft:drafter=..., code:refiner=...).
-COMPANION_OPTIONS = frozenset(option for option, _, _ in COMPANIONS.values())
-
-#: The pipelines `load_class_pipeline` builds (the demo is class-conditional).
-CLASS_PIPELINES = ("LlamaGenPipeline", "VARPipeline", "MARPipeline")
+#: Name endings of second models (drafters, refiners): companions, not main choices. The
+#: bundled families' (`Pipeline.companions`); a folder is a companion when a main model names it.
+COMPANION_SUFFIXES = ("-draft", "-small")
 
 MAX_SEED = 2**31 - 1
 MAX_GUIDANCE = 20.0
@@ -117,24 +112,20 @@ def _checked_entry(entry: str) -> str:
         raise ValueError(f"--model {entry!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
                          "nor a pipeline folder with a model_index.json")
     kind = json.loads(index.read_text()).get("_class_name")
-    if kind not in CLASS_PIPELINES:
-        raise ValueError(f"--model {entry!r} is a {kind}; the image demo serves class-conditional {CLASS_PIPELINES}")
+    try:
+        conditions = registry.pipeline_class(kind).conditions
+    except ValueError:
+        conditions = None
+    if conditions != "class":
+        raise ValueError(f"--model {entry!r} is a {kind}; the image demo serves class-conditional pipelines")
     return entry
-
-
-def family_of(pipe: Any) -> str:
-    """"scale" for VAR, "continuous" for MAR, else "token" (LlamaGen)."""
-    from mmgen.image_ar.mar import MARPipeline
-    from mmgen.image_ar.var import VARPipeline
-
-    return "scale" if isinstance(pipe, VARPipeline) else "continuous" if isinstance(pipe, MARPipeline) else "token"
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     """What the UI shows for a model: its classes, methods, and sampler defaults and bounds."""
 
-    family: str
+    family: str  # the pipeline's decoder family: "token", "scale" or "continuous"
     class_names: list[str]
     methods: list[str]
     default_method: str
@@ -143,13 +134,13 @@ class ModelInfo:
 
 
 def model_info(pipe: Any) -> ModelInfo:
-    """A loaded pipeline's classes, methods (its registry's; sjd first when offered, being
-    lossless and fast) and sampler defaults."""
-    family = family_of(pipe)
-    methods = list(REGISTRIES[family])
+    """A loaded pipeline's classes, methods (the decoders it declares), default method (its
+    `default_decoding`) and sampler defaults."""
+    methods = list(pipe.decoders())
     names = list(pipe.class_names) if pipe.class_names else [str(i) for i in range(pipe.num_classes)]
-    vocab = getattr(pipe.transformer.config, "vocab_size", None) if family != "continuous" else None
-    return ModelInfo(family, names, methods, "sjd" if "sjd" in methods else methods[0], vocab, dict(pipe.sampling_defaults))
+    takes_top_k = "top_k" in inspect.signature(pipe.__call__).parameters
+    vocab = getattr(getattr(pipe.transformer, "config", None), "vocab_size", None) if takes_top_k else None
+    return ModelInfo(pipe.decoder_family, names, methods, pipe.default_decoding, vocab, dict(getattr(pipe, "sampling_defaults", {})))
 
 
 @dataclass(frozen=True)
@@ -244,28 +235,29 @@ def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4
     seed = _int("seed", request.seed, 0, MAX_SEED)
     count = _int("number of images", request.num_images, 1, max(1, min(max_images, MAX_IMAGES)))
     sampling = _sampling(request, info)
-    name, options = _decoding(request.method, request.options, info.family, catalog, request.model)
-    if name in COMPANIONS:  # pair with the demo's cached companion unless the options name one
-        option, suffix, _ = COMPANIONS[name]
-        if option not in options and request.model + suffix in catalog.names:
-            options[option] = request.model + suffix
+    name, options = _decoding(request.method, request.options, pipe, catalog, request.model)
+    companion = pipe.companions.get(name)
+    if companion is not None:  # pair with the demo's cached companion unless the options name one
+        if companion.option not in options and request.model + companion.suffix in catalog.names:
+            options[companion.option] = request.model + companion.suffix
     source = catalog.main[request.model]  # decoder_from_spec looks for bundled companions by this name
     scales: dict[str, Any] = {}
     if info.family == "scale":  # what the chart shows: each step's tokens and the model that ran it
-        option, suffix = COMPANIONS[name][:2] if name in COMPANIONS else (None, None)
-        companion = [str(options.get(option, request.model + suffix))] if option else []
-        scales = dict(step_sizes=tuple(pipe.transformer.config.step_sizes), stage_models=(request.model, *companion))
+        others = [str(options.get(companion.option, request.model + companion.suffix))] if companion else []
+        scales = dict(step_sizes=tuple(pipe.transformer.config.step_sizes), stage_models=(request.model, *others))
     overrides = {}
-    if info.family == "continuous":
-        if "num_steps" in options:  # one control per setting: the steps box would silently win
-            raise ValueError("set MAR's masked steps with the steps control, not as a decoding option")
-        steps = info.defaults.get("num_iter") if request.num_steps is None else request.num_steps
-        overrides["num_steps"] = sampling["num_iter"] = _int("MAR steps", steps, 1, MAX_STEPS)
-    companions = [v for k, v in options.items() if k in COMPANION_OPTIONS]
+    family = type(pipe).__name__.removesuffix("Pipeline")
+    for keyword, setting in pipe.decoder_settings.items():  # MAR: masked steps come from the steps control
+        if setting in options:  # one control per setting: the steps box would silently win
+            raise ValueError(f"set {family}'s {setting} with the steps control, not as a decoding option")
+        steps = info.defaults.get(keyword) if request.num_steps is None else request.num_steps
+        overrides[setting] = sampling[keyword] = _int(f"{family} steps", steps, 1, MAX_STEPS)
+    named = companion_options(pipe)
+    companions = [v for k, v in options.items() if k in named]
     with catalog.using([request.model, *companions]):
-        built = {k: catalog.pipeline(v) if k in COMPANION_OPTIONS else v for k, v in options.items()}
-        decoder = decoder_from_spec(name, source, catalog.device, family=info.family, **{**built, **overrides})
-        plan = [("ar (baseline)", decoder_from_spec("ar", source, catalog.device, family=info.family, **overrides),
+        built = {k: catalog.pipeline(v) if k in named else v for k, v in options.items()}
+        decoder = decoder_from_spec(name, pipe, source, catalog.device, **{**built, **overrides})
+        plan = [("ar (baseline)", decoder_from_spec("ar", pipe, source, catalog.device, **overrides),
                  {**scales, "stage_models": scales.get("stage_models", ())[:1]})] if request.compare else []
         plan.append((_spec_text(name, request.options), decoder, scales))
         runs = []
@@ -322,21 +314,26 @@ def _sampling(request: DemoRequest, info: ModelInfo) -> dict[str, Any]:
     return out
 
 
-def _decoding(method: Any, text: Any, family: str, catalog: ModelCatalog, model: str) -> tuple[str, dict[str, Any]]:
-    """The method (a shortcut of this model's registry) and its checked options: numbers and
+def companion_options(pipe: Any) -> frozenset:
+    """Decoder options that name a second model for this pipeline (draft:drafter=..., code:refiner=...)."""
+    return frozenset(c.option for c in pipe.companions.values())
+
+
+def _decoding(method: Any, text: Any, pipe: Any, catalog: ModelCatalog, model: str) -> tuple[str, dict[str, Any]]:
+    """The method (a shortcut the pipeline declares) and its checked options: numbers and
     booleans bounded, strings only for companion models the demo offers (never a path)."""
-    registry = REGISTRIES[family]
-    if not isinstance(method, str) or method not in registry:
-        raise ValueError(f"unknown decoding method {shown(method)} for this model; choose one of {sorted(registry)}")
+    shortcuts = pipe.decoders()
+    if not isinstance(method, str) or method not in shortcuts:
+        raise ValueError(f"unknown decoding method {shown(method)} for this model; choose one of {sorted(shortcuts)}")
     if not isinstance(text, str) or len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"decoding options must be text of at most {MAX_SPEC_CHARS} characters")
     if ":" in text:
         raise ValueError(f"decoding options are key=value pairs separated by commas (e.g. 'delta=0.2,window=8'); "
                          f"pick the method in the list, got {text!r}")
     name, options = parse_decoding(f"{method}:{text}" if text.strip() else method)
-    defaults = _option_defaults(registry[name]())
+    defaults = _option_defaults(shortcuts[name]())
     for key, value in options.items():
-        if key in COMPANION_OPTIONS:
+        if key in companion_options(pipe):
             if value not in catalog.names or value == model:
                 others = [n for n in catalog.names if n != model]
                 raise ValueError(f"{key}={value!r}: name one of the demo's other models {others}")

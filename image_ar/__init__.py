@@ -1,1 +1,20 @@
-"""Image autoregressive models on the shared decoding core: LlamaGen (raster order) today."""
+"""Image autoregressive models on the shared decoding core: LlamaGen (raster order, class- and
+text-conditional), VAR (next-scale), MAR (continuous tokens) and Janus-Pro.
+
+The pipeline index below is what `mmgen.registry` reads: it imports a pipeline's module (which
+registers the class) the first time a folder or `from mmgen import ...` names it, so importing
+this package stays cheap.
+"""
+
+#: Pipeline class name -> the module that defines and registers it.
+PIPELINE_MODULES = {
+    "LlamaGenPipeline": "mmgen.image_ar.llamagen.pipeline",
+    "LlamaGenText2ImagePipeline": "mmgen.image_ar.llamagen.pipeline_t2i",
+    "VARPipeline": "mmgen.image_ar.var.pipeline",
+    "MARPipeline": "mmgen.image_ar.mar.pipeline",
+    "JanusPipeline": "mmgen.image_ar.janus.pipeline",
+}
+#: Other names of those classes.
+PIPELINE_ALIASES = {"LlamaGenT2IPipeline": "LlamaGenText2ImagePipeline"}
+#: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
+MODEL_TYPES = {"janus": "JanusPipeline"}

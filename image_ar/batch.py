@@ -20,16 +20,19 @@ model loads, the class exists, the decoding and sampling options suit the model,
 
 Groups and seeds. Row k of a job (its k-th image) has seed `seed + k`. Rows of jobs with the
 same model and options (decoding, sampling) are packed in file order into groups of up to
-`--batch-size` rows, and each group is one pipeline call whose generator is seeded with the
-group's first row's seed. Groups are formed from the whole job file, before sharding and
-before skipping finished work, so an image never depends on the world size or on resumption;
-it does depend on `--batch-size` (default 8: each forward serves several rows, while a failed
-or interrupted group loses at most 8 images; raise it where memory allows). With `--batch-size 1`
-row k of a job equals `mmgen generate image --seed <seed + k>` with its class and options.
-Every manifest record carries its group (seed, class ids, member files, position), the
+`--batch-size` rows, and each group is one pipeline call with one generator, seeded from the
+seeds of all its rows (`group_seed`: a group of one row uses that row's seed, a larger group a
+hash of its rows' seeds), so every job's seed changes its images. A pipeline call draws its
+rows' randomness from that one generator, so an image depends on its own seed *and* on the rows
+it is batched with: it is reproduced by its group's command, not by its seed alone, and another
+`--batch-size` gives other images (default 8: each forward serves several rows, while a failed
+or interrupted group loses at most 8 images; raise it where memory allows). With
+`--batch-size 1` row k of a job equals `mmgen generate image --seed <seed + k>` with its class
+and options. Groups are formed from the whole job file, before sharding and before skipping
+finished work, so an image never depends on the world size or on resumption. Every manifest
+record carries its group (the generator's seed, class ids, member files, position), the
 `mmgen generate image` command that regenerates that group and, as `command_file`, the name
-that command gives this row's image. Give jobs of one model and
-options seeds at least `count` apart, or their rows share seeds.
+that command gives this row's image.
 
 Outputs and resume. Files are written atomically, then recorded with their sha256 and the
 call's DecodeStats in a per-rank manifest part; at the end rank 0 merges the parts into
@@ -59,6 +62,7 @@ the nccl backend; CPU runs use gloo. Re-running with another world size resumes 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import re
@@ -358,11 +362,11 @@ class _RankRun:
         if not todo:
             return
         started, written = time.perf_counter(), set()
-        group = {"index": g, "seed": rows[0].seed, "class_ids": [row.job.class_id for row in rows],
+        group = {"index": g, "seed": group_seed(rows), "class_ids": [row.job.class_id for row in rows],
                  "members": [row.file for row in rows]}
         group["command"] = reproduce_command(rows, group["seed"], self.args)
         command_files = image_file_names(group["class_ids"], rows[0].job.spec["model"], group["seed"], rows[0].job.options,
-                                         call.family)
+                                         call.pipe.default_decoding)
         try:
             output = call(group["class_ids"], group["seed"], self.device)
             if len(output.images) != len(rows):
@@ -376,7 +380,7 @@ class _RankRun:
                 sha256 = write_atomic(self.out / row.file, data)
                 self.manifest.append({
                     "file": row.file, "sha256": sha256, "bytes": len(data), "line": row.job.line, "index": row.index,
-                    "spec": row.job.spec, "class_id": row.job.class_id, "seed": row.seed, "group": {**group, "row": position},
+                    "spec": row.job.spec, "class_id": row.job.class_id, "group": {**group, "row": position},
                     "command_file": command_files[position], "stats": stats, "rank": self.world.rank, "world_size": self.world.world_size,
                 })
                 written.add(row.file)
@@ -389,6 +393,15 @@ class _RankRun:
                 if row.file not in written:
                     self.tally.add(self.job_index[row.job], failed=1)
         self.tally.add_seconds(rows[0].job.category, time.perf_counter() - started)
+
+
+def group_seed(rows: list[Row]) -> int:
+    """The seed of a group's generator: a lone row's own seed (so `--batch-size 1` reproduces
+    `generate image --seed`), else the first 63 bits of a sha256 of every row's seed, in order."""
+    if len(rows) == 1:
+        return rows[0].seed
+    digest = hashlib.sha256(",".join(str(row.seed) for row in rows).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def reproduce_command(rows: list[Row], seed: int, args: argparse.Namespace) -> str:

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder
 from mmgen.files import write_atomic
 from mmgen.metrics import token_nll
@@ -118,7 +119,7 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
     n = pipe.transformer.config.block_size
     rows = []
     dtype = pipe.transformer.output.weight.dtype
-    decoders = {method: decoder_from_spec(method, model_name, device, dtype) for method in methods}  # drafters load once
+    decoders = {method: decoder_from_spec(method, pipe, model_name, device, dtype) for method in methods}  # drafters load once
     for batch in batch_sizes:
         baseline = None
         for method in methods:
@@ -180,7 +181,7 @@ def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str]
     rows = []
     for method in methods:
         plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} quality")
-        decoder = decoder_from_spec(method, model_name, pipe.device, pipe.transformer.output.weight.dtype)
+        decoder = decoder_from_spec(method, pipe, model_name, pipe.device, pipe.transformer.output.weight.dtype)
         rows.append({"model": model_name, "method": method,
                      **sample_and_score(pipe, decoder, sampling, labels, batch_size, seed, scorer, progress)})
     return rows
@@ -266,8 +267,8 @@ def bench_family(args) -> str:
     kinds = set()
     for name in args.models:
         index = Path(resolve_model(name)) / "model_index.json"
-        class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-        kinds.add({"VARPipeline": "var", "MARPipeline": "mar"}.get(class_name, "token"))
+        class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else "LlamaGenPipeline"
+        kinds.add({"scale": "var", "continuous": "mar"}.get(registry.pipeline_class(class_name).decoder_family, "token"))
     if len(kinds) > 1:
         raise ValueError(f"benchmark one kind of model per run (token, VAR or MAR), got {sorted(kinds)}")
     return kinds.pop()

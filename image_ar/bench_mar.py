@@ -28,9 +28,8 @@ from mmgen.image_ar.mar import MAR, MARPipeline
 
 def continuous_decoders(methods: Sequence[str], pipe: MARPipeline, model_name: str) -> dict:
     """Decoders for method specs, on the model's step count unless a spec names `num_steps`."""
-    dtype, default = pipe.transformer.z_proj.weight.dtype, pipe.sampling_defaults["num_iter"]
-    return {m: decoder_from_spec(m, model_name, pipe.device, dtype, family="continuous", defaults={"num_steps": default})
-            for m in methods}
+    dtype = pipe.transformer.z_proj.weight.dtype
+    return {m: decoder_from_spec(m, pipe, model_name, pipe.device, dtype) for m in methods}
 
 
 @torch.no_grad()

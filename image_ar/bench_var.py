@@ -88,7 +88,7 @@ def var_quality_rows(pipe: VARPipeline, model_name: str, methods: Sequence[str],
     rows = []
     for method, pruning_spec in ((m, p) for m in methods for p in prunings):
         plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} pruning {pruning_spec} quality")
-        decoder = decoder_from_spec(method, model_name, pipe.device, pipe.transformer.class_emb.weight.dtype, family="scale")
+        decoder = decoder_from_spec(method, pipe, model_name, pipe.device, pipe.transformer.class_emb.weight.dtype)
         generator = torch.Generator(pipe.device).manual_seed(seed)
         outs = []
         for chunk in labels.split(batch_size):
@@ -116,7 +116,7 @@ def scale_decoders(methods: Sequence[str], pipe: VARPipeline, model_name: str, r
     """Decoders for method specs; `refiner` (random-weight runs) replaces the bundled companion."""
     dtype = pipe.transformer.class_emb.weight.dtype
     overrides = lambda m: {"refiner": refiner} if refiner is not None and m.startswith("code") else {}
-    return {m: decoder_from_spec(m, model_name, pipe.device, dtype, family="scale", **overrides(m)) for m in methods}
+    return {m: decoder_from_spec(m, pipe, model_name, pipe.device, dtype, **overrides(m)) for m in methods}
 
 
 def run_var(args, report: dict, device: torch.device, dtype: torch.dtype, progress=None) -> None:

@@ -14,6 +14,7 @@ small refiner for collaborative decoding); see `assets/var-emoji64/MODEL_CARD.md
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -22,8 +23,11 @@ from typing import Optional, Union
 import numpy as np
 import torch
 
+from mmgen import registry
 from mmgen.hub import CheckpointError, local_path, resolve_path
-from mmgen.pipeline import MODEL_INDEX
+from mmgen.pipeline import MODEL_INDEX, Pipeline
+
+from mmgen.image_ar import MODEL_TYPES
 
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED_MODELS = {
@@ -54,55 +58,41 @@ def resolve_model(name_or_path: Union[str, os.PathLike]) -> Union[str, os.PathLi
 
 def load_pipeline(name_or_path: Union[str, os.PathLike], device=None, dtype=None, prompts: Optional[bool] = None):
     """The pipeline a bundled name, folder or Hub repo holds (`mmgen.load_pipeline`, `mmgen
-    generate image --model`): mmgen folders name their class in model_index.json; transformers
-    folders whose config.json has model_type "janus" are Janus-Pro checkpoints. A Hub repo id
-    is opened as Janus-Pro when `prompts` is True (transformers loads it), else downloaded and
-    read as a folder."""
+    generate image --model`), as the class the registry resolves: mmgen folders name it in
+    model_index.json (`_class_name`), transformers folders by config.json's `model_type` (e.g.
+    "janus": Janus-Pro). A Hub repo id is opened as Janus-Pro when `prompts` is True
+    (transformers loads it), else downloaded and read as a folder."""
     source = resolve_model(name_or_path)
     if not isinstance(source, Path) and prompts:
-        return _janus(source, device, dtype)
+        return _from_pretrained(registry.pipeline_for_model_type("janus"), source, device, dtype)
     root = resolve_path(source)  # a Hub repo: downloaded (or a clear OSError)
     index, config = root / MODEL_INDEX, root / "config.json"
     if index.is_file():
-        class_name = json.loads(index.read_text()).get("_class_name")
-        import mmgen
-
         try:
-            cls = mmgen.pipeline_class(class_name)
+            cls = registry.pipeline_class(json.loads(index.read_text()).get("_class_name"))
         except ValueError as error:
             raise CheckpointError(f"{name_or_path}: {error}") from None
-        return cls.from_pretrained(root, device=device, dtype=dtype)
-    if config.is_file() and json.loads(config.read_text()).get("model_type") == "janus":
-        return _janus(root, device, dtype)
-    raise CheckpointError(f"{name_or_path} is not a pipeline folder: it has no {MODEL_INDEX} (an mmgen pipeline) "
-                          f"and no config.json of model_type 'janus' (a Janus-Pro checkpoint)")
+        return _from_pretrained(cls, root, device, dtype)
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    cls = registry.pipeline_for_model_type(model_type) if model_type else None
+    if cls is None:
+        raise CheckpointError(f"{name_or_path} is not a pipeline folder: it has no {MODEL_INDEX} (an mmgen pipeline) "
+                              f"and no config.json of a model_type mmgen opens ({', '.join(sorted(MODEL_TYPES))})")
+    return _from_pretrained(cls, root, device, dtype)
 
 
-def _janus(source, device, dtype):
-    from mmgen.image_ar.janus import JanusPipeline
-
-    return JanusPipeline.from_pretrained(source, torch_dtype=dtype, device=device)
-
-
-#: Decoders that pair the model with a second one: option name, the bundled companion's
-#: suffix, and what it is (for the error message).
-COMPANIONS = {
-    "draft": ("drafter", "-draft", "a draft model"),
-    "entropy-switch": ("small", "-draft", "a small model"),
-    "code": ("refiner", "-small", "a small refiner model"),
-    "cspd": ("drafter", "-draft", "a draft model"),
-}
-#: Which decoder shortcuts each kind of model takes.
-FAMILIES = ("token", "scale", "continuous")
+def _from_pretrained(cls, source, device, dtype):
+    """`cls.from_pretrained`: mmgen folders take `dtype`, transformers-backed pipelines `torch_dtype`."""
+    if "torch_dtype" in inspect.signature(cls.from_pretrained).parameters:
+        return cls.from_pretrained(source, torch_dtype=dtype, device=device)
+    return cls.from_pretrained(source, device=device, dtype=dtype)
 
 
 def load_class_pipeline(name_or_path: Union[str, os.PathLike], device="cpu", dtype=torch.float32):
-    """A class-conditional pipeline (LlamaGen, VAR or MAR) by bundled name or folder
-    (`load_pipeline`; ValueError for a text-to-image one)."""
-    from mmgen.image_ar.outputs import ClassLabelled
-
+    """A class-conditional pipeline by bundled name or folder (`load_pipeline`; ValueError for
+    one conditioned on anything else)."""
     pipe = load_pipeline(name_or_path, device, dtype, prompts=False)
-    if not isinstance(pipe, ClassLabelled):
+    if pipe.conditions != "class":
         raise ValueError(f"{name_or_path} holds a {type(pipe).__name__}, not a class-conditional pipeline")
     return pipe
 
@@ -127,36 +117,45 @@ def merge_decoding_options(spec: str, named: dict, given: dict, defaults: Option
     return merged
 
 
-def decoder_from_spec(spec: str, model: Union[str, os.PathLike], device="cpu", dtype=torch.float32, family: str = "token",
-                      defaults: Optional[dict] = None, **overrides):
-    """A decoder from a command-line spec ("lantern:delta=0.2", "draft:drafter=emoji64-draft",
-    "code:draft_steps=4"); `family` picks the shortcuts of token ("token"), next-scale ("scale",
-    VAR) or continuous ("continuous", MAR) models. `overrides` are settings given besides the
-    spec (a spec that sets one differently is an error: `merge_decoding_options`); `defaults`
-    fill what neither sets. An empty spec is an error.
+def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: Union[str, os.PathLike], device="cpu",
+                      dtype=torch.float32, defaults: Optional[dict] = None, **overrides):
+    """A decoder for `pipe` (a pipeline or its class) from a command-line spec ("lantern:delta=0.2",
+    "draft:drafter=emoji64-draft", "code:draft_steps=4"), among the shortcuts the pipeline
+    declares (`Pipeline.decoders`). `overrides` are settings given besides the spec (a spec that
+    sets one differently is an error: `merge_decoding_options`); `defaults` (else a pipeline
+    object's `decoder_defaults()`) fill what neither sets. An empty spec is an error.
 
-    Decoders that pair the model with a second one (draft, entropy-switch, code, cspd) take it
-    by name or path; without one they use the bundled companion `<model>-draft` /
-    `<model>-small` when it exists.
+    Decoders that pair the model with a second one (`Pipeline.companions`: draft,
+    entropy-switch, code, cspd) take it by name or path, loaded as a pipeline of the same
+    decoder family; without one they use the bundled companion `<model><suffix>`
+    (`emoji64-draft`, `var-emoji64-small`) when it exists.
     """
-    from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS, make_decoder, parse_decoding
+    from mmgen.decoding import make_decoder, parse_decoding
 
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    registry = {"token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS}[family]
+    shortcuts = pipe.decoders()
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty decoding spec {spec!r}: name a decoder ({', '.join(sorted(registry))})")
+        raise ValueError(f"empty decoding spec {spec!r}: name a decoder ({', '.join(sorted(shortcuts))})")
     name, named = parse_decoding(spec)
+    if defaults is None and isinstance(pipe, Pipeline):
+        defaults = pipe.decoder_defaults()
     options = merge_decoding_options(spec, named, overrides, defaults)
-    if name in COMPANIONS and name in registry:
-        option, suffix, noun = COMPANIONS[name]
-        companion = options.get(option) or (f"{model}{suffix}" if f"{model}{suffix}" in BUNDLED_MODELS else None)
-        if companion is None:
-            raise ValueError(f"decoding {name!r} needs {noun} of the same tokenizer: add {option}=NAME_OR_PATH (e.g. '{name}:{option}=PATH')")
-        if isinstance(companion, (str, os.PathLike)):
-            companion = load_class_pipeline(companion, device, dtype)
-        options[option] = companion
-    return make_decoder(name, registry, **options)
+    companion = pipe.companions.get(name)
+    if companion is not None and name in shortcuts:
+        other = options.get(companion.option) or (f"{model}{companion.suffix}" if f"{model}{companion.suffix}" in BUNDLED_MODELS else None)
+        if other is None:
+            raise ValueError(f"decoding {name!r} needs {companion.role} of the same tokenizer: add {companion.option}=NAME_OR_PATH "
+                             f"(e.g. '{name}:{companion.option}=PATH')")
+        if isinstance(other, (str, os.PathLike)):
+            other = load_pipeline(other, device, dtype, prompts=pipe.conditions == "prompt")
+        if isinstance(other, Pipeline) and other.decoder_family != pipe.decoder_family:
+            raise ValueError(f"{companion.option}={options.get(companion.option)!s}: {type(other).__name__} decodes "
+                             f"{other.decoder_family} models, not {pipe.decoder_family} ones like {_class_of(pipe).__name__}")
+        options[companion.option] = other
+    return make_decoder(name, shortcuts, **options)
+
+
+def _class_of(pipe) -> type:
+    return pipe if isinstance(pipe, type) else type(pipe)
 
 
 def load_eval_set() -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from mmgen.cli import seed_arg
 from mmgen.files import write_atomic
 
 from mmgen.image_ar import bench
-from mmgen.image_ar.bundled import BUNDLED_MODELS, COMPANIONS, DEFAULT_MODEL
+from mmgen.image_ar.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from mmgen.image_ar.generation import (
     DTYPES,
     ImageOptions,
@@ -103,7 +103,7 @@ def decoding_help() -> str:
     """`--decoding`'s help, listing every registered decoder of each model family."""
     from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS
 
-    companions = ", ".join(COMPANIONS)
+    companions = "draft, entropy-switch, code and cspd"  # the bundled families' `Pipeline.companions`
     return (f"decoder, optionally with options as NAME:key=value,...: for LlamaGen and Janus models {', '.join(DECODERS)} "
             "(default: sjd, lossless speculative Jacobi decoding; 'sjd-8' is 'sjd:window=8'; e.g. "
             f"'lantern:delta=0.2,window=8', 'draft:drafter=emoji64-draft'); for VAR models {', '.join(SCALE_DECODERS)} "
@@ -124,7 +124,7 @@ def generate_image(args: argparse.Namespace) -> int:
     options = ImageOptions.from_namespace(args)
     call = prepare_call(pipe, args.model or DEFAULT_MODEL, options, args.device, dtype, prompts=prompts)
     inputs = args.prompt if prompts else [pipe.class_index(label) for label in args.class_labels]
-    paths = [out / name for name in image_file_names(inputs, args.model or DEFAULT_MODEL, args.seed, options, call.family, prompts)]
+    paths = [out / name for name in image_file_names(inputs, args.model or DEFAULT_MODEL, args.seed, options, pipe.default_decoding, prompts)]
     check_targets(paths, args.overwrite)
     output = call(inputs, args.seed, args.device)
     out.mkdir(parents=True, exist_ok=True)

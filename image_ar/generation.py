@@ -29,7 +29,6 @@ import torch
 from mmgen.sampling import make_generator
 
 from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, load_pipeline
-from mmgen.image_ar.llamagen import LlamaGenPipeline
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -84,7 +83,6 @@ class ImageCall:
 
     pipe: Any
     decoder: Any
-    family: str  # "token", "scale" (VAR), "continuous" (MAR) or "prompt" (text-to-image)
     options: dict
 
     def __call__(self, inputs: Sequence[Union[int, str]], seed: int, device: Union[str, torch.device]):
@@ -96,39 +94,17 @@ def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
     return load_pipeline(model or DEFAULT_MODEL, device, dtype, prompts=prompts)
 
 
-def model_family(pipe) -> str:
-    """Which decoder shortcuts a pipeline takes: "token" (LlamaGen), "scale" (VAR),
-    "continuous" (MAR), or "prompt" for text-to-image pipelines (token decoders)."""
-    from mmgen.image_ar.mar import MARPipeline
-    from mmgen.image_ar.var import VARPipeline
-
-    if isinstance(pipe, VARPipeline):
-        return "scale"
-    if isinstance(pipe, MARPipeline):
-        return "continuous"
-    return "token" if isinstance(pipe, LlamaGenPipeline) else "prompt"
-
-
 def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, device: str, dtype: torch.dtype,
                  prompts: bool = False) -> ImageCall:
-    """The decoder and keyword options for `pipe`, every option checked against the model's
-    family and the sampler's bounds (ValueError), so that bad input fails before any work.
-    `model` names the pipeline for bundled companions (`<model>-draft`)."""
-    family = model_family(pipe)
-    is_var, is_mar = family == "scale", family == "continuous"
-    sampling = dict(guidance_scale=options.guidance_scale, temperature=options.temperature, top_k=options.top_k,
-                    top_p=options.top_p, cfg_interval=options.cfg_interval)
-    var_options = dict(preset=options.preset, more_smooth=options.more_smooth,
-                       pruning=parse_pruning(options.pruning, options.pruning_layers))
-    if not is_var and any(v is not None for v in var_options.values()):
-        raise ValueError("--preset, --more-smooth and --pruning are VAR options; this model is not a VAR model")
-    if prompts and family != "prompt":
-        raise ValueError("this model is class-conditional: use --class-labels, not --prompt")
-    if not prompts and family == "prompt":
-        raise ValueError("this model is text-to-image: use --prompt, not --class-labels")
-    if is_var and options.cfg_interval is not None:
-        raise ValueError("--cfg-interval is a LlamaGen option; VAR ramps guidance over the scales")
-    given = {**sampling, **(var_options if is_var else {}), "num_iter": options.num_iter, "cfg_schedule": options.cfg_schedule}
+    """The decoder and keyword options for `pipe`, every option checked against what the
+    pipeline declares (its conditions, its call's keywords, its decoders) and the sampler's
+    bounds (ValueError), so that bad input fails before any work. `model` names the pipeline
+    for bundled companions (`<model>-draft`)."""
+    if prompts != (pipe.conditions == "prompt"):
+        raise ValueError(f"this model is conditioned on {'text' if pipe.conditions == 'prompt' else 'class labels'}: "
+                         f"use {'--prompt, not --class-labels' if pipe.conditions == 'prompt' else '--class-labels, not --prompt'}")
+    given = {name: getattr(options, name) for name in CALL_OPTIONS}
+    given["pruning"] = parse_pruning(options.pruning, options.pruning_layers)
     given = {k: v for k, v in given.items() if v is not None}
     unsupported = sorted(set(given) - set(inspect.signature(pipe.__call__).parameters))
     if unsupported:
@@ -136,28 +112,25 @@ def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, de
     if hasattr(pipe, "sampling_config"):  # the sampler's own bounds (top_p in (0, 1], ...), now rather than mid-run
         accepted = inspect.signature(pipe.sampling_config).parameters
         pipe.sampling_config(**{k: v for k, v in given.items() if k in accepted})
-    spec = default_decoding(family) if options.decoding is None else options.decoding
-    flags = {"window": options.window, "num_steps": options.num_iter if is_mar else None}
-    defaults = {"num_steps": pipe.sampling_defaults["num_iter"]} if is_mar else None
-    decoder = decoder_from_spec(spec, model, device, dtype, family="token" if family == "prompt" else family,
-                                defaults=defaults, **{k: v for k, v in flags.items() if v is not None})
-    return ImageCall(pipe, decoder, family, given)
+    spec = pipe.default_decoding if options.decoding is None else options.decoding
+    settings = {"window": options.window, **{setting: given.get(kw) for kw, setting in pipe.decoder_settings.items()}}
+    decoder = decoder_from_spec(spec, pipe, model, device, dtype, **{k: v for k, v in settings.items() if v is not None})
+    return ImageCall(pipe, decoder, given)
 
 
-def default_decoding(family: str) -> str:
-    """The decoder a call gets without --decoding: sjd (lossless speculative Jacobi) for token
-    models, the plain sampler ("ar") for VAR and MAR."""
-    return "ar" if family in ("scale", "continuous") else "sjd"
+#: ImageOptions fields that are keywords of a pipeline call (the rest pick the decoder).
+CALL_OPTIONS = ("guidance_scale", "temperature", "top_k", "top_p", "cfg_interval", "preset", "more_smooth", "num_iter",
+                "cfg_schedule")
 
 
 def image_file_names(inputs: Sequence[Union[int, str]], model: Union[str, os.PathLike], seed: int,
-                     options: ImageOptions, family: str, prompts: bool = False) -> list[str]:
+                     options: ImageOptions, default_decoding: str, prompts: bool = False) -> list[str]:
     """The PNG names `generate image` writes: position, class id or prompt, model, seed,
     decoding spec and any other option, e.g. `000_class7_emoji64_seed0_sjd.png` or
     `001_class3_var-emoji64_seed2_code-draft_steps=4_pruning=5=0.5.png`, so that runs with other
     seeds, decoders, options or models do not collide. Settings longer than 60 characters are
     cut and end in a hash of the whole."""
-    spec = default_decoding(family) if options.decoding is None else options.decoding
+    spec = default_decoding if options.decoding is None else options.decoding
     flags = [flag.removeprefix("--") for flag in replace(options, decoding=None).flags()]
     settings = _file_slug("_".join([spec, *flags]))
     if len(settings) > 60:

@@ -13,9 +13,11 @@ import os
 from importlib import metadata
 from typing import Any, Optional, Union
 
+from mmgen import registry
 from mmgen.cache import StaticKVCache
 from mmgen.decoding import Autoregressive, DecodeStats, ExactAcceptance, SpeculativeJacobi, resolve_decoder
 from mmgen.modeling import ContinuousModel, ContinuousState, DecodeState, HeadSample, ScaleModel, ScaleState, TokenModel
+from mmgen.registry import pipeline_class, register_pipeline
 from mmgen.sampling import ConstantGuidance, IntervalGuidance, LinearProgressGuidance, Logits, RampGuidance, SamplingConfig
 
 try:
@@ -23,40 +25,22 @@ try:
 except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-#: Lazily imported names: attribute -> (module, name in that module). Pipeline folders name
-#: their class in model_index.json (`_class_name`); `pipeline_class` looks it up here.
-LAZY: dict[str, tuple[str, str]] = {
-    "LlamaGenPipeline": ("mmgen.image_ar.llamagen", "LlamaGenPipeline"),
-    "LlamaGenText2ImagePipeline": ("mmgen.image_ar.llamagen", "LlamaGenText2ImagePipeline"),
-    "LlamaGenT2IPipeline": ("mmgen.image_ar.llamagen", "LlamaGenText2ImagePipeline"),
-    "VARPipeline": ("mmgen.image_ar.var", "VARPipeline"),
-    "MARPipeline": ("mmgen.image_ar.mar", "MARPipeline"),
-    "JanusPipeline": ("mmgen.image_ar.janus", "JanusPipeline"),
-}
 #: The module whose `load_pipeline` opens bundled names and folders (image_ar holds every
 #: pipeline today).
 PIPELINE_LOADER = "mmgen.image_ar.bundled"
 
 
 def __getattr__(name: str) -> Any:
-    if name not in LAZY:
-        raise AttributeError(f"module 'mmgen' has no attribute {name!r}")
-    module, attribute = LAZY[name]
-    value = getattr(importlib.import_module(module), attribute)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
+    # Pipeline classes resolve through the registry, importing their module on first use.
+    if name.endswith("Pipeline") and registry.is_pipeline_name(name):
+        value = registry.pipeline_class(name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module 'mmgen' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(LAZY))
-
-
-def pipeline_class(class_name: str) -> type:
-    """The pipeline class a saved folder names (model_index.json's `_class_name`)."""
-    if class_name not in LAZY or not class_name.endswith("Pipeline"):
-        known = sorted(k for k, (_, v) in LAZY.items() if k == v)
-        raise ValueError(f"unknown pipeline class {class_name!r}; mmgen has {known}")
-    return __getattr__(class_name)
+    return sorted(set(globals()) | set(registry.pipeline_names()))
 
 
 def load_pipeline(name_or_path: Union[str, os.PathLike], device: Union[str, Any, None] = None,
@@ -94,5 +78,6 @@ __all__ = [
     "VARPipeline",
     "load_pipeline",
     "pipeline_class",
+    "register_pipeline",
     "resolve_decoder",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Optional, Union
 
@@ -36,12 +37,52 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
+@dataclass(frozen=True)
+class Companion:
+    """A second model that a decoder pairs with the pipeline's own (a drafter, a refiner): the
+    decoder option that takes it, the name suffix of a bundled model's companion
+    (`emoji64` -> `emoji64-draft`), and what it is, for messages."""
+
+    option: str
+    suffix: str
+    role: str
+
+
 class Pipeline:
-    """Base class of every mmgen pipeline."""
+    """Base class of every mmgen pipeline.
+
+    A subclass declares what it is, once, for every tool that drives pipelines generically
+    (`mmgen generate`, `mmgen batch`, the demos, the benchmarks), and registers itself with
+    `mmgen.registry.register_pipeline` so that saved folders resolve to it by name.
+    """
 
     #: name -> (nn.Module class, config dataclass); the module is built as ModuleClass(config).
     #: A config of None: the class has its own `from_pretrained` (and its objects `save_pretrained`).
     component_types: ClassVar[dict[str, tuple[type, Optional[type]]]] = {}
+    #: The decoder family whose shortcuts `decoding=` takes (`FAMILY_DECODERS`): "token",
+    #: "scale" (next-scale) or "continuous".
+    decoder_family: ClassVar[str] = "token"
+    #: What a call is conditioned on: "class" (ids or names, `ClassLabelled`) or "prompt" (text).
+    conditions: ClassVar[str] = "class"
+    #: The shortcut a call uses when given no decoding.
+    default_decoding: ClassVar[str] = "ar"
+    #: Decoder shortcut -> the second model it pairs with.
+    companions: ClassVar[dict[str, Companion]] = {}
+    #: Call keyword -> the decoder setting it also sets (MAR: `num_iter` is `num_steps`); a
+    #: decoding spec and the keyword that give one setting differently are an error.
+    decoder_settings: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def decoders(cls) -> dict[str, Any]:
+        """The decoder shortcuts this pipeline takes (name -> factory)."""
+        from mmgen.decoding import FAMILY_DECODERS
+
+        return FAMILY_DECODERS[cls.decoder_family]
+
+    def decoder_defaults(self) -> dict[str, Any]:
+        """Decoder settings this model defaults (MAR: its own masked step count), filled in where
+        neither a spec nor a keyword sets them."""
+        return {}
 
     def __init__(self, **components: Any):
         missing = sorted(set(self.component_types) - set(components))

@@ -166,7 +166,7 @@ def test_generate_image_with_var(var_dirs, tmp_path, extra):
         (["--decoding", "code"], "needs a small refiner model"),
         (["--pruning", "0=0.5"], "step 0 cannot be pruned"),
         (["--pruning", "3:0.5"], "bad --pruning item"),
-        (["--cfg-interval", "2"], "--cfg-interval is a LlamaGen option"),
+        (["--cfg-interval", "2"], "VARPipeline has no option(s) ['cfg_interval']"),
     ],
 )
 def test_var_bad_input_exits_with_a_message(var_dirs, tmp_path, args, message):

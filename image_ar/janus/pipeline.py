@@ -14,6 +14,7 @@ import torch
 
 from mmgen.decoding import Decoder, resolve_decoder
 from mmgen.pipeline import Pipeline
+from mmgen.registry import register_pipeline
 from mmgen.sampling import ConstantGuidance, SamplingConfig, make_generator
 
 from mmgen.image_ar.janus.token_model import JanusConditions, JanusTokenModel, config_boi_token_id
@@ -27,6 +28,7 @@ DEFAULT_REPO = "deepseek-community/Janus-Pro-1B"
 OFFICIAL_SAMPLING = {"guidance_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
+@register_pipeline(model_types=("janus",))
 class JanusPipeline(Pipeline):
     """Janus-Pro text-to-image: LM over VQ tokens with classifier-free guidance, then the VQ decoder.
 
@@ -39,6 +41,8 @@ class JanusPipeline(Pipeline):
 
     # Components come from transformers, not from mmgen's folder format.
     component_types = {}
+    conditions = "prompt"
+    default_decoding = "sjd"
 
     def __init__(self, model, processor):
         super().__init__(model=model)

@@ -12,7 +12,8 @@ import torch
 
 from mmgen.decoding import Decoder, resolve_decoder
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
-from mmgen.pipeline import Pipeline
+from mmgen.pipeline import Companion, Pipeline
+from mmgen.registry import register_pipeline
 from mmgen.sampling import IntervalGuidance, SamplingConfig
 
 from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
@@ -43,6 +44,11 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
 
     #: The official sampler's defaults, used where a pipeline saved none of its own.
     official_sampling: ClassVar[dict] = OFFICIAL_SAMPLING
+    default_decoding = "sjd"  # lossless speculative Jacobi decoding
+    companions = {
+        "draft": Companion("drafter", "-draft", "a draft model"),
+        "entropy-switch": Companion("small", "-draft", "a small model"),
+    }
 
     def __init__(self, transformer: LlamaGenTransformer, vq: VQModel, sampling_defaults: Optional[dict] = None, **others: Any):
         if transformer.config.vocab_size != vq.config.codebook_size:
@@ -143,6 +149,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         return transformer, vq
 
 
+@register_pipeline
 class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
     """Class-conditional LlamaGen (arXiv 2406.06525): GPT over VQ tokens, then the VQ decoder.
 

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5EncoderModel
 
 from mmgen.decoding import Decoder, resolve_decoder
 from mmgen.hub import CheckpointError, PathLike
+from mmgen.registry import register_pipeline
 
 from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
 from mmgen.image_ar.llamagen.pipeline import LlamaGenPipelineBase
@@ -36,6 +37,7 @@ def normalize_prompt(text: str) -> str:
     return " ".join(text.lower().split())
 
 
+@register_pipeline
 class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
     """Text-conditional LlamaGen (arXiv 2406.06525): T5 caption features -> GPT -> VQ decoder.
 
@@ -44,6 +46,7 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
     Decoding defaults to lossless speculative Jacobi decoding.
     """
 
+    conditions = "prompt"
     component_types = {
         "transformer": (LlamaGenTransformer, LlamaGenConfig),
         "vq": (VQModel, VQConfig),

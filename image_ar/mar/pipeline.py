@@ -9,7 +9,8 @@ import torch
 
 from mmgen.decoding import CONTINUOUS_DECODERS, ContinuousDecoder, ContinuousSpeculative, resolve_decoder
 from mmgen.hub import CheckpointError, PathLike, load_state_dict, load_strict, resolve_path
-from mmgen.pipeline import Pipeline
+from mmgen.pipeline import Companion, Pipeline
+from mmgen.registry import register_pipeline
 from mmgen.sampling import ConstantGuidance, LinearProgressGuidance, SamplingConfig
 
 from mmgen.image_ar.mar.continuous_model import MARContinuousModel
@@ -24,6 +25,7 @@ OFFICIAL_SAMPLING = {"num_iter": 64, "guidance_scale": 3.0, "cfg_schedule": "lin
 OFFICIAL_GUIDANCE = {"mar_base": 2.9, "mar_large": 3.0, "mar_huge": 3.2}
 
 
+@register_pipeline
 class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
     """Class-conditional MAR (Li et al. 2024, arXiv 2406.11838): continuous tokens revealed in a
     random order over `num_iter` masked steps, each sampled by the diffusion head, then the KL-16
@@ -35,7 +37,14 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
     """
 
     component_types = {"transformer": (MAR, MARConfig), "vae": (KLVAE, KLVAEConfig)}
+    decoder_family = "continuous"
+    companions = {"cspd": Companion("drafter", "-draft", "a draft model")}
+    decoder_settings = {"num_iter": "num_steps"}  # masked steps
     official_sampling = OFFICIAL_SAMPLING
+
+    def decoder_defaults(self) -> dict:
+        """The model's own masked step count (16 for the bundled pair, 64 officially)."""
+        return {"num_steps": self.sampling_defaults["num_iter"]}
 
     def __init__(self, transformer: MAR, vae: KLVAE, class_names: Optional[Sequence[str]] = None,
                  sampling_defaults: Optional[dict] = None):

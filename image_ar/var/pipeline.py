@@ -10,7 +10,8 @@ import torch
 from mmgen.decoding import SCALE_DECODERS, Collaborative, ScaleDecoder, resolve_decoder
 from mmgen.decoding.pruning import CachedTokenPruning
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
-from mmgen.pipeline import Pipeline
+from mmgen.pipeline import Companion, Pipeline
+from mmgen.registry import register_pipeline
 from mmgen.sampling import RampGuidance, SamplingConfig
 
 from mmgen.image_ar.outputs import (
@@ -34,6 +35,7 @@ VAR_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+@register_pipeline
 class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
     """Class-conditional VAR (Tian et al. 2024, arXiv 2404.02905): a transformer predicts each
     scale's token map from the coarser ones; the multi-scale VQVAE decodes the sum.
@@ -44,6 +46,8 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
     """
 
     component_types = {"transformer": (VARTransformer, VARConfig), "vqvae": (MultiScaleVQVAE, VQVAEConfig)}
+    decoder_family = "scale"
+    companions = {"code": Companion("refiner", "-small", "a small refiner model")}
     official_sampling = VAR_PRESETS["fid"]
 
     def __init__(

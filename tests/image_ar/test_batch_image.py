@@ -103,7 +103,12 @@ def test_reference_groups_and_records(reference):
     assert groups == {0: ["cat_000.png", "cat_001.png"], 1: ["cat_002.png", "heart_000.png"], 2: ["mammal_000.png", "mammal_001.png"],
                       3: ["face_000.png", "concerned_000.png"], 4: ["heart_001.png", "heart_002.png"], 5: ["concerned_001.png"]}
     heart = records[FILES.index("heart_000.png")]
-    assert heart["group"]["seed"] == 2 and heart["group"]["row"] == 1 and heart["seed"] == 7 and heart["class_id"] == 8
+    # the group's generator is seeded from both rows' seeds (cat row 2: 0 + 2; heart row 0: 7)
+    expected_seed = int.from_bytes(hashlib.sha256(b"2,7").digest()[:8], "big") >> 1
+    assert heart["group"]["seed"] == expected_seed and heart["group"]["row"] == 1 and heart["class_id"] == 8
+    assert "seed" not in heart  # a row has no seed of its own in a group of several
+    lone = records[FILES.index("concerned_001.png")]
+    assert lone["group"]["seed"] == lone["spec"]["seed"] + 1  # a group of one: the row's own seed
     assert heart["spec"] == JOBS[3] and heart["line"] == 4 and heart["stats"]["rows"] == 2 and heart["stats"]["forwards"] == 64
 
 
@@ -166,10 +171,12 @@ def test_each_record_says_how_to_regenerate_its_group(reference, tmp_path, one_t
     record = read_manifest(reference)[FILES.index("concerned_000.png")]
     group = record["group"]
     assert group["members"] == ["face_000.png", "concerned_000.png"] and group["row"] == 1
-    assert group["command"] == "mmgen generate image --model emoji64 --decoding=sjd --seed 5 --class-labels 3 4 --out OUT"
+    seed = int.from_bytes(hashlib.sha256(b"5,9").digest()[:8], "big") >> 1  # face row 0 (seed 5), concerned row 0 (9)
+    assert group["seed"] == seed
+    assert group["command"] == f"mmgen generate image --model emoji64 --decoding=sjd --seed {seed} --class-labels 3 4 --out OUT"
     argv = shlex.split(group["command"].replace("OUT", str(tmp_path)))[1:]
     assert main([*argv, "--no-progress"]) == 0
-    assert record["command_file"] == "001_class4_emoji64_seed5_sjd.png"
+    assert record["command_file"] == f"001_class4_emoji64_seed{seed}_sjd.png"
     assert (tmp_path / record["command_file"]).read_bytes() == (reference / "concerned_000.png").read_bytes()
 
 
@@ -278,14 +285,28 @@ def test_var_and_mar_jobs_take_their_family_options_and_records_reproduce_them(t
         json.dumps({"model": var, "class_label": 2, "seed": 1, "decoding": "ar", "count": 1, "output": "y", "cfg_interval": 3})])
     assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--on-error", "skip", "--no-progress"]) == 0
     err = capsys.readouterr().err
-    assert "line 3: MARPipeline has no option(s) ['top_k']" in err and "line 4: --cfg-interval is a LlamaGen option" in err
+    assert "line 3: MARPipeline has no option(s) ['top_k']" in err and "line 4: VARPipeline has no option(s) ['cfg_interval']" in err
     records = read_manifest(tmp_path / "out")
     assert [r["file"] for r in records] == ["v_000.png", "v_001.png", "m_000.png", "m_001.png"]
-    assert "--preset=demo --more-smooth --pruning=3=0.5 --pruning-layers 0 2 --seed 1" in records[1]["group"]["command"]
-    assert "--guidance-scale=2.0 --num-iter=3 --cfg-schedule=constant --seed 1" in records[3]["group"]["command"]
+    seed = records[1]["group"]["seed"]  # rows 0 and 1 of a job of seed 1: seeded from both, "1,2"
+    assert seed == int.from_bytes(hashlib.sha256(b"1,2").digest()[:8], "big") >> 1 == records[3]["group"]["seed"]
+    assert f"--preset=demo --more-smooth --pruning=3=0.5 --pruning-layers 0 2 --seed {seed}" in records[1]["group"]["command"]
+    assert f"--guidance-scale=2.0 --num-iter=3 --cfg-schedule=constant --seed {seed}" in records[3]["group"]["command"]
     for record in (records[1], records[3]):
         argv = shlex.split(record["group"]["command"].replace("OUT", str(tmp_path / "again")))[1:]
         assert main([*argv, "--no-progress"]) == 0
         again = tmp_path / "again" / record["command_file"]
         assert again.name.startswith(f"{record['group']['row']:03d}_class{record['class_id']}_")
         assert again.read_bytes() == (tmp_path / "out" / record["file"]).read_bytes()
+
+
+def test_every_rows_seed_reaches_its_groups_generator():
+    """A job's seed changes its images wherever it sits in a group (not only when first)."""
+    from mmgen.image_ar.batch import ImageJob, Row, group_seed
+
+    job = lambda seed: ImageJob(1, {"seed": seed, "output": "x"}, 0, ImageOptions(decoding="ar"))
+    first = Row(job(0), 0)
+    assert group_seed([first, Row(job(9), 0)]) != group_seed([first, Row(job(10), 0)])
+    assert group_seed([Row(job(9), 0), first]) != group_seed([first, Row(job(9), 0)])  # order is part of the call
+    assert group_seed([Row(job(9), 2)]) == 11  # alone: its own seed, as `generate image --seed 11`
+    assert 0 <= group_seed([first, Row(job(2**63 - 2), 0)]) < 2**63
