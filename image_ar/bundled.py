@@ -102,28 +102,26 @@ def load_class_pipeline(name_or_path: Union[str, os.PathLike], device="cpu", dty
 FLAG_OF_OPTION = {"window": "--window", "num_steps": "--num-iter (num_iter)"}
 
 
-def merge_decoding_options(spec: str, named: dict, given: dict, defaults: Optional[dict] = None) -> dict:
+def merge_decoding_options(spec: str, named: dict, given: dict) -> dict:
     """The one rule for a decoder setting given twice: `named` (the spec's own options) and
-    `given` (the same settings from flags or fields) must agree, else ValueError naming both;
-    `defaults` (e.g. the model's step count) fill what neither sets."""
+    `given` (the same settings from flags or fields) must agree, else ValueError naming both."""
     merged = dict(named)
     for key, value in given.items():
         if key in named and named[key] != value:
             raise ValueError(f"the decoding spec {spec!r} sets {key}={named[key]!r} but {FLAG_OF_OPTION.get(key, key)} "
                              f"is {value!r}: give the setting once")
         merged[key] = value
-    for key, value in (defaults or {}).items():
-        merged.setdefault(key, value)
     return merged
 
 
 def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: Union[str, os.PathLike], device="cpu",
-                      dtype=torch.float32, defaults: Optional[dict] = None, **overrides):
+                      dtype=torch.float32, **overrides):
     """A decoder for `pipe` (a pipeline or its class) from a command-line spec ("lantern:delta=0.2",
     "draft:drafter=emoji64-draft", "code:draft_steps=4"), among the shortcuts the pipeline
     declares (`Pipeline.decoders`). `overrides` are settings given besides the spec (a spec that
-    sets one differently is an error: `merge_decoding_options`); `defaults` (else a pipeline
-    object's `decoder_defaults()`) fill what neither sets. An empty spec is an error.
+    sets one differently is an error: `merge_decoding_options`). Settings neither gives take the
+    model's own defaults when the decoder runs (MAR's masked steps: `ContinuousDecoder`). An
+    empty spec is an error.
 
     Decoders that pair the model with a second one (`Pipeline.companions`: draft,
     entropy-switch, code, cspd) take it by name or path, loaded as a pipeline of the same
@@ -136,9 +134,7 @@ def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: Union[str, 
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty decoding spec {spec!r}: name a decoder ({', '.join(sorted(shortcuts))})")
     name, named = parse_decoding(spec)
-    if defaults is None and isinstance(pipe, Pipeline):
-        defaults = pipe.decoder_defaults()
-    options = merge_decoding_options(spec, named, overrides, defaults)
+    options = merge_decoding_options(spec, named, overrides)
     companion = pipe.companions.get(name)
     if companion is not None and name in shortcuts:
         other = options.get(companion.option) or (f"{model}{companion.suffix}" if f"{model}{companion.suffix}" in BUNDLED_MODELS else None)

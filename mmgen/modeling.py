@@ -150,6 +150,9 @@ class ContinuousModel(Protocol):
     (the same table for draft and target: denoising-trajectory alignment) and reports its final
     step's Gaussian; and `head_inputs` works on any canvas, so a target can score every drafted
     step, each on the canvas its draft saw, in one batched forward.
+
+    A model may also say how many masked steps it runs unless a decoder sets them
+    (`default_num_steps`, optional: MAR's pipelines pass their saved `num_iter`).
     """
 
     num_tokens: int

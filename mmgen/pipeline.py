@@ -79,11 +79,6 @@ class Pipeline:
 
         return FAMILY_DECODERS[cls.decoder_family]
 
-    def decoder_defaults(self) -> dict[str, Any]:
-        """Decoder settings this model defaults (MAR: its own masked step count), filled in where
-        neither a spec nor a keyword sets them."""
-        return {}
-
     def __init__(self, **components: Any):
         missing = sorted(set(self.component_types) - set(components))
         if missing:

@@ -165,8 +165,8 @@ def test_merge_decoding_options_is_the_one_rule():
     from mmgen.image_ar.bundled import merge_decoding_options
 
     assert merge_decoding_options("sjd", {}, {"window": 8}) == {"window": 8}
-    assert merge_decoding_options("ar", {"num_steps": 2}, {}, {"num_steps": 16}) == {"num_steps": 2}
-    assert merge_decoding_options("ar", {}, {}, {"num_steps": 16}) == {"num_steps": 16}
+    assert merge_decoding_options("ar", {"num_steps": 2}, {}) == {"num_steps": 2}
+    assert merge_decoding_options("ar", {"num_steps": 2}, {"num_steps": 2}) == {"num_steps": 2}  # agreeing is fine
     with pytest.raises(ValueError, match=r"sets num_steps=2 but --num-iter \(num_iter\) is 3"):
         merge_decoding_options("ar:num_steps=2", {"num_steps": 2}, {"num_steps": 3})
 
@@ -183,8 +183,8 @@ def test_mar_steps_default_to_the_models_on_the_command_line_as_for_shortcuts_in
 
 
 def test_the_readme_cspd_call_in_python_equals_the_command_line(mar_dir, tmp_path):
-    """README: a decoder object keeps its own num_steps, so Python passes num_iter= to run as the
-    command line does; then the images are the same."""
+    """README: a decoder object that sets no num_steps runs the model's, as the command line
+    does, so the images are the same; one that sets them runs its own."""
     from mmgen.decoding import ContinuousSpeculative
     from mmgen.image_ar.generation import png_bytes
     from mmgen.image_ar.mar import MARPipeline
@@ -193,9 +193,13 @@ def test_the_readme_cspd_call_in_python_equals_the_command_line(mar_dir, tmp_pat
     (path,) = tmp_path.iterdir()
     pipe, small = MARPipeline.from_pretrained(mar_dir), MARPipeline.from_pretrained(mar_dir)
     pipe.set_progress_bar_config(disable=True)
-    out = pipe([1], decoding=ContinuousSpeculative(drafter=small, num_draft=2), num_iter=pipe.sampling_defaults["num_iter"],
-               generator=torch.Generator().manual_seed(0))
+    out = pipe([1], decoding=ContinuousSpeculative(drafter=small, num_draft=2), generator=torch.Generator().manual_seed(0))
     assert png_bytes(out.images[0]) == path.read_bytes()
+    assert out.stats.baseline_forwards == pipe.sampling_defaults["num_iter"] == 4
+    own = pipe([1], decoding=ContinuousSpeculative(drafter=small, num_draft=2, num_steps=3), generator=torch.Generator().manual_seed(0))
+    assert own.stats.baseline_forwards == 3
+    spec = pipe([1], decoding="ar:num_steps=3", generator=torch.Generator().manual_seed(0))  # a spec's own steps count too
+    assert spec.stats.baseline_forwards == 3
 
 
 # ---- 5. paths, seeds and empty specs ------------------------------------------------------------

@@ -26,8 +26,9 @@ class MARContinuousModel:
     changes each token by one draw of that (small) std. False reproduces the official sampler.
     """
 
-    def __init__(self, mar: MAR, stochastic_last_step: bool = False):
+    def __init__(self, mar: MAR, stochastic_last_step: bool = False, default_num_steps: int = 64):
         self.mar = mar
+        self.default_num_steps = default_num_steps  # masked steps of a decoder that sets none
         self.num_tokens = mar.seq_len
         self.token_dim = mar.config.token_embed_dim
         self.head_steps = mar.diffloss.num_sampling_steps

@@ -42,10 +42,6 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
     decoder_settings = {"num_iter": "num_steps"}  # masked steps
     official_sampling = OFFICIAL_SAMPLING
 
-    def decoder_defaults(self) -> dict:
-        """The model's own masked step count (16 for the bundled pair, 64 officially)."""
-        return {"num_steps": self.sampling_defaults["num_iter"]}
-
     def __init__(self, transformer: MAR, vae: KLVAE, class_names: Optional[Sequence[str]] = None,
                  sampling_defaults: Optional[dict] = None):
         self.set_sampling_defaults(sampling_defaults)
@@ -67,8 +63,9 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
 
     def continuous_model(self, stochastic_last_step: bool = True) -> MARContinuousModel:
         """The transformer as the core's `ContinuousModel` (what `ContinuousSpeculative` takes
-        as a drafter); by default with the stochastic last head step that CSpD needs."""
-        return MARContinuousModel(self.transformer, stochastic_last_step)
+        as a drafter); by default with the stochastic last head step that CSpD needs. Decoders
+        that set no `num_steps` run the pipeline's `num_iter`."""
+        return MARContinuousModel(self.transformer, stochastic_last_step, self.sampling_defaults["num_iter"])
 
     def sampling_config(self, guidance_scale=None, cfg_schedule=None, temperature=None) -> SamplingConfig:
         o = {k: self.sampling_defaults[k] if v is None else v
@@ -99,9 +96,10 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
             class_labels: class ids in [0, num_classes).
             decoding: "ar" (the official sampler), "cspd" / `ContinuousSpeculative(drafter=...)`,
                 or any `ContinuousDecoder`.
-            num_iter: masked steps; overrides the decoder's `num_steps`. Default: a decoder object
-                keeps its own, a shortcut takes the pipeline's (officially 64; the README
-                evaluates with 256).
+            num_iter: masked steps; overrides the decoder's `num_steps`. Default: the decoder's
+                `num_steps` when it sets one ("ar:num_steps=8", `MaskedContinuous(num_steps=8)`),
+                else the pipeline's (officially 64; the README evaluates with 256), for shortcuts
+                and decoder objects alike.
             guidance_scale: CFG scale (>= 1), schedule "linear" (grows with the known tokens) or "constant".
             temperature: scales the head's noise.
             generator: the source of every random draw; None seeds one from OS entropy.
@@ -111,8 +109,8 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_schedule, temperature)
         decoder = resolve_decoder(decoding, CONTINUOUS_DECODERS)
-        if num_iter is not None or isinstance(decoding, str):
-            decoder = replace(decoder, num_steps=self.sampling_defaults["num_iter"] if num_iter is None else num_iter)
+        if num_iter is not None:
+            decoder = replace(decoder, num_steps=num_iter)
         model = self.continuous_model(stochastic_last_step=isinstance(decoder, ContinuousSpeculative))
         with self.progress_bar(model.num_tokens, desc="tokens") as bar:
             result = decoder.generate(_CanvasProgress(model, bar), torch.tensor(labels, device=self.device), sampling,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -149,13 +149,26 @@ def _step(model: ContinuousModel, state: ContinuousState, positions: torch.Tenso
     return out
 
 
+#: Masked steps of a model that names no default of its own (MAR's official 64).
+DEFAULT_NUM_STEPS = 64
+
+
 class ContinuousDecoder(BaseDecoder):
     """Base class of masked continuous decoders: `generate(model, conditions, sampling,
-    generator)` fills the canvas."""
+    generator)` fills the canvas.
+
+    `num_steps` None (the default) runs the model's own step count (`model.default_num_steps`,
+    e.g. a pipeline's saved `num_iter`; `DEFAULT_NUM_STEPS` for a model without one), so a
+    decoder object and a shortcut run the same schedule unless one is set explicitly.
+    """
 
     family: ClassVar[str] = "continuous"
 
-    num_steps: int
+    num_steps: Optional[int]
+
+    def steps_for(self, model: ContinuousModel) -> int:
+        """The masked steps this decoder runs on `model`."""
+        return self.num_steps if self.num_steps is not None else getattr(model, "default_num_steps", DEFAULT_NUM_STEPS)
 
     def generate(self, model: ContinuousModel, conditions: torch.Tensor, sampling: SamplingConfig,
                  generator: torch.Generator) -> ContinuousOutput:
@@ -167,10 +180,11 @@ class MaskedContinuous(ContinuousDecoder):
     """One head sample per position, a schedule of position sets (MAR's sampler: random order,
     cosine mask schedule over `num_steps` iterations)."""
 
-    num_steps: int = 64
+    num_steps: Optional[int] = None
 
     def __post_init__(self):
-        check_int("num_steps", self.num_steps, 1)
+        if self.num_steps is not None:
+            check_int("num_steps", self.num_steps, 1)
 
     def generate(self, model: ContinuousModel, conditions: torch.Tensor, sampling: SamplingConfig,
                  generator: torch.Generator) -> ContinuousOutput:
@@ -179,11 +193,12 @@ class MaskedContinuous(ContinuousDecoder):
         recorder = StatsRecorder(state.device, max_accepted=1)
         noise = noise_table(model, state.tokens.shape[0], state.device, generator)
         ones = torch.ones(state.tokens.shape[0], dtype=torch.long, device=state.device)
-        for positions in model.schedule(state, self.num_steps, generator):
+        num_steps = self.steps_for(model)
+        for positions in model.schedule(state, num_steps, generator):
             _step(model, state, positions, noise, sampling)
             recorder.record(ones, ones.bool())
         stats = recorder.finish(model.num_tokens, state.tokens.shape[0], 0)
-        stats.baseline_forwards = self.num_steps
+        stats.baseline_forwards = num_steps
         return ContinuousOutput(state.tokens, stats)
 
 
@@ -208,13 +223,14 @@ class ContinuousSpeculative(ContinuousDecoder):
     """
 
     drafter: Any = None
-    num_steps: int = 64
+    num_steps: Optional[int] = None
     num_draft: int = 8
     prefill_ratio: float = 0.15
     acceptance: ContinuousAcceptance = field(default_factory=ContinuousAcceptance)
 
     def __post_init__(self):
-        check_int("num_steps", self.num_steps, 1)
+        if self.num_steps is not None:
+            check_int("num_steps", self.num_steps, 1)
         check_int("num_draft", self.num_draft, 1)
         if not isinstance(self.prefill_ratio, (int, float)) or not 0.0 <= self.prefill_ratio <= 1.0:
             raise ValueError(f"prefill_ratio must be in [0, 1], got {self.prefill_ratio!r}")
@@ -231,7 +247,7 @@ class ContinuousSpeculative(ContinuousDecoder):
         B, device = state.tokens.shape[0], state.device
         recorder = StatsRecorder(device, max_accepted=self.num_draft)  # steps committed per target forward
         noise = noise_table(model, B, device, generator)
-        steps = model.schedule(state, self.num_steps, generator)
+        steps = model.schedule(state, self.steps_for(model), generator)
         ones = torch.ones(B, dtype=torch.long, device=device)
         prefill = min(len(steps), math.ceil(self.prefill_ratio * len(steps)))
         for positions in steps[:prefill]:
