@@ -269,10 +269,14 @@ def speculative_decode(
     synced = k > 0 or variable or streamer is not None
     slowest = report(tokens, emitted, run.active, synced)
 
+    ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
     while slowest < num_tokens:
         active = run.active
-        drafts, q = proposer.propose(run)
-        window = torch.cat([run.newest(), drafts], 1)
+        if k > 0:
+            drafts, q = proposer.propose(run)
+            window = torch.cat([run.newest(), drafts], 1)
+        else:
+            window = run.newest()
         index = run.pos[:, None] + 1 + slots[: k + 1]  # generated-token index each slot predicts
         p = probs(model.forward(state, window), index)
         bad |= _invalid(p) & active
@@ -281,17 +285,17 @@ def speculative_decode(
             accepted, residual = _verify(rule, p[:, :-1], q, drafts, generator, index[:, :-1], run)
         every = proposer.samples_every_slot or K > 1
         fresh = proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
+        # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
         if k > 0:
             resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
             n_acc, next_token = _finalise(accepted, resampled, fresh, drafts, K)
-        else:
-            n_acc, next_token = torch.zeros(B, dtype=torch.long, device=device), fresh[:, -1]
-
-        # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
-        written = torch.cat([window, fresh[:, -1:]], 1)
-        written = written.scatter(1, _frame_index((n_acc + 1)[:, None], K), next_token[:, None])
+            written = torch.cat([window, fresh[:, -1:]], 1)
+            written = written.scatter(1, _frame_index((n_acc + 1)[:, None], K), next_token[:, None])
+            step = n_acc + 1
+        else:  # autoregressive: [newest, its sample], one token per row
+            n_acc, next_token = no_drafts, fresh[:, -1]
+            written, step = torch.cat([window, fresh], 1), ones
         tokens.scatter_(1, _frame_index(run.pos[:, None] + slots, K), written)
-        step = n_acc + 1
         still = active
         if variable:
             # Cut each row at its budget, and just after its first stop token among the new ones.
@@ -300,7 +304,8 @@ def speculative_decode(
             hit = stops.any(1)
             step = torch.where(hit, stops.long().argmax(1) + 1, step)
             still = still & ~hit
-        step = torch.where(active, step, 0)
+        if synced:  # unsynced loops (fixed-length autoregressive) have no idle rows
+            step = torch.where(active, step, 0)
         model.commit(state, step)
         recorder.record(step, active)
         run.pos = run.pos + step
