@@ -33,9 +33,7 @@ PIPELINE_LOADER = "mmgen.image_ar.bundled"
 def __getattr__(name: str) -> Any:
     # Pipeline classes resolve through the registry, importing their module on first use.
     if name.endswith("Pipeline") and registry.is_pipeline_name(name):
-        value = registry.pipeline_class(name)
-        globals()[name] = value  # later lookups skip __getattr__
-        return value
+        return registry.pipeline_class(name)  # not cached: the registry stays the one truth
     raise AttributeError(f"module 'mmgen' has no attribute {name!r}")
 
 
