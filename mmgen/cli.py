@@ -21,7 +21,10 @@ import argparse
 import importlib
 import shlex
 import sys
-from typing import Any, NoReturn, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Optional, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 #: Modules that add subcommands (`register(commands, groups)`), one per modality package.
 COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.image_ar.batch", "mmgen.apps.cli")

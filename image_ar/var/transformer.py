@@ -497,7 +497,6 @@ class VARTransformer(nn.Module):
         With `pruning` (one scale at a time), FastVAR: at the policy's cache step the pruned
         layers remember their branch outputs; at a pruned step each of their attention and FFN
         branches runs only on the kept tokens (and appends only their keys)."""
-        c = self.config
         B, n, _ = x.shape
         begin, end = self._span(first_step, num_steps)
         if n != end - begin:

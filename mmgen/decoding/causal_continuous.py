@@ -12,7 +12,6 @@ everything. Rows advance independently and roll back by not committing, as the t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 

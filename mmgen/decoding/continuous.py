@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, check_int
-from mmgen.decoding.stats import DecodeStats, DraftCounters, StatsRecorder
+from mmgen.decoding.stats import DraftCounters, StatsRecorder
 from mmgen.modeling import ContinuousModel, ContinuousState, HeadSample
 from mmgen.sampling import SamplingConfig
 

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Optional, Protocol, Sequence
 import torch
 
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, Progress, check_int, raise_if_masked
-from mmgen.decoding.stats import DecodeStats, StageCounters, StatsRecorder
+from mmgen.decoding.stats import StageCounters, StatsRecorder
 from mmgen.modeling import ScaleModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
 
