@@ -27,8 +27,6 @@ from mmgen import registry
 from mmgen.hub import CheckpointError, local_path, resolve_path
 from mmgen.pipeline import MODEL_INDEX, Pipeline
 
-from mmgen.image_ar import MODEL_TYPES
-
 ASSETS = Path(__file__).parent / "assets"
 BUNDLED_MODELS = {
     "emoji64": ASSETS / "emoji64",
@@ -77,7 +75,7 @@ def load_pipeline(name_or_path: Union[str, os.PathLike], device=None, dtype=None
     cls = registry.pipeline_for_model_type(model_type) if model_type else None
     if cls is None:
         raise CheckpointError(f"{name_or_path} is not a pipeline folder: it has no {MODEL_INDEX} (an mmgen pipeline) "
-                              f"and no config.json of a model_type mmgen opens ({', '.join(sorted(MODEL_TYPES))})")
+                              f"and no config.json of a model_type mmgen opens ({', '.join(registry.model_types())})")
     return _from_pretrained(cls, root, device, dtype)
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 
 #: Packages whose `PIPELINE_MODULES` (class name -> module), `PIPELINE_ALIASES` (other name ->
 #: class name) and `MODEL_TYPES` (transformers model_type -> class name) the registry reads.
-MODALITY_PACKAGES = ("mmgen.image_ar",)
+MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm")
 
 PIPELINES: dict[str, type] = {}
 MODEL_TYPE_PIPELINES: dict[str, str] = {}
@@ -90,6 +90,14 @@ def pipeline_class(name: str) -> type:
                 raise RuntimeError(f"{module} was listed for {target} but did not register it")
             return PIPELINES[target]
     raise ValueError(f"unknown pipeline class {name!r}; mmgen has {pipeline_names()}")
+
+
+def model_types() -> list[str]:
+    """Every transformers `model_type` a registered or listed pipeline opens."""
+    types = set(MODEL_TYPE_PIPELINES)
+    for index in _modality_indexes():
+        types |= set(getattr(index, "MODEL_TYPES", {}))
+    return sorted(types)
 
 
 def pipeline_for_model_type(model_type: str) -> Optional[type]:

@@ -1,0 +1,125 @@
+"""VLMPipeline on a tiny random LLaVA built here (no downloads): greedy output equals
+transformers' own `generate`, lossless decoders equal AR, stop tokens, streaming, loading."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+import mmgen
+from mmgen.vlm.pipeline import VLMPipeline
+
+V = 48
+WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "USER:", "ASSISTANT:", "what", "is", "this", "a", "cat", "dog", "?",
+         "colour", "shape", "red", "blue", "the", "of", "and", "small", "big", "picture"]
+
+
+def tiny_llava(seed: int = 0):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor, PreTrainedTokenizerFast)
+
+    vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(V - len(WORDS))])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                        unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
+    template = ("{% for m in messages %}{{ m['role'].upper() + ': ' }}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                "<image> {% else %}{{ c['text'] + ' ' }}{% endif %}{% endfor %}{% endfor %}"
+                "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+                               tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=template)
+    torch.manual_seed(seed)
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=32, patch_size=8),
+        text_config=LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        image_token_index=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default")
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # make the end token likely enough that some rows stop early
+        model.lm_head.weight[2] *= 4
+    return VLMPipeline(model, processor)
+
+
+def images(n: int):
+    g = torch.Generator().manual_seed(n)
+    return [Image.fromarray((torch.rand(36 + 4 * i, 40, 3, generator=g) * 255).byte().numpy()) for i in range(n)]
+
+
+PROMPTS = ["what is this ?", "what colour is the small cat and the big dog ?", "shape of this picture ?"]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_llava()
+
+
+def transformers_greedy(pipe, prompts, imgs, max_new_tokens):
+    inputs = pipe.prepare_inputs(prompts, imgs)
+    out = pipe.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pipe.pad_token_id)
+    return out[:, inputs["input_ids"].shape[1]:]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_equals_transformers_generate(pipe, rows):
+    prompts, imgs = PROMPTS[:rows], images(rows) if rows > 1 else images(1)[0]
+    ref = transformers_greedy(pipe, prompts, imgs, 12)
+    out = pipe(prompts, imgs, max_new_tokens=12)
+    for row, n in enumerate(out.lengths.tolist()):
+        assert torch.equal(out.token_ids[row, :n], ref[row, :n])
+        if n < 12:  # stopped at the end token, as generate did (it pads after it)
+            assert out.token_ids[row, n - 1] == 2 and (ref[row, n:] == pipe.pad_token_id).all()
+            assert (out.token_ids[row, n:] == pipe.pad_token_id).all()
+    assert len(out.texts) == rows and out.stats.rows == rows
+
+
+@pytest.mark.parametrize("decoding", ["sjd", "lookup", "sjd-coupled"])
+def test_lossless_decoders_equal_ar_under_greedy(pipe, decoding):
+    imgs = images(3)
+    ar = pipe(PROMPTS, imgs, max_new_tokens=10)
+    other = pipe(PROMPTS, imgs, max_new_tokens=10, decoding=decoding)
+    assert torch.equal(other.token_ids, ar.token_ids) and torch.equal(other.lengths, ar.lengths)
+
+
+def test_sampling_is_reproducible_from_the_generator(pipe):
+    run = lambda seed: pipe(PROMPTS[:2], images(2), max_new_tokens=8, temperature=1.0,
+                            generator=torch.Generator().manual_seed(seed)).token_ids
+    assert torch.equal(run(0), run(0)) and not torch.equal(run(0), run(1))
+
+
+def test_stop_tokens_and_budgets(pipe):
+    out = pipe(PROMPTS, images(3), max_new_tokens=6, stop_token_ids=[])
+    assert out.lengths.tolist() == [6, 6, 6]  # no stop token: the budget ends every row
+    first = out.token_ids[0, 0].item()
+    stopped = pipe(PROMPTS, images(3), max_new_tokens=6, stop_token_ids=[first])
+    assert stopped.lengths[0] == 1 and stopped.token_ids[0, 0] == first
+
+
+def test_streamed_text_concatenates_to_the_answer(pipe):
+    imgs = images(2)
+    whole = pipe(PROMPTS[:2], imgs, max_new_tokens=10, stop_token_ids=[])
+    pieces = {}
+    for row, piece in pipe.stream(PROMPTS[:2], imgs, max_new_tokens=10, stop_token_ids=[]):
+        pieces[row] = pieces.get(row, "") + piece
+    assert [pieces.get(r, "") for r in range(2)] == whole.texts
+
+
+def test_bad_input_is_a_clear_error(pipe):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
+        pipe("what is this ?", images(1)[0], max_new_tokens=0)
+    with pytest.raises(ValueError, match="prompts must be"):
+        pipe("", images(1)[0])
+    with pytest.raises(ValueError, match="2 prompts need a list of 2 images"):
+        pipe(PROMPTS[:2], images(1)[0])
+
+
+def test_saved_folder_loads_through_the_registry(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path / "tiny-llava")
+    loaded = mmgen.load_pipeline(tmp_path / "tiny-llava")
+    assert type(loaded) is VLMPipeline and mmgen.VLMPipeline is VLMPipeline
+    a = pipe(PROMPTS[0], images(1)[0], max_new_tokens=6)
+    b = loaded(PROMPTS[0], images(1)[0], max_new_tokens=6)
+    assert torch.equal(a.token_ids, b.token_ids)
