@@ -3,7 +3,7 @@
 The model and processor are transformers' (`AutoModelForImageTextToText`, `AutoProcessor`);
 mmgen adds the decoding core, so the same checkpoint decodes with any token decoder of the core
 (autoregressive, speculative Jacobi, prompt lookup, ...), with per-row stop tokens, budgets and
-streaming. Families served so far: LLaVA-style models (`VLMTokenModel`).
+streaming. Families served so far: LLaVA and Qwen2-VL / Qwen2.5-VL (`VLMTokenModel`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class VLMOutput:
     stats: DecodeStats
 
 
-@register_pipeline(model_types=("llava",))
+@register_pipeline(model_types=("llava", "qwen2_vl", "qwen2_5_vl"))
 class VLMPipeline(Pipeline):
     """A vision-language model answering prompts about images (greedy by default)."""
 

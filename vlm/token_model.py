@@ -5,7 +5,10 @@ the prompt; every later forward runs only its language model on token embeddings
 the core's `SlotKVCache` over a transformers `DynamicCache` (the Janus adapter's layout), so rows
 advance by their own accepted counts and speculative decoders can rewind. Positions follow
 transformers' `generate`: prompt tokens at `cumsum(attention_mask) - 1`, new tokens at their
-slot; greedy output equals `model.generate(do_sample=False)` token for token (tested).
+slot. Models with multimodal rotary positions (Qwen2-VL / Qwen2.5-VL M-RoPE: a
+`get_rope_index`) compute the prompt's 3-D positions themselves in the prefill; each new token
+then sits at its slot plus the row's `rope_deltas` on all three axes, as in transformers. Greedy
+output equals `model.generate(do_sample=False)` token for token (tested for both kinds).
 """
 
 from __future__ import annotations
@@ -39,14 +42,19 @@ class VLMTokenModel:
         inputs = {k: v.to(self.model.device) if torch.is_tensor(v) else v for k, v in conditions.items()}
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         kv = DynamicCache(config=self.model.config.get_text_config())
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.model(**inputs, position_ids=positions, past_key_values=kv, use_cache=True, logits_to_keep=1)
+        mrope = callable(getattr(self.model.model, "get_rope_index", None))
+        if not mrope:
+            inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        out = self.model(**inputs, past_key_values=kv, use_cache=True, logits_to_keep=1)
         cache = SlotKVCache(kv, mask, prompt_length=ids.shape[1], compact_ratio=self.compact_ratio)
-        return DecodeState(cache, ids.shape[0], False, Logits(out.logits[:, -1:].float()))
+        deltas = self.model.model.rope_deltas if mrope else None  # [B, 1]: 3-D position minus slot
+        return DecodeState(cache, ids.shape[0], False, Logits(out.logits[:, -1:].float()), extra=deltas)
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
         mask, positions = state.cache.open(tokens.shape[1])
+        if state.extra is not None:  # M-RoPE: text tokens advance on all three axes together
+            positions = (positions + state.extra).unsqueeze(0).expand(3, -1, -1)
         embeds = self.model.get_input_embeddings()(tokens)
         hidden = self.model.model.language_model(
             inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=state.cache.kv, use_cache=True

@@ -1,5 +1,6 @@
-"""VLMPipeline on a tiny random LLaVA built here (no downloads): greedy output equals
-transformers' own `generate`, lossless decoders equal AR, stop tokens, streaming, loading."""
+"""VLMPipeline on tiny random LLaVA and Qwen2.5-VL models built here (no downloads): greedy
+output equals transformers' own `generate`, lossless decoders equal AR, stop tokens, streaming,
+loading."""
 
 from __future__ import annotations
 
@@ -15,19 +16,57 @@ WORDS = ["<pad>", "<s>", "</s>", "<unk>", "<image>", "USER:", "ASSISTANT:", "wha
          "colour", "shape", "red", "blue", "the", "of", "and", "small", "big", "picture"]
 
 
-def tiny_llava(seed: int = 0):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
-                              LlavaProcessor, PreTrainedTokenizerFast)
+QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 
-    vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(V - len(WORDS))])}
+
+def word_tokenizer(special: dict, extra_words=()):
+    """A whitespace word-level tokenizer over WORDS (+ fillers up to V), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = WORDS + list(extra_words)
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(V - len(words))])}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                        unk_token="<unk>", extra_special_tokens={"image_token": "<image>"})
-    template = ("{% for m in messages %}{{ m['role'].upper() + ': ' }}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-                "<image> {% else %}{{ c['text'] + ' ' }}{% endif %}{% endfor %}{% endfor %}"
-                "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    return vocab, PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                          unk_token="<unk>", extra_special_tokens=special)
+
+
+def chat_template(image: str) -> str:
+    return ("{% for m in messages %}{{ m['role'].upper() + ': ' }}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+            + image + " {% else %}{{ c['text'] + ' ' }}{% endif %}{% endfor %}{% endfor %}"
+            "{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+
+
+def tiny_qwen(seed: int = 0):
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor, Qwen2VLImageProcessor,
+                              Qwen2VLVideoProcessor)
+
+    vocab, tokenizer = word_tokenizer({"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                                       "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}, QWEN_TOKENS)
+    patches = dict(patch_size=4, temporal_patch_size=2, merge_size=2)
+    processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=16 * 16, max_pixels=32 * 32, **patches),
+                                    video_processor=Qwen2VLVideoProcessor(**patches), tokenizer=tokenizer,
+                                    chat_template=chat_template("<|vision_start|> <|image_pad|> <|vision_end|>"))
+    torch.manual_seed(seed)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=8, fullatt_block_indexes=[1]),
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
+    model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = 2
+    return VLMPipeline(model, processor)
+
+
+def tiny_llava(seed: int = 0):
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    vocab, tokenizer = word_tokenizer({"image_token": "<image>"})
+    template = chat_template("<image>")
     processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
                                tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
                                num_additional_image_tokens=1, chat_template=template)
@@ -39,8 +78,6 @@ def tiny_llava(seed: int = 0):
                                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
         image_token_index=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default")
     model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():  # make the end token likely enough that some rows stop early
-        model.lm_head.weight[2] *= 4
     return VLMPipeline(model, processor)
 
 
@@ -52,26 +89,33 @@ def images(n: int):
 PROMPTS = ["what is this ?", "what colour is the small cat and the big dog ?", "shape of this picture ?"]
 
 
-@pytest.fixture(scope="module")
-def pipe():
-    return tiny_llava()
+@pytest.fixture(scope="module", params=["llava", "qwen2_5_vl"])
+def pipe(request):
+    return {"llava": tiny_llava, "qwen2_5_vl": tiny_qwen}[request.param]()
 
 
-def transformers_greedy(pipe, prompts, imgs, max_new_tokens):
+def transformers_greedy(pipe, prompts, imgs, max_new_tokens, eos):
     inputs = pipe.prepare_inputs(prompts, imgs)
-    out = pipe.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pipe.pad_token_id)
+    out = pipe.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pipe.pad_token_id,
+                              eos_token_id=eos)
     return out[:, inputs["input_ids"].shape[1]:]
 
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_greedy_equals_transformers_generate(pipe, rows):
     prompts, imgs = PROMPTS[:rows], images(rows) if rows > 1 else images(1)[0]
-    ref = transformers_greedy(pipe, prompts, imgs, 12)
-    out = pipe(prompts, imgs, max_new_tokens=12)
+    free = pipe(prompts, imgs, max_new_tokens=12, stop_token_ids=[])
+    assert torch.equal(free.token_ids, transformers_greedy(pipe, prompts, imgs, 12, eos=[]))
+    # a stop token that row 0 first emits mid-way, so rows end at different steps, as in generate
+    first = free.token_ids[0].tolist()
+    stop = next(t for i, t in enumerate(first) if i >= 3 and t not in first[:i])
+    ref = transformers_greedy(pipe, prompts, imgs, 12, eos=[stop])
+    out = pipe(prompts, imgs, max_new_tokens=12, stop_token_ids=[stop])
+    assert out.lengths[0] == first.index(stop) + 1 < 12
     for row, n in enumerate(out.lengths.tolist()):
         assert torch.equal(out.token_ids[row, :n], ref[row, :n])
-        if n < 12:  # stopped at the end token, as generate did (it pads after it)
-            assert out.token_ids[row, n - 1] == 2 and (ref[row, n:] == pipe.pad_token_id).all()
+        if n < 12:  # ended at the stop token, as generate did (it pads after it)
+            assert out.token_ids[row, n - 1] == stop and (ref[row, n:] == pipe.pad_token_id).all()
             assert (out.token_ids[row, n:] == pipe.pad_token_id).all()
     assert len(out.texts) == rows and out.stats.rows == rows
 
@@ -96,6 +140,7 @@ def test_stop_tokens_and_budgets(pipe):
     first = out.token_ids[0, 0].item()
     stopped = pipe(PROMPTS, images(3), max_new_tokens=6, stop_token_ids=[first])
     assert stopped.lengths[0] == 1 and stopped.token_ids[0, 0] == first
+    assert pipe.eos_token_ids == [2]  # the default stop: the model's end token
 
 
 def test_streamed_text_concatenates_to_the_answer(pipe):
@@ -120,6 +165,7 @@ def test_saved_folder_loads_through_the_registry(pipe, tmp_path):
     pipe.save_pretrained(tmp_path / "tiny-llava")
     loaded = mmgen.load_pipeline(tmp_path / "tiny-llava")
     assert type(loaded) is VLMPipeline and mmgen.VLMPipeline is VLMPipeline
+    assert type(loaded.model) is type(pipe.model)
     a = pipe(PROMPTS[0], images(1)[0], max_new_tokens=6)
     b = loaded(PROMPTS[0], images(1)[0], max_new_tokens=6)
     assert torch.equal(a.token_ids, b.token_ids)
