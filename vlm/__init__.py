@@ -8,4 +8,4 @@ use, so importing this package stays cheap.
 #: Pipeline class name -> the module that defines and registers it.
 PIPELINE_MODULES = {"VLMPipeline": "mmgen.vlm.pipeline"}
 #: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
-MODEL_TYPES = {"llava": "VLMPipeline", "qwen2_vl": "VLMPipeline", "qwen2_5_vl": "VLMPipeline"}
+MODEL_TYPES = {"llava": "VLMPipeline", "qwen2_vl": "VLMPipeline", "qwen2_5_vl": "VLMPipeline", "idefics3": "VLMPipeline"}

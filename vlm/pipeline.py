@@ -3,7 +3,7 @@
 The model and processor are transformers' (`AutoModelForImageTextToText`, `AutoProcessor`);
 mmgen adds the decoding core, so the same checkpoint decodes with any token decoder of the core
 (autoregressive, speculative Jacobi, prompt lookup, ...), with per-row stop tokens, budgets and
-streaming. Families served so far: LLaVA and Qwen2-VL / Qwen2.5-VL (`VLMTokenModel`).
+streaming. Families served so far: LLaVA, Qwen2-VL / Qwen2.5-VL and Idefics3 (`VLMTokenModel`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class VLMOutput:
     stats: DecodeStats
 
 
-@register_pipeline(model_types=("llava", "qwen2_vl", "qwen2_5_vl"))
+@register_pipeline(model_types=("llava", "qwen2_vl", "qwen2_5_vl", "idefics3"))
 class VLMPipeline(Pipeline):
     """A vision-language model answering prompts about images (greedy by default)."""
 
@@ -91,8 +91,9 @@ class VLMPipeline(Pipeline):
             )
             for prompt, row in zip(prompts, per_row)
         ]
-        flat = [image for row in per_row for image in row]
-        return dict(self.processor(images=flat or None, text=texts, padding=True, return_tensors="pt"))
+        # Nested per prompt: processors that count images per row (Idefics3) need it, the others flatten it.
+        nested = per_row if any(per_row) else None
+        return dict(self.processor(images=nested, text=texts, padding=True, return_tensors="pt"))
 
     def token_model(self) -> VLMTokenModel:
         return VLMTokenModel(self.model)

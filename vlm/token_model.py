@@ -23,14 +23,17 @@ from mmgen.sampling import Logits
 
 
 class VLMTokenModel:
-    """`AutoModelForImageTextToText` models with a `model.language_model` trunk and an
-    `lm_head` (LLaVA, LLaVA-NeXT, ...). Conditions are the processor's batch (`input_ids`,
-    `attention_mask` with left padding, `pixel_values` and any other image inputs)."""
+    """`AutoModelForImageTextToText` models with a text trunk (`model.language_model`, or
+    `model.text_model` in Idefics3 / SmolVLM) and an `lm_head`: LLaVA, Qwen2-VL / Qwen2.5-VL,
+    Idefics3. Conditions are the processor's batch (`input_ids`, `attention_mask` with left
+    padding, `pixel_values` and any other image inputs)."""
 
     def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0):
         self.model = model
         self.compact_ratio = compact_ratio
         self.vocab_size = model.lm_head.out_features
+        inner = model.model
+        self.trunk = inner.language_model if hasattr(inner, "language_model") else inner.text_model
 
     @torch.no_grad()
     def start(self, conditions: Mapping[str, torch.Tensor], capacity: int, guidance: bool) -> DecodeState:
@@ -56,7 +59,7 @@ class VLMTokenModel:
         if state.extra is not None:  # M-RoPE: text tokens advance on all three axes together
             positions = (positions + state.extra).unsqueeze(0).expand(3, -1, -1)
         embeds = self.model.get_input_embeddings()(tokens)
-        hidden = self.model.model.language_model(
+        hidden = self.trunk(
             inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=state.cache.kv, use_cache=True
         ).last_hidden_state
         return Logits(self.model.lm_head(hidden).float())

@@ -1,4 +1,4 @@
-"""VLMPipeline on tiny random LLaVA and Qwen2.5-VL models built here (no downloads): greedy
+"""VLMPipeline on tiny random LLaVA, Qwen2.5-VL and Idefics3 models built here (no downloads): greedy
 output equals transformers' own `generate`, lossless decoders equal AR, stop tokens, streaming,
 loading."""
 
@@ -62,6 +62,26 @@ def tiny_qwen(seed: int = 0):
     return VLMPipeline(model, processor)
 
 
+def tiny_idefics3(seed: int = 0):
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor, Idefics3Processor
+
+    special = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>", "global_image_token": "<global-img>",
+               "end_of_utterance_token": "<end_of_utterance>"}
+    vocab, tokenizer = word_tokenizer(special, ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"])
+    images_ = Idefics3ImageProcessor(do_image_splitting=False, size={"longest_edge": 32}, max_image_size={"longest_edge": 32})
+    processor = Idefics3Processor(image_processor=images_, tokenizer=tokenizer, image_seq_len=4, chat_template=chat_template("<image>"))
+    torch.manual_seed(seed)
+    config = Idefics3Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                           patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        scale_factor=2, image_token_id=vocab["<image>"])
+    model = Idefics3ForConditionalGeneration(config).eval()
+    model.generation_config.eos_token_id = 2
+    return VLMPipeline(model, processor)
+
+
 def tiny_llava(seed: int = 0):
     from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
@@ -89,9 +109,9 @@ def images(n: int):
 PROMPTS = ["what is this ?", "what colour is the small cat and the big dog ?", "shape of this picture ?"]
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["llava", "qwen2_5_vl", "idefics3"])
 def pipe(request):
-    return {"llava": tiny_llava, "qwen2_5_vl": tiny_qwen}[request.param]()
+    return {"llava": tiny_llava, "qwen2_5_vl": tiny_qwen, "idefics3": tiny_idefics3}[request.param]()
 
 
 def transformers_greedy(pipe, prompts, imgs, max_new_tokens, eos):
@@ -169,3 +189,13 @@ def test_saved_folder_loads_through_the_registry(pipe, tmp_path):
     a = pipe(PROMPTS[0], images(1)[0], max_new_tokens=6)
     b = loaded(PROMPTS[0], images(1)[0], max_new_tokens=6)
     assert torch.equal(a.token_ids, b.token_ids)
+
+
+def test_several_images_in_one_prompt_and_none_in_another(pipe):
+    imgs = [images(2), []]
+    inputs = pipe.prepare_inputs(PROMPTS[:2], imgs)
+    image_token = pipe.processor.tokenizer.convert_tokens_to_ids(pipe.processor.image_token)
+    counts = (inputs["input_ids"] == image_token).sum(1).tolist()
+    assert counts[0] > 0 and counts[1] == 0
+    out = pipe(PROMPTS[:2], imgs, max_new_tokens=8, stop_token_ids=[])
+    assert torch.equal(out.token_ids, transformers_greedy(pipe, PROMPTS[:2], imgs, 8, eos=[]))
