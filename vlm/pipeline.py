@@ -16,7 +16,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer, resolve_decoder
-from mmgen.pipeline import Pipeline
+from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 
@@ -41,6 +41,9 @@ class VLMPipeline(Pipeline):
     component_types = {}  # transformers' own folders
     conditions = "prompt"
     default_decoding = "ar"
+    #: Image-aware drafting: the drafter gets the same processor batch, image included (what
+    #: transformers' assisted generation does not give its assistant).
+    companions = {"draft": Companion("drafter", "-draft", "a smaller VLM of the same tokenizer and processor")}
 
     def __init__(self, model: Any, processor: Any):
         super().__init__(model=model)

@@ -35,6 +35,10 @@ class VLMTokenModel:
         inner = model.model
         self.trunk = inner.language_model if hasattr(inner, "language_model") else inner.text_model
 
+    def token_embeddings(self) -> torch.Tensor:
+        """The language model's input embedding of each token [V, hidden] (grouped acceptance)."""
+        return self.model.get_input_embeddings().weight[: self.vocab_size]
+
     @torch.no_grad()
     def start(self, conditions: Mapping[str, torch.Tensor], capacity: int, guidance: bool) -> DecodeState:
         # `capacity` needs no allocation: the DynamicCache grows, RoPE follows the position ids.

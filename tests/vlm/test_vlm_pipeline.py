@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 import mmgen
+from mmgen.decoding import make_decoder
 from mmgen.vlm.pipeline import VLMPipeline
 
 V = 48
@@ -199,3 +200,53 @@ def test_several_images_in_one_prompt_and_none_in_another(pipe):
     assert counts[0] > 0 and counts[1] == 0
     out = pipe(PROMPTS[:2], imgs, max_new_tokens=8, stop_token_ids=[])
     assert torch.equal(out.token_ids, transformers_greedy(pipe, PROMPTS[:2], imgs, 8, eos=[]))
+
+
+def test_image_aware_drafting_is_exact_in_distribution():
+    """A smaller VLM of the same tokenizer drafts with the image; the core's exact rule keeps
+    the target's distribution: the first two sampled tokens of 3000 rows against the target's
+    enumerated joint (top-k 3: 9 outcomes), chi-square."""
+    from scipy.stats import chisquare
+
+    from mmgen.sampling import SamplingConfig
+
+    target, drafter = tiny_llava(0), tiny_llava(1)
+    prompt, image = PROMPTS[0], images(1)[0]
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    # The target's exact joint of (token 0, token 1), teacher-forced.
+    model = target.token_model()
+    inputs = target.prepare_inputs([prompt] * 3, [image] * 3)
+    state = model.start(inputs, 4, False)
+    p0 = sampling.probs(state.first_logits, torch.zeros(3, 1, dtype=torch.long))[0, 0]
+    first = p0.topk(3).indices
+    p1 = sampling.probs(model.forward(state, first[:, None]), torch.ones(3, 1, dtype=torch.long))[:, 0]
+    joint = (p0[first, None] * p1).double()  # [3, V]: P(first[i], j)
+    rows = 3000
+    draft = make_decoder("draft", drafter=drafter, num_draft=2)
+    out = target([prompt] * rows, [image] * rows, max_new_tokens=2, decoding=draft, temperature=1.0, top_k=3,
+                 stop_token_ids=[], generator=torch.Generator().manual_seed(0))
+    assert out.stats.draft_forwards > 0
+    counts = torch.zeros_like(joint)
+    for a, b in out.token_ids.tolist():
+        assert a in first.tolist() and joint[first.tolist().index(a), b] > 0  # never outside the target's support
+        counts[first.tolist().index(a), b] += 1
+    keep = joint > 0
+    assert chisquare(counts[keep].numpy(), (joint[keep] / joint.sum() * rows).numpy()).pvalue > 1e-3
+
+
+def test_grouped_acceptance_runs_on_vlms(pipe):
+    """GSD groups tokens by the language model's input embeddings; LANTERN's latent proximity is
+    an image-token notion (it needs a tokenizer codebook) and is refused with a clear error."""
+    out = pipe(PROMPTS, images(3), max_new_tokens=6, decoding="gsd", stop_token_ids=[])
+    assert out.lengths.tolist() == [6, 6, 6] and out.stats.forwards <= 6
+    with pytest.raises(ValueError, match=r"does not provide `codebook\(\)`"):
+        pipe(PROMPTS[0], images(1)[0], max_new_tokens=4, decoding="lantern")
+
+
+@pytest.mark.parametrize("build", [tiny_llava, tiny_qwen, tiny_idefics3])
+def test_image_aware_drafting_equals_ar_under_greedy(build):
+    target, drafter = build(0), build(1)
+    imgs = images(3)
+    ar = target(PROMPTS, imgs, max_new_tokens=10, stop_token_ids=[])
+    draft = target(PROMPTS, imgs, max_new_tokens=10, stop_token_ids=[], decoding=make_decoder("draft", drafter=drafter))
+    assert torch.equal(draft.token_ids, ar.token_ids) and draft.stats.draft_forwards > 0
