@@ -91,11 +91,10 @@ from mmgen.batch import (
     verified_records,
 )
 
-from mmgen.cli import check_seed
+from mmgen.cli import DTYPES, check_seed
 from mmgen.files import remove_stale_temp_files, write_atomic
 
 from mmgen.image_ar.generation import (
-    DTYPES,
     ImageCall,
     ImageOptions,
     image_file_names,

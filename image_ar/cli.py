@@ -8,13 +8,12 @@ from pathlib import Path
 
 import torch
 
-from mmgen.cli import seed_arg
+from mmgen.cli import DTYPES, seed_arg
 from mmgen.files import write_atomic
 
 from mmgen.image_ar import bench
 from mmgen.image_ar.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from mmgen.image_ar.generation import (
-    DTYPES,
     ImageOptions,
     check_targets,
     image_file_names,

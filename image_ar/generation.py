@@ -30,8 +30,6 @@ from mmgen.sampling import make_generator
 
 from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, load_pipeline
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 @dataclass(frozen=True)
 class ImageOptions:

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.image_ar.batch", "mmgen.vlm.cli", "mmgen.apps.cli")
 #: Seeds are torch generator seeds: 0 <= seed < 2**63.
 SEED_LIMIT = 2**63
+#: Weight dtypes every `--dtype` flag offers.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class Parser(argparse.ArgumentParser):

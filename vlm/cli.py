@@ -12,9 +12,7 @@ import argparse
 import json
 import sys
 
-from mmgen.cli import seed_arg
-
-DTYPES = ("float32", "bfloat16", "float16")
+from mmgen.cli import DTYPES, seed_arg
 
 
 def register(commands, groups) -> None:
