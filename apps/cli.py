@@ -1,4 +1,5 @@
-"""Demo subcommands of `mmgen`: `mmgen demo image` serves the image demo (Gradio).
+"""Demo subcommands of `mmgen`: `mmgen demo image` serves the image demo, `mmgen demo vlm` the
+vision-language chat demo (Gradio).
 
 Gradio is imported only when a demo runs, so building the `mmgen` parser stays cheap.
 """
@@ -8,12 +9,13 @@ from __future__ import annotations
 import argparse
 
 from mmgen.apps.image_request import MAX_IMAGES
+from mmgen.apps import vlm_request
 
 MAX_CONCURRENCY = 8
 
 
 def register(commands, groups) -> None:
-    """Add the `demo` group and its `image` subcommand."""
+    """Add the `demo` group and its `image` and `vlm` subcommands."""
     if "demo" not in groups:
         groups["demo"] = commands.add_parser("demo", help="serve a Gradio demo app").add_subparsers(dest="target", required=True)
     image = groups["demo"].add_parser("image", help="class-conditional image generation with every decoding method")
@@ -29,6 +31,26 @@ def register(commands, groups) -> None:
     image.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
                        help="requests decoded at once (default 1; one model serves one request at a time)")
     image.set_defaults(run=run_image_demo)
+    register_vlm(groups["demo"])
+
+
+def register_vlm(demos) -> None:
+    """`mmgen demo vlm`: chat about uploaded images with any decoding method and token dropping."""
+    vlm = demos.add_parser("vlm", help="chat about images with a vision-language model, every decoding method")
+    vlm.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
+                     help=f"a bundled model name or a transformers VLM folder (repeatable; default: {vlm_request.DEFAULT_MODEL} "
+                          "with its drafter). Names ending in -draft are drafters of the model they extend")
+    vlm.add_argument("--device", default="cpu", help="torch device of the models (default: cpu)")
+    vlm.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    vlm.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
+    vlm.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
+    vlm.add_argument("--max-images", type=_bounded(1, vlm_request.MAX_IMAGES, "--max-images"), default=4,
+                     help=f"images per conversation, at most (default 4, up to {vlm_request.MAX_IMAGES})")
+    vlm.add_argument("--max-new-tokens", type=_bounded(1, vlm_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
+                     help=f"the answer-length slider's maximum (default 128, up to {vlm_request.MAX_NEW_TOKENS})")
+    vlm.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
+                     help="requests decoded at once (default 1; one model serves one request at a time)")
+    vlm.set_defaults(run=run_vlm_demo)
 
 
 def run_image_demo(args: argparse.Namespace) -> int:
@@ -40,6 +62,19 @@ def run_image_demo(args: argparse.Namespace) -> int:
     catalog = ModelCatalog.discover(args.model, device=args.device)
     demo = build_demo(catalog, max_images=args.max_images, concurrency=args.concurrency)
     print(f"mmgen demo image: models {list(catalog.main)} (companions {list(catalog.companions)}) on {args.device}")
+    launch_demo(demo, host=args.host, port=args.port, share=args.share)
+    return 0
+
+
+def run_vlm_demo(args: argparse.Namespace) -> int:
+    from mmgen.cli import check_device
+
+    check_device(args.device)
+    catalog = vlm_request.VLMCatalog.discover(args.model, device=args.device)  # bad names fail before gradio loads
+    from mmgen.apps.vlm_demo import build_demo, launch_demo
+
+    demo = build_demo(catalog, max_images=args.max_images, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency)
+    print(f"mmgen demo vlm: models {list(catalog.main)} (drafters {list(catalog.companions)}) on {args.device}")
     launch_demo(demo, host=args.host, port=args.port, share=args.share)
     return 0
 

@@ -19,7 +19,8 @@ from typing import Any, Iterator, Optional, Sequence
 
 from mmgen import registry
 from mmgen.decoding import DecodeStats, parse_decoding
-from mmgen.image_ar.bundled import BUNDLED_MODELS, decoder_from_spec, load_class_pipeline
+from mmgen.image_ar.bundled import BUNDLED_MODELS, load_class_pipeline
+from mmgen.loading import decoder_from_spec
 from mmgen.sampling import make_generator
 
 #: Name endings of second models (drafters, refiners): companions, not main choices. The
@@ -65,16 +66,24 @@ class ModelCatalog:
                     companion = entry + suffix
                     if companion in BUNDLED_MODELS and (Path(BUNDLED_MODELS[companion]) / "model_index.json").is_file():
                         entries.append(companion)
+        catalog = cls.from_entries(entries, BUNDLED_MODELS, device)
+        if not catalog.main:
+            raise ValueError("no image models found: the bundled models are missing; pass --model FOLDER")
+        return catalog
+
+    @classmethod
+    def from_entries(cls, entries: Sequence[str], bundled: Any, device: str = "cpu") -> "ModelCatalog":
+        """Display names for bundled names and folders (a folder goes by its name, a second
+        folder of one name by its path), split into main models and companions by name ending.
+        Shared with the VLM demo's catalogue."""
         named: dict[str, str] = {}
         for entry in dict.fromkeys(entries):
-            name = entry if entry in BUNDLED_MODELS else Path(entry).name
+            name = entry if entry in bundled else Path(entry).name
             named[entry if name in named else name] = entry  # two folders of one name: the second goes by its path
         main = {n: s for n, s in named.items() if not n.endswith(COMPANION_SUFFIXES)}
         companions = {n: s for n, s in named.items() if n not in main}
         if not main:  # only companions were asked for: offer them as models
             main, companions = companions, {}
-        if not main:
-            raise ValueError("no image models found: the bundled models are missing; pass --model FOLDER")
         return cls(main, companions, device)
 
     @property
@@ -88,10 +97,14 @@ class ModelCatalog:
             raise ValueError(f"unknown model {shown(name)}; choose one of {list(self.main)}")
         with self._loading:
             if name not in self._pipelines:
-                pipe = load_class_pipeline(source, self.device)
+                pipe = self.load(source)
                 pipe.set_progress_bar_config(disable=True)
                 self._pipelines[name], self._locks[name] = pipe, threading.Lock()
             return self._pipelines[name]
+
+    def load(self, source: str) -> Any:
+        """Load one model of the catalogue (a subclass loads another kind of pipeline)."""
+        return load_class_pipeline(source, self.device)
 
     @contextmanager
     def using(self, names: Sequence[str]) -> Iterator[None]:

@@ -88,7 +88,7 @@ def bundled_cases(repeats: int) -> dict:
     import torch
 
     from mmgen.decoding import CONTINUOUS_DECODERS, SCALE_DECODERS, make_decoder
-    from mmgen.image_ar.bundled import resolve_model
+    from mmgen.loading import resolve_model
     from mmgen.image_ar.llamagen import LlamaGenPipeline
     from mmgen.image_ar.mar import MARPipeline
     from mmgen.image_ar.var import VARPipeline

@@ -20,7 +20,8 @@ import torch
 from mmgen.decoding import Autoregressive
 
 from mmgen.image_ar.bench import environment, markdown_table, sample_and_score, score_samples
-from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, load_eval_set, resolve_model
+from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, load_eval_set
+from mmgen.loading import resolve_model
 from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenTokenModel
 from mmgen.image_ar.quality import ImageQualityProxies
 

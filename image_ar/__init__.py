@@ -18,3 +18,14 @@ PIPELINE_MODULES = {
 PIPELINE_ALIASES = {"LlamaGenT2IPipeline": "LlamaGenText2ImagePipeline"}
 #: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
 MODEL_TYPES = {"janus": "JanusPipeline"}
+#: The models trained here by `benchmarks/train*.py` and shipped as package data (`bundled.py`).
+BUNDLED_MODELS = {
+    "emoji64": "assets/emoji64",
+    "emoji64-draft": "assets/emoji64-draft",
+    "var-emoji64": "assets/var-emoji64",
+    "var-emoji64-small": "assets/var-emoji64-small",
+    "mar-emoji64": "assets/mar-emoji64",
+    "mar-emoji64-draft": "assets/mar-emoji64-draft",
+}
+#: `mmgen batch` job files whose jobs name a `class_label` run here.
+BATCH_JOBS = {"class_label": "mmgen.image_ar.batch"}

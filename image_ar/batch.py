@@ -1,5 +1,6 @@
-"""`mmgen batch`: many class-conditional images from a JSONL job file, resumable, and sharded
-over the ranks of a torchrun job.
+"""`mmgen batch` for image jobs: many class-conditional images from a JSONL job file, resumable,
+and sharded over the ranks of a torchrun job (`mmgen.batch.run_batch` sends here the files whose
+jobs name a `class_label`).
 
     mmgen batch jobs.jsonl --out out/ [--batch-size 8] [--on-error stop|skip] [--device cuda]
 
@@ -62,40 +63,18 @@ the nccl backend; CPU runs use gloo. Re-running with another world size resumes 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import math
-import re
 import shlex
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from mmgen.batch import (
-    ON_ERROR,
-    LineError,
-    ManifestWriter,
-    Tally,
-    World,
-    check_lines,
-    form_groups,
-    merge_manifest,
-    process_group,
-    progress_bar,
-    read_jsonl,
-    read_records,
-    verified_records,
-)
-
-from mmgen.cli import DTYPES, check_seed
-from mmgen.files import remove_stale_temp_files, write_atomic
+from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, check_schema, form_groups, group_seed, read_jsonl, run_groups,
+                         start_run)
+from mmgen.cli import check_seed
 
 from mmgen.image_ar.generation import (
-    ImageCall,
     ImageOptions,
     image_file_names,
     load_image_pipeline,
@@ -103,34 +82,19 @@ from mmgen.image_ar.generation import (
     prepare_call,
 )
 
-DEFAULT_BATCH_SIZE = 8
 MAX_COUNT = 10_000
-OUTPUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
 #: field -> expected kind; the optional ones are ImageOptions' fields (decoding is required).
 REQUIRED = {"model": "str", "class_label": "label", "seed": "int", "decoding": "str", "count": "int", "output": "str"}
 OPTIONAL = {"window": "int", "guidance_scale": "float", "cfg_interval": "int", "temperature": "float", "top_k": "int",
             "top_p": "float", "preset": "str", "more_smooth": "true", "pruning": "str", "pruning_layers": "pair",
             "num_iter": "int", "cfg_schedule": "str"}
-KINDS = {"str": "a string", "int": "an integer", "float": "a number", "label": "a class id or name",
-         "true": "true (omit it for the default)", "pair": "a list of two integers"}
-
-
-def register(commands, groups) -> None:
-    batch = commands.add_parser("batch", help="generate images from a JSONL job file (resumable; torchrun for many GPUs)",
-                                description="Class-conditional images from a JSONL job file. See `mmgen.image_ar.batch` "
-                                            "for the job fields, grouping, resume and multi-node use.")
-    batch.add_argument("jobs", help="JSONL file, one job per line")
-    batch.add_argument("--out", required=True, help="output folder: images and manifest.jsonl")
-    batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
-                       help=f"images per pipeline call, from jobs of one model and options (default {DEFAULT_BATCH_SIZE})")
-    batch.add_argument("--on-error", default="stop", choices=ON_ERROR,
-                       help="invalid lines: stop before any work (default) or skip them and run the rest")
-    batch.add_argument("--device", default="cpu", help="cpu (default) or cuda (under torchrun: each rank's LOCAL_RANK GPU)")
-    batch.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
-    batch.add_argument("--dry-run", action="store_true", help="check the job file and print the plan; generate nothing")
-    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    batch.set_defaults(run=run_batch)
+KINDS = {
+    **FIELD_KINDS,
+    "label": ("a class id or name", lambda v: isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))),
+    "true": ("true (omit it for the default)", lambda v: v is True),
+    "pair": ("a list of two integers", lambda v: isinstance(v, list) and len(v) == 2
+             and all(isinstance(x, int) and not isinstance(x, bool) for x in v)),
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,41 +140,20 @@ class Row:
     def file(self) -> str:
         return self.job.file(self.index)
 
+    @property
+    def order(self) -> tuple[int, int]:
+        """Its place in the manifest: job order, then row."""
+        return self.job.line, self.index
+
 
 def check_fields(value: Any) -> dict:
     """A job object's fields checked for presence and type (ValueError otherwise)."""
-    if not isinstance(value, dict):
-        raise ValueError(f"a job must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(REQUIRED) - set(OPTIONAL))
-    if unknown:
-        raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(REQUIRED)} and optional {sorted(OPTIONAL)}")
-    missing = [k for k in REQUIRED if k not in value]
-    if missing:
-        raise ValueError(f"missing field(s) {missing}")
-    for name, kind in {**REQUIRED, **OPTIONAL}.items():
-        if name in value and not _is_kind(value[name], kind):
-            raise ValueError(f"{name} must be {KINDS[kind]}, got {json.dumps(value[name])}")
+    check_schema(value, REQUIRED, OPTIONAL, KINDS)
     if not 1 <= value["count"] <= MAX_COUNT:
         raise ValueError(f"count must be in [1, {MAX_COUNT}], got {value['count']}")
     check_seed(value["seed"])
     check_seed(value["seed"] + value["count"] - 1, f"the last row's seed (seed + count - 1 = {value['seed']} + {value['count'] - 1})")
-    name = value["output"]
-    if not OUTPUT_NAME.fullmatch(name) or ".." in name:
-        raise ValueError(f"output {name!r} is not a safe file-name stem: 1 to 128 letters, digits, '.', '_' or '-', "
-                         "starting with a letter or digit, without '..' (no folders)")
     return value
-
-
-def _is_kind(value: Any, kind: str) -> bool:
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    return {
-        "str": isinstance(value, str),
-        "int": is_int,
-        "float": is_int or (isinstance(value, float) and math.isfinite(value)),
-        "label": is_int or isinstance(value, str),
-        "true": value is True,
-        "pair": isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
-    }[kind]
 
 
 def options_of(spec: dict) -> ImageOptions:
@@ -257,7 +200,7 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
 
     def load(model):
         try:
-            pipe = load_image_pipeline(model, False, device, dtype)
+            pipe = load_image_pipeline(model, device, dtype)
         except Exception as error:
             raise ValueError(f"cannot load model {model!r}: {error}") from error
         pipe.set_progress_bar_config(disable=True)
@@ -284,15 +227,8 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
 def run_batch(args: argparse.Namespace) -> int:
     """Check every line, plan the groups, run this rank's share, merge the manifest (rank 0).
     Exit status 0, or 1 when some group failed (its images are missing; run again)."""
-    started = time.perf_counter()
-    world = World.from_env()
-    device, dtype = world.device(args.device), getattr(torch, args.dtype)
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    jobs, calls, errors = load_jobs(Path(args.jobs), device, dtype)
-    check_lines(errors, args.on_error, args.jobs, quiet=world.rank > 0)
-    if not jobs:
-        raise ValueError(f"{args.jobs} has no job to run")
+    run = start_run(args, load_jobs)
+    world, device, jobs, calls, errors = run.world, run.device, run.jobs, run.calls, run.errors
     rows = [Row(job, k) for job in jobs for k in range(job.spec["count"])]
     groups = form_groups(rows, key=lambda row: row.job.key, size=args.batch_size)
     if args.dry_run:
@@ -301,106 +237,28 @@ def run_batch(args: argparse.Namespace) -> int:
                   f"{len(errors)} invalid line(s)")
         return 0
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    plan = {row.file: row for row in rows}
-
-    def current(record: dict) -> Optional[dict]:
-        """A record still describes its file if its job is unchanged; line numbers follow the file."""
-        row = plan.get(record["file"])
-        if row is None or record.get("spec") != row.job.spec:
-            return None
-        return {**record, "line": row.job.line}
-
-    with process_group(world, device):
-        mine = [g for g in range(len(groups)) if world.owns(g)]
-        done = verified_records(out, read_records(out), {row.file for g in mine for row in groups[g]}, current)
-        if world.rank == 0:
-            remove_stale_temp_files(out)  # nobody writes before the barrier
-        world.barrier()
-        tally = Tally([job.category for job in jobs])
-        pending = sum(row.file not in done for g in mine for row in groups[g])
-        with ManifestWriter(out, world.rank) as manifest, progress_bar(
-            pending, enabled=world.rank == 0 and not args.no_progress,
-            desc="batch" if world.world_size == 1 else f"batch (rank 0 of {world.world_size})",
-        ) as bar:
-            run = _RankRun(out, done, tally, {job: i for i, job in enumerate(jobs)}, device, args, world, manifest, bar)
-            for g in mine:
-                run.group(g, groups[g], calls[groups[g][0].job.key])
-        world.barrier()
-        tally.reduce(world)
-        if world.rank == 0:
-            path, records = merge_manifest(out, order=lambda r: (plan[r["file"]].job.line, plan[r["file"]].index), current=current)
-            summary = tally.summary(("model", "decoding"), time.perf_counter() - started, invalid_lines=len(errors))
-            print(summary.table())
-            print(json.dumps({"summary": summary.to_dict(), "manifest": str(path), "records": records}))
-    return 1 if tally.failed else 0
-
-
-@dataclass
-class _RankRun:
-    """One rank's work: where images and records go, what was finished before, what happens now."""
-
-    out: Path
-    done: dict
-    tally: Tally
-    job_index: dict
-    device: str
-    args: argparse.Namespace
-    world: World
-    manifest: ManifestWriter
-    bar: Any
-
-    def group(self, g: int, rows: list[Row], call: ImageCall) -> None:
-        """Generate group `g` in one call and write the images it still lacks; a failure is
-        reported and counted, and the run goes on."""
-        todo = [row for row in rows if row.file not in self.done]
-        for row in rows:
-            if row.file in self.done:
-                self.tally.add(self.job_index[row.job], existing=1)
-        if not todo:
-            return
-        started, written = time.perf_counter(), set()
-        group = {"index": g, "seed": group_seed(rows), "class_ids": [row.job.class_id for row in rows],
+    def run_group(g: int, rows: list[Row], run: GroupRun) -> None:
+        """Generate group `g` in one call and write the images it still lacks."""
+        call = calls[rows[0].job.key]
+        group = {"index": g, "seed": group_seed([row.seed for row in rows]), "class_ids": [row.job.class_id for row in rows],
                  "members": [row.file for row in rows]}
-        group["command"] = reproduce_command(rows, group["seed"], self.args)
+        group["command"] = reproduce_command(rows, group["seed"], args)
         command_files = image_file_names(group["class_ids"], rows[0].job.spec["model"], group["seed"], rows[0].job.options,
                                          call.pipe.default_decoding)
-        try:
-            output = call(group["class_ids"], group["seed"], self.device)
-            if len(output.images) != len(rows):
-                raise RuntimeError(f"the pipeline returned {len(output.images)} images for {len(rows)} rows")
-            stats = output.stats.to_dict()
-            del stats["accepted_per_forward"]  # one float per forward, repeated in every row's record: the histogram suffices
-            for position, (row, image) in enumerate(zip(rows, output.images)):
-                if row.file in self.done:
-                    continue
-                data = png_bytes(image)
-                sha256 = write_atomic(self.out / row.file, data)
-                self.manifest.append({
-                    "file": row.file, "sha256": sha256, "bytes": len(data), "line": row.job.line, "index": row.index,
-                    "spec": row.job.spec, "class_id": row.job.class_id, "group": {**group, "row": position},
-                    "command_file": command_files[position], "stats": stats, "rank": self.world.rank, "world_size": self.world.world_size,
-                })
-                written.add(row.file)
-                self.tally.add(self.job_index[row.job], written=1)
-                self.bar.update(1)
-        except Exception as error:  # never stop midway: report, count, go on with the next group
-            lines = ", ".join(map(str, sorted({row.job.line for row in rows})))
-            self.bar.write(f"mmgen batch: group {g} (lines {lines}) failed: {type(error).__name__}: {error}", file=sys.stderr)
-            for row in todo:
-                if row.file not in written:
-                    self.tally.add(self.job_index[row.job], failed=1)
-        self.tally.add_seconds(rows[0].job.category, time.perf_counter() - started)
+        output = call(group["class_ids"], group["seed"], device)
+        if len(output.images) != len(rows):
+            raise RuntimeError(f"the pipeline returned {len(output.images)} images for {len(rows)} rows")
+        stats = output.stats.to_dict()
+        del stats["accepted_per_forward"]  # one float per forward, repeated in every row's record: the histogram suffices
+        todo = {row.file for row in run.todo}
+        for position, (row, image) in enumerate(zip(rows, output.images)):
+            if row.file in todo:
+                run.record(row, png_bytes(image), {"index": row.index, "class_id": row.job.class_id,
+                                                   "group": {**group, "row": position},
+                                                   "command_file": command_files[position], "stats": stats})
 
-
-def group_seed(rows: list[Row]) -> int:
-    """The seed of a group's generator: a lone row's own seed (so `--batch-size 1` reproduces
-    `generate image --seed`), else the first 63 bits of a sha256 of every row's seed, in order."""
-    if len(rows) == 1:
-        return rows[0].seed
-    digest = hashlib.sha256(",".join(str(row.seed) for row in rows).encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
+    return run_groups(world, device, Path(args.out), jobs, groups, run_group, started=run.started, invalid_lines=len(errors),
+                      progress=not args.no_progress)
 
 
 def reproduce_command(rows: list[Row], seed: int, args: argparse.Namespace) -> str:

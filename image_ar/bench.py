@@ -36,7 +36,8 @@ from mmgen.files import write_atomic
 from mmgen.metrics import token_nll
 from mmgen.sampling import SamplingConfig
 
-from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec, resolve_model
+from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
+from mmgen.loading import decoder_from_spec, resolve_model
 from mmgen.image_ar.llamagen import LlamaGenConfig, LlamaGenPipeline, LlamaGenTokenModel, LlamaGenTransformer
 
 

@@ -22,7 +22,8 @@ import torch
 
 from mmgen.image_ar.bench import plan, quality_chunks, tick, timed_decodes
 from mmgen.image_ar.bench_var import weights_mb
-from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec, resolve_model
+from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
+from mmgen.loading import decoder_from_spec, resolve_model
 from mmgen.image_ar.mar import MAR, MARPipeline
 
 

@@ -19,7 +19,8 @@ import torch
 from mmgen.decoding.pruning import CachedTokenPruning
 
 from mmgen.image_ar.bench import plan, quality_chunks, tick, timed_decodes
-from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, decoder_from_spec, resolve_model
+from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
+from mmgen.loading import decoder_from_spec, resolve_model
 from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTransformer, VQVAEConfig
 
 

@@ -118,7 +118,7 @@ def generate_image(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out {out} is a file, not a folder")
-    pipe = load_image_pipeline(args.model, prompts, args.device, dtype)
+    pipe = load_image_pipeline(args.model, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
     options = ImageOptions.from_namespace(args)
     call = prepare_call(pipe, args.model or DEFAULT_MODEL, options, args.device, dtype, prompts=prompts)

@@ -8,7 +8,7 @@ run it with a seeded generator (`ImageCall`), and encode the images (`png_bytes`
 
 A decoder setting that both the spec and a flag give (`--decoding sjd:window=4 --window 8`,
 MAR's `--decoding ar:num_steps=8 --num-iter 16`) is an error unless they agree, for every model
-family (`bundled.merge_decoding_options`). MAR's step count is `--num-iter`, else the spec's
+family (`mmgen.loading.merge_decoding_options`). MAR's step count is `--num-iter`, else the spec's
 `num_steps`, else the model's `sampling_defaults["num_iter"]`.
 """
 
@@ -28,7 +28,8 @@ import torch
 
 from mmgen.sampling import make_generator
 
-from mmgen.image_ar.bundled import DEFAULT_MODEL, decoder_from_spec, load_pipeline
+from mmgen.image_ar.bundled import DEFAULT_MODEL
+from mmgen.loading import decoder_from_spec, load_pipeline
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,9 @@ class ImageCall:
         return self.pipe(list(inputs), decoding=self.decoder, generator=make_generator(seed, device), **self.options)
 
 
-def load_image_pipeline(model, prompts: bool, device: str, dtype: torch.dtype):
-    """The pipeline a --model names (default: the bundled `emoji64`); see `bundled.load_pipeline`."""
-    return load_pipeline(model or DEFAULT_MODEL, device, dtype, prompts=prompts)
+def load_image_pipeline(model, device: str, dtype: torch.dtype):
+    """The pipeline a --model names (default: the bundled `emoji64`); see `mmgen.loading.load_pipeline`."""
+    return load_pipeline(model or DEFAULT_MODEL, device, dtype)
 
 
 def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, device: str, dtype: torch.dtype,

@@ -8,7 +8,6 @@ model, a pipeline folder or a Hub repo as the pipeline class it was saved as.
 
 from __future__ import annotations
 
-import importlib
 import os
 from importlib import metadata
 from typing import Any, Optional, Union
@@ -25,9 +24,6 @@ try:
 except metadata.PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-#: The module whose `load_pipeline` opens bundled names and folders (image_ar holds every
-#: pipeline today).
-PIPELINE_LOADER = "mmgen.image_ar.bundled"
 
 
 def __getattr__(name: str) -> Any:
@@ -43,10 +39,13 @@ def __dir__() -> list[str]:
 
 def load_pipeline(name_or_path: Union[str, os.PathLike], device: Union[str, Any, None] = None,
                   dtype: Optional[Any] = None):
-    """A bundled model ("emoji64", "var-emoji64", "mar-emoji64", ...), a pipeline folder
-    (`save_pretrained` / `mmgen convert`), a Janus-Pro transformers folder or a Hub repo id,
-    loaded as the pipeline class it holds, on `device` and in `dtype` when given."""
-    return importlib.import_module(PIPELINE_LOADER).load_pipeline(name_or_path, device=device, dtype=dtype)
+    """A bundled model ("emoji64", "var-emoji64", "emoji-vlm", ...), a pipeline folder
+    (`save_pretrained` / `mmgen convert`), a transformers folder of a model type mmgen serves
+    (Janus-Pro, LLaVA, Qwen2.5-VL, ...) or a Hub repo id, loaded as the pipeline class it holds,
+    on `device` and in `dtype` when given (`mmgen.loading.load_pipeline`)."""
+    from mmgen.loading import load_pipeline as load
+
+    return load(name_or_path, device=device, dtype=dtype)
 
 
 __all__ = [

@@ -2,9 +2,11 @@
 files, per-rank manifests that make a run resumable, deterministic grouping and sharding over
 torch.distributed ranks, and the progress bar and summary table.
 
-A modality's batch command (e.g. `mmgen.image_ar.batch`) validates its own job schema and runs
-its pipelines; everything here is shared so that every modality resumes, shards and reports
-the same way.
+`mmgen batch JOBS --out DIR` is registered here: it reads the job file, picks the modality whose
+job field its jobs carry (`registry.batch_runners()`: `class_label` -> image jobs, `prompt` ->
+text answers about images) and hands the run to that modality's `run_batch`, which validates its
+own job schema and runs its pipelines; everything else here is shared so that every modality
+resumes, shards and reports the same way.
 
 Durability contract. An output is written to a temp file in its own folder, fsynced and renamed
 over its final name (`write_atomic`): it is either absent or complete. Only then is its record
@@ -22,10 +24,13 @@ Not supported: two independent runs writing into one folder at the same time.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import math
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -35,9 +40,10 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mmgen.files import fsync_dir, sha256_file, write_atomic
+from mmgen.files import fsync_dir, remove_stale_temp_files, sha256_file, write_atomic
 
 MANIFEST = "manifest.jsonl"
+DEFAULT_BATCH_SIZE = 8
 ON_ERROR = ("stop", "skip")
 #: Ranks wait at barriers for the slowest one; a crashed rank is torn down by torchrun anyway.
 DIST_TIMEOUT = timedelta(days=1)
@@ -88,6 +94,42 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: Field kinds of job schemas: kind -> (what a value must be, its test). Modalities add theirs.
+FIELD_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", _is_int),
+    "float": ("a number", lambda v: _is_int(v) or (isinstance(v, float) and math.isfinite(v))),
+}
+OUTPUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_schema(value: Any, required: dict[str, str], optional: dict[str, str],
+                 kinds: dict[str, tuple[str, Callable[[Any], bool]]] = FIELD_KINDS) -> dict:
+    """A job object's fields checked for presence and kind (`required` / `optional`: field ->
+    kind), and its `output` for a safe file-name stem; ValueError otherwise."""
+    if not isinstance(value, dict):
+        raise ValueError(f"a job must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(required) - set(optional))
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(required)} and optional {sorted(optional)}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise ValueError(f"missing field(s) {missing}")
+    for name, kind in {**required, **optional}.items():
+        what, test = kinds[kind]
+        if name in value and not test(value[name]):
+            raise ValueError(f"{name} must be {what}, got {json.dumps(value[name])}")
+    name = value.get("output")
+    if isinstance(name, str) and (not OUTPUT_NAME.fullmatch(name) or ".." in name):
+        raise ValueError(f"output {name!r} is not a safe file-name stem: 1 to 128 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit, without '..' (no folders)")
+    return value
 
 
 def check_lines(errors: Sequence[LineError], on_error: str, source: PathLike, quiet: bool = False) -> None:
@@ -220,6 +262,17 @@ def merge_manifest(
 # --------------------------------------------------------------------------------------------
 # Grouping and sharding
 # --------------------------------------------------------------------------------------------
+
+
+def group_seed(seeds: Sequence[int]) -> int:
+    """The seed of a group call's one generator: a lone row's own seed (so `--batch-size 1`
+    reproduces `mmgen generate ... --seed`), else the first 63 bits of a sha256 of every row's
+    seed, in order (so every row's seed, and the order, change the group's outputs)."""
+    seeds = [int(s) for s in seeds]
+    if len(seeds) == 1:
+        return seeds[0]
+    digest = hashlib.sha256(",".join(map(str, seeds)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def form_groups(items: Sequence[T], key: Callable[[T], Hashable], size: int) -> list[list[T]]:
@@ -420,3 +473,168 @@ class Tally:
                 row.jobs_skipped += 1
         return BatchSummary(columns, list(rows.values()), wall_s, invalid_lines)
 
+
+
+# --------------------------------------------------------------------------------------------
+# The `mmgen batch` command: one entry point, one runner per kind of job
+# --------------------------------------------------------------------------------------------
+
+
+def register(commands, groups) -> None:
+    from mmgen.cli import DTYPES
+
+    batch = commands.add_parser("batch", help="run a JSONL job file: images or text answers (resumable; torchrun for many GPUs)",
+                                description="Jobs from a JSONL file, one per line: class-conditional images (jobs with a "
+                                            "class_label; see `mmgen.image_ar.batch`) or answers about images (jobs with a "
+                                            "prompt; see `mmgen.vlm.batch`). Fields, grouping, resume and multi-node use are "
+                                            "described there.")
+    batch.add_argument("jobs", help="JSONL file, one job per line")
+    batch.add_argument("--out", required=True, help="output folder: outputs and manifest.jsonl")
+    batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                       help=f"rows per pipeline call, from jobs of one model and options (default {DEFAULT_BATCH_SIZE})")
+    batch.add_argument("--on-error", default="stop", choices=ON_ERROR,
+                       help="invalid lines: stop before any work (default) or skip them and run the rest")
+    batch.add_argument("--device", default="cpu", help="cpu (default) or cuda (under torchrun: each rank's LOCAL_RANK GPU)")
+    batch.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+    batch.add_argument("--dry-run", action="store_true", help="check the job file and print the plan; generate nothing")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    batch.set_defaults(run=run_batch)
+
+
+def run_batch(args) -> int:
+    """Hand the job file to the runner of its kind of job (one kind per file)."""
+    import importlib
+
+    from mmgen import registry
+
+    path = Path(args.jobs)
+    if not path.is_file():
+        raise ValueError(f"{args.jobs}: no such job file")
+    runners = registry.batch_runners()
+    kinds = {field for _, value in read_jsonl(path)[0] if isinstance(value, dict) for field in runners if field in value}
+    if len(kinds) > 1:
+        raise ValueError(f"{args.jobs} mixes kinds of jobs ({', '.join(sorted(kinds))}): one kind per file")
+    # A file whose lines name no kind goes to the first runner, which lists every line's missing fields.
+    module = runners[kinds.pop()] if kinds else next(iter(runners.values()))
+    return importlib.import_module(module).run_batch(args)
+
+
+# --------------------------------------------------------------------------------------------
+# One rank's run of planned groups: what every modality's batch command shares
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupRun:
+    """What a modality's group runner gets for one group: `todo` (its outputs not finished
+    before) and `record`, which writes one output atomically and records it."""
+
+    out: Path
+    todo: list
+    world: World
+    manifest: ManifestWriter
+    tally: Tally
+    job_index: dict
+    bar: Any
+    written: set = field(default_factory=set)
+
+    def record(self, item: Any, data: bytes, fields: dict) -> None:
+        """Write `item.file` (atomically), then its manifest record: file, sha256, size, the
+        job's line and spec, this rank, and the modality's own `fields`."""
+        sha256 = write_atomic(self.out / item.file, data)
+        self.manifest.append({"file": item.file, "sha256": sha256, "bytes": len(data), "line": item.job.line,
+                              "spec": item.job.spec, **fields, "rank": self.world.rank, "world_size": self.world.world_size})
+        self.written.add(item.file)
+        self.tally.add(self.job_index[item.job], written=1)
+        self.bar.update(1)
+
+
+@dataclass
+class RunStart:
+    """A batch run after its job file was checked: `jobs` (the valid ones), `calls` (what the
+    modality prepared per job key), the bad lines, and where it runs."""
+
+    started: float
+    world: World
+    device: str
+    jobs: list
+    calls: dict
+    errors: list
+
+
+def start_run(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tuple[list, dict, list]]) -> RunStart:
+    """The checks every batch command makes before any work: world and device, --batch-size,
+    every line of the job file (`load_jobs` -> jobs, calls, bad lines; `check_lines` acts on
+    --on-error), and at least one job to run."""
+    started = time.perf_counter()
+    world = World.from_env()
+    device, dtype = world.device(args.device), getattr(torch, args.dtype)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    jobs, calls, errors = load_jobs(Path(args.jobs), device, dtype)
+    check_lines(errors, args.on_error, args.jobs, quiet=world.rank > 0)
+    if not jobs:
+        raise ValueError(f"{args.jobs} has no job to run")
+    return RunStart(started, world, device, jobs, calls, errors)
+
+
+def run_groups(world: World, device: str, out: Path, jobs: Sequence[Any], groups: list[list[Any]],
+               run_group: Callable[[int, list, GroupRun], None], *, started: float, invalid_lines: int,
+               unit: str = "images", bar_unit: str = "img", progress: bool = True) -> int:
+    """This rank's share of `groups` (g % world_size == rank), resumable: outputs whose record
+    matches their file are skipped, `run_group(g, items, run)` makes the rest of a group
+    (`run.todo`) and records each one (`GroupRun.record`); a group that raises is reported and
+    counted, and the run goes on. Rank 0 merges the manifest and prints the summary.
+
+    Items are a group's outputs: each has `file`, `order` (its place in the manifest) and `job`
+    (with `line`, `spec` and `category`, e.g. (model, decoding)). Returns the exit status: 0, or
+    1 when some output failed (run again to finish it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    plan = {item.file: item for group in groups for item in group}
+
+    def current(record: dict) -> Optional[dict]:
+        """A record still describes its file if its job is unchanged; line numbers follow the file."""
+        item = plan.get(record["file"])
+        if item is None or record.get("spec") != item.job.spec:
+            return None
+        return {**record, "line": item.job.line}
+
+    with process_group(world, device):
+        mine = [g for g in range(len(groups)) if world.owns(g)]
+        done = verified_records(out, read_records(out), {item.file for g in mine for item in groups[g]}, current)
+        if world.rank == 0:
+            remove_stale_temp_files(out)  # nobody writes before the barrier
+        world.barrier()
+        job_index = {job: i for i, job in enumerate(jobs)}
+        tally = Tally([job.category for job in jobs])
+        pending = sum(item.file not in done for g in mine for item in groups[g])
+        with ManifestWriter(out, world.rank) as manifest, progress_bar(
+            pending, enabled=world.rank == 0 and progress, unit=bar_unit,
+            desc="batch" if world.world_size == 1 else f"batch (rank 0 of {world.world_size})",
+        ) as bar:
+            for g in mine:
+                items = groups[g]
+                for item in items:
+                    if item.file in done:
+                        tally.add(job_index[item.job], existing=1)
+                run = GroupRun(out, [item for item in items if item.file not in done], world, manifest, tally, job_index, bar)
+                if not run.todo:
+                    continue
+                begun = time.perf_counter()
+                try:
+                    run_group(g, items, run)
+                except Exception as error:  # never stop midway: report, count, go on with the next group
+                    lines = ", ".join(map(str, sorted({item.job.line for item in items})))
+                    bar.write(f"mmgen batch: group {g} (lines {lines}) failed: {type(error).__name__}: {error}", file=sys.stderr)
+                    for item in run.todo:
+                        if item.file not in run.written:
+                            tally.add(job_index[item.job], failed=1)
+                tally.add_seconds(items[0].job.category, time.perf_counter() - begun)
+        world.barrier()
+        tally.reduce(world)
+        if world.rank == 0:
+            path, records = merge_manifest(out, order=lambda r: plan[r["file"]].order, current=current)
+            summary = tally.summary(("model", "decoding"), time.perf_counter() - started, invalid_lines=invalid_lines)
+            print(summary.table(unit=unit))
+            print(json.dumps({"summary": summary.to_dict(), "manifest": str(path), "records": records}))
+    return 1 if tally.failed else 0

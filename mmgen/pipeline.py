@@ -79,6 +79,11 @@ class Pipeline:
 
         return FAMILY_DECODERS[cls.decoder_family]
 
+    def check_companion(self, other: "Pipeline", companion: Companion) -> None:
+        """ValueError when `other` cannot serve as this pipeline's `companion` beyond sharing
+        the decoder family (a VLM's drafter must share its tokenizer, say). Called by loaders
+        before any decoding."""
+
     def __init__(self, **components: Any):
         missing = sorted(set(self.component_types) - set(components))
         if missing:

@@ -15,10 +15,14 @@ its class directly.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Callable, Iterable, Optional, TypeVar
 
 #: Packages whose `PIPELINE_MODULES` (class name -> module), `PIPELINE_ALIASES` (other name ->
-#: class name) and `MODEL_TYPES` (transformers model_type -> class name) the registry reads.
+#: class name), `MODEL_TYPES` (transformers model_type -> class name) and `BUNDLED_MODELS`
+#: (name of a model shipped as package data -> its folder, relative to the package) and
+#: `BATCH_JOBS` (the field that marks a job of that modality -> the module whose `run_batch`
+#: runs such job files) the registry reads.
 MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm")
 
 PIPELINES: dict[str, type] = {}
@@ -109,3 +113,21 @@ def pipeline_for_model_type(model_type: str) -> Optional[type]:
                 return pipeline_class(name)
         return None
     return pipeline_class(MODEL_TYPE_PIPELINES[model_type])
+
+
+def bundled_models() -> dict[str, Path]:
+    """Every model shipped inside the package, by name ("emoji64", "emoji-vlm", ...), with its
+    folder (which may be missing from a slimmed installation: loaders say so)."""
+    models: dict[str, Path] = {}
+    for index in _modality_indexes():
+        root = Path(index.__file__).parent
+        models.update({name: root / folder for name, folder in getattr(index, "BUNDLED_MODELS", {}).items()})
+    return models
+
+
+def batch_runners() -> dict[str, str]:
+    """Job field -> the module that runs job files of that kind (`mmgen batch`)."""
+    runners: dict[str, str] = {}
+    for index in _modality_indexes():
+        runners.update(getattr(index, "BATCH_JOBS", {}))
+    return runners

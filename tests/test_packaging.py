@@ -40,6 +40,10 @@ def test_wheel_contents_and_imports(tmp_path):
                   "emoji64-draft/model_index.json", "emoji64-draft/transformer/model.safetensors",
                   "emoji64-classifier/model.safetensors", "emoji64-eval.npz", "emoji64/MODEL_CARD.md"]:
         assert f"mmgen/image_ar/assets/{asset}" in names
+    for asset in ["emoji-vlm/config.json", "emoji-vlm/model.safetensors", "emoji-vlm/tokenizer.json", "emoji-vlm/chat_template.jinja",
+                  "emoji-vlm/processor_config.json", "emoji-vlm/MODEL_CARD.md", "emoji-vlm-draft/model.safetensors",
+                  "emoji-vlm-eval.jsonl"]:
+        assert f"mmgen/vlm/assets/{asset}" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "mmgen = mmgen.cli:main" in entry_points
 
@@ -49,7 +53,7 @@ def test_wheel_contents_and_imports(tmp_path):
     assert installed.returncode == 0, installed.stderr
     probe = (
         "import mmgen, mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.image_ar.var, mmgen.image_ar.mar, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
-        "from mmgen.image_ar.bundled import resolve_model; resolve_model('emoji64');"
+        "from mmgen.loading import resolve_model; resolve_model('emoji64'); resolve_model('emoji-vlm');"
         "print(mmgen.image_ar.llamagen.__file__)"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,

@@ -162,7 +162,7 @@ def test_a_spec_and_a_flag_that_disagree_are_an_error_naming_both(model_dir, tmp
 
 
 def test_merge_decoding_options_is_the_one_rule():
-    from mmgen.image_ar.bundled import merge_decoding_options
+    from mmgen.loading import merge_decoding_options
 
     assert merge_decoding_options("sjd", {}, {"window": 8}) == {"window": 8}
     assert merge_decoding_options("ar", {"num_steps": 2}, {}) == {"num_steps": 2}

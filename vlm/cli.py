@@ -1,6 +1,11 @@
 """`mmgen generate text`: answer a prompt about images with a vision-language model.
 
-    mmgen generate text --model FOLDER_OR_REPO --image cat.png --prompt "what is this?" [--decoding sjd] [--stream]
+    mmgen generate text --image cat.png --prompt "what is this emoji?" [--model emoji-vlm] [--decoding draft]
+        [--dropping fastv --keep-ratio 0.25] [--stream]
+
+The default model is the bundled `emoji-vlm` (offline); `--decoding draft` pairs it with the
+bundled `emoji-vlm-draft`. Any transformers image-text-to-text folder or Hub repo of a family
+mmgen serves (LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL, Idefics3) works the same way.
 
 The pipeline (and transformers) is imported only when the command runs, so building the
 `mmgen` parser stays cheap.
@@ -11,22 +16,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Optional
 
 from mmgen.cli import DTYPES, seed_arg
+
+#: The bundled model `mmgen generate text` answers with when no --model is given.
+DEFAULT_MODEL = "emoji-vlm"
 
 
 def register(commands, groups) -> None:
     text = groups["generate"].add_parser("text", help="answer a prompt about images (vision-language models)")
-    text.add_argument("--model", required=True, metavar="FOLDER_OR_REPO",
-                      help="a transformers image-text-to-text folder or Hugging Face repo id (LLaVA, Qwen2-VL / "
-                           "Qwen2.5-VL, Idefics3)")
+    text.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_FOLDER",
+                      help=f"a bundled model (default {DEFAULT_MODEL}), a transformers image-text-to-text folder or a "
+                           "Hugging Face repo id (LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL, Idefics3)")
     text.add_argument("--image", nargs="*", default=[], metavar="PATH", help="image files the prompt is about (any number)")
     text.add_argument("--prompt", required=True, help="the question or instruction")
     text.add_argument("--decoding", default="ar", metavar="SPEC",
-                      help="a token decoder: ar (default), sjd, sjd-coupled, lookup, gsd, draft (with --drafter), with "
-                           "options as NAME:key=value,... (e.g. 'lookup:num_draft=8')")
-    text.add_argument("--drafter", default=None, metavar="FOLDER_OR_REPO",
+                      help="a token decoder: ar (default), sjd, sjd-coupled, lookup, gsd, draft (the model's bundled "
+                           "drafter, or --drafter), with options as NAME:key=value,... (e.g. 'lookup:num_draft=8')")
+    text.add_argument("--drafter", default=None, metavar="NAME_OR_FOLDER",
                       help="for --decoding draft: a smaller VLM of the same tokenizer and processor, drafting with the image")
+    text.add_argument("--dropping", default=None, metavar="SPEC",
+                      help="visual token dropping in the model (lossy): fastv, visionzip or mustdrop, with options as "
+                           "NAME:key=value,... (e.g. 'fastv:layer=2')")
+    text.add_argument("--keep-ratio", type=float, default=None, metavar="R",
+                      help="fraction of visual tokens the dropping policy keeps (implies --dropping fastv when none is given)")
+    text.add_argument("--draft-dropping", default=None, metavar="SPEC",
+                      help="dropping for the drafter only (SpecVLM): cheaper drafts, output still exact")
     text.add_argument("--max-new-tokens", type=int, default=64, help="answer length at most (default 64)")
     text.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     text.add_argument("--top-k", type=int, default=0, help="sampling: keep the k most likely tokens (0: all)")
@@ -40,37 +56,45 @@ def register(commands, groups) -> None:
 
 def generate_text(args: argparse.Namespace) -> int:
     import torch
+    import transformers
     from PIL import Image, UnidentifiedImageError
 
-    from mmgen.decoding import resolve_decoder
+    from mmgen.decoding import parse_decoding
+    from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
     from mmgen.sampling import make_generator
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    dropping = dropping_from_flags(args.dropping, args.keep_ratio)
+    draft_dropping = dropping_from_flags(args.draft_dropping, None)
     images = []
-    for path in args.image:  # every image is read before any model loads
+    for path in args.image:  # every input is read and checked before any model loads
         try:
             with Image.open(path) as image:
                 images.append(image.convert("RGB"))
         except (OSError, UnidentifiedImageError) as error:
             raise ValueError(f"--image {path}: not a readable image ({error.__class__.__name__})") from None
-    decoder = resolve_decoder(args.decoding)
+    cls = pipeline_class_of(args.model)
+    if getattr(cls, "conditions", None) != "prompt" or not hasattr(cls, "stream"):
+        raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a vision-language model")
+    if args.drafter is not None and parse_decoding(args.decoding)[0] not in cls.companions:
+        raise ValueError(f"--drafter is for --decoding draft, not {args.decoding!r}")
     if args.drafter is not None:
-        if not hasattr(decoder, "drafter"):
-            raise ValueError(f"--drafter is for --decoding draft, not {args.decoding!r}")
         from transformers import AutoTokenizer
 
-        # Tokenizers first (small files): a mismatch is an error before any weights load.
-        if AutoTokenizer.from_pretrained(args.drafter).get_vocab() != AutoTokenizer.from_pretrained(args.model).get_vocab():
-            raise ValueError(f"--drafter {args.drafter} has another tokenizer than --model {args.model}")
-    import mmgen
+        from mmgen.loading import resolve_model
 
+        # Tokenizers first (small files): a mismatch is an error before any weights load.
+        mine, theirs = (AutoTokenizer.from_pretrained(resolve_model(m)).get_vocab() for m in (args.model, args.drafter))
+        if mine != theirs:
+            raise ValueError(f"--drafter {args.drafter} has another tokenizer than --model {args.model}")
+    transformers.utils.logging.disable_progress_bar()  # errors and answers stay the only output lines
     dtype = getattr(torch, args.dtype)
-    pipe = mmgen.load_pipeline(args.model, device=args.device, dtype=dtype)
-    if args.drafter is not None:
-        decoder.drafter = mmgen.load_pipeline(args.drafter, device=args.device, dtype=dtype)
+    pipe = load_pipeline(args.model, device=args.device, dtype=dtype)
+    given = {"drafter": args.drafter} if args.drafter is not None else {}
+    decoder = decoder_from_spec(args.decoding, pipe, args.model, args.device, dtype, **given)
     call = dict(max_new_tokens=args.max_new_tokens, decoding=decoder, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p)
+                top_p=args.top_p, dropping=dropping, draft_dropping=draft_dropping)
     if args.stream:
         for _, piece in pipe.stream(args.prompt, images or None, generator=make_generator(args.seed, args.device), **call):
             print(piece, end="", flush=True)
@@ -78,5 +102,29 @@ def generate_text(args: argparse.Namespace) -> int:
         return 0
     out = pipe(args.prompt, images or None, generator=make_generator(args.seed, args.device), **call)
     print(out.texts[0])
-    print(json.dumps({"stats": out.stats.to_dict(), "tokens": out.lengths.tolist()}), file=sys.stderr)
+    report = {"stats": out.stats.to_dict(), "tokens": out.lengths.tolist(), "ttft_s": round(out.ttft_s, 4),
+              "decode_tokens_per_s": round(out.decode_tokens_per_s, 1)}
+    if out.dropping is not None:
+        report["dropping"] = {"policy": out.dropping.policy, "image_tokens": out.dropping.image_tokens,
+                              "kept_tokens": out.dropping.kept_tokens}
+    print(json.dumps(report), file=sys.stderr)
     return 0
+
+
+def dropping_from_flags(spec: Optional[str], keep_ratio: Optional[float]):
+    """The dropping policy a --dropping spec and --keep-ratio give (one rule for a setting given
+    twice: `mmgen.loading.merge_decoding_options`); None for neither."""
+    if spec is None and keep_ratio is None:
+        return None
+    from dataclasses import replace
+
+    from mmgen.decoding import parse_decoding
+    from mmgen.loading import merge_decoding_options
+    from mmgen.vlm.dropping import make_dropping
+
+    spec = spec if spec is not None else "fastv"
+    policy = make_dropping(spec)
+    if keep_ratio is not None:
+        merge_decoding_options(spec, parse_decoding(spec)[1], {"keep_ratio": keep_ratio})
+        policy = replace(policy, keep_ratio=keep_ratio)
+    return policy

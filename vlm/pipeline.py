@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, Union
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Generator, Optional, Sequence, Union
 
 import torch
 
@@ -20,21 +21,47 @@ from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 
+from mmgen.vlm.dropping import DroppingReport, make_dropping
 from mmgen.vlm.token_model import VLMTokenModel
+
+#: One row's input: a question, or a chat conversation (transformers' message format).
+Prompt = Union[str, Sequence[dict]]
 
 
 @dataclass
 class VLMOutput:
     """`texts` (special tokens skipped), the generated `token_ids` [B, T] (padded after each
-    row's end), each row's `lengths` (its stop token included) and the decoder's `stats`."""
+    row's end), each row's `lengths` (its stop token included) and the decoder's `stats`.
+    `ttft_s`: from the start of decoding (inputs prepared) to the end of the target's prefill,
+    which yields the first token's distribution; `decode_tokens_per_s`: tokens after each row's
+    first, over all rows, per second of the rest. `dropping`: the target's `DroppingReport`
+    (None without dropping); `draft_dropping`: the drafter's, with `draft_dropping=`."""
 
     texts: list[str]
     token_ids: torch.Tensor
     lengths: torch.Tensor
     stats: DecodeStats
+    ttft_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    dropping: Optional[DroppingReport] = None
+    draft_dropping: Optional[DroppingReport] = None
 
 
-@register_pipeline(model_types=("llava", "qwen2_vl", "qwen2_5_vl", "idefics3"))
+class PrunedView:
+    """A pipeline seen through a dropping policy: its `token_model()` prunes the image (SpecVLM,
+    arXiv 2509.11815: the drafter drafts on a pruned image, the target verifies on the full one,
+    so decoding stays lossless while drafts get cheaper). Pass it as a decoder's drafter."""
+
+    def __init__(self, pipe: "VLMPipeline", dropping: Any):
+        self.pipe, self.dropping = pipe, make_dropping(dropping)
+        self.last = None  # the latest token model, for its report
+
+    def token_model(self) -> VLMTokenModel:
+        self.last = self.pipe.token_model(dropping=self.dropping)
+        return self.last
+
+
+@register_pipeline(model_types=("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "idefics3"))
 class VLMPipeline(Pipeline):
     """A vision-language model answering prompts about images (greedy by default)."""
 
@@ -43,7 +70,13 @@ class VLMPipeline(Pipeline):
     default_decoding = "ar"
     #: Image-aware drafting: the drafter gets the same processor batch, image included (what
     #: transformers' assisted generation does not give its assistant).
-    companions = {"draft": Companion("drafter", "-draft", "a smaller VLM of the same tokenizer and processor")}
+    companions = {"draft": Companion("drafter", "-draft", "a smaller VLM")}
+
+    @classmethod
+    def decoders(cls) -> dict[str, Any]:
+        """The token decoders that suit text: LANTERN's latent proximity needs an image codebook
+        and entropy switching a small companion this pipeline does not declare."""
+        return {name: make for name, make in super().decoders().items() if name not in ("lantern", "lantern++", "entropy-switch")}
 
     def __init__(self, model: Any, processor: Any):
         super().__init__(model=model)
@@ -72,12 +105,16 @@ class VLMPipeline(Pipeline):
         self.processor.save_pretrained(path)
 
     # ---------------------------------------------------------------- inputs
-    def prepare_inputs(self, prompts: Union[str, Sequence[str]], images: Any = None) -> dict:
-        """The processor's left-padded batch for one user turn per prompt: its images (one image
-        or a list per prompt) then the prompt's text, through the chat template."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
-            raise ValueError("prompts must be one non-empty string or a list of them")
+    def prepare_inputs(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any = None) -> dict:
+        """The processor's left-padded batch, one row per prompt, through the chat template.
+
+        A prompt is a question (one user turn: its images, then the text) or a whole
+        conversation in transformers' chat format (a list of {"role", "content"} messages whose
+        `{"type": "image"}` entries take the row's images in order), ending with a user turn.
+        """
+        prompts = [prompts] if _is_prompt(prompts) else list(prompts)
+        if not prompts or not all(_is_prompt(p) for p in prompts):
+            raise ValueError("prompts must be one non-empty string or chat conversation, or a list of them")
         as_list = lambda x: list(x) if isinstance(x, (list, tuple)) else [x]
         if images is None:
             per_row = [[] for _ in prompts]
@@ -87,25 +124,55 @@ class VLMPipeline(Pipeline):
             if not isinstance(images, (list, tuple)) or len(images) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts need a list of {len(prompts)} images (or image lists)")
             per_row = [as_list(i) for i in images]
-        texts = [
-            self.processor.apply_chat_template(
-                [{"role": "user", "content": [*({"type": "image"} for _ in row), {"type": "text", "text": prompt}]}],
-                add_generation_prompt=True,
-            )
-            for prompt, row in zip(prompts, per_row)
-        ]
+        texts = [self.processor.apply_chat_template(_conversation(prompt, len(row)), add_generation_prompt=True)
+                 for prompt, row in zip(prompts, per_row)]
         # Nested per prompt: processors that count images per row (Idefics3) need it, the others flatten it.
         nested = per_row if any(per_row) else None
         return dict(self.processor(images=nested, text=texts, padding=True, return_tensors="pt"))
 
-    def token_model(self) -> VLMTokenModel:
-        return VLMTokenModel(self.model)
+    @property
+    def context_length(self) -> Optional[int]:
+        """The language model's context (its `max_position_embeddings`), None when unstated."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+
+    def check_context(self, inputs: dict, max_new_tokens: int) -> None:
+        """ValueError, before any forward, when a row's prompt (image tokens included) plus
+        `max_new_tokens` exceeds the model's context: positions past it were never trained."""
+        context = self.context_length
+        if context is None:
+            return
+        lengths = inputs["attention_mask"].sum(1)
+        image_token = getattr(self.model.config, "image_token_id", None)
+        if image_token is None:
+            image_token = getattr(self.model.config, "image_token_index", None)
+        for row, length in enumerate(lengths.tolist()):
+            if length + max_new_tokens > context:
+                visual = int((inputs["input_ids"][row] == image_token).sum()) if image_token is not None else 0
+                images = f" ({visual} of them for its images: fewer or smaller images help)" if visual else ""
+                raise ValueError(f"prompt {row}: {length} tokens{images} + max_new_tokens {max_new_tokens} exceed the "
+                                 f"model's context of {context} tokens")
+
+    def check_companion(self, other: Pipeline, companion: Companion) -> None:
+        """A drafter must tokenize as this model does (its drafts are this model's token ids)."""
+        mine = self.processor.tokenizer.get_vocab()
+        theirs = getattr(getattr(other, "processor", None), "tokenizer", None)
+        if theirs is None or theirs.get_vocab() != mine:
+            raise ValueError(f"the {companion.option} has another tokenizer than the model (its drafts must be the model's "
+                             "token ids)")
+
+    def token_model(self, dropping: Any = None) -> VLMTokenModel:
+        """The core's view of the model; `dropping` prunes visual tokens at each prefill."""
+        return VLMTokenModel(self.model, dropping=dropping)
+
+    def pruned(self, dropping: Any) -> PrunedView:
+        """This pipeline as a drafter that sees the image pruned by `dropping` (SpecVLM)."""
+        return PrunedView(self, dropping)
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
     def __call__(
         self,
-        prompts: Union[str, Sequence[str]],
+        prompts: Union[Prompt, Sequence[Prompt]],
         images: Any = None,
         max_new_tokens: int = 64,
         decoding: Union[str, Decoder] = "ar",
@@ -115,11 +182,13 @@ class VLMPipeline(Pipeline):
         stop_token_ids: Optional[Sequence[int]] = None,
         generator: Optional[torch.Generator] = None,
         streamer: Any = None,
+        dropping: Any = None,
+        draft_dropping: Any = None,
     ) -> VLMOutput:
         """Answer each prompt about its images.
 
         Args:
-            prompts: one question or a list (one row each).
+            prompts: one question or chat conversation, or a list of them (one row each).
             images: for one prompt an image or a list of images; for several prompts one image or
                 list per prompt; None for text only.
             max_new_tokens: per-row budget; a row also ends at its first stop token.
@@ -128,24 +197,53 @@ class VLMPipeline(Pipeline):
             stop_token_ids: default the model's eos token(s).
             generator: every random draw; None seeds one from OS entropy.
             streamer: a core `Streamer` receiving each row's new token ids as they commit.
+            dropping: visual token dropping for this model: a policy (`mmgen.vlm.dropping`:
+                FastV, VisionZip, MustDrop) or a spec ("fastv:layer=2,keep_ratio=0.25"); lossy.
+            draft_dropping: dropping for the drafter of a draft decoder only (SpecVLM): the
+                target still verifies on the full image, so decoding stays exact.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        policy, draft_policy = make_dropping(dropping), make_dropping(draft_dropping)
+        decoder = resolve_decoder(decoding)
+        if draft_policy is not None:
+            if getattr(decoder, "drafter", None) is None:
+                raise ValueError("draft_dropping needs a draft decoder with a drafter (decoding=\"draft\" or DraftSpeculative(drafter=...))")
+            drafter = decoder.drafter
+            if not isinstance(drafter, PrunedView):
+                if not isinstance(drafter, VLMPipeline):
+                    raise ValueError(f"draft_dropping needs a VLMPipeline drafter, got {type(drafter).__name__}")
+                drafter = drafter.pruned(draft_policy)
+            decoder = replace(decoder, drafter=drafter)
+        drafter = getattr(decoder, "drafter", None)
+        drafter = drafter.pipe if isinstance(drafter, PrunedView) else drafter
+        if isinstance(drafter, VLMPipeline):
+            self.check_companion(drafter, self.companions["draft"])
         inputs = self.prepare_inputs(prompts, images)
+        self.check_context(inputs, max_new_tokens)
         sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
         stops = self.eos_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
         stopping = Stopping(stop_tokens=stops, max_new_tokens=max_new_tokens, pad_token=self.pad_token_id)
-        decoder = resolve_decoder(decoding)
-        result = decoder.generate(self.token_model(), inputs, max_new_tokens, sampling, self.generator_for(generator),
+        model = self.token_model(dropping=policy)
+        begin = time.perf_counter()
+        result = decoder.generate(model, inputs, max_new_tokens, sampling, self.generator_for(generator),
                                   stopping=stopping, streamer=streamer)
+        end = time.perf_counter()
         lengths = result.lengths
         texts = [self.processor.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True).strip()
                  for row, n in zip(result.tokens, lengths.tolist())]
-        return VLMOutput(texts, result.tokens, lengths, result.stats)
+        ttft = model.prefill_done_at - begin
+        later = int((lengths - 1).clamp_min(0).sum())
+        rate = later / (end - model.prefill_done_at) if end > model.prefill_done_at and later else 0.0
+        drafter = getattr(decoder, "drafter", None)
+        draft_report = drafter.last.last_report if isinstance(drafter, PrunedView) and drafter.last is not None else None
+        return VLMOutput(texts, result.tokens, lengths, result.stats, ttft, rate, model.last_report, draft_report)
 
-    def stream(self, prompts: Union[str, Sequence[str]], images: Any = None, **kwargs) -> Iterator[tuple[int, str]]:
+    def stream(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any = None,
+               **kwargs) -> Generator[tuple[int, str], None, VLMOutput]:
         """(row, text piece) pairs as tokens commit; the pieces of a row concatenate to its text
-        in `__call__` with the same arguments (decoding runs in a thread)."""
+        in `__call__` with the same arguments (decoding runs in a thread). The generator's
+        return value (`StopIteration.value`, or `yield from`) is that call's `VLMOutput`."""
         queue, outcome = TokenQueueStreamer(timeout=600), {}
 
         def run():
@@ -168,6 +266,31 @@ class VLMPipeline(Pipeline):
         worker.join()
         if "error" in outcome:
             raise outcome["error"]
+        return outcome["output"]
+
+
+def _is_prompt(value: Any) -> bool:
+    """A non-empty question, or a conversation (a non-empty list of message dicts)."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(m, dict) for m in value)
+
+
+def _conversation(prompt: Prompt, num_images: int) -> list[dict]:
+    """A chat conversation for one row: a question becomes one user turn with its images first;
+    a conversation is checked to end on a user turn and to have one placeholder per image."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": [*({"type": "image"} for _ in range(num_images)), {"type": "text", "text": prompt}]}]
+    if any(not isinstance(m.get("content"), (str, list)) or m.get("role") not in ("system", "user", "assistant")
+           for m in prompt):
+        raise ValueError("a conversation is a list of {'role': 'system'|'user'|'assistant', 'content': ...} messages")
+    if prompt[-1]["role"] != "user":
+        raise ValueError("a conversation must end with a user turn (the model answers it)")
+    placeholders = sum(1 for m in prompt if isinstance(m["content"], list)
+                       for c in m["content"] if isinstance(c, dict) and c.get("type") == "image")
+    if placeholders != num_images:
+        raise ValueError(f"the conversation has {placeholders} image placeholder(s) but {num_images} image(s) were given")
+    return list(prompt)
 
 
 def _ids(value) -> list[int]:

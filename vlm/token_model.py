@@ -9,17 +9,26 @@ slot. Models with multimodal rotary positions (Qwen2-VL / Qwen2.5-VL M-RoPE: a
 `get_rope_index`) compute the prompt's 3-D positions themselves in the prefill; each new token
 then sits at its slot plus the row's `rope_deltas` on all three axes, as in transformers. Greedy
 output equals `model.generate(do_sample=False)` token for token (tested for both kinds).
+
+With a `dropping` policy (`mmgen.vlm.dropping`: FastV, VisionZip, MustDrop) the prefill runs
+with that policy's hooks; the cache then holds only the kept prompt slots, while decode
+positions stay those of the unpruned prompt (a per-row offset, added to `rope_deltas` for
+M-RoPE). `last_report` / `last_prefill_s` describe the latest prefill.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import time
+
 import torch
 
 from mmgen.cache import SlotKVCache
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
+from mmgen.vlm.dropping import MustDrop, Prefill, _Capture, decode_eviction, gather_seq, make_dropping
+from mmgen.hooks import hooks_attached
 
 
 class VLMTokenModel:
@@ -28,9 +37,13 @@ class VLMTokenModel:
     Idefics3. Conditions are the processor's batch (`input_ids`, `attention_mask` with left
     padding, `pixel_values` and any other image inputs)."""
 
-    def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0):
+    def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0, dropping: Any = None):
         self.model = model
         self.compact_ratio = compact_ratio
+        self.dropping = make_dropping(dropping)
+        self.last_report = None  # DroppingReport of the latest prefill (None without dropping)
+        self.last_prefill_s = 0.0  # wall time of the latest prefill, synchronised
+        self.prefill_done_at = 0.0  # perf_counter() when it ended
         self.vocab_size = model.lm_head.out_features
         inner = model.model
         self.trunk = inner.language_model if hasattr(inner, "language_model") else inner.text_model
@@ -46,30 +59,79 @@ class VLMTokenModel:
 
         if guidance:
             raise ValueError("vision-language decoding takes no classifier-free guidance (guidance scale 1)")
+        begin = time.perf_counter()
         inputs = {k: v.to(self.model.device) if torch.is_tensor(v) else v for k, v in conditions.items()}
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         kv = DynamicCache(config=self.model.config.get_text_config())
         mrope = callable(getattr(self.model.model, "get_rope_index", None))
         if not mrope:
             inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.model(**inputs, past_key_values=kv, use_cache=True, logits_to_keep=1)
-        cache = SlotKVCache(kv, mask, prompt_length=ids.shape[1], compact_ratio=self.compact_ratio)
-        deltas = self.model.model.rope_deltas if mrope else None  # [B, 1]: 3-D position minus slot
-        return DecodeState(cache, ids.shape[0], False, Logits(out.logits[:, -1:].float()), extra=deltas)
+        policy = None if self.dropping is None or self.dropping.identity else self.dropping
+        prefill = Prefill(policy, self.model, self.trunk, ids, mask) if policy is not None else None
+        if prefill is None:
+            out = self.model(**inputs, past_key_values=kv, use_cache=True, logits_to_keep=1)
+            slots, kept_mask = ids.shape[1], mask
+        else:
+            with prefill.hooks():
+                out = self.model(**inputs, past_key_values=kv, use_cache=True, logits_to_keep=1)
+            prefill.finish(kv)
+            slots, kept_mask = prefill.valid.shape[1], prefill.valid.long()
+        cache = SlotKVCache(kv, kept_mask, prompt_length=slots, compact_ratio=self.compact_ratio)
+        # Decode positions stay those of the unpruned prompt: slot + (S - S'), plus M-RoPE's deltas.
+        offset = torch.full((ids.shape[0], 1), ids.shape[1] - slots, dtype=torch.long, device=mask.device)
+        if mrope:
+            offset = offset + self.model.model.rope_deltas.to(offset.device)  # [B, 1]: 3-D position minus slot
+        extra = _Extra(offset, mrope, prefill)
+        if prefill is not None:
+            self.last_report = prefill.report()
+            extra.evict = isinstance(policy, MustDrop) and policy.decode_keep < 1
+        if mask.device.type == "cuda":
+            torch.cuda.synchronize(mask.device)
+        self.prefill_done_at = time.perf_counter()
+        self.last_prefill_s = self.prefill_done_at - begin
+        return DecodeState(cache, ids.shape[0], False, Logits(out.logits[:, -1:].float()), extra=extra)
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
+        extra: _Extra = state.extra
         mask, positions = state.cache.open(tokens.shape[1])
-        if state.extra is not None:  # M-RoPE: text tokens advance on all three axes together
-            positions = (positions + state.extra).unsqueeze(0).expand(3, -1, -1)
+        positions = positions + extra.offset
+        if extra.mrope:  # M-RoPE: text tokens advance on all three axes together
+            positions = positions.unsqueeze(0).expand(3, -1, -1)
         embeds = self.model.get_input_embeddings()(tokens)
-        hidden = self.trunk(
+        run = lambda: self.trunk(
             inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=state.cache.kv, use_cache=True
         ).last_hidden_state
+        if not extra.evict:
+            hidden = run()
+        else:  # MustDrop's output-aware eviction, once, from the newest committed token (query 0)
+            store: dict = {}
+            with hooks_attached({self.trunk.layers[self.dropping.layer].self_attn: _Capture(store, "decode")}, "mmgen_dropping"):
+                hidden = run()
+            cache = state.cache
+            sees = cache.mask & (torch.arange(cache.length, device=mask.device) <= cache.length - cache.pending)
+            visual = extra.prefill.valid & gather_seq(extra.prefill.image, extra.prefill.index, 1)
+            drop = decode_eviction(self.dropping, self.trunk, store, cache.kv, sees, visual)
+            cache.evict(drop)
+            self.last_report.evicted_tokens = drop.sum(1).tolist()
+            extra.evict = False
         return Logits(self.model.lm_head(hidden).float())
+
+    def dropping_report(self):
+        """The `DroppingReport` of the latest prefill (None without dropping)."""
+        return self.last_report
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.commit(accepted)
 
     def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
         state.cache.rewind(num_generated)
+
+
+class _Extra:
+    """Per-decode position bookkeeping: `offset` [B, 1] added to each slot position (unpruned
+    prompt length minus kept slots, plus M-RoPE's `rope_deltas`), and MustDrop's pending
+    decode-stage eviction."""
+
+    def __init__(self, offset: torch.Tensor, mrope: bool, prefill: Any):
+        self.offset, self.mrope, self.prefill, self.evict = offset, mrope, prefill, False

@@ -317,7 +317,8 @@ def speculative_decode(
     if streamer is not None:
         streamer.end()
     raise_if_masked(bad)
-    stats = recorder.finish(num_tokens, B, state.cache_bytes + proposer.cache_bytes)
+    # With stop tokens, autoregressive decoding of this batch takes as many forwards as its longest row.
+    stats = recorder.finish(int(emitted.max()) if variable else num_tokens, B, state.cache_bytes + proposer.cache_bytes)
     proposer.finish(stats)
     if not variable:
         return DecodeOutput(tokens[:, :num_tokens], stats)

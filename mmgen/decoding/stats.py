@@ -42,7 +42,8 @@ class DecodeStats:
     """Counters of one `generate` call: a small common core plus a per-family `extra`.
 
     `forwards` counts model calls over the whole batch, the prefill included, so plain
-    autoregressive decoding of n tokens takes exactly n. `accepted_histogram[k]` counts the
+    autoregressive decoding of n tokens takes exactly n. `tokens` is the tokens per row (with
+    stop tokens, the longest row's: the forwards autoregressive decoding of the batch takes). `accepted_histogram[k]` counts the
     (row, forward) pairs that finalised k tokens; rows that had finished are not counted.
     `accepted_per_forward[i]` is the mean number of tokens the rows still decoding finalised at
     forward i (the trace behind the histogram). Decoders whose baseline is not one forward per

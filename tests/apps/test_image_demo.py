@@ -350,23 +350,26 @@ def app_url(browser, server_url):
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory) -> Path:
+def artifacts(tmp_path_factory, request) -> Path:
+    """The screenshot folder of the test's module: its `ARTIFACTS` name, default image_demo."""
     root = os.environ.get("MMGEN_TEST_ARTIFACTS")
-    folder = (Path(root) if root else tmp_path_factory.mktemp("artifacts")) / "image_demo"
+    folder = (Path(root) if root else tmp_path_factory.mktemp("artifacts")) / getattr(request.module, "ARTIFACTS", "image_demo")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 @pytest.fixture
-def page(browser, app_url):
-    """A fresh page on the app; afterwards, every request it made must have stayed on 127.0.0.1."""
+def page(browser, app_url, request):
+    """A fresh page on the app (ready when the element `READY` of the test's module, default
+    #generate, is there); afterwards, every request it made must have stayed on 127.0.0.1.
+    The VLM demo's tests use it too."""
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     requested: list[str] = []
     context.on("request", lambda r: requested.append(r.url))
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
     page.goto(app_url)
-    page.locator("#generate").wait_for()
+    page.locator(getattr(request.module, "READY", "#generate")).wait_for()
     yield page
     context.close()
     remote = sorted({url for url in requested if urlparse(url).scheme not in ("data", "blob")

@@ -104,6 +104,10 @@ def test_stop_tokens_end_rows_and_nothing_after_is_committed_or_emitted(name):
     assert streamed.ended == 1
     # The model kept every fed token up to the stop and none after it (the last token is never fed).
     assert model.committed.tolist() == [n - 1 for n in expected]
+    # Stats count the batch's longest row: what autoregressive decoding of it costs in forwards.
+    assert out.stats.tokens == max(expected)
+    if name == "ar":
+        assert out.stats.forwards == max(expected) and out.stats.step_compression == 1.0
 
 
 @pytest.mark.parametrize("name", ["sjd", "draft", "lookup", "coupled"])

@@ -302,7 +302,10 @@ def test_var_and_mar_jobs_take_their_family_options_and_records_reproduce_them(t
 
 def test_every_rows_seed_reaches_its_groups_generator():
     """A job's seed changes its images wherever it sits in a group (not only when first)."""
-    from mmgen.image_ar.batch import ImageJob, Row, group_seed
+    from mmgen.batch import group_seed as seed_of
+    from mmgen.image_ar.batch import ImageJob, Row
+
+    group_seed = lambda rows: seed_of([row.seed for row in rows])  # noqa: E731
 
     job = lambda seed: ImageJob(1, {"seed": seed, "output": "x"}, 0, ImageOptions(decoding="ar"))
     first = Row(job(0), 0)

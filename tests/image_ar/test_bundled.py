@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mmgen.decoding import SpeculativeJacobi
-from mmgen.image_ar.bundled import BUNDLED_MODELS, QUALITY_CLASSIFIER, load_eval_set, resolve_model
+from mmgen.image_ar.bundled import BUNDLED_MODELS, QUALITY_CLASSIFIER, load_eval_set
+from mmgen.loading import resolve_model
 from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenTokenModel
 from mmgen.image_ar.quality import ImageQualityProxies
 from mmgen.metrics import token_nll

@@ -9,7 +9,8 @@ import torch
 
 from mmgen.decoding import ContinuousAcceptance, ContinuousSpeculative, MaskedContinuous
 from mmgen.image_ar.bench_mar import mar_diffusion_loss
-from mmgen.image_ar.bundled import load_eval_set, resolve_model
+from mmgen.image_ar.bundled import load_eval_set
+from mmgen.loading import resolve_model
 from mmgen.image_ar.mar import MARPipeline
 
 

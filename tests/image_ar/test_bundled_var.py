@@ -8,7 +8,8 @@ import torch
 
 from mmgen.decoding import CachedTokenPruning, Collaborative
 from mmgen.image_ar.bench_var import var_token_nll
-from mmgen.image_ar.bundled import load_eval_set, resolve_model
+from mmgen.image_ar.bundled import load_eval_set
+from mmgen.loading import resolve_model
 from mmgen.image_ar.var import VARPipeline
 
 

@@ -1,4 +1,4 @@
-"""VLMPipeline on tiny random LLaVA, Qwen2.5-VL and Idefics3 models built here (no downloads): greedy
+"""VLMPipeline on tiny random LLaVA, LLaVA-NeXT, Qwen2.5-VL and Idefics3 models built here (no downloads): greedy
 output equals transformers' own `generate`, lossless decoders equal AR, stop tokens, streaming,
 loading."""
 
@@ -102,6 +102,26 @@ def tiny_llava(seed: int = 0):
     return VLMPipeline(model, processor)
 
 
+def tiny_llava_next(seed: int = 0):
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessor, LlavaNextProcessor)
+    vocab, tokenizer = word_tokenizer({"image_token": "<image>"})
+    pinpoints = [[32, 32], [32, 64], [64, 32]]
+    images_ = LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=images_, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1, chat_template=chat_template("<image>"))
+    torch.manual_seed(seed)
+    config = LlavaNextConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=32, patch_size=8),
+        text_config=LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        image_token_index=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default",
+        image_grid_pinpoints=pinpoints)
+    model = LlavaNextForConditionalGeneration(config).eval()
+    return VLMPipeline(model, processor)
+
+
 def images(n: int):
     g = torch.Generator().manual_seed(n)
     return [Image.fromarray((torch.rand(36 + 4 * i, 40, 3, generator=g) * 255).byte().numpy()) for i in range(n)]
@@ -110,9 +130,12 @@ def images(n: int):
 PROMPTS = ["what is this ?", "what colour is the small cat and the big dog ?", "shape of this picture ?"]
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_5_vl", "idefics3"])
+BUILDERS = {"llava": tiny_llava, "llava_next": tiny_llava_next, "qwen2_5_vl": tiny_qwen, "idefics3": tiny_idefics3}
+
+
+@pytest.fixture(scope="module", params=list(BUILDERS))
 def pipe(request):
-    return {"llava": tiny_llava, "qwen2_5_vl": tiny_qwen, "idefics3": tiny_idefics3}[request.param]()
+    return BUILDERS[request.param]()
 
 
 def transformers_greedy(pipe, prompts, imgs, max_new_tokens, eos):
@@ -167,8 +190,13 @@ def test_stop_tokens_and_budgets(pipe):
 def test_streamed_text_concatenates_to_the_answer(pipe):
     imgs = images(2)
     whole = pipe(PROMPTS[:2], imgs, max_new_tokens=10, stop_token_ids=[])
-    pieces = {}
-    for row, piece in pipe.stream(PROMPTS[:2], imgs, max_new_tokens=10, stop_token_ids=[]):
+    pieces, stream = {}, pipe.stream(PROMPTS[:2], imgs, max_new_tokens=10, stop_token_ids=[])
+    while True:
+        try:
+            row, piece = next(stream)
+        except StopIteration as end:  # the generator returns the call's output
+            assert torch.equal(end.value.token_ids, whole.token_ids)
+            break
         pieces[row] = pieces.get(row, "") + piece
     assert [pieces.get(r, "") for r in range(2)] == whole.texts
 
@@ -243,10 +271,52 @@ def test_grouped_acceptance_runs_on_vlms(pipe):
         pipe(PROMPTS[0], images(1)[0], max_new_tokens=4, decoding="lantern")
 
 
-@pytest.mark.parametrize("build", [tiny_llava, tiny_qwen, tiny_idefics3])
+@pytest.mark.parametrize("build", list(BUILDERS.values()), ids=list(BUILDERS))
 def test_image_aware_drafting_equals_ar_under_greedy(build):
     target, drafter = build(0), build(1)
     imgs = images(3)
     ar = target(PROMPTS, imgs, max_new_tokens=10, stop_token_ids=[])
     draft = target(PROMPTS, imgs, max_new_tokens=10, stop_token_ids=[], decoding=make_decoder("draft", drafter=drafter))
     assert torch.equal(draft.token_ids, ar.token_ids) and draft.stats.draft_forwards > 0
+
+
+def test_a_conversation_is_a_prompt(pipe):
+    """A chat conversation (transformers' message format) is one row: the same text as the
+    question alone when it is one user turn; earlier turns change the prompt the model sees."""
+    image = images(1)[0]
+    turn = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPTS[0]}]}]
+    asked = pipe(PROMPTS[0], image, max_new_tokens=6, stop_token_ids=[])
+    assert torch.equal(pipe(turn, image, max_new_tokens=6, stop_token_ids=[]).token_ids, asked.token_ids)
+    chat = turn + [{"role": "assistant", "content": [{"type": "text", "text": "a cat"}]},
+                   {"role": "user", "content": [{"type": "text", "text": PROMPTS[1]}]}]
+    longer = pipe.prepare_inputs([chat, PROMPTS[2]], [[image], []])
+    assert longer["attention_mask"][0].sum() > pipe.prepare_inputs(turn, image)["attention_mask"].sum()
+    with pytest.raises(ValueError, match="must end with a user turn"):
+        pipe(chat[:2], image)
+    with pytest.raises(ValueError, match="1 image placeholder\\(s\\) but 2 image\\(s\\)"):
+        pipe(turn, images(2))
+
+
+def test_prompts_longer_than_the_context_are_refused_before_decoding(pipe, monkeypatch):
+    length = int(pipe.prepare_inputs(PROMPTS[0], images(1)[0])["attention_mask"].sum())
+    monkeypatch.setattr(type(pipe), "context_length", property(lambda self: length + 3))
+    pipe(PROMPTS[0], images(1)[0], max_new_tokens=3)  # exactly fits
+    monkeypatch.setattr(type(pipe.model), "forward", lambda *a, **k: pytest.fail("decoded"))
+    with pytest.raises(ValueError, match=f"prompt 0: {length} tokens \\(\\d+ of them for its images.*exceed the model's "
+                                         f"context of {length + 3} tokens"):
+        pipe(PROMPTS[0], images(1)[0], max_new_tokens=4)
+
+
+def test_a_drafter_with_another_tokenizer_is_refused(tmp_path):
+    from mmgen.loading import decoder_from_spec
+
+    target, drafter = tiny_llava(0), tiny_llava(1)
+    drafter.save_pretrained(tmp_path / "same")
+    assert decoder_from_spec(f"draft:drafter={tmp_path / 'same'}", target, "x").drafter is not None
+    vocab = drafter.processor.tokenizer.get_vocab()
+    drafter.processor.tokenizer.add_tokens(["zebra"])
+    assert len(drafter.processor.tokenizer.get_vocab()) == len(vocab) + 1
+    with pytest.raises(ValueError, match="another tokenizer"):
+        decoder_from_spec("draft", target, "x", drafter=drafter)
+    with pytest.raises(ValueError, match="another tokenizer"):  # a drafter handed over in Python, too
+        target(PROMPTS[0], images(1)[0], decoding=make_decoder("draft", drafter=drafter))

@@ -1,0 +1,186 @@
+"""The VLM demo: a Gradio chat about uploaded images (`mmgen demo vlm`).
+
+The layout only wires widgets to `handle_send` / `handle_model` / `handle_clear`, which turn
+widget values into a `ChatRequest` and the answers `stream_request` (vlm_request.py, where
+inputs are checked) streams into the chat. The conversation the model sees (transformers'
+chat format and its images) lives in a per-session `gr.State`, never in what the page sends:
+an API caller cannot hand the server file paths as "earlier images". In compare mode a second
+chat shows plain autoregressive decoding without token dropping, answering the same
+conversation with the same seed.
+
+Offline page, system fonts, plain-text one-line errors: as the image demo (`image_demo.py`,
+whose theme, CSS and `plain_message` this module uses).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import partial
+from typing import Any, Optional
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
+
+import gradio as gr  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from mmgen.apps.image_demo import CSS, QUEUE_SIZE, plain_message, theme  # noqa: E402
+from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
+from mmgen.apps.vlm_request import (  # noqa: E402
+    BASELINE_LABEL,
+    MAX_IMAGES,
+    MAX_MESSAGE_CHARS,
+    MAX_NEW_TOKENS,
+    NO_DROPPING,
+    ChatRequest,
+    ChatResult,
+    VLMCatalog,
+    dropping_policies,
+    methods,
+    stream_request,
+)
+
+__all__ = ["ChatRequest", "ChatResult", "VLMCatalog", "build_demo", "launch_demo", "stream_request"]
+
+log = logging.getLogger(__name__)
+
+STATS_COLUMNS = ["run", "forwards", "tokens", "tokens/forward", "time (s)", "tokens kept"]
+MAX_FILE_SIZE = "10mb"  # per upload, refused by Gradio before it reaches the handler
+
+
+def empty_state() -> dict:
+    """A new conversation: what the model sees (`history`, `images`) and what the two chats show."""
+    return {"history": [], "images": [], "chat": [], "baseline": []}
+
+
+def default_method(offered: list[str]) -> str:
+    """Image-aware drafting where a drafter is loaded, else speculative Jacobi, else the first."""
+    return next((m for m in ("draft", "sjd") if m in offered), offered[0])
+
+
+def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, message: Any, state: Optional[dict],
+                model: str, method: str, dropping: str, keep_ratio: Any, temperature: Any, seed: Any, budget: Any,
+                compare: bool):
+    """Widget values -> streamed (method chat, baseline chat, stats, state, message box); a bad
+    input or a failed run becomes a gr.Error (one line of plain text) and changes nothing."""
+    state = state or empty_state()
+    message = message if isinstance(message, dict) else {"text": message, "files": []}
+    files = [f if isinstance(f, str) else f.get("path") if isinstance(f, dict) else getattr(f, "path", f)
+             for f in message.get("files") or []]
+    request = ChatRequest(model=model, message=message.get("text"), images=files, history=state["history"],
+                          history_images=state["images"], method=method, dropping=dropping, keep_ratio=keep_ratio,
+                          temperature=temperature, seed=seed, max_new_tokens=budget, compare=bool(compare))
+    events = stream_request(request, catalog, max_images, max_new_tokens)
+    shown_turn = {"role": "user", "content": [*({"path": f} for f in files), request.message]}
+    chats = {BASELINE_LABEL: [*state["baseline"], shown_turn], "method": [*state["chat"], shown_turn]}
+    answers: dict[int, str] = {}
+    while True:
+        try:
+            progress = next(events)
+        except StopIteration as done:
+            result: ChatResult = done.value
+            break
+        except (ValueError, OSError) as error:
+            raise gr.Error(plain_message(str(error)), title="Invalid input", print_exception=False) from None
+        except Exception as error:  # keep the app up whatever a decoder does
+            log.exception("VLM demo request failed: model %r method %r", model, method)
+            raise gr.Error(plain_message(f"generation failed ({type(error).__name__}): {error}"),
+                           title="Generation failed", print_exception=False) from None
+        answers[progress.index] = progress.text
+        yield _shown(chats, answers, request.compare) + (gr.update(), gr.update(), gr.update())
+    for i, run in enumerate(result.runs):
+        answers[i] = run.text
+    method_chat, baseline_chat = _chats(chats, answers, request.compare)
+    new_state = {"history": result.history, "images": result.history_images, "chat": method_chat,
+                 "baseline": baseline_chat if request.compare else state["baseline"]}
+    yield (_chat_update(method_chat, result.method.label), gr.update(value=baseline_chat, visible=request.compare),
+           pd.DataFrame(result.stats_rows(), columns=STATS_COLUMNS), new_state, gr.update(value=None))
+
+
+def _chats(chats: dict, answers: dict[int, str], compare: bool) -> tuple[list, list]:
+    """The two chats with each run's answer so far (run 0 is the baseline in compare mode)."""
+    method_index = 1 if compare else 0
+    reply = lambda i: [{"role": "assistant", "content": answers[i]}] if i in answers else []
+    baseline = [*chats[BASELINE_LABEL], *reply(0)] if compare else []
+    return [*chats["method"], *reply(method_index)], baseline
+
+
+def _shown(chats: dict, answers: dict[int, str], compare: bool) -> tuple:
+    method_chat, baseline_chat = _chats(chats, answers, compare)
+    return gr.update(value=method_chat), gr.update(value=baseline_chat, visible=compare)
+
+
+def _chat_update(chat: list, label: str) -> dict:
+    return gr.update(value=chat, label=f"method: {label}")
+
+
+def handle_model(catalog: VLMCatalog, model: str) -> tuple:
+    """A new model: its methods, and a fresh conversation."""
+    try:
+        offered = methods(catalog, model)
+    except (ValueError, OSError) as error:
+        raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
+    return (gr.update(choices=offered, value=default_method(offered)),) + handle_clear()
+
+
+def handle_clear() -> tuple:
+    """An empty conversation: both chats, the stats and the state."""
+    return gr.update(value=[]), gr.update(value=[]), None, empty_state()
+
+
+def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_new_tokens: int = 128,
+               concurrency: int = 1) -> gr.Blocks:
+    """The app's Blocks, queued with `concurrency` requests at a time (launch it with
+    `launch_demo`). The first model is loaded now, and its methods found."""
+    catalog = catalog or VLMCatalog.discover()
+    max_images = max(1, min(int(max_images), MAX_IMAGES))
+    max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
+    first = next(iter(catalog.main))
+    offered = methods(catalog, first)
+    companions = ", ".join(catalog.companions) or "none"
+    with gr.Blocks(title="mmgen VLM demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+        gr.Markdown("## mmgen: fast vision-language decoding\nUpload images and ask about them. Pick a decoding "
+                    "method and a visual-token dropping policy; *compare* answers the same conversation with plain "
+                    f"autoregressive decoding and no dropping beside it. Drafter models: {companions}.")
+        state = gr.State(empty_state())
+        with gr.Row():
+            with gr.Column(scale=1, min_width=300):
+                model = gr.Dropdown(list(catalog.main), value=first, label="Model", elem_id="model")
+                method = gr.Dropdown(offered, value=default_method(offered), label="Decoding method", elem_id="method",
+                                     allow_custom_value=True)  # checked against the model in stream_request
+                dropping = gr.Radio([NO_DROPPING, *dropping_policies()], value=NO_DROPPING, label="Visual token dropping",
+                                    elem_id="dropping")
+                keep_ratio = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="Keep ratio (visual tokens kept)",
+                                       elem_id="keep-ratio")
+                compare = gr.Checkbox(label="Compare with plain autoregressive decoding, no dropping (same seed)",
+                                      elem_id="compare")
+                temperature = gr.Slider(0, MAX_TEMPERATURE, value=0.0, step=0.05, label="Temperature (0 = greedy)",
+                                        elem_id="temperature")
+                with gr.Row():
+                    seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed")
+                    budget = gr.Slider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens",
+                                       elem_id="max-new-tokens")
+                clear = gr.Button("Clear chat", elem_id="clear")
+            with gr.Column(scale=2):
+                with gr.Row():
+                    baseline_chat = gr.Chatbot(label=f"baseline: {BASELINE_LABEL}, no dropping", visible=False,
+                                               elem_id="baseline-chat", height=360, buttons=["copy"])
+                    chat = gr.Chatbot(label="method", elem_id="chat", height=360, buttons=["copy"])
+                message = gr.MultimodalTextbox(placeholder=f"Ask about the images (up to {max_images} per conversation)",
+                                               file_types=["image"], file_count="multiple", sources=["upload"],
+                                               max_plain_text_length=MAX_MESSAGE_CHARS, show_label=False, elem_id="message")
+                stats = gr.Dataframe(headers=STATS_COLUMNS, label="Stats", interactive=False, wrap=True, elem_id="stats")
+        cleared = [chat, baseline_chat, stats, state]
+        model.change(lambda m: handle_model(catalog, m), model, [method, *cleared])
+        clear.click(handle_clear, None, cleared)
+        message.submit(partial(handle_send, catalog, max_images, max_new_tokens),
+                       [message, state, model, method, dropping, keep_ratio, temperature, seed, budget, compare],
+                       [chat, baseline_chat, stats, state, message], api_name="chat")
+    return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
+
+
+def launch_demo(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = None, share: bool = False,
+                block: bool = True) -> tuple:
+    """Serve the demo with the offline theme; `block=False` returns at once (tests, notebooks)."""
+    return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
+                       quiet=not block, theme=theme(), css=CSS, footer_links=["api"], max_file_size=MAX_FILE_SIZE)

@@ -1,0 +1,344 @@
+"""What the VLM demo does for one chat turn, without any UI: check the inputs, answer the
+conversation so far with the chosen decoding method and token dropping (and, in compare mode,
+with plain autoregressive decoding and no dropping on the same seed), streaming each answer as
+its tokens commit.
+
+Kept apart from the Gradio layout (`vlm_demo.py`) so that it is tested directly and so that
+importing it needs no gradio. Every input is checked and bounded here: Gradio's HTTP API takes
+any value, whatever the page's widgets allow. The catalogue, the number checks and the message
+quoting are the image demo's (`image_request.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+from mmgen import registry
+from mmgen.apps.image_request import (
+    COMPANION_SUFFIXES,
+    MAX_SEED,
+    MAX_TEMPERATURE,
+    ModelCatalog,
+    _float,
+    _int,
+    shown,
+)
+from mmgen.decoding import DecodeStats, make_decoder
+from mmgen.sampling import make_generator
+
+#: The bundled model the demo serves when given none (its drafter `emoji-vlm-draft` comes along).
+DEFAULT_MODEL = "emoji-vlm"
+MAX_NEW_TOKENS = 512  # hard cap of an answer's length, whatever --max-new-tokens says
+MAX_IMAGES = 8  # hard cap of a conversation's images, whatever --max-images says
+MAX_IMAGE_PIXELS = 4096 * 4096  # an upload larger than this is refused before it is decoded
+MAX_MESSAGE_CHARS = 2000
+MAX_TURNS = 16  # user turns in one conversation
+NO_DROPPING = "none"
+BASELINE_LABEL = "ar (baseline)"
+
+
+class VLMCatalog(ModelCatalog):
+    """The vision-language models a demo offers (`ModelCatalog`'s locks and cache): main models
+    and their drafter companions (names ending in -draft)."""
+
+    @classmethod
+    def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "VLMCatalog":
+        """The given bundled names and folders (default: the bundled `emoji-vlm`); a bundled
+        main model brings its bundled drafter along."""
+        bundled = registry.bundled_models()
+        entries = [_checked_entry(str(entry), bundled) for entry in (models or [DEFAULT_MODEL])]
+        for entry in list(entries):
+            for suffix in COMPANION_SUFFIXES:
+                if entry + suffix in bundled and _is_model_folder(bundled[entry + suffix]):
+                    entries.append(entry + suffix)
+        return cls.from_entries(entries, bundled, device)
+
+    def load(self, source: str) -> Any:
+        import mmgen
+
+        pipe = mmgen.load_pipeline(source, device=self.device)
+        if getattr(pipe, "conditions", None) != "prompt" or not hasattr(pipe, "processor"):
+            raise ValueError(f"{source} holds a {type(pipe).__name__}; the VLM demo serves vision-language models")
+        return pipe
+
+    def drafter_of(self, model: str) -> Optional[str]:
+        """The catalogue's drafter companion of `model` (`<model>-draft`), or None."""
+        name = model + "-draft"
+        return name if name in self.companions else None
+
+
+def _is_model_folder(folder: Path) -> bool:
+    return (Path(folder) / "config.json").is_file() or (Path(folder) / "model_index.json").is_file()
+
+
+def _checked_entry(entry: str, bundled: dict) -> str:
+    """A bundled name present in this installation, or a model folder."""
+    if entry in bundled or entry == DEFAULT_MODEL:
+        if entry not in bundled or not _is_model_folder(bundled[entry]):
+            raise ValueError(f"the bundled model {entry!r} is missing from this installation; pass --model FOLDER")
+        return entry
+    if not _is_model_folder(Path(entry)):
+        raise ValueError(f"--model {entry!r} is neither a bundled model nor a folder with a config.json "
+                         "(a transformers image-text-to-text model)")
+    return entry
+
+
+# --------------------------------------------------------------------------------------------
+# What the UI offers for a model
+# --------------------------------------------------------------------------------------------
+
+
+def dropping_policies() -> list[str]:
+    """The token-dropping policies of `mmgen.vlm.dropping` (empty where this mmgen has none)."""
+    try:
+        from mmgen.vlm.dropping import DROPPING_POLICIES
+    except ImportError:
+        return []
+    return list(DROPPING_POLICIES)
+
+
+def takes_dropping(pipe: Any) -> bool:
+    return "dropping" in inspect.signature(pipe.__call__).parameters
+
+
+def methods(catalog: VLMCatalog, model: str) -> list[str]:
+    """The decoding shortcuts `model` runs: those its pipeline declares (`Pipeline.decoders()`),
+    less those that pair with a second model the catalogue lacks (draft without a drafter)."""
+    pipe = catalog.pipeline(model)
+    paired = catalog.drafter_of(model) is not None
+    return [name for name in pipe.decoders() if name not in pipe.companions or paired]
+
+
+def _decoder(name: str, pipe: Any, catalog: VLMCatalog, model: str) -> Any:
+    """The decoder of a shortcut; a method that pairs with a second model gets the catalogue's
+    drafter of `model` (an error names what is missing when there is none)."""
+    companion = pipe.companions.get(name)
+    if companion is None:
+        return make_decoder(name, pipe.decoders())
+    other = catalog.drafter_of(model) if companion.suffix == "-draft" else None
+    if other is None:
+        raise ValueError(f"decoding {name!r} needs {companion.role}; start the demo with --model {model}{companion.suffix} "
+                         "beside the model")
+    return make_decoder(name, pipe.decoders(), **{companion.option: catalog.pipeline(other)})
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One press of Send: the new user turn, the conversation before it, and the settings.
+
+    `history` is transformers' chat format ([{"role": "user", "content": [{"type": "image"},
+    {"type": "text", "text": ...}]}, {"role": "assistant", "content": [...]}, ...]) and
+    `history_images` the images of its image placeholders, in order."""
+
+    model: str
+    message: str
+    images: Sequence[Any] = ()  # this turn's images: PIL images or file paths
+    history: Sequence[dict] = ()
+    history_images: Sequence[Any] = ()
+    method: str = "ar"
+    dropping: str = NO_DROPPING
+    keep_ratio: float = 0.25
+    temperature: float = 0.0
+    seed: int = 0
+    max_new_tokens: int = 64
+    compare: bool = False  # also answer with plain AR and no dropping, same seed
+
+
+@dataclass
+class ChatRun:
+    """One decoding of the request: its label ("sjd · fastv 0.25", "ar (baseline)"), answer and
+    stats, and the visual tokens the model kept (None: the pipeline reported none, no dropping)."""
+
+    label: str
+    text: str
+    tokens: int  # the answer's tokens, its stop token included
+    stats: DecodeStats
+    tokens_kept: Optional[str] = None
+
+
+@dataclass
+class ChatResult:
+    """The runs of one request (the baseline first in compare mode), and the conversation with
+    the new user turn and the method's answer appended, for the next turn."""
+
+    runs: list[ChatRun]
+    history: list[dict] = field(default_factory=list)
+    history_images: list = field(default_factory=list)
+
+    @property
+    def method(self) -> ChatRun:
+        return self.runs[-1]
+
+    @property
+    def baseline(self) -> Optional[ChatRun]:
+        return self.runs[0] if len(self.runs) > 1 else None
+
+    def stats_rows(self) -> list[dict[str, Any]]:
+        """One row per run: forwards (the prefill included), answer tokens, tokens per forward,
+        wall time, visual tokens kept."""
+        return [{"run": r.label, "forwards": r.stats.forwards, "tokens": r.tokens,
+                 "tokens/forward": round(r.tokens / r.stats.forwards, 2) if r.stats.forwards else 0.0,
+                 "time (s)": round(r.stats.wall_time_s, 3), "tokens kept": r.tokens_kept or "all"} for r in self.runs]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A streamed update: run `index` of the request (0 is the baseline in compare mode) has
+    answered `text` so far."""
+
+    index: int
+    label: str
+    text: str
+
+
+def run_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
+                max_new_tokens: int = MAX_NEW_TOKENS) -> ChatResult:
+    """Check `request` (ValueError with a one-line message), answer it and return the runs."""
+    events = stream_request(request, catalog, max_images, max_new_tokens)
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
+
+
+def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
+                   max_new_tokens: int = MAX_NEW_TOKENS) -> Iterator[Progress]:
+    """`run_request`, yielding each run's answer so far as tokens commit; returns the
+    `ChatResult` (the generator's return value). Every input is checked before any decoding."""
+    if request.model not in catalog.main:
+        raise ValueError(f"unknown model {shown(request.model)}; choose one of {list(catalog.main)}")
+    pipe = catalog.pipeline(request.model)
+    message = _message(request.message)
+    budget = _int("max new tokens", request.max_new_tokens, 1, max(1, min(int(max_new_tokens), MAX_NEW_TOKENS)))
+    seed = _int("seed", request.seed, 0, MAX_SEED)
+    temperature = _float("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
+    offered = methods(catalog, request.model)
+    if not isinstance(request.method, str) or request.method not in offered:
+        raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
+    dropping = _dropping(request.dropping, request.keep_ratio, pipe)
+    history, history_images = _history(request.history, request.history_images)
+    images = [_image(image) for image in _sequence("images", request.images)]
+    limit = max(1, min(int(max_images), MAX_IMAGES))
+    if len(history_images) + len(images) > limit:
+        raise ValueError(f"at most {limit} images per conversation, got {len(history_images) + len(images)}: "
+                         "clear the chat to start again")
+    if sum(m["role"] == "user" for m in history) >= MAX_TURNS:
+        raise ValueError(f"at most {MAX_TURNS} turns per conversation: clear the chat to start again")
+    turn = {"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": message}]}
+    conversation, all_images = [*history, turn], [*history_images, *images]
+    # One turn goes in as text (what every VLMPipeline takes), a longer chat as the conversation.
+    prompt = [conversation] if history else message
+    label = request.method + (f" · {dropping}" if dropping else "")
+    plan = [(BASELINE_LABEL, "ar", None)] if request.compare else []
+    plan.append((label, request.method, dropping))
+    runs = []
+    with catalog.using([request.model, *filter(None, [catalog.drafter_of(request.model)])]):
+        for index, (run_label, method, policy) in enumerate(plan):
+            call = dict(max_new_tokens=budget, decoding=_decoder(method, pipe, catalog, request.model),
+                        temperature=temperature, generator=make_generator(seed, catalog.device))
+            if policy is not None:
+                call["dropping"] = policy
+            answer = yield from _streamed(pipe, prompt, all_images or None, call, index, run_label)
+            runs.append(ChatRun(run_label, answer.texts[0], int(answer.lengths[0]), answer.stats, _tokens_kept(answer)))
+    reply = {"role": "assistant", "content": [{"type": "text", "text": runs[-1].text}]}
+    return ChatResult(runs, [*conversation, reply], all_images)
+
+
+def _streamed(pipe: Any, prompt: Any, images: Any, call: dict, index: int, label: str):
+    """Yield `Progress` as the answer grows (`VLMPipeline.stream`); return the call's `VLMOutput`."""
+    text, stream = "", pipe.stream(prompt, images, **call)
+    while True:
+        try:
+            _, piece = next(stream)
+        except StopIteration as end:
+            return end.value
+        text += piece
+        yield Progress(index, label, text)
+
+
+def _tokens_kept(output: Any) -> Optional[str]:
+    """"kept/total" visual tokens from the pipeline's `DroppingReport` (None without dropping)."""
+    report = getattr(output, "dropping", None)
+    return None if report is None else f"{sum(report.kept_tokens)}/{sum(report.image_tokens)}"
+
+
+def _message(text: Any) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("type a question (the message is empty)")
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise ValueError(f"the message must be at most {MAX_MESSAGE_CHARS} characters, got {len(text)}")
+    return text.strip()
+
+
+def _sequence(what: str, value: Any) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{what} must be a list, got {shown(value)}")
+    return list(value)
+
+
+def _image(image: Any) -> Any:
+    """An RGB PIL image from a PIL image or a file path; bounded in pixels before decoding."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, (str, Path)):
+        try:
+            with Image.open(image) as opened:
+                _check_pixels(opened.size)
+                return opened.convert("RGB")
+        except (OSError, UnidentifiedImageError, Image.DecompressionBombError):
+            raise ValueError(f"{Path(image).name}: not a readable image") from None
+    if isinstance(image, Image.Image):
+        _check_pixels(image.size)
+        return image.convert("RGB")
+    raise ValueError(f"an image must be an image file or a PIL image, got {shown(image)}")
+
+
+def _check_pixels(size: tuple[int, int]) -> None:
+    if size[0] * size[1] > MAX_IMAGE_PIXELS:
+        raise ValueError(f"an image may have at most {MAX_IMAGE_PIXELS} pixels, got {size[0]}x{size[1]}")
+
+
+def _history(history: Any, images: Any) -> tuple[list[dict], list]:
+    """The earlier turns, checked: alternating user/assistant messages of text and image
+    placeholders, as many images as placeholders."""
+    messages, pictures = _sequence("history", history), _sequence("history images", images)
+    placeholders = 0
+    for i, message in enumerate(messages):
+        role = "user" if i % 2 == 0 else "assistant"
+        if not isinstance(message, dict) or message.get("role") != role or not isinstance(message.get("content"), list):
+            raise ValueError(f"history message {i} must be a {role} message in transformers' chat format")
+        for part in message["content"]:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image" and role == "user":
+                placeholders += 1
+            elif kind != "text" or not isinstance(part.get("text"), str) or len(part["text"]) > MAX_MESSAGE_CHARS * 2:
+                raise ValueError(f"history message {i} has an unexpected part {shown(part)}")
+    if len(messages) % 2:
+        raise ValueError("the history must end with an assistant message")
+    if placeholders != len(pictures):
+        raise ValueError(f"the history has {placeholders} image placeholders but {len(pictures)} images")
+    return messages, [_image(image) for image in pictures]
+
+
+def _dropping(policy: Any, keep_ratio: Any, pipe: Any) -> Optional[str]:
+    """The dropping spec ("fastv:keep_ratio=0.25") of the chosen policy, or None."""
+    if policy in (None, "", NO_DROPPING):
+        return None
+    offered = dropping_policies()
+    if not isinstance(policy, str) or policy not in offered:
+        raise ValueError(f"unknown token dropping {shown(policy)}; choose one of {[NO_DROPPING, *offered]}")
+    if not takes_dropping(pipe):
+        raise ValueError("this mmgen's VLMPipeline has no token dropping yet")
+    ratio = _float("keep ratio", keep_ratio, 0.0, 1.0, low_open=True)
+    return f"{policy}:keep_ratio={ratio:g}"

@@ -1,0 +1,460 @@
+"""Train the bundled VLM pair on emoji questions: `emoji-vlm` and its drafter `emoji-vlm-draft`.
+
+Both are transformers' own `LlavaForConditionalGeneration` (a tiny CLIP vision tower, a small
+Llama), sharing one byte-level BPE tokenizer and one `LlavaProcessor`; `VLMPipeline` loads
+them. Questions and answers come from `benchmarks/data/emoji_vlm.py`; the image set's held-out
+split is never trained on. The loop, checkpointing and data order are `benchmarks/train.py`'s
+(`train_loop`: resumable, randomness from (seed, step)), so a killed and resumed run ends with
+the weights of one that never stopped.
+
+    python -m benchmarks.data.emoji --out data/emoji64.npz
+    python -m benchmarks.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
+    python -m benchmarks.train_vlm tokenizer --data data/emoji64.npz --out runs/vlm-processor
+    python -m benchmarks.train_vlm target --data data/emoji64.npz --processor runs/vlm-processor --out runs/vlm-target
+    python -m benchmarks.train_vlm draft --data data/emoji64.npz --processor runs/vlm-processor --out runs/vlm-draft
+    python -m benchmarks.train_vlm export --processor runs/vlm-processor --target runs/vlm-target \
+        --draft runs/vlm-draft --out vlm/assets
+    python -m benchmarks.train_vlm eval --assets vlm/assets --out runs/vlm-eval.json
+    python -m benchmarks.train_vlm card --eval runs/vlm-eval.json --target runs/vlm-target --draft runs/vlm-draft \
+        --out vlm/assets/emoji-vlm/MODEL_CARD.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.data.emoji_vlm import KINDS, QUESTIONS, eval_records, image_answers, read_jsonl, write_jsonl
+from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+
+IMAGE_SIZE, PATCH = 64, 8
+SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "image": "<image>"}
+#: One user turn (its images, then its text) and the assistant's cue; answers follow after a space.
+CHAT_TEMPLATE = (
+    "<s>{% for m in messages %}{{ m['role'].upper() + ':' }}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %} <image>{% else %} {{ c['text'] }}{% endif %}{% endfor %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+#: Vision tower / language model sizes of the pair (transformers' CLIPVisionConfig / LlamaConfig fields).
+PRESETS = {
+    "target": dict(vision=dict(hidden_size=128, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4),
+                   text=dict(hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=4)),
+    "draft": dict(vision=dict(hidden_size=96, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2),
+                  text=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=2)),
+}
+#: Evaluation: rows per pipeline call, and the subset (the first call) whose figures tests reproduce.
+EVAL_BATCH, MAX_NEW_TOKENS = 64, 32
+
+
+# ---------------------------------------------------------------------------- tokenizer, processor
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE (any string encodes; decoding inverts encoding exactly) as a
+    `PreTrainedTokenizerFast` with the pipeline's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    specials = [SPECIAL[k] for k in ("pad", "bos", "eos", "image")]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"],
+                                   pad_token=SPECIAL["pad"], extra_special_tokens={"image_token": SPECIAL["image"]})
+
+
+def make_processor(tokenizer: Any) -> Any:
+    """CLIP preprocessing at 64x64 and the tokenizer; 64 image tokens (CLS dropped)."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    size = {"shortest_edge": IMAGE_SIZE}, {"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    return LlavaProcessor(image_processor=CLIPImageProcessor(size=size[0], crop_size=size[1]), tokenizer=tokenizer,
+                          patch_size=PATCH, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=CHAT_TEMPLATE)
+
+
+def load_processor(path: str) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path)
+
+
+def build_tokenizer(args) -> None:
+    data = dict(np.load(args.data))
+    train = ~data["is_eval"]
+    texts = [q for qs in QUESTIONS.values() for q in qs] + ["USER: ASSISTANT:"]
+    texts += [" " + a for row, keep in zip(image_answers(data), train) if keep for a in row.values()]
+    processor = make_processor(train_tokenizer(texts, args.vocab_size))
+    processor.save_pretrained(args.out)
+    print(f"wrote {args.out}: vocab {len(processor.tokenizer)}")
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def vlm_config(preset: str, tokenizer: Any) -> Any:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    p = PRESETS[preset]
+    ids = {f"{k}_token_id": tokenizer.convert_tokens_to_ids(SPECIAL[k]) for k in ("pad", "bos", "eos")}
+    return LlavaConfig(
+        vision_config=CLIPVisionConfig(**p["vision"], image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config=LlamaConfig(**p["text"], vocab_size=len(tokenizer), max_position_embeddings=256,
+                                tie_word_embeddings=True, **ids),
+        image_token_index=tokenizer.convert_tokens_to_ids(SPECIAL["image"]), vision_feature_layer=-1,
+        vision_feature_select_strategy="default", tie_word_embeddings=True,
+    )
+
+
+def new_model(preset: str, tokenizer: Any, seed: int) -> Any:
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(vlm_config(preset, tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+# ---------------------------------------------------------------------------- training data
+
+
+class QAData:
+    """Training examples (image, kind) with pixels, prompts and answers tokenized once.
+
+    An example's paraphrase comes from the step's generator; its sequence is the prompt exactly as
+    `VLMPipeline` builds it (chat template, image tokens expanded by the processor), then the
+    answer and the end token, the only positions with a loss."""
+
+    def __init__(self, images: np.ndarray, rows: list[dict[str, str]], processor: Any):
+        self.processor, tok = processor, processor.tokenizer
+        self.pixels = processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+        blank = np.full((IMAGE_SIZE, IMAGE_SIZE, 3), 255, np.uint8)
+        self.prompts = {
+            (kind, i): processor(images=[blank], return_tensors="pt", text=processor.apply_chat_template(
+                [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": q}]}], add_generation_prompt=True,
+            ))["input_ids"][0].tolist()
+            for kind, qs in QUESTIONS.items() for i, q in enumerate(qs)
+        }
+        self.answers = [{k: tok.encode(" " + row[k], add_special_tokens=False) + [tok.eos_token_id] for k in KINDS} for row in rows]
+        self.pad = tok.pad_token_id
+
+    def __len__(self) -> int:
+        return len(self.answers) * len(KINDS)
+
+    def batch(self, index: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        """Right-padded `input_ids`, `attention_mask`, `labels` (-100 off the answers) and `pixel_values`."""
+        picks = torch.rand(len(index), generator=generator).tolist()
+        seqs, labels, images = [], [], []
+        for i, u in zip(index.tolist(), picks):
+            image, kind = divmod(i, len(KINDS))
+            kind = KINDS[kind]
+            prompt = self.prompts[(kind, int(u * len(QUESTIONS[kind])))]
+            answer = self.answers[image][kind]
+            seqs.append(prompt + answer)
+            labels.append([-100] * len(prompt) + answer)
+            images.append(image)
+        width = max(map(len, seqs))
+        pad = lambda rows, value: torch.tensor([r + [value] * (width - len(r)) for r in rows])
+        return {"input_ids": pad(seqs, self.pad), "labels": pad(labels, -100),
+                "attention_mask": pad([[1] * len(s) for s in seqs], 0), "pixel_values": self.pixels[images]}
+
+
+def answer_loss(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy on the answer positions, and the answers' token accuracy."""
+    labels = batch["labels"]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   pixel_values=batch["pixel_values"]).logits[:, :-1].float()
+    target = labels[:, 1:]
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
+    keep = target != -100
+    return loss, (logits.argmax(-1)[keep] == target[keep]).float().mean()
+
+
+def train_model(args) -> None:
+    data = dict(np.load(args.data))
+    train = ~data["is_eval"]
+    processor = load_processor(args.processor)
+    rows = [row for row, keep in zip(image_answers(data), train) if keep]
+    qa = QAData(data["images"][train], rows, processor)
+    model = new_model(args.job, processor.tokenizer, args.seed)
+
+    def loss_fn(index, generator):
+        loss, accuracy = answer_loss(model, qa.batch(index, generator))
+        return loss, {"token_acc": round(accuracy.item(), 4)}
+
+    config = {"preset": args.job, "llava": model.config.to_dict(), "args": {k: str(v) if isinstance(v, Path) else v
+                                                                           for k, v in vars(args).items()}}
+    train_loop(model, loss_fn, len(qa), args, config)
+
+
+# ---------------------------------------------------------------------------- export, evaluation, card
+
+
+@torch.no_grad()
+def export(args) -> None:
+    """Safetensors of both models, each folder with the shared processor.
+
+    float32 by default: `from_pretrained` computes in the stored dtype, and on CPU float16 is
+    slower and rounds a multi-token verification forward differently from a one-token forward,
+    so greedy drafting can part from greedy AR at a near-tie (1 of 1,264 held-out answers here)."""
+    processor = load_processor(args.processor)
+    out = Path(args.out)
+    for name, preset, run in (("emoji-vlm", "target", args.target), ("emoji-vlm-draft", "draft", args.draft)):
+        model = load_trained(new_model(preset, processor.tokenizer, 0), run)
+        if args.dtype == "float16":
+            model = round_to_half(model).half()
+        model.save_pretrained(out / name)
+        processor.save_pretrained(out / name)
+        print(f"wrote {out / name}")
+
+
+def token_f1(prediction: str, answer: str) -> float:
+    """SQuAD-style F1 over whitespace words (multiset overlap)."""
+    pred, gold = prediction.split(), answer.split()
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if not pred or not gold or common == 0:
+        return float(pred == gold)
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def load_eval(assets: str | Path) -> tuple[list[dict], np.ndarray]:
+    """The shipped held-out questions and their images (rows of `emoji64-eval.npz`)."""
+    from mmgen import image_ar
+
+    images = np.load(Path(image_ar.__file__).parent / "assets" / "emoji64-eval.npz")["images"]
+    return read_jsonl(Path(assets) / "emoji-vlm-eval.jsonl"), images
+
+
+def answer_all(pipe: Any, records: list[dict], images: np.ndarray, decoding: Any = "ar",
+               batch: int = EVAL_BATCH) -> tuple[list[str], dict]:
+    """Greedy answers to `records` in calls of `batch` rows, and summed decode counters."""
+    from PIL import Image
+
+    texts, totals = [], Counter()
+    for start in range(0, len(records), batch):
+        chunk = records[start:start + batch]
+        out = pipe([r["question"] for r in chunk], [Image.fromarray(images[r["index"]]) for r in chunk],
+                   max_new_tokens=MAX_NEW_TOKENS, decoding=decoding)
+        texts += out.texts
+        # (row, forward) pairs and the tokens they finalised: the per-row tokens per target forward.
+        histogram = out.stats.accepted_histogram
+        totals.update(forwards=out.stats.forwards, draft_forwards=out.stats.draft_forwards, row_forwards=sum(histogram),
+                      row_tokens=sum(k * c for k, c in enumerate(histogram)))
+    return texts, dict(totals)
+
+
+def scores(records: list[dict], texts: list[str]) -> dict[str, dict[str, float]]:
+    """Exact match and token F1 per question kind and over all questions."""
+    out = {}
+    for kind in (*KINDS, "all"):
+        pairs = [(t, r["answer"]) for t, r in zip(texts, records) if kind in ("all", r["kind"])]
+        out[kind] = {"n": len(pairs), "exact": sum(t == a for t, a in pairs) / len(pairs),
+                     "f1": sum(token_f1(t, a) for t, a in pairs) / len(pairs)}
+    return out
+
+
+def evaluate(args) -> None:
+    from mmgen.decoding import make_decoder
+    from mmgen.vlm.pipeline import VLMPipeline
+
+    assets = Path(args.assets)
+    records, images = load_eval(assets)
+    records = records[:args.limit] if args.limit else records
+    target = VLMPipeline.from_pretrained(assets / "emoji-vlm")
+    drafter = VLMPipeline.from_pretrained(assets / "emoji-vlm-draft")
+    result: dict[str, Any] = {"threads": torch.get_num_threads(), "subset_rows": EVAL_BATCH,
+                              "dtype": str(target.model.dtype), "max_new_tokens": MAX_NEW_TOKENS,
+                              "vocab": len(target.processor.tokenizer), "questions": len(records)}
+    # A floor: always giving the most common held-out answer of the question's kind.
+    common = {kind: Counter(r["answer"] for r in records if r["kind"] == kind).most_common(1)[0][0] for kind in KINDS}
+    result["majority"] = scores(records, [common[r["kind"]] for r in records])
+    for name, pipe in (("target", target), ("draft", drafter)):
+        started = time.time()
+        texts, stats = answer_all(pipe, records, images)
+        result[name] = {"full": scores(records, texts), "subset": scores(records[:EVAL_BATCH], texts[:EVAL_BATCH]),
+                        "seconds": round(time.time() - started, 1), "params": sum(p.numel() for p in pipe.model.parameters())}
+        if name == "target":
+            result["target_texts"], result["target_forwards"] = texts, stats["forwards"]
+    for k in (2, 4):
+        started = time.time()
+        texts, stats = answer_all(target, records, images, decoding=make_decoder("draft", drafter=drafter, num_draft=k))
+        result[f"speculative_k{k}"] = {**stats, "tokens_per_target_forward": stats["row_tokens"] / stats["row_forwards"],
+                                       "equals_ar": texts == result["target_texts"], "seconds": round(time.time() - started, 1)}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "target_texts"}, indent=1))
+
+
+def card(args) -> None:
+    e = json.loads(Path(args.eval).read_text())
+    runs = {name: last_log(run) for name, run in (("target", args.target), ("draft", args.draft))}
+    rows = lambda part: "\n".join(
+        f"| {kind} | {e['target'][part][kind]['n']} | {e['target'][part][kind]['exact']:.1%} | {e['target'][part][kind]['f1']:.3f} | "
+        f"{e['draft'][part][kind]['exact']:.1%} | {e['draft'][part][kind]['f1']:.3f} |" for kind in (*KINDS, "all"))
+    floor = ", ".join(f"{kind} {e['majority'][kind]['exact']:.1%}" for kind in (*KINDS, "all"))
+    spec = "\n".join(f"| {k} | {e[f'speculative_k{k}']['tokens_per_target_forward']:.2f} | {e[f'speculative_k{k}']['forwards']} "
+                     f"(AR: {e['target_forwards']}) | "
+                     f"{e[f'speculative_k{k}']['draft_forwards']} | {e[f'speculative_k{k}']['equals_ar']} |" for k in (2, 4))
+    train = lambda name: runs[name]["args"]
+    text = f"""# emoji-vlm and emoji-vlm-draft: bundled LLaVA-style question answering about emoji
+
+Two transformers `LlavaForConditionalGeneration` models (tiny CLIP vision tower, small Llama),
+trained from scratch on this project's CPU machine by `benchmarks/train_vlm.py`; they share one
+byte-level BPE tokenizer ({e['vocab']} tokens) and one `LlavaProcessor`, and `emoji-vlm-draft`
+is the drafter for `decoding="draft"`. Load with `mmgen.vlm.VLMPipeline.from_pretrained(folder)`.
+Weights ship in {e['dtype'].removeprefix('torch.')} (`from_pretrained` computes in the stored dtype; on CPU float16 is
+slower, and it rounds the drafter's multi-token verification forwards differently from one-token
+forwards, so greedy drafting parted from greedy AR on 1 of the 1,264 held-out answers in a
+float16 export of these weights). The figures below were measured on the shipped weights.
+
+## Data
+
+The emoji images of `benchmarks/data/emoji.py` (Noto Color Emoji 64x64 on white, Debian
+`fonts-noto-color-emoji` and `unicode-data`): 3,212 training images, 316 held out (every 10th of
+each subgroup; the images of `image_ar/assets/emoji64-eval.npz`, never trained on). Four
+questions per image, answers computed by `benchmarks/data/emoji_vlm.py`:
+
+| kind | question (evaluation asks the first paraphrase) | answer |
+|---|---|---|
+| name | "What is this emoji?" (+3 paraphrases) | Unicode name, e.g. "grinning face" |
+| subgroup | "Which subgroup is this emoji in?" (+3) | Unicode subgroup, hyphens as spaces, e.g. "face smiling" (74) |
+| colour | "What is the main colour?" (+3) | most common palette colour of the non-white pixels (11 colours) |
+| face | "Is it a face?" (+2) | "yes" for subgroups `face-*` and `cat-face`, else "no" (yes for 100 of 3,528) |
+
+No held-out name occurs in training, though many are skin-tone or gender variants of trained
+ones; token F1 gives partial credit for the words a name shares (skin tones, "man", "woman"). The held-out questions ship as `vlm/assets/emoji-vlm-eval.jsonl`.
+
+## Models and training
+
+| model | vision tower | language model | parameters | steps | batch | peak lr | last logged loss / answer-token accuracy |
+|---|---|---|---|---|---|---|---|
+| emoji-vlm | CLIP {PRESETS['target']['vision']['num_hidden_layers']} layers, hidden {PRESETS['target']['vision']['hidden_size']}, patch 8 (64 tokens) | Llama {PRESETS['target']['text']['num_hidden_layers']} layers, hidden {PRESETS['target']['text']['hidden_size']} | {e['target']['params'] / 1e6:.2f}M | {runs['target']['final']['step']} | {train('target')['batch_size']} | {train('target')['lr']:g} | {runs['target']['final']['loss']:.3f} / {runs['target']['final']['token_acc']:.3f} |
+| emoji-vlm-draft | CLIP {PRESETS['draft']['vision']['num_hidden_layers']} layers, hidden {PRESETS['draft']['vision']['hidden_size']} | Llama {PRESETS['draft']['text']['num_hidden_layers']} layer(s), hidden {PRESETS['draft']['text']['hidden_size']} | {e['draft']['params'] / 1e6:.2f}M | {runs['draft']['final']['step']} | {train('draft')['batch_size']} | {train('draft')['lr']:g} | {runs['draft']['final']['loss']:.3f} / {runs['draft']['final']['token_acc']:.3f} |
+
+Cross-entropy on the answer tokens and the end token only (prompts and image tokens carry no
+loss), one random (image, question kind) pair per example, a random paraphrase per example;
+AdamW (betas 0.9/0.95, weight decay {train('target')['weight_decay']:g}), cosine schedule with {train('target')['warmup']} warm-up steps,
+gradient clipping 1.0; no augmentation. Torch threads: {train('target')['threads']} (target), {train('draft')['threads']} (drafter).
+{args.training_note}
+
+## Held-out figures (greedy, through `VLMPipeline`)
+
+All {e['target']['full']['all']['n']} held-out questions, asked in calls of {EVAL_BATCH} rows, at most {e['max_new_tokens']} new tokens;
+exact match of the whole answer string, token F1 over whitespace words:
+
+| kind | questions | emoji-vlm exact | emoji-vlm F1 | draft exact | draft F1 |
+|---|---|---|---|---|---|
+{rows('full')}
+
+The floor of always giving the most common held-out answer of each kind: {floor} exact.
+Evaluated with {e['threads']} torch thread(s); decoding took {e['target']['seconds']:.0f} s (target) and {e['draft']['seconds']:.0f} s (drafter) for all questions on this shared machine.
+
+The first call alone (the first {EVAL_BATCH} rows of the eval file: 16 images, every kind;
+`tests/vlm/test_bundled_vlm.py` reproduces these):
+
+| kind | questions | emoji-vlm exact | emoji-vlm F1 | draft exact | draft F1 |
+|---|---|---|---|---|---|
+{rows('subset')}
+
+## Speculative decoding with the drafter
+
+`decoding=make_decoder("draft", drafter=<emoji-vlm-draft>, num_draft=k)` on the same questions
+(greedy; the output equals autoregressive decoding token for token). Tokens per target forward
+is per row (finalised tokens over the (row, forward) pairs of rows still decoding); forwards
+are batched calls summed over the {e['questions'] // EVAL_BATCH + bool(e['questions'] % EVAL_BATCH)} evaluation calls, against autoregressive decoding's.
+
+| k | tokens per target forward (per row) | target forwards | drafter forwards | equals AR |
+|---|---|---|---|---|
+{spec}
+
+## Limits
+
+A toy for offline tests and demos of image-aware drafting: it knows 64x64 emoji and these four
+questions only. It almost never gets a held-out emoji's whole name (it answers with a training
+name of the same look, e.g. "woman, woman, medium skin tone, medium skin tone" for "detective:
+medium skin tone"), sometimes adds a word to "yes" ("yes face"), and is undertrained (2 CPU cores
+shared with other jobs, under an hour): its training loss was still falling.
+
+## Reproduce
+
+```
+python -m benchmarks.data.emoji --out data/emoji64.npz
+python -m benchmarks.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
+python -m benchmarks.train_vlm tokenizer --data data/emoji64.npz --out runs/vlm-processor
+{args.target_command}
+{args.draft_command}
+python -m benchmarks.train_vlm export --processor runs/vlm-processor --target runs/vlm-target --draft runs/vlm-draft --out vlm/assets
+python -m benchmarks.train_vlm eval --assets vlm/assets --out runs/vlm-eval.json --threads {e['threads']}
+python -m benchmarks.train_vlm card --eval runs/vlm-eval.json --target runs/vlm-target --draft runs/vlm-draft --out vlm/assets/emoji-vlm/MODEL_CARD.md \\
+    --target-command ... --draft-command ... --training-note ...   # the training lines and notes above
+```
+"""
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+
+
+def write_eval_data(args) -> None:
+    from mmgen import image_ar
+
+    data = dict(np.load(args.data))
+    eval_images = np.load(Path(image_ar.__file__).parent / "assets" / "emoji64-eval.npz")["images"]
+    records = eval_records(data, eval_images)
+    write_jsonl(records, args.out)
+    print(f"wrote {args.out}: {len(records)} questions about {len(eval_images)} held-out images")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    jobs = parser.add_subparsers(dest="job", required=True)
+    data = jobs.add_parser("data", help="the held-out questions (JSONL keyed by row of emoji64-eval.npz)")
+    data.add_argument("--data", required=True)
+    data.add_argument("--out", default="vlm/assets/emoji-vlm-eval.jsonl")
+    tok = jobs.add_parser("tokenizer", help="train the BPE tokenizer; save the processor")
+    tok.add_argument("--data", required=True)
+    tok.add_argument("--out", required=True)
+    tok.add_argument("--vocab-size", type=int, default=2048)
+    for preset, lr in (("target", 1.5e-3), ("draft", 2e-3)):
+        p = jobs.add_parser(preset, help=f"train the {preset}")
+        p.add_argument("--data", required=True)
+        p.add_argument("--processor", required=True)
+        add_training_arguments(p, lr, 32)
+    exp = jobs.add_parser("export")
+    for name in ("--processor", "--target", "--draft", "--out"):
+        exp.add_argument(name, required=True)
+    exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    ev = jobs.add_parser("eval")
+    ev.add_argument("--assets", default="vlm/assets")
+    ev.add_argument("--out", required=True)
+    ev.add_argument("--threads", type=int, default=0)
+    ev.add_argument("--limit", type=int, default=0, help="only the first LIMIT questions (a dry run; 0: all)")
+    cd = jobs.add_parser("card")
+    for name in ("--eval", "--target", "--draft", "--out"):
+        cd.add_argument(name, required=True)
+    cd.add_argument("--target-command", default="python -m benchmarks.train_vlm target --data data/emoji64.npz "
+                    "--processor runs/vlm-processor --out runs/vlm-target")
+    cd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
+    cd.add_argument("--draft-command", default="python -m benchmarks.train_vlm draft --data data/emoji64.npz "
+                    "--processor runs/vlm-processor --out runs/vlm-draft")
+    args = parser.parse_args(argv)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    {"data": write_eval_data, "tokenizer": build_tokenizer, "target": train_model, "draft": train_model,
+     "export": export, "eval": evaluate, "card": card}[args.job](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""VLM decoding side by side, in one process: transformers' own `generate` (greedy, assisted
+generation with the same drafter, prompt lookup) against mmgen's decoders (AR, SJD, prompt
+lookup, image-aware drafting, drafting on a pruned image) on the bundled `emoji-vlm` pair.
+
+    python -m benchmarks.vlm_decoding [--questions 64] [--repeats 3] [--threads 2] [--json out.json]
+
+Per method, over the same held-out questions at batch 1: language-model forwards of the target
+(and of the drafter) counted by a hook on each trunk, prefill included, tokens per target forward, the
+median wall time of the whole question set over repeats (methods interleaved, order rotated per
+repeat, so a busy box slows all alike; the spread across repeats is reported), the speedup over
+transformers' greedy `generate`, exact match / token F1 of the answers against the held-out
+answers, and whether every answer is token-identical to greedy (the lossless methods must be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from PIL import Image
+
+from benchmarks.train_vlm import load_eval, token_f1
+
+
+class ForwardCounter:
+    """Counts forwards of a language-model trunk (a forward pre-hook), prefill included."""
+
+    def __init__(self, pipe: Any):
+        inner = pipe.model.model
+        trunk = inner.language_model if hasattr(inner, "language_model") else inner.text_model
+        self.count = 0
+        trunk.register_forward_pre_hook(self._hit)
+
+    def _hit(self, *_: Any) -> None:
+        self.count += 1
+
+
+def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int) -> dict[str, Callable]:
+    """name -> f(question, image) -> generated token ids (list), for batch-1 calls."""
+    from mmgen.decoding import make_decoder
+
+    eos = target.eos_token_ids
+
+    def hf(**extra):
+        def run(question, image):
+            inputs = target.prepare_inputs(question, image)
+            out = target.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                                        pad_token_id=target.pad_token_id, **extra)
+            ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+            return ids[: ids.index(eos[0]) + 1] if eos and eos[0] in ids else ids
+        return run
+
+    def ours(decoding, **extra):
+        def run(question, image):
+            out = target(question, image, max_new_tokens=max_new_tokens, decoding=decoding, **extra)
+            return out.token_ids[0, : out.lengths[0]].tolist()
+        return run
+
+    draft = make_decoder("draft", drafter=drafter, num_draft=num_draft)
+    return {
+        "hf greedy": hf(),
+        "hf assisted (drafter)": hf(assistant_model=drafter.model, num_assistant_tokens=num_draft,
+                                    num_assistant_tokens_schedule="constant"),
+        "hf prompt lookup": hf(prompt_lookup_num_tokens=num_draft),
+        "mmgen ar": ours("ar"),
+        "mmgen sjd": ours("sjd"),
+        "mmgen lookup": ours(make_decoder("lookup", num_draft=num_draft)),
+        "mmgen draft (image-aware)": ours(draft),
+        "mmgen draft, drafter on VisionZip 0.25": ours(draft, draft_dropping="visionzip:keep_ratio=0.25"),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="emoji-vlm")
+    p.add_argument("--drafter", default="emoji-vlm-draft")
+    p.add_argument("--questions", type=int, default=64, help="held-out questions (every kind in turn)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--num-draft", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import transformers
+
+    from mmgen.loading import load_pipeline, resolve_model
+
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    target, drafter = load_pipeline(args.model), load_pipeline(args.drafter)
+    records, images = load_eval(Path(resolve_model(args.model)).parent)
+    records = records[: args.questions]
+    pictures = {r["index"]: Image.fromarray(images[r["index"]]) for r in records}
+    target_count, draft_count = ForwardCounter(target), ForwardCounter(drafter)
+    runs = methods(target, drafter, args.max_new_tokens, args.num_draft)
+    failures = {}
+    for name in list(runs):  # a method that cannot run on this model is reported, not timed
+        try:
+            runs[name](records[0]["question"], pictures[records[0]["index"]])
+        except Exception as error:
+            failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            del runs[name]
+    names = list(runs)
+    seconds = {n: [] for n in names}
+    answers: dict[str, list] = {}
+    forwards: dict[str, tuple[int, int]] = {}
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names):] + names[: repeat % len(names)]
+        for name in order:
+            target_count.count = draft_count.count = 0
+            begun = time.perf_counter()
+            ids = [runs[name](r["question"], pictures[r["index"]]) for r in records]
+            seconds[name].append(time.perf_counter() - begun)
+            answers[name], forwards[name] = ids, (target_count.count, draft_count.count)
+    greedy = answers["hf greedy"]
+    base = statistics.median(seconds["hf greedy"])
+    decode = lambda ids: target.processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
+    rows = []
+    for name in names:
+        texts = [decode(ids) for ids in answers[name]]
+        tokens = sum(len(ids) for ids in answers[name])
+        median = statistics.median(seconds[name])
+        rows.append({
+            "method": name, "target_forwards": forwards[name][0], "drafter_forwards": forwards[name][1],
+            "tokens": tokens, "tokens_per_target_forward": round(tokens / max(1, forwards[name][0]), 3),
+            "seconds_median": round(median, 3), "seconds_spread": [round(min(seconds[name]), 3), round(max(seconds[name]), 3)],
+            "speedup_vs_hf_greedy": round(base / median, 3),
+            "exact_match": round(sum(t == r["answer"] for t, r in zip(texts, records)) / len(records), 4),
+            "token_f1": round(sum(token_f1(t, r["answer"]) for t, r in zip(texts, records)) / len(records), 4),
+            "identical_to_greedy": answers[name] == greedy,
+        })
+    result = {"model": args.model, "drafter": args.drafter, "questions": len(records), "repeats": args.repeats,
+              "threads": args.threads, "max_new_tokens": args.max_new_tokens, "num_draft": args.num_draft,
+              "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
+              "failures": failures}
+    header = "| method | target fwd | drafter fwd | tok/target fwd | s (median) | spread | vs hf greedy | EM | F1 | = greedy |"
+    print(header)
+    print("|" + "---|" * 10)
+    for r in rows:
+        print(f"| {r['method']} | {r['target_forwards']} | {r['drafter_forwards']} | {r['tokens_per_target_forward']} | "
+              f"{r['seconds_median']} | {r['seconds_spread'][0]}–{r['seconds_spread'][1]} | {r['speedup_vs_hf_greedy']}× | "
+              f"{r['exact_match']:.1%} | {r['token_f1']:.3f} | {'yes' if r['identical_to_greedy'] else 'no'} |")
+    for name, error in failures.items():
+        print(f"| {name} | fails: {error} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

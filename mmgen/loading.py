@@ -1,0 +1,135 @@
+"""Open a model by name, folder or Hub repo, and a decoder by its command-line spec.
+
+One loader for every modality: a bundled name (`registry.bundled_models()`: "emoji64",
+"emoji-vlm", ...), a pipeline folder (model_index.json names its class, as in diffusers) or a
+transformers folder (config.json's `model_type`: "janus", "llava", "qwen2_5_vl", ...), locally
+or on the Hugging Face Hub. `decoder_from_spec` turns "draft:drafter=NAME" / "lantern:delta=0.2"
+into a decoder among the shortcuts a pipeline declares, loading the companion model a spec
+needs (a drafter, a refiner) the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from mmgen import registry
+from mmgen.hub import CheckpointError, local_path, resolve_path
+from mmgen.pipeline import MODEL_INDEX, Pipeline
+
+PathLike = Union[str, os.PathLike]
+
+
+def resolve_model(name_or_path: PathLike) -> PathLike:
+    """A bundled model's folder for its name; an existing local path as a Path; anything else
+    (a Hub repo id) as given. A name that looks like a path (./x, ../x, /x, ~/x; see
+    `mmgen.hub.looks_like_path`) is never a repo id: FileNotFoundError when it does not exist."""
+    bundled = registry.bundled_models()
+    if str(name_or_path) in bundled:
+        folder = bundled[str(name_or_path)]
+        if not (folder / MODEL_INDEX).is_file() and not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"the bundled model {name_or_path!r} is missing from this installation ({folder})")
+        return folder
+    local = local_path(name_or_path)
+    return name_or_path if local is None else local
+
+
+def pipeline_class_of(name_or_path: PathLike) -> type:
+    """The pipeline class a bundled name, folder or Hub repo holds, reading only its index:
+    model_index.json's `_class_name` (mmgen folders) or config.json's `model_type` (transformers
+    folders). A Hub repo is asked for those two small files, never downloaded whole."""
+    source = resolve_model(name_or_path)
+    index, config = (source / MODEL_INDEX, source / "config.json") if isinstance(source, Path) else (None, None)
+    if index is None:  # a Hub repo id: its index file, else its config
+        try:
+            index = resolve_path(source, MODEL_INDEX)
+        except OSError:
+            config = resolve_path(source, "config.json")  # offline / missing: a clear OSError
+    if index is not None and index.is_file():
+        try:
+            return registry.pipeline_class(json.loads(index.read_text()).get("_class_name"))
+        except ValueError as error:
+            raise CheckpointError(f"{name_or_path}: {error}") from None
+    model_type = json.loads(config.read_text()).get("model_type") if config is not None and config.is_file() else None
+    cls = registry.pipeline_for_model_type(model_type) if model_type else None
+    if cls is None:
+        raise CheckpointError(f"{name_or_path} is not a pipeline folder: it has no {MODEL_INDEX} (an mmgen pipeline) "
+                              f"and no config.json of a model_type mmgen opens ({', '.join(registry.model_types())})")
+    return cls
+
+
+def load_pipeline(name_or_path: PathLike, device=None, dtype=None) -> Pipeline:
+    """The pipeline a bundled name, folder or Hub repo holds (`mmgen.load_pipeline`, every
+    `--model`), as the class `pipeline_class_of` resolves, on `device` and in `dtype` when given."""
+    cls = pipeline_class_of(name_or_path)
+    source = resolve_model(name_or_path)
+    # mmgen folders take `dtype`, transformers-backed pipelines `torch_dtype`.
+    if "torch_dtype" in inspect.signature(cls.from_pretrained).parameters:
+        return cls.from_pretrained(source, torch_dtype=dtype, device=device)
+    return cls.from_pretrained(source, device=device, dtype=dtype)
+
+
+#: Decoder options that generation flags (and batch job fields) also set, with the flag's name
+#: for messages.
+FLAG_OF_OPTION = {"window": "--window", "num_steps": "--num-iter (num_iter)"}
+
+
+def merge_decoding_options(spec: str, named: dict, given: dict) -> dict:
+    """The one rule for a decoder setting given twice: `named` (the spec's own options) and
+    `given` (the same settings from flags or fields) must agree, else ValueError naming both."""
+    merged = dict(named)
+    for key, value in given.items():
+        if key in named and named[key] != value:
+            raise ValueError(f"the decoding spec {spec!r} sets {key}={named[key]!r} but {FLAG_OF_OPTION.get(key, key)} "
+                             f"is {value!r}: give the setting once")
+        merged[key] = value
+    return merged
+
+
+def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: PathLike, device="cpu",
+                      dtype=torch.float32, **overrides):
+    """A decoder for `pipe` (a pipeline or its class) from a command-line spec ("lantern:delta=0.2",
+    "draft:drafter=emoji64-draft", "code:draft_steps=4"), among the shortcuts the pipeline
+    declares (`Pipeline.decoders`). `overrides` are settings given besides the spec (a spec that
+    sets one differently is an error: `merge_decoding_options`). Settings neither gives take the
+    model's own defaults when the decoder runs (MAR's masked steps: `ContinuousDecoder`). An
+    empty spec is an error.
+
+    Decoders that pair the model with a second one (`Pipeline.companions`: draft,
+    entropy-switch, code, cspd) take it by name or path, loaded as a pipeline of the same
+    decoder family and checked by `pipe.check_companion` (same tokenizer, ...); without one they
+    use the bundled companion `<model><suffix>` (`emoji64-draft`, `emoji-vlm-draft`) when it
+    exists.
+    """
+    from mmgen.decoding import make_decoder, parse_decoding
+
+    shortcuts = pipe.decoders()
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty decoding spec {spec!r}: name a decoder ({', '.join(sorted(shortcuts))})")
+    name, named = parse_decoding(spec)
+    options = merge_decoding_options(spec, named, overrides)
+    companion = pipe.companions.get(name)
+    if companion is not None and name in shortcuts:
+        bundled = f"{model}{companion.suffix}"
+        other = options.get(companion.option) or (bundled if bundled in registry.bundled_models() else None)
+        if other is None:
+            raise ValueError(f"decoding {name!r} needs {companion.role} of the same tokenizer: add {companion.option}=NAME_OR_PATH "
+                             f"(e.g. '{name}:{companion.option}=PATH')")
+        if isinstance(other, (str, os.PathLike)):
+            other = load_pipeline(other, device, dtype)
+        if isinstance(other, Pipeline) and other.decoder_family != pipe.decoder_family:
+            raise ValueError(f"{companion.option}={options.get(companion.option)!s}: {type(other).__name__} decodes "
+                             f"{other.decoder_family} models, not {pipe.decoder_family} ones like {_class_of(pipe).__name__}")
+        if isinstance(pipe, Pipeline) and isinstance(other, Pipeline):
+            pipe.check_companion(other, companion)
+        options[companion.option] = other
+    return make_decoder(name, shortcuts, **options)
+
+
+def _class_of(pipe) -> type:
+    return pipe if isinstance(pipe, type) else type(pipe)

@@ -1,0 +1,84 @@
+"""The bundled `emoji-vlm` / `emoji-vlm-draft` pair (package data, trained by
+`benchmarks/train_vlm.py`): it loads through `VLMPipeline.from_pretrained`, its greedy answers
+on the first held-out call reproduce the model card's figures for it, drafting with the drafter
+is token-identical to autoregressive decoding, and the two share one tokenizer and processor."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import mmgen.vlm
+from benchmarks.data.emoji_vlm import KINDS
+from benchmarks.train_vlm import EVAL_BATCH, answer_all, load_eval, scores
+from mmgen.decoding import make_decoder
+from mmgen.vlm.pipeline import VLMPipeline
+
+PACKAGE = Path(mmgen.vlm.__file__).parent
+ASSETS = PACKAGE / "assets"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    folders = {name: PACKAGE / folder for name, folder in mmgen.vlm.BUNDLED_MODELS.items()}
+    return VLMPipeline.from_pretrained(folders["emoji-vlm"]), VLMPipeline.from_pretrained(folders["emoji-vlm-draft"])
+
+
+@pytest.fixture(scope="module")
+def subset():
+    """The first evaluation call: the first EVAL_BATCH held-out questions (16 images, every kind)."""
+    records, images = load_eval(ASSETS)
+    return records[:EVAL_BATCH], images
+
+
+def card_subset_table() -> dict[str, list[str]]:
+    """kind -> the card's cells (questions, target exact, target F1, draft exact, draft F1) of the subset table."""
+    text = (ASSETS / "emoji-vlm" / "MODEL_CARD.md").read_text()
+    table = text.split("The first call alone", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines() if line.startswith("| ")]
+    return {row[0]: row[1:] for row in rows if row[0] in (*KINDS, "all")}
+
+
+def test_the_pair_loads_and_shares_one_tokenizer_and_processor(pair):
+    target, drafter = pair
+    assert type(target.model).__name__ == type(drafter.model).__name__ == "LlavaForConditionalGeneration"
+    assert target.processor.tokenizer.get_vocab() == drafter.processor.tokenizer.get_vocab()
+    assert target.processor.chat_template == drafter.processor.chat_template
+    assert target.processor.image_processor.to_dict() == drafter.processor.image_processor.to_dict()
+    assert target.eos_token_ids == drafter.eos_token_ids == [target.processor.tokenizer.eos_token_id]
+    assert sum(p.numel() for p in drafter.model.parameters()) < sum(p.numel() for p in target.model.parameters()) / 3
+
+
+def test_greedy_answers_reproduce_the_model_card(pair, subset):
+    records, images = subset
+    card = card_subset_table()
+    assert set(card) == {*KINDS, "all"}
+    for column, pipe in ((1, pair[0]), (3, pair[1])):
+        texts, _ = answer_all(pipe, records, images)
+        measured = scores(records, texts)
+        for kind, cells in card.items():
+            assert int(cells[0]) == measured[kind]["n"]
+            assert cells[column] == f"{measured[kind]['exact']:.1%}", (kind, column)
+            assert cells[column + 1] == f"{measured[kind]['f1']:.3f}", (kind, column)
+        if pipe is pair[0]:
+            target_f1 = measured["all"]["f1"]
+    # A trained model: it beats always giving the most common held-out answer of each kind.
+    all_records, _ = load_eval(ASSETS)
+    common = {k: Counter(r["answer"] for r in all_records if r["kind"] == k).most_common(1)[0][0] for k in KINDS}
+    assert target_f1 > scores(records, [common[r["kind"]] for r in records])["all"]["f1"]
+
+
+def test_drafting_with_the_drafter_equals_greedy(pair, subset):
+    target, drafter = pair
+    records, images = subset
+    records = records[:32]  # 8 images, every kind: enough rows for drafts to be accepted and rejected
+    from PIL import Image
+
+    prompts, imgs = [r["question"] for r in records], [Image.fromarray(images[r["index"]]) for r in records]
+    ar = target(prompts, imgs, max_new_tokens=32)
+    draft = target(prompts, imgs, max_new_tokens=32, decoding=make_decoder("draft", drafter=drafter, num_draft=4))
+    assert torch.equal(draft.token_ids, ar.token_ids) and torch.equal(draft.lengths, ar.lengths)
+    assert draft.stats.draft_forwards > 0 and draft.stats.forwards < ar.stats.forwards

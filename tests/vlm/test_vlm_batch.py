@@ -1,0 +1,87 @@
+"""`mmgen batch` with text jobs (answers about images) on tiny VLM folders saved here."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mmgen.cli import main
+from tests.vlm.test_vlm_pipeline import PROMPTS, images, tiny_llava
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm-batch")
+    tiny_llava(0).save_pretrained(root / "llava")
+    tiny_llava(1).save_pretrained(root / "llava-draft")
+    for i, image in enumerate(images(3)):
+        image.save(root / f"img{i}.png")
+    return root
+
+
+def write_jobs(path, jobs):
+    path.write_text("".join(json.dumps(j) + "\n" for j in jobs))
+    return path
+
+
+def jobs_for(root):
+    model, draft = str(root / "llava"), str(root / "llava-draft")
+    return [
+        {"model": model, "prompt": PROMPTS[i], "images": [str(root / f"img{i}.png")], "output": f"a{i}", "max_new_tokens": 8}
+        for i in range(3)
+    ] + [
+        {"model": model, "prompt": PROMPTS[0], "images": [str(root / "img0.png")], "output": "drafted", "max_new_tokens": 8,
+         "decoding": f"draft:drafter={draft}"},
+        {"model": model, "prompt": PROMPTS[1], "output": "no-image", "max_new_tokens": 8, "seed": 3, "temperature": 1.0},
+    ]
+
+
+def test_text_jobs_answer_as_the_pipeline_and_resume(root, tmp_path, capsys):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", jobs_for(root))
+    out = tmp_path / "out"
+    assert main(["batch", str(jobs), "--out", str(out), "--batch-size", "2", "--no-progress"]) == 0
+    pipe = tiny_llava(0)
+    for i in range(3):  # greedy answers do not depend on the batch they ran in
+        alone = pipe(PROMPTS[i], images(3)[i], max_new_tokens=8)
+        answer = json.loads((out / f"a{i}.json").read_text())
+        assert answer["text"] == alone.texts[0] and answer["token_ids"] == alone.token_ids[0, : alone.lengths[0]].tolist()
+    assert json.loads((out / "drafted.json").read_text())["token_ids"] == json.loads((out / "a0.json").read_text())["token_ids"]
+    sampled = json.loads((out / "no-image.json").read_text())
+    alone = pipe(PROMPTS[1], None, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert sampled["token_ids"] == alone.token_ids[0, : alone.lengths[0]].tolist()  # a lone row keeps its own seed
+    records = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [r["file"] for r in records] == ["a0.json", "a1.json", "a2.json", "drafted.json", "no-image.json"]
+    capsys.readouterr()
+    # A killed run: one answer lost, the manifest gone but for its merged copy; the rerun writes only what is missing.
+    (out / "a1.json").unlink()
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")}
+    assert main(["batch", str(jobs), "--out", str(out), "--batch-size", "2", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]
+    assert summary["total"]["outputs"] == 1 and (out / "a1.json").is_file()
+    assert all((out / name).stat().st_mtime_ns == t for name, t in before.items())
+
+
+def test_bad_text_jobs_are_listed_before_any_work(root, tmp_path, capsys):
+    model = str(root / "llava")
+    bad = [
+        {"model": model, "prompt": "", "output": "x"},
+        {"model": model, "prompt": PROMPTS[0], "images": [str(root / "missing.png")], "output": "y"},
+        {"model": model, "prompt": PROMPTS[0], "output": "z", "decoding": "draft"},
+        {"model": model, "prompt": PROMPTS[0], "output": "w", "dropping": "zip"},
+        {"model": model, "prompt": PROMPTS[0], "output": "ok"},
+        {"model": model, "prompt": PROMPTS[0], "output": "OK"},
+    ]
+    jobs = write_jobs(tmp_path / "bad.jsonl", bad)
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    for line, message in [(1, "prompt must be a non-empty string"), (2, f"image {root / 'missing.png'}: not a readable image"),
+                          (3, "decoding 'draft' needs a smaller VLM of the same tokenizer"), (4, "unknown dropping policy 'zip'"),
+                          (6, "output 'OK' is already used by line 5")]:
+        assert f"line {line}: {message}" in err, err
+    assert not (tmp_path / "out").exists()
+    mixed = write_jobs(tmp_path / "mixed.jsonl", [bad[4], {"model": "emoji64", "class_label": 1, "seed": 0, "decoding": "ar",
+                                                           "count": 1, "output": "img"}])
+    assert main(["batch", str(mixed), "--out", str(tmp_path / "out")]) == 2
+    assert "mixes kinds of jobs (class_label, prompt): one kind per file" in capsys.readouterr().err

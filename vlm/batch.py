@@ -1,0 +1,214 @@
+"""`mmgen batch` for text jobs: answers to prompts about images from a JSONL job file, resumable
+and sharded over the ranks of a torchrun job, like the image jobs (`mmgen.image_ar.batch`).
+
+    mmgen batch questions.jsonl --out answers/ [--batch-size 8] [--on-error stop|skip]
+
+One job per line (a job with a `prompt` is a text job):
+
+    {"prompt": "What is this emoji?", "images": ["cat.png"], "output": "cat-name"}
+    {"model": "emoji-vlm", "prompt": "Which colour is it?", "images": ["cat.png"], "decoding": "draft", "output": "cat-colour"}
+
+Required: `prompt` (a question, or a chat conversation in transformers' message format) and
+`output` (a file-name stem, unique in the file: the answer goes to `<out>/<output>.json`).
+Optional: `model` (default the bundled `emoji-vlm`), `images` (image files, relative to the
+working directory as on the command line), `decoding` (a `generate text --decoding` spec,
+default "ar"), `seed` (default 0), `max_new_tokens` (default 64), `temperature`, `top_k`,
+`top_p`, `dropping`, `keep_ratio`, `draft_dropping` (as the `mmgen generate text` flags). Every
+line is checked before any work (JSON, fields, images readable, models load, decoding and
+dropping specs valid); `--on-error` as for image jobs.
+
+Groups and seeds: jobs of one model and options are packed in file order into calls of up to
+`--batch-size` rows with one generator seeded from their seeds (`mmgen.batch.group_seed`: a
+lone row keeps its own seed, so `--batch-size 1` equals `mmgen generate text --seed`).
+Greedy answers (temperature 0, the default) do not depend on the batch (left padding; tested).
+Each answer file holds the prompt, the text, the token ids, the decoder's stats and the group;
+files are written atomically and recorded in the manifest, so a killed run resumes without
+losing or duplicating answers (`mmgen.batch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, check_schema, form_groups, group_seed, read_jsonl, run_groups,
+                         start_run)
+from mmgen.cli import check_seed
+
+from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags
+
+REQUIRED = {"prompt": "prompt", "output": "str"}
+OPTIONAL = {"model": "str", "images": "paths", "decoding": "str", "seed": "int", "max_new_tokens": "int",
+            "temperature": "float", "top_k": "int", "top_p": "float", "dropping": "str", "keep_ratio": "float",
+            "draft_dropping": "str"}
+KINDS = {
+    **FIELD_KINDS,
+    "paths": ("a list of file paths", lambda v: isinstance(v, list) and all(isinstance(p, str) for p in v)),
+    "prompt": ("a non-empty string or a list of chat messages", lambda v: (isinstance(v, str) and bool(v.strip()))
+               or (isinstance(v, list) and bool(v) and all(isinstance(m, dict) for m in v))),
+}
+#: Options that change an answer: jobs that agree on all of them may share a call.
+CALL_FIELDS = ("model", "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "dropping", "keep_ratio",
+               "draft_dropping")
+DEFAULTS = {"model": DEFAULT_MODEL, "images": [], "decoding": "ar", "seed": 0, "max_new_tokens": 64, "temperature": 0.0,
+            "top_k": 0, "top_p": 1.0, "dropping": None, "keep_ratio": None, "draft_dropping": None}
+
+
+@dataclass(frozen=True, eq=False)
+class TextJob:
+    """One valid line, with its defaults filled in (`fields`) and its images read."""
+
+    line: int
+    spec: dict
+    fields: dict
+    images: tuple
+
+    @property
+    def key(self) -> tuple:
+        return tuple(json.dumps(self.fields[k]) for k in CALL_FIELDS)
+
+    @property
+    def category(self) -> tuple[str, str]:
+        return self.fields["model"], self.fields["decoding"]
+
+    @property
+    def file(self) -> str:
+        return f"{self.spec['output']}.json"
+
+    @property
+    def job(self) -> "TextJob":
+        """A text job is its own one output (the driver's item protocol: `mmgen.batch.run_groups`)."""
+        return self
+
+    @property
+    def order(self) -> int:
+        return self.line
+
+
+def check_fields(value: Any) -> dict:
+    """A job object's fields checked for presence and type, defaults filled in (ValueError)."""
+    check_schema(value, REQUIRED, OPTIONAL, KINDS)
+    fields = {**DEFAULTS, **value}
+    for name in ("temperature", "top_p", "keep_ratio"):
+        fields[name] = None if fields[name] is None else float(fields[name])
+    check_seed(fields["seed"])
+    if fields["max_new_tokens"] < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {fields['max_new_tokens']}")
+    return fields
+
+
+def read_image(path: str):
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as error:
+        raise ValueError(f"image {path}: not a readable image ({error.__class__.__name__})") from None
+
+
+@dataclass
+class TextCall:
+    """One loaded pipeline with one set of call options (a group's call)."""
+
+    pipe: Any
+    options: dict
+
+    def __call__(self, jobs: list[TextJob], seed: int, device: str):
+        from mmgen.sampling import make_generator
+
+        images = [list(job.images) for job in jobs]
+        if not any(images):
+            images = None
+        elif len(jobs) == 1:  # one prompt takes its image list itself
+            images = images[0]
+        return self.pipe([job.fields["prompt"] for job in jobs], images, generator=make_generator(seed, device), **self.options)
+
+
+def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> TextCall:
+    """The decoder and options of a job key, every spec checked (ValueError) before any work."""
+    from mmgen.loading import decoder_from_spec
+
+    if pipe.conditions != "prompt" or not hasattr(pipe, "stream"):
+        raise ValueError(f"model {fields['model']!r} holds a {type(pipe).__name__}, not a vision-language model")
+    decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
+    options = dict(max_new_tokens=fields["max_new_tokens"], decoding=decoder, temperature=fields["temperature"],
+                   top_k=fields["top_k"], top_p=fields["top_p"],
+                   dropping=dropping_from_flags(fields["dropping"], fields["keep_ratio"]),
+                   draft_dropping=dropping_from_flags(fields["draft_dropping"], None))
+    return TextCall(pipe, options)
+
+
+def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[TextJob], dict, list[LineError]]:
+    """The valid jobs, the prepared call of each job key, and the bad lines (each model loads once)."""
+    import transformers
+
+    from mmgen.loading import load_pipeline
+
+    transformers.utils.logging.disable_progress_bar()  # the summary and errors stay the only output
+    values, errors = read_jsonl(path)
+    pipes, calls, owners, jobs = {}, {}, {}, []
+    for line, value in values:
+        try:
+            fields = check_fields(value)
+            owner = owners.setdefault(value["output"].casefold(), line)
+            if owner != line:
+                raise ValueError(f"output {value['output']!r} is already used by line {owner}")
+            images = tuple(read_image(p) for p in fields["images"])
+            model = fields["model"]
+            if model not in pipes:
+                try:
+                    pipes[model] = (True, load_pipeline(model, device=device, dtype=dtype))
+                except Exception as error:
+                    pipes[model] = (False, f"cannot load model {model!r}: {error}")
+            ok, pipe = pipes[model]
+            if not ok:
+                raise ValueError(pipe)
+            job = TextJob(line, value, fields, images)
+            if job.key not in calls:
+                try:
+                    calls[job.key] = (True, prepare_call(pipe, fields, device, dtype))
+                except ValueError as error:
+                    calls[job.key] = (False, str(error))
+            ok, call = calls[job.key]
+            if not ok:
+                raise ValueError(call)
+            pipe.prepare_inputs(fields["prompt"], list(images) or None)  # conversations and placeholders checked here
+            jobs.append(job)
+        except ValueError as error:
+            errors.append(LineError(line, str(error)))
+    return jobs, {key: call for key, (ok, call) in calls.items() if ok}, errors
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """Check every line, group, run this rank's share, merge the manifest (rank 0). Exit status
+    0, or 1 when some group failed (its answers are missing; run again)."""
+    run = start_run(args, load_jobs)
+    world, device, jobs, calls, errors = run.world, run.device, run.jobs, run.calls, run.errors
+    groups = form_groups(jobs, key=lambda job: job.key, size=args.batch_size)
+    if args.dry_run:
+        if world.rank == 0:
+            print(f"{len(jobs)} valid job(s) in {len(groups)} group(s) of up to {args.batch_size}; {len(errors)} invalid line(s)")
+        return 0
+    def run_group(g: int, group: list[TextJob], run: GroupRun) -> None:
+        """Answer group `g` in one call and write the answers it still lacks."""
+        seed = group_seed([job.fields["seed"] for job in group])
+        output = calls[group[0].key](group, seed, device)
+        stats = output.stats.to_dict()
+        del stats["accepted_per_forward"]  # one float per forward: the histogram suffices
+        todo = {job.file for job in run.todo}
+        for row, job in enumerate(group):
+            if job.file in todo:
+                n = int(output.lengths[row])
+                where = {"index": g, "seed": seed, "row": row, "size": len(group)}
+                answer = {"prompt": job.fields["prompt"], "text": output.texts[row], "token_ids": output.token_ids[row, :n].tolist(),
+                          "model": job.fields["model"], "decoding": job.fields["decoding"], "stats": stats, "group": where}
+                run.record(job, (json.dumps(answer, ensure_ascii=False, indent=1) + "\n").encode(), {"group": where})
+
+    return run_groups(world, device, Path(args.out), jobs, groups, run_group, started=run.started, invalid_lines=len(errors),
+                      unit="answers", bar_unit="answer", progress=not args.no_progress)
