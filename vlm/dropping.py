@@ -6,7 +6,7 @@ Policies (frozen dataclasses, picked by `make_dropping("fastv:layer=2,keep_ratio
   prompt token attended to most in layer K-1 (head mean); anchor K=2, R=0.75 (keep 0.25).
 - `VisionZip` (Yang et al. 2024, arXiv 2412.04467): before the LM, keep the dominant visual
   tokens by the vision encoder's attention (CLS attention in CLIP; mean attention received in
-  SigLIP, which has no CLS) plus a few contextual tokens, each the mean of the remaining tokens
+  SigLIP and Qwen's tower, which have no CLS) plus a few contextual tokens, each the mean of the remaining tokens
   most similar to it.
 - `MustDrop` (Liu et al. 2024, arXiv 2411.10803): merge spatially adjacent similar visual
   tokens before the LM, filter by the text's dual attention (global mean + individual max over
@@ -310,6 +310,8 @@ class Prefill:
             attn, kind = self._vision_attention()
             hooks[attn] = _Capture(self.store, "vision")
             self.vision_kind = kind
+            if kind == "qwen":  # its grid gives the window order the scores come in
+                hooks[self.model.model.visual] = _Capture(self.store, "visual")
         if self.layer is not None:
             layers = self.trunk.layers
             if self.layer > 0:
@@ -389,14 +391,18 @@ class Prefill:
             return layers[select if select >= 0 else len(layers) + select].self_attn, "cls"
         if hasattr(inner, "vision_model"):  # Idefics3 / SmolVLM: SigLIP, no CLS
             return inner.vision_model.encoder.layers[-1].self_attn, "mean"
-        raise ValueError(f"VisionZip is not available for {self.model.config.model_type}: it reads a CLIP or SigLIP vision "
-                         "encoder's attention (LLaVA, Idefics3); use fastv or mustdrop")
+        if hasattr(getattr(inner, "visual", None), "blocks"):  # Qwen2-VL / Qwen2.5-VL: no CLS, patch merger
+            return inner.visual.blocks[-1].attn, "qwen"
+        raise ValueError(f"VisionZip is not available for {self.model.config.model_type}: it reads a CLIP, SigLIP or Qwen "
+                         "vision encoder's attention (LLaVA, Idefics3, Qwen2-VL); use fastv or mustdrop")
 
     def _vision_scores(self) -> torch.Tensor:
         """Each visual token's score, flat in the model's feature order: the CLS token's
         attention (CLIP) or the mean attention received (SigLIP, pooled over the connector's
         pixel-shuffle groups), head mean, recomputed from the captured layer input."""
         attn = self._vision_attention()[0]
+        if self.vision_kind == "qwen":
+            return self._qwen_vision_scores(attn)
         args, kwargs = self.store["vision"]
         h = kwargs.get("hidden_states", args[0] if args else None)
         n, s, _ = h.shape
@@ -413,6 +419,34 @@ class Prefill:
         connector = self.model.model.connector
         pooled = connector.pixel_shuffle(received[..., None], self.model.config.scale_factor)
         return pooled.sum(-1).reshape(-1)
+
+    def _qwen_vision_scores(self, attn) -> torch.Tensor:
+        """Mean attention each merged visual token receives in the vision tower's last block
+        (Qwen has no CLS): the block's packed sequence [patches, dim] is split by its
+        `cu_seqlens` (whole images, or windows for a windowed block), the patches' received
+        attention summed over each merger group, and Qwen2.5-VL's window order undone, so the
+        scores line up with the image tokens of the prompt."""
+        args, kwargs = self.store["vision"]
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        cu = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
+        cos, sin = kwargs["position_embeddings"]
+        seq = h.shape[0]
+        q, k, _ = attn.qkv(h).reshape(seq, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = sys.modules[type(attn).__module__].apply_rotary_pos_emb_vision(q, k, cos, sin)
+        received = []
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            qs, ks = q[start:end].transpose(0, 1).float(), k[start:end].transpose(0, 1).float()  # [heads, n, d]
+            received.append(((qs @ ks.transpose(-1, -2)) * attn.scaling).softmax(-1).mean(0).mean(0))
+        visual = self.model.model.visual
+        merged = torch.cat(received).view(-1, visual.spatial_merge_unit).sum(1)
+        if hasattr(visual, "fullatt_block_indexes"):  # Qwen2.5-VL ran its blocks in window order
+            v_args, v_kwargs = self.store["visual"]
+            grid = v_kwargs.get("grid_thw", v_args[1] if len(v_args) > 1 else None)
+            window_index, _ = sys.modules[type(visual).__module__].get_vision_window_index(
+                grid, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
+                patch_size=visual.patch_size, kwargs={})
+            merged = merged[torch.argsort(window_index)]
+        return merged
 
     # ---- in-LM stage (FastV, MustDrop's dual-attention filter)
     def _in_lm(self, layer, args, kwargs):

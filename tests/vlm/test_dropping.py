@@ -22,10 +22,6 @@ def pipe(request):
     return BUILDERS[request.param]()
 
 
-def _supported(pipe, spec: str) -> bool:
-    return not (spec.startswith("visionzip") and pipe.model.config.model_type == "qwen2_5_vl")
-
-
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("spec", ["fastv:keep_ratio=1.0", "fastv:layer=0,keep_ratio=1.0", "visionzip:keep_ratio=1.0",
                                   "mustdrop:keep_ratio=1.0"])
@@ -76,6 +72,7 @@ def masked_reference(pipe, prompts, imgs, kept_slots, steps):
     (tiny_llava, "fastv:layer=0,keep_ratio=0.4"),
     (tiny_qwen, "fastv:layer=0,keep_ratio=0.4"),
     (tiny_llava, "visionzip:keep_ratio=0.4,contextual=0"),
+    (tiny_qwen, "visionzip:keep_ratio=0.4,contextual=0"),
     (tiny_qwen, "mustdrop:layer=0,keep_ratio=0.4,merge_threshold=1.0,decode_keep=1.0"),
 ])
 def test_pruned_run_equals_masked_run_at_original_positions(build, spec):
@@ -100,10 +97,6 @@ def test_rows_keep_their_own_counts(pipe):
 
 @pytest.mark.parametrize("spec", ["fastv:layer=1,keep_ratio=0.25", "visionzip:keep_ratio=0.5", "mustdrop:layer=1,keep_ratio=0.5"])
 def test_reports_add_up(pipe, spec):
-    if not _supported(pipe, spec):
-        with pytest.raises(ValueError, match="VisionZip is not available for qwen2_5_vl"):
-            pipe(PROMPTS[0], images(1)[0], max_new_tokens=2, dropping=spec)
-        return
     out = pipe(PROMPTS, images(3), max_new_tokens=5, stop_token_ids=[], dropping=spec)
     r, cfg = out.dropping, pipe.model.config.get_text_config()
     policy = make_dropping(spec)
@@ -204,3 +197,37 @@ def test_pruned_drafter_is_exact_in_distribution():
         counts[first.tolist().index(a), b] += 1
     keep = joint > 0
     assert chisquare(counts[keep].numpy(), (joint[keep] / joint.sum() * rows).numpy()).pvalue > 1e-3
+
+
+def test_qwen_visionzip_scores_follow_the_prompts_image_tokens(monkeypatch):
+    """Qwen2.5-VL runs its vision blocks in window order and has no CLS: VisionZip scores each
+    merged token by the attention its patches receive in the last block, in the order of the
+    prompt's image tokens. Checked against the tower's own outputs: the merged features in
+    block order, matched row by row to the pooled features the LM receives, give the order."""
+    from mmgen.vlm import dropping
+
+    pipe, imgs = tiny_qwen(), images(2)
+    pipe.model.model.visual.window_size = 16  # windows of 2x2 merged tokens, so block order is not the prompt's
+    seen, original = {}, dropping.Prefill._vision_scores
+    monkeypatch.setattr(dropping.Prefill, "_vision_scores", lambda self: seen.setdefault("scores", original(self)))
+    pipe(PROMPTS[:2], imgs, max_new_tokens=2, stop_token_ids=[], dropping="visionzip:keep_ratio=0.5")
+
+    inputs, visual = pipe.prepare_inputs(PROMPTS[:2], imgs), pipe.model.model.visual
+    store = {}
+    hook = visual.blocks[-1].attn.register_forward_pre_hook(lambda m, a, k: store.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        tower = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        hook.remove()
+        attn, h = visual.blocks[-1].attn, (store["a"] or (store["k"]["hidden_states"],))[0]
+        cu, (cos, sin) = store["k"]["cu_seqlens"], store["k"]["position_embeddings"]
+        q, k, _ = attn.qkv(h).reshape(h.shape[0], 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = __import__(type(attn).__module__, fromlist=["x"]).apply_rotary_pos_emb_vision(q, k, cos, sin)
+        received = torch.zeros(h.shape[0])
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):  # eager attention, one image (or window) at a time
+            logits = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * attn.scaling
+            received[start:end] = logits.softmax(-1).mean(0).mean(0)
+        block_order = received.view(-1, visual.spatial_merge_unit).sum(1)
+        merged = visual.merger(tower.last_hidden_state)  # block order
+        order = torch.cdist(tower.pooler_output.float(), merged.float()).argmin(1)  # pooled row -> block row
+    assert sorted(order.tolist()) == list(range(len(order))) and not torch.equal(order, torch.arange(len(order)))
+    torch.testing.assert_close(seen["scores"], block_order[order], rtol=1e-5, atol=1e-6)
