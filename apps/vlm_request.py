@@ -11,7 +11,6 @@ quoting are the image demo's (`image_request.py`).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -28,6 +27,8 @@ from mmgen.apps.image_request import (
 )
 from mmgen.decoding import DecodeStats, make_decoder
 from mmgen.sampling import make_generator
+from mmgen.vlm.cli import read_image
+from mmgen.vlm.dropping import DROPPING_POLICIES
 
 #: The bundled model the demo serves when given none (its drafter `emoji-vlm-draft` comes along).
 DEFAULT_MODEL = "emoji-vlm"
@@ -92,16 +93,8 @@ def _checked_entry(entry: str, bundled: dict) -> str:
 
 
 def dropping_policies() -> list[str]:
-    """The token-dropping policies of `mmgen.vlm.dropping` (empty where this mmgen has none)."""
-    try:
-        from mmgen.vlm.dropping import DROPPING_POLICIES
-    except ImportError:
-        return []
+    """The token-dropping policies the UI offers (`mmgen.vlm.dropping`)."""
     return list(DROPPING_POLICIES)
-
-
-def takes_dropping(pipe: Any) -> bool:
-    return "dropping" in inspect.signature(pipe.__call__).parameters
 
 
 def methods(catalog: VLMCatalog, model: str) -> list[str]:
@@ -224,7 +217,7 @@ def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 
     offered = methods(catalog, request.model)
     if not isinstance(request.method, str) or request.method not in offered:
         raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
-    dropping = _dropping(request.dropping, request.keep_ratio, pipe)
+    dropping = _dropping(request.dropping, request.keep_ratio)
     history, history_images = _history(request.history, request.history_images)
     images = [_image(image) for image in _sequence("images", request.images)]
     limit = max(1, min(int(max_images), MAX_IMAGES))
@@ -289,15 +282,10 @@ def _sequence(what: str, value: Any) -> list:
 
 def _image(image: Any) -> Any:
     """An RGB PIL image from a PIL image or a file path; bounded in pixels before decoding."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    if isinstance(image, (str, Path)):
-        try:
-            with Image.open(image) as opened:
-                _check_pixels(opened.size)
-                return opened.convert("RGB")
-        except (OSError, UnidentifiedImageError, Image.DecompressionBombError):
-            raise ValueError(f"{Path(image).name}: not a readable image") from None
+    if isinstance(image, (str, Path)):  # an upload's temporary path: only its name is shown
+        return read_image(image, Path(image).name, MAX_IMAGE_PIXELS)
     if isinstance(image, Image.Image):
         _check_pixels(image.size)
         return image.convert("RGB")
@@ -331,14 +319,12 @@ def _history(history: Any, images: Any) -> tuple[list[dict], list]:
     return messages, [_image(image) for image in pictures]
 
 
-def _dropping(policy: Any, keep_ratio: Any, pipe: Any) -> Optional[str]:
+def _dropping(policy: Any, keep_ratio: Any) -> Optional[str]:
     """The dropping spec ("fastv:keep_ratio=0.25") of the chosen policy, or None."""
     if policy in (None, "", NO_DROPPING):
         return None
     offered = dropping_policies()
     if not isinstance(policy, str) or policy not in offered:
         raise ValueError(f"unknown token dropping {shown(policy)}; choose one of {[NO_DROPPING, *offered]}")
-    if not takes_dropping(pipe):
-        raise ValueError("this mmgen's VLMPipeline has no token dropping yet")
     ratio = _float("keep ratio", keep_ratio, 0.0, 1.0, low_open=True)
     return f"{policy}:keep_ratio={ratio:g}"

@@ -31,10 +31,10 @@ class ForwardCounter:
     """Counts forwards of a language-model trunk (a forward pre-hook), prefill included."""
 
     def __init__(self, pipe: Any):
-        inner = pipe.model.model
-        trunk = inner.language_model if hasattr(inner, "language_model") else inner.text_model
+        from mmgen.vlm.layout import text_trunk
+
         self.count = 0
-        trunk.register_forward_pre_hook(self._hit)
+        text_trunk(pipe.model).register_forward_pre_hook(self._hit)
 
     def _hit(self, *_: Any) -> None:
         self.count += 1

@@ -70,8 +70,8 @@ from typing import Any
 
 import torch
 
-from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, check_schema, form_groups, group_seed, read_jsonl, run_groups,
-                         start_run)
+from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
+                         read_jsonl, run_groups, start_run)
 from mmgen.cli import check_seed
 
 from mmgen.image_ar.generation import (
@@ -164,25 +164,6 @@ def options_of(spec: dict) -> ImageOptions:
     return ImageOptions(decoding=spec["decoding"], **given)
 
 
-class _Memo:
-    """Results (or the error message) of a loader per key: each model loads once, and every line
-    that names a broken one gets the same message."""
-
-    def __init__(self, load):
-        self.load, self.results = load, {}
-
-    def __call__(self, key):
-        if key not in self.results:
-            try:
-                self.results[key] = (True, self.load(key))
-            except Exception as error:  # any failure makes the lines that use it invalid
-                self.results[key] = (False, str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
-        ok, result = self.results[key]
-        if not ok:
-            raise ValueError(result)
-        return result
-
-
 def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJob], dict, list[LineError]]:
     """The valid jobs of a job file, the prepared call of each job key, and the bad lines.
     Loads each model the file names once (on `device`), as generation will use them."""
@@ -191,9 +172,7 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
     for line, value in values:
         try:
             spec = check_fields(value)
-            owner = owners.setdefault(spec["output"].casefold(), line)
-            if owner != line:
-                raise ValueError(f"output {spec['output']!r} is already used by line {owner}")
+            claim_output(owners, spec["output"], line)
             checked.append((line, spec))
         except ValueError as error:
             errors.append(LineError(line, str(error)))
@@ -206,8 +185,8 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    pipes = _Memo(load)
-    calls = _Memo(lambda key: prepare_call(pipes(key[0]), key[0], key[1], device, dtype))
+    pipes = Memo(load)
+    calls = Memo(lambda key: prepare_call(pipes(key[0]), key[0], key[1], device, dtype))
     jobs = []
     for line, spec in checked:
         try:
@@ -216,7 +195,7 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
             jobs.append(ImageJob(line, spec, call.pipe.class_index(spec["class_label"]), options))
         except ValueError as error:
             errors.append(LineError(line, str(error)))
-    return jobs, {key: ok_call for key, (ok, ok_call) in calls.results.items() if ok}, errors
+    return jobs, calls.loaded(), errors
 
 
 # --------------------------------------------------------------------------------------------

@@ -132,6 +132,37 @@ def check_schema(value: Any, required: dict[str, str], optional: dict[str, str],
     return value
 
 
+class Memo:
+    """Results (or the error message) of a loader per key: each model loads once, and every line
+    that names a broken one gets the same message (a ValueError naming it)."""
+
+    def __init__(self, load: Callable[[Any], Any]):
+        self.load, self.results = load, {}
+
+    def __call__(self, key: Any) -> Any:
+        if key not in self.results:
+            try:
+                self.results[key] = (True, self.load(key))
+            except Exception as error:  # any failure makes the lines that use it invalid
+                self.results[key] = (False, str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
+        ok, result = self.results[key]
+        if not ok:
+            raise ValueError(result)
+        return result
+
+    def loaded(self) -> dict:
+        """Key -> result, for the keys that loaded."""
+        return {key: result for key, (ok, result) in self.results.items() if ok}
+
+
+def claim_output(owners: dict[str, int], name: str, line: int) -> None:
+    """ValueError when another line already writes the output `name` (case-insensitively: some
+    file systems fold case); else `line` owns it."""
+    owner = owners.setdefault(name.casefold(), line)
+    if owner != line:
+        raise ValueError(f"output {name!r} is already used by line {owner}")
+
+
 def check_lines(errors: Sequence[LineError], on_error: str, source: PathLike, quiet: bool = False) -> None:
     """Act on a job file's bad lines before any work starts: "stop" raises a ValueError naming
     every bad line; "skip" reports them on stderr (unless `quiet`, e.g. on ranks > 0)."""

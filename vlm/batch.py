@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, check_schema, form_groups, group_seed, read_jsonl, run_groups,
-                         start_run)
+from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
+                         read_jsonl, run_groups, start_run)
 from mmgen.cli import check_seed
 
-from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags
+from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags, read_image
 
 REQUIRED = {"prompt": "prompt", "output": "str"}
 OPTIONAL = {"model": "str", "images": "paths", "decoding": "str", "seed": "int", "max_new_tokens": "int",
@@ -102,16 +102,6 @@ def check_fields(value: Any) -> dict:
     return fields
 
 
-def read_image(path: str):
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, UnidentifiedImageError) as error:
-        raise ValueError(f"image {path}: not a readable image ({error.__class__.__name__})") from None
-
-
 @dataclass
 class TextCall:
     """One loaded pipeline with one set of call options (a group's call)."""
@@ -152,37 +142,29 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[TextJob
 
     transformers.utils.logging.disable_progress_bar()  # the summary and errors stay the only output
     values, errors = read_jsonl(path)
-    pipes, calls, owners, jobs = {}, {}, {}, []
+
+    def load(model):
+        try:
+            return load_pipeline(model, device=device, dtype=dtype)
+        except Exception as error:
+            raise ValueError(f"cannot load model {model!r}: {error}") from error
+
+    pipes, owners, jobs, settings = Memo(load), {}, [], {}
+    # One call per job key (model and options); `settings` holds the fields that key stands for.
+    calls = Memo(lambda key: prepare_call(pipes(settings[key]["model"]), settings[key], device, dtype))
     for line, value in values:
         try:
             fields = check_fields(value)
-            owner = owners.setdefault(value["output"].casefold(), line)
-            if owner != line:
-                raise ValueError(f"output {value['output']!r} is already used by line {owner}")
-            images = tuple(read_image(p) for p in fields["images"])
-            model = fields["model"]
-            if model not in pipes:
-                try:
-                    pipes[model] = (True, load_pipeline(model, device=device, dtype=dtype))
-                except Exception as error:
-                    pipes[model] = (False, f"cannot load model {model!r}: {error}")
-            ok, pipe = pipes[model]
-            if not ok:
-                raise ValueError(pipe)
-            job = TextJob(line, value, fields, images)
-            if job.key not in calls:
-                try:
-                    calls[job.key] = (True, prepare_call(pipe, fields, device, dtype))
-                except ValueError as error:
-                    calls[job.key] = (False, str(error))
-            ok, call = calls[job.key]
-            if not ok:
-                raise ValueError(call)
-            pipe.prepare_inputs(fields["prompt"], list(images) or None)  # conversations and placeholders checked here
+            claim_output(owners, value["output"], line)
+            job = TextJob(line, value, fields, tuple(read_image(p, f"image {p}") for p in fields["images"]))
+            pipe = pipes(fields["model"])
+            settings.setdefault(job.key, fields)
+            calls(job.key)
+            pipe.prepare_inputs(fields["prompt"], list(job.images) or None)  # conversations and placeholders checked here
             jobs.append(job)
         except ValueError as error:
             errors.append(LineError(line, str(error)))
-    return jobs, {key: call for key, (ok, call) in calls.items() if ok}, errors
+    return jobs, calls.loaded(), errors
 
 
 def run_batch(args: argparse.Namespace) -> int:

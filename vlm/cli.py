@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from typing import Optional
+from typing import Optional, Union
 
 from mmgen.cli import DTYPES, seed_arg
 
@@ -57,7 +58,6 @@ def register(commands, groups) -> None:
 def generate_text(args: argparse.Namespace) -> int:
     import torch
     import transformers
-    from PIL import Image, UnidentifiedImageError
 
     from mmgen.decoding import parse_decoding
     from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
@@ -67,13 +67,7 @@ def generate_text(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     dropping = dropping_from_flags(args.dropping, args.keep_ratio)
     draft_dropping = dropping_from_flags(args.draft_dropping, None)
-    images = []
-    for path in args.image:  # every input is read and checked before any model loads
-        try:
-            with Image.open(path) as image:
-                images.append(image.convert("RGB"))
-        except (OSError, UnidentifiedImageError) as error:
-            raise ValueError(f"--image {path}: not a readable image ({error.__class__.__name__})") from None
+    images = [read_image(path) for path in args.image]  # every input is checked before any model loads
     cls = pipeline_class_of(args.model)
     if getattr(cls, "conditions", None) != "prompt" or not hasattr(cls, "stream"):
         raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a vision-language model")
@@ -109,6 +103,22 @@ def generate_text(args: argparse.Namespace) -> int:
                               "kept_tokens": out.dropping.kept_tokens}
     print(json.dumps(report), file=sys.stderr)
     return 0
+
+
+def read_image(path: Union[str, os.PathLike], label: Optional[str] = None, max_pixels: Optional[int] = None):
+    """The RGB image of a file. ValueError "<label>: not a readable image" (label default
+    "--image PATH") when it is not one, or naming its size when it has more than `max_pixels`
+    (checked before the pixels are decoded)."""
+    from PIL import Image, UnidentifiedImageError
+
+    label = f"--image {path}" if label is None else label
+    try:
+        with Image.open(path) as image:
+            if max_pixels is not None and image.size[0] * image.size[1] > max_pixels:
+                raise ValueError(f"an image may have at most {max_pixels} pixels, got {image.size[0]}x{image.size[1]}")
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as error:
+        raise ValueError(f"{label}: not a readable image ({error.__class__.__name__})") from None
 
 
 def dropping_from_flags(spec: Optional[str], keep_ratio: Optional[float]):

@@ -39,6 +39,8 @@ import torch
 from mmgen.decoding import parse_decoding
 from mmgen.hooks import ModelHook, hooks_attached
 
+from mmgen.vlm.layout import image_token_id
+
 
 # -------------------------------------------------------------------------------- policies
 def _check_ratio(name: str, value: Any, low_open: bool = True) -> None:
@@ -251,7 +253,7 @@ def _bool_mask(valid: torch.Tensor, like: Any) -> torch.Tensor:
     return allowed
 
 
-class _Capture(ModelHook):
+class Capture(ModelHook):
     """Remembers a module's keyword inputs (attention modules are called with keywords)."""
 
     def __init__(self, store: dict, key: str):
@@ -287,11 +289,7 @@ class Prefill:
         self.layer = getattr(policy, "layer", None)
         if self.layer is not None and self.layer >= layers:
             raise ValueError(f"dropping layer {self.layer} is past the language model's {layers} layers")
-        cfg = model.config
-        image_id = getattr(cfg, "image_token_id", None)
-        if image_id is None:
-            image_id = getattr(cfg, "image_token_index", None)
-        self.image = (input_ids == image_id) & mask.bool()  # [R, S] visual slots
+        self.image = (input_ids == image_token_id(model.config)) & mask.bool()  # [R, S] visual slots
         self.mask = mask.bool()
         rows, s = mask.shape
         self.index = torch.arange(s, device=mask.device).expand(rows, s)  # current slots -> original
@@ -308,14 +306,14 @@ class Prefill:
             hooks[self.trunk] = _Call(self._pre_lm)
         if isinstance(p, VisionZip):
             attn, kind = self._vision_attention()
-            hooks[attn] = _Capture(self.store, "vision")
+            hooks[attn] = Capture(self.store, "vision")
             self.vision_kind = kind
             if kind == "qwen":  # its grid gives the window order the scores come in
-                hooks[self.model.model.visual] = _Capture(self.store, "visual")
+                hooks[self.model.model.visual] = Capture(self.store, "visual")
         if self.layer is not None:
             layers = self.trunk.layers
             if self.layer > 0:
-                hooks[layers[self.layer - 1].self_attn] = _Capture(self.store, "scores")
+                hooks[layers[self.layer - 1].self_attn] = Capture(self.store, "scores")
             for i in range(self.layer, len(layers)):
                 hooks[layers[i]] = _Call(self._in_lm if i == self.layer else self._later)
         return hooks_attached(hooks, "mmgen_dropping")
@@ -382,6 +380,9 @@ class Prefill:
 
     def _vision_attention(self):
         inner = self.model.model
+        if hasattr(inner, "image_newline"):
+            raise ValueError("VisionZip is not available for LLaVA-NeXT: its any-resolution tiles, unpadding and newline "
+                             "tokens do not map the vision tower's attention onto the prompt's image tokens; use fastv or mustdrop")
         if hasattr(inner, "vision_tower"):  # LLaVA: CLIP, the layer whose output is the feature
             tower = inner.vision_tower
             layers = (tower.vision_model if hasattr(tower, "vision_model") else tower).encoder.layers
@@ -504,7 +505,7 @@ class Prefill:
             index = self.early_index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
 
-    def report(self, decoded_image: Optional[torch.Tensor] = None) -> DroppingReport:
+    def report(self) -> DroppingReport:
         full = self.mask.sum(1)
         kept_image = (gather_seq(self.image, self.index, 1) & self.valid).sum(1)
         kept = self.valid.sum(1)

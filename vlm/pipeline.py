@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Generator, Optional, Sequence, Union
 
@@ -22,6 +23,7 @@ from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 
 from mmgen.vlm.dropping import DroppingReport, make_dropping
+from mmgen.vlm.layout import image_token_id
 from mmgen.vlm.token_model import VLMTokenModel
 
 #: One row's input: a question, or a chat conversation (transformers' message format).
@@ -85,6 +87,7 @@ class VLMPipeline(Pipeline):
         tokenizer.padding_side = "left"  # rows end together at the prompt's last token
         self.eos_token_ids = _ids(model.generation_config.eos_token_id) or _ids(tokenizer.eos_token_id)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_token_ids or [0])[0]
+        self._same_tokenizer: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()  # drafters checked by check_companion
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -142,9 +145,7 @@ class VLMPipeline(Pipeline):
         if context is None:
             return
         lengths = inputs["attention_mask"].sum(1)
-        image_token = getattr(self.model.config, "image_token_id", None)
-        if image_token is None:
-            image_token = getattr(self.model.config, "image_token_index", None)
+        image_token = image_token_id(self.model.config)
         for row, length in enumerate(lengths.tolist()):
             if length + max_new_tokens > context:
                 visual = int((inputs["input_ids"][row] == image_token).sum()) if image_token is not None else 0
@@ -153,12 +154,15 @@ class VLMPipeline(Pipeline):
                                  f"model's context of {context} tokens")
 
     def check_companion(self, other: Pipeline, companion: Companion) -> None:
-        """A drafter must tokenize as this model does (its drafts are this model's token ids)."""
-        mine = self.processor.tokenizer.get_vocab()
+        """A drafter must tokenize as this model does (its drafts are this model's token ids).
+        Vocabularies are compared once per drafter, not on every call."""
+        if other in self._same_tokenizer:
+            return
         theirs = getattr(getattr(other, "processor", None), "tokenizer", None)
-        if theirs is None or theirs.get_vocab() != mine:
+        if theirs is None or theirs.get_vocab() != self.processor.tokenizer.get_vocab():
             raise ValueError(f"the {companion.option} has another tokenizer than the model (its drafts must be the model's "
                              "token ids)")
+        self._same_tokenizer.add(other)
 
     def token_model(self, dropping: Any = None) -> VLMTokenModel:
         """The core's view of the model; `dropping` prunes visual tokens at each prefill."""

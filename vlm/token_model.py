@@ -13,22 +13,23 @@ output equals `model.generate(do_sample=False)` token for token (tested for both
 With a `dropping` policy (`mmgen.vlm.dropping`: FastV, VisionZip, MustDrop) the prefill runs
 with that policy's hooks; the cache then holds only the kept prompt slots, while decode
 positions stay those of the unpruned prompt (a per-row offset, added to `rope_deltas` for
-M-RoPE). `last_report` / `last_prefill_s` describe the latest prefill.
+M-RoPE). `last_report` describes the latest prefill and `prefill_done_at` says when it ended.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
-
 import time
+from typing import Any, Mapping, Optional
 
 import torch
 
 from mmgen.cache import SlotKVCache
+from mmgen.hooks import hooks_attached
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
-from mmgen.vlm.dropping import MustDrop, Prefill, _Capture, decode_eviction, gather_seq, make_dropping
-from mmgen.hooks import hooks_attached
+
+from mmgen.vlm.dropping import Capture, MustDrop, Prefill, decode_eviction, gather_seq, make_dropping
+from mmgen.vlm.layout import text_trunk
 
 
 class VLMTokenModel:
@@ -42,11 +43,9 @@ class VLMTokenModel:
         self.compact_ratio = compact_ratio
         self.dropping = make_dropping(dropping)
         self.last_report = None  # DroppingReport of the latest prefill (None without dropping)
-        self.last_prefill_s = 0.0  # wall time of the latest prefill, synchronised
         self.prefill_done_at = 0.0  # perf_counter() when it ended
         self.vocab_size = model.lm_head.out_features
-        inner = model.model
-        self.trunk = inner.language_model if hasattr(inner, "language_model") else inner.text_model
+        self.trunk = text_trunk(model)
 
     def token_embeddings(self) -> torch.Tensor:
         """The language model's input embedding of each token [V, hidden] (grouped acceptance)."""
@@ -59,7 +58,6 @@ class VLMTokenModel:
 
         if guidance:
             raise ValueError("vision-language decoding takes no classifier-free guidance (guidance scale 1)")
-        begin = time.perf_counter()
         inputs = {k: v.to(self.model.device) if torch.is_tensor(v) else v for k, v in conditions.items()}
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         kv = DynamicCache(config=self.model.config.get_text_config())
@@ -88,7 +86,6 @@ class VLMTokenModel:
         if mask.device.type == "cuda":
             torch.cuda.synchronize(mask.device)
         self.prefill_done_at = time.perf_counter()
-        self.last_prefill_s = self.prefill_done_at - begin
         return DecodeState(cache, ids.shape[0], False, Logits(out.logits[:, -1:].float()), extra=extra)
 
     @torch.no_grad()
@@ -106,7 +103,7 @@ class VLMTokenModel:
             hidden = run()
         else:  # MustDrop's output-aware eviction, once, from the newest committed token (query 0)
             store: dict = {}
-            with hooks_attached({self.trunk.layers[self.dropping.layer].self_attn: _Capture(store, "decode")}, "mmgen_dropping"):
+            with hooks_attached({self.trunk.layers[self.dropping.layer].self_attn: Capture(store, "decode")}, "mmgen_dropping"):
                 hidden = run()
             cache = state.cache
             sees = cache.mask & (torch.arange(cache.length, device=mask.device) <= cache.length - cache.pending)
@@ -116,10 +113,6 @@ class VLMTokenModel:
             self.last_report.evicted_tokens = drop.sum(1).tolist()
             extra.evict = False
         return Logits(self.model.lm_head(hidden).float())
-
-    def dropping_report(self):
-        """The `DroppingReport` of the latest prefill (None without dropping)."""
-        return self.last_report
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.commit(accepted)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 from urllib.parse import urlparse
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -256,18 +258,26 @@ def test_demo_command_parses_bounds_and_launches_locally(monkeypatch):
 # --- the app over its API (gradio_client, no page, no UI events) ------------------------------
 
 
+@contextmanager
+def served(demo, launch_demo) -> Iterator[str]:
+    """`demo` served by `launch_demo` on a free local port, closed afterwards; yields its URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launch_demo(demo, host="127.0.0.1", port=port, block=False)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
 @pytest.fixture(scope="module")
 def server_url(catalog):
     """The demo served on a free local port (the API tests and the browser tests share it)."""
     from mmgen.apps.image_demo import build_demo, launch_demo
 
-    demo = build_demo(catalog, max_images=2)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    launch_demo(demo, host="127.0.0.1", port=port, block=False)
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+    with served(build_demo(catalog, max_images=2), launch_demo) as url:
+        yield url
 
 
 def api_call(url: str, **changes):

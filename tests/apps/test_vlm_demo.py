@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from mmgen.apps.vlm_request import ChatRequest, VLMCatalog, methods, run_request
 from mmgen.decoding import DECODERS
 from mmgen.vlm import pipeline as vlm_pipeline
 
-from tests.apps.test_image_demo import artifacts, browser, page, pick  # noqa: F401 - shared browser fixtures
+from tests.apps.test_image_demo import artifacts, browser, page, pick, served  # noqa: F401 - shared browser fixtures
 from tests.vlm.test_vlm_pipeline import images, tiny_llava
 
 READY = "#message textarea"  # the page fixture waits for it
@@ -152,8 +151,7 @@ def test_multi_turn_sends_the_conversation_so_far(catalog):
 
 def test_dropping_with_everything_kept_answers_as_no_dropping(catalog):
     policies = vlm_request.dropping_policies()
-    if not policies:
-        pytest.skip("mmgen.vlm.dropping has not landed yet")
+    assert policies == ["fastv", "visionzip", "mustdrop"]
     plain = run_request(chat(method="sjd"), catalog)
     for policy in policies:
         out = run_request(chat(method="sjd", dropping=policy, keep_ratio=1.0, compare=True), catalog)
@@ -216,8 +214,7 @@ def test_unreadable_and_oversized_uploads_are_refused_before_decoding(catalog, t
 
 def test_keep_ratio_is_bounded_where_dropping_exists(catalog):
     policies = vlm_request.dropping_policies()
-    if not policies:
-        pytest.skip("mmgen.vlm.dropping has not landed yet")
+    assert policies == ["fastv", "visionzip", "mustdrop"]
     for bad in (0, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"keep ratio must be a number in \(0, 1\]"):
             run_request(chat(dropping=policies[0], keep_ratio=bad), catalog)
@@ -319,13 +316,8 @@ def app_url(browser, catalog):  # noqa: F811 - `browser` is the image demo's fix
 
     patch = pytest.MonkeyPatch()
     patch.setattr(vlm_pipeline, "TokenQueueStreamer", SlowStreamer)
-    demo = build_demo(catalog, max_images=2, max_new_tokens=16)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    launch_demo(demo, host="127.0.0.1", port=port, block=False)
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
+    with served(build_demo(catalog, max_images=2, max_new_tokens=16), launch_demo) as url:
+        yield url
     patch.undo()
 
 

@@ -14,6 +14,7 @@ import torch
 import mmgen.vlm
 from benchmarks.data.emoji_vlm import KINDS
 from benchmarks.train_vlm import EVAL_BATCH, answer_all, load_eval, scores
+from mmgen import registry
 from mmgen.decoding import make_decoder
 from mmgen.vlm.pipeline import VLMPipeline
 
@@ -23,7 +24,7 @@ ASSETS = PACKAGE / "assets"
 
 @pytest.fixture(scope="module")
 def pair():
-    folders = {name: PACKAGE / folder for name, folder in mmgen.vlm.BUNDLED_MODELS.items()}
+    folders = registry.bundled_models()
     return VLMPipeline.from_pretrained(folders["emoji-vlm"]), VLMPipeline.from_pretrained(folders["emoji-vlm-draft"])
 
 

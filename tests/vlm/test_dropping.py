@@ -12,9 +12,7 @@ import torch
 from mmgen.decoding import make_decoder
 from mmgen.hooks import ModelHook, hooks_attached
 from mmgen.vlm.dropping import FastV, MustDrop, VisionZip, layer_flops, make_dropping
-from tests.vlm.test_vlm_pipeline import PROMPTS, images, tiny_idefics3, tiny_llava, tiny_qwen
-
-BUILDERS = {"llava": tiny_llava, "qwen2_5_vl": tiny_qwen, "idefics3": tiny_idefics3}
+from tests.vlm.test_vlm_pipeline import BUILDERS, PROMPTS, images, tiny_idefics3, tiny_llava, tiny_qwen
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -29,6 +27,25 @@ def test_keep_ratio_one_is_identical_to_no_dropping(pipe, spec, rows):
     prompts, imgs = (PROMPTS, images(3)) if rows == 3 else (PROMPTS[0], images(1)[0])
     plain = pipe(prompts, imgs, max_new_tokens=8, stop_token_ids=[])
     out = pipe(prompts, imgs, max_new_tokens=8, stop_token_ids=[], dropping=spec)
+    assert torch.equal(out.token_ids, plain.token_ids) and torch.equal(out.lengths, plain.lengths)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("spec", ["fastv:layer=1,keep_ratio=0.999", "fastv:layer=0,keep_ratio=0.999",
+                                  "visionzip:keep_ratio=0.999,contextual=0",
+                                  "mustdrop:layer=1,keep_ratio=0.999,merge_threshold=1.0,decode_keep=1.0"])
+def test_the_hooked_prefill_keeping_every_token_is_identical_to_no_dropping(pipe, spec, rows):
+    """Keep ratio 1.0 skips the hooks; 0.999 runs them (scores, gathers, packed masks, original
+    positions, cache compaction) yet keeps every visual token (ceil of 0.999 x fewer than 1000),
+    so the answer must be the unpruned model's."""
+    prompts, imgs = (PROMPTS, images(3)) if rows == 3 else (PROMPTS[0], images(1)[0])
+    if spec.startswith("visionzip") and pipe.model.config.model_type == "llava_next":
+        with pytest.raises(ValueError, match="VisionZip is not available for LLaVA-NeXT"):
+            pipe(prompts, imgs, max_new_tokens=8, dropping=spec)
+        return
+    plain = pipe(prompts, imgs, max_new_tokens=8, stop_token_ids=[])
+    out = pipe(prompts, imgs, max_new_tokens=8, stop_token_ids=[], dropping=spec)
+    assert out.dropping is not None and out.dropping.kept_tokens == out.dropping.image_tokens  # the hooks ran, kept all
     assert torch.equal(out.token_ids, plain.token_ids) and torch.equal(out.lengths, plain.lengths)
 
 
@@ -97,6 +114,10 @@ def test_rows_keep_their_own_counts(pipe):
 
 @pytest.mark.parametrize("spec", ["fastv:layer=1,keep_ratio=0.25", "visionzip:keep_ratio=0.5", "mustdrop:layer=1,keep_ratio=0.5"])
 def test_reports_add_up(pipe, spec):
+    if spec.startswith("visionzip") and pipe.model.config.model_type == "llava_next":
+        with pytest.raises(ValueError, match="VisionZip is not available for LLaVA-NeXT"):
+            pipe(PROMPTS[0], images(1)[0], max_new_tokens=2, dropping=spec)
+        return
     out = pipe(PROMPTS, images(3), max_new_tokens=5, stop_token_ids=[], dropping=spec)
     r, cfg = out.dropping, pipe.model.config.get_text_config()
     policy = make_dropping(spec)

@@ -83,43 +83,33 @@ def tiny_idefics3(seed: int = 0):
     return VLMPipeline(model, processor)
 
 
-def tiny_llava(seed: int = 0):
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+def tiny_llava(seed: int = 0, any_resolution: bool = False):
+    """A tiny LLaVA-1.5 (CLIP tower + Llama), or with `any_resolution` a LLaVA-NeXT of the same
+    sizes whose images are tiled over three grid pinpoints."""
+    import transformers
+    from transformers import CLIPVisionConfig, LlamaConfig
 
+    family = "LlavaNext" if any_resolution else "Llava"
     vocab, tokenizer = word_tokenizer({"image_token": "<image>"})
-    template = chat_template("<image>")
-    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
-                               tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, chat_template=template)
+    pinpoints = {"image_grid_pinpoints": [[32, 32], [32, 64], [64, 32]]} if any_resolution else {}
+    image_processor = getattr(transformers, "LlavaNextImageProcessor" if any_resolution else "CLIPImageProcessor")(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, **pinpoints)
+    processor = getattr(transformers, f"{family}Processor")(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=chat_template("<image>"))
     torch.manual_seed(seed)
-    config = LlavaConfig(
+    config = getattr(transformers, f"{family}Config")(
         vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                        image_size=32, patch_size=8),
         text_config=LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                                 num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        image_token_index=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default")
-    model = LlavaForConditionalGeneration(config).eval()
+        image_token_index=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default", **pinpoints)
+    model = getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
     return VLMPipeline(model, processor)
 
 
 def tiny_llava_next(seed: int = 0):
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                              LlavaNextImageProcessor, LlavaNextProcessor)
-    vocab, tokenizer = word_tokenizer({"image_token": "<image>"})
-    pinpoints = [[32, 32], [32, 64], [64, 32]]
-    images_ = LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints)
-    processor = LlavaNextProcessor(image_processor=images_, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-                                   num_additional_image_tokens=1, chat_template=chat_template("<image>"))
-    torch.manual_seed(seed)
-    config = LlavaNextConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                       image_size=32, patch_size=8),
-        text_config=LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-        image_token_index=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default",
-        image_grid_pinpoints=pinpoints)
-    model = LlavaNextForConditionalGeneration(config).eval()
-    return VLMPipeline(model, processor)
+    return tiny_llava(seed, any_resolution=True)
 
 
 def images(n: int):
