@@ -1,3 +1,15 @@
-"""Text-to-speech over codec tokens or continuous latents on the shared decoding core.
+"""Text-to-speech on the shared decoding core, through transformers' own speech models.
 
-Reserved namespace: nothing ships here yet (see the issue tracker)."""
+`TTSPipeline` speaks text with Dia (DAC codes with a delay pattern) and CSM (Mimi codes: a
+backbone for codebook 0, a depth decoder for the rest) under any frame decoder of the core.
+The index below is what `mmgen.registry` reads to import the pipeline on first use.
+"""
+
+#: Pipeline class name -> the module that defines and registers it.
+PIPELINE_MODULES = {"TTSPipeline": "mmgen.audio.pipeline"}
+#: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
+MODEL_TYPES = {"dia": "TTSPipeline", "csm": "TTSPipeline"}
+#: Bundled trained models (package data): name -> folder relative to this package.
+BUNDLED_MODELS: dict = {}
+#: `mmgen batch` job files whose jobs carry `speech` run here.
+BATCH_JOBS: dict = {}

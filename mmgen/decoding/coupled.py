@@ -108,6 +108,9 @@ class CoupledJacobi(SpeculativeDecoder):
         check_int("window", self.window, 1)
 
     def roles(self, model, num_tokens, generator):
+        if hasattr(model, "complete_frame"):
+            raise ValueError(f"coupled Jacobi fixes every token's noise up front; {type(model).__name__} samples dependent "
+                             "codebooks itself: use sjd or draft")
         L = min(self.window, num_tokens)  # a wider window has nothing to draft
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
         noise = CounterNoise(seed, model.vocab_size, generator.device)

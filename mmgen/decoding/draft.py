@@ -11,7 +11,7 @@ import torch
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
 from mmgen.decoding.stats import DraftCounters
-from mmgen.decoding.speculative import Proposer, SpeculativeDecoder
+from mmgen.decoding.speculative import Proposer, SpeculativeDecoder, _probs, gather_slots
 from mmgen.modeling import TokenModel
 from mmgen.sampling import sample
 
@@ -46,12 +46,19 @@ class DraftModelProposer(Proposer):
     def propose(self, run):
         # The drafter holds tokens < pos - 1 (all < pos in the first round).
         back = torch.arange(1 if self.first_round else 2, device=run.device) - (0 if self.first_round else 1)
-        feed = run.tokens.gather(1, run.pos[:, None] + back)
+        feed = gather_slots(run.tokens, run.pos[:, None] + back)
         drafts, q = [], []
+        complete = getattr(self.drafter, "complete_frame", None)
         for j in range(self.num_draft):
-            q_j = run.sampling.probs(self.drafter.forward(self.state, feed)[:, -1:], run.pos[:, None] + 1 + j)
-            self.drafter.commit(self.state, torch.full_like(run.pos, feed.shape[1]))
+            at = run.pos[:, None] + 1 + j
+            q_j = run.probs(self.drafter.forward(self.state, feed)[:, -1:], at)
+            slot = torch.full_like(run.pos, feed.shape[1])
+            self.drafter.commit(self.state, slot)
             feed = sample(q_j, run.generator)
+            if complete is not None:  # codebooks drawn one after another by the drafter itself
+                probs = lambda logits, c: _probs([run.per_codebook[c]], logits, at)
+                frame, laws = complete(self.state, slot - 1, feed[:, 0], torch.ones_like(slot), probs, run.generator)
+                feed, q_j = frame[:, None], torch.cat([q_j[:, :, :1], laws[:, None, 1:]], 2)
             drafts.append(feed)
             q.append(q_j)
         self.forwards += self.num_draft

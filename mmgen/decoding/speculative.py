@@ -21,10 +21,13 @@ flattened (position, codebook) pairs, and a frame counts as accepted only when a
 codebooks are. At the first rejected frame the accepted codebooks are kept, the first rejected
 codebook is resampled from its residual and the later ones are the target's own samples.
 With codebooks that are independent given the prefix (parallel heads, as Dia's), every
-codebook of that frame is then distributed as the target's, so the loop stays lossless; models
-whose later codebooks depend on earlier ones (CSM's depth decoder) must present per-codebook
-conditionals for the drafted codebooks and are not handled by this rule yet. K = 1 is the
-plain token case, bit for bit.
+codebook of that frame is then distributed as the target's, so the loop stays lossless.
+Models whose later codebooks depend on earlier ones (CSM's depth decoder) score each drafted
+frame's codebook k given that frame's codebooks before it, and offer
+`complete_frame(state, slot, frame, known, probs, generator)`: the loop then has the model
+sample every codebook it could not finalise (all but codebook 0 of a new frame, those after
+the first rejected codebook) from its own conditionals, which keeps the loop lossless too.
+K = 1 is the plain token case, bit for bit.
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ from mmgen.sampling import SamplingConfig, invalid_rows, sample
 class Stopping:
     """When each row ends: at its first stop token (which is kept) or after `max_new_tokens`
     tokens (an int, or one per row), whichever comes first. For frames, a stop token is read
-    on codebook `stop_codebook`. Image models decode a fixed length and pass no `Stopping`."""
+    on codebook `stop_codebook`, or on every codebook of a tuple (CSM ends with a frame whose
+    first K-1 codebooks are all its EOS code). Image models decode a fixed length and pass no
+    `Stopping`."""
 
     stop_tokens: Sequence[int] = ()
     max_new_tokens: Union[int, Sequence[int], torch.Tensor, None] = None
-    stop_codebook: int = 0
+    stop_codebook: Union[int, tuple[int, ...]] = 0
     pad_token: int = 0  # what the output holds after a row's end
 
     def limits(self, batch: int, num_tokens: int, device) -> torch.Tensor:
@@ -129,6 +134,12 @@ class DecodeRun:
     num_draft: int
     vocab_size: int
     num_codebooks: int
+    per_codebook: Optional[list] = None  # one SamplingConfig per codebook (frames)
+
+    def probs(self, logits, index: torch.Tensor) -> torch.Tensor:
+        """The sampler's probabilities of `logits` at generated-token `index` [B, n] (frames:
+        each codebook through its own config)."""
+        return _probs(self.per_codebook or [self.sampling], logits, index)
 
     @property
     def batch_size(self) -> int:
@@ -249,7 +260,7 @@ def speculative_decode(
     stop_ids = stopping.stop_ids(device) if stopping is not None else None
     variable = stopping is not None
     run = DecodeRun(model, state, conditions, sampling[0], generator, tokens, torch.zeros(B, dtype=torch.long, device=device),
-                    torch.ones(B, dtype=torch.bool, device=device), num_tokens, capacity, k, V, K)
+                    torch.ones(B, dtype=torch.bool, device=device), num_tokens, capacity, k, V, K, sampling)
 
     def probs(logits, index):
         return _probs(sampling, logits, index)
@@ -259,6 +270,9 @@ def speculative_decode(
     p0 = probs(state.first_logits, zero)
     bad = _invalid(p0)
     tokens[:, 0] = proposer.draw(run, p0, zero)[:, 0]
+    complete = getattr(model, "complete_frame", None)
+    if complete is not None:
+        tokens[:, 0] = _complete(complete, state, sampling, zero, tokens[:, 0], torch.ones_like(limit), generator)
     run.active = ~(_is_stop(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
     proposer.start(run)
     recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
@@ -288,13 +302,17 @@ def speculative_decode(
         # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
         if k > 0:
             resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
-            n_acc, next_token = _finalise(accepted, resampled, fresh, drafts, K)
+            n_acc, next_token, known = _finalise(accepted, resampled, fresh, drafts, K)
+            if complete is not None:
+                next_token = _complete(complete, state, sampling, n_acc[:, None], next_token, known, generator, index)
             written = torch.cat([window, fresh[:, -1:]], 1)
             written = written.scatter(1, _frame_index((n_acc + 1)[:, None], K), next_token[:, None])
             step = n_acc + 1
         else:  # autoregressive: [newest, its sample], one token per row
             n_acc, next_token = no_drafts, fresh[:, -1]
-            written, step = torch.cat([window, fresh], 1), ones
+            if complete is not None:
+                next_token = _complete(complete, state, sampling, no_drafts[:, None], next_token, ones, generator, index)
+            written, step = torch.cat([window, next_token[:, None]], 1), ones
         tokens.scatter_(1, _frame_index(run.pos[:, None] + slots, K), written)
         still = active
         if variable:
@@ -362,8 +380,9 @@ def _verify(rule, p, q, drafts, generator, index, run):
     return accepted.view(B, k, K), residual.view(B, k, K, V)
 
 
-def _finalise(accepted, resampled, fresh, drafts, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accepted draft prefix n_acc [B] and the token finalised after it [B(, K)].
+def _finalise(accepted, resampled, fresh, drafts, K: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Accepted draft prefix n_acc [B], the token finalised after it [B(, K)] and, for frames,
+    how many of its codebooks are final [B] (for models that complete frames themselves).
 
     Tokens: the bonus sample when every draft passed, else the resample at the first rejected
     position. Frames: the first rejected frame keeps its accepted codebooks, takes the resample
@@ -374,12 +393,21 @@ def _finalise(accepted, resampled, fresh, drafts, K: int) -> tuple[torch.Tensor,
     n_acc = frame_ok.long().cumprod(-1).sum(-1)
     at = n_acc.clamp_max(k - 1)[:, None]
     if K == 1:
-        return n_acc, torch.where(n_acc == k, fresh[:, -1], resampled.gather(1, at)[:, 0])
+        return n_acc, torch.where(n_acc == k, fresh[:, -1], resampled.gather(1, at)[:, 0]), None
     pick = lambda t: t.gather(1, at[..., None].expand(-1, -1, K))[:, 0]  # [B, K] at the first rejected frame
     ok = pick(accepted.long()).cumprod(-1).bool()  # codebooks accepted before the first rejection
     first_bad = torch.cat([~ok[:, :1], ok[:, :-1] & ~ok[:, 1:]], 1)
     rejected_frame = torch.where(ok, pick(drafts), torch.where(first_bad, pick(resampled), pick(fresh[:, :-1])))
-    return n_acc, torch.where((n_acc == k)[:, None], fresh[:, -1], rejected_frame)
+    known = torch.where(n_acc == k, 1, ok.sum(-1) + 1)
+    return n_acc, torch.where((n_acc == k)[:, None], fresh[:, -1], rejected_frame), known
+
+
+def _complete(complete, state, sampling, slot, frame, known, generator, index=None) -> torch.Tensor:
+    """The model's own completion of a frame's codebooks known[b].. (dependent codebooks), from
+    the state after window slot `slot` [B, 1], each codebook through its sampler."""
+    at = slot if index is None else index.gather(1, slot)
+    probs = lambda logits, c: _probs([sampling[c]], logits, at)
+    return complete(state, slot[:, 0], frame, known, probs, generator)[0]
 
 
 def _frame_index(index: torch.Tensor, K: int) -> torch.Tensor:
@@ -403,7 +431,10 @@ def _is_stop(new: torch.Tensor, stop_ids: Optional[torch.Tensor], stopping: Opti
     if stop_ids is None:
         return torch.zeros(new.shape[:2], dtype=torch.bool, device=new.device)
     if new.ndim == 3:
-        new = new[..., stopping.stop_codebook]
+        codebooks = stopping.stop_codebook
+        if isinstance(codebooks, tuple):
+            return (new[..., list(codebooks), None] == stop_ids).any(-1).all(-1)
+        new = new[..., codebooks]
     return (new[..., None] == stop_ids).any(-1)
 
 

@@ -1,0 +1,115 @@
+"""Neural audio codecs (transformers' `DacModel`, `MimiModel`): codes in, waveform out, one-shot
+or streamed as frames arrive.
+
+Streaming decodes a window of codes around each new chunk and keeps the chunk's samples.
+DAC's decoder is non-causal (centred convolutions both sides), Mimi's is causal. A window
+whose left and right context cover the decoder's reach gives the one-shot samples; the reach
+is measured once per codec (`decoder_reach`: how many frames a change to one code moves the
+output on each side), so the default stream is exact up to float rounding and the right
+context is the latency it costs. Smaller contexts trade exactness for speed (tests bound it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+class Codec:
+    """A codec model with `decode(audio_codes=[B, C, T])` (and `encode(input_values=[B, 1, S])`)."""
+
+    def __init__(self, model: Any):
+        self.model = model.eval()
+        config = model.config
+        self.sampling_rate = int(config.sampling_rate)
+        self.num_codebooks = int(getattr(config, "n_codebooks", None) or getattr(config, "num_quantizers"))
+        self.hop_length = int(getattr(config, "hop_length", 0) or getattr(config, "frame_size"))
+        self.causal = bool(getattr(config, "use_causal_conv", False))
+        self._reach: Optional[tuple[int, int]] = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """Waveform [S] (float32) of codes [C, T]."""
+        out = self.model.decode(audio_codes=codes[None].to(self.device)).audio_values
+        return out.reshape(-1).float().cpu()
+
+    @torch.no_grad()
+    def encode(self, wave: torch.Tensor) -> torch.Tensor:
+        """Codes [C, T] of a mono waveform [S] at `sampling_rate` (padded to whole frames)."""
+        pad = (-wave.shape[-1]) % self.hop_length
+        x = torch.nn.functional.pad(wave.float(), (0, pad))[None, None].to(self.device, self.dtype)
+        return self.model.encode(x).audio_codes[0, : self.num_codebooks].cpu()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def decoder_reach(self, probe_frames: int = 48) -> tuple[int, int]:
+        """(before, after): how many frames before and after a code have samples that depend on
+        it, measured by changing one code in the middle of a random probe (memoised). A causal
+        decoder has before = 0."""
+        if self._reach is None:
+            g = torch.Generator().manual_seed(0)
+            size = int(getattr(self.model.config, "codebook_size", 2))
+            codes = torch.randint(0, size, (self.num_codebooks, probe_frames), generator=g)
+            changed = codes.clone()
+            mid = probe_frames // 2
+            changed[:, mid] = (changed[:, mid] + 1) % size
+            diff = (self.decode(codes) - self.decode(changed)).abs().view(probe_frames, self.hop_length).amax(1)
+            moved = (diff > 0).nonzero().flatten()  # outside the reach both decodes are bitwise equal
+            before = mid - int(moved.min()) if moved.numel() else 0
+            after = int(moved.max()) - mid if moved.numel() else 0
+            if before >= mid or after >= probe_frames - mid - 1:
+                if probe_frames >= 1024:
+                    raise ValueError("the codec decoder's reach exceeds 1024 frames: stream with an explicit StreamWindow")
+                return self.decoder_reach(probe_frames * 2)
+            self._reach = (before, after)
+        return self._reach
+
+
+@dataclass
+class StreamWindow:
+    """Context, in frames, decoded around each streamed chunk: None measures the decoder's
+    reach (exact); smaller values are faster and approximate."""
+
+    left: Optional[int] = None
+    right: Optional[int] = None
+
+
+class CodecStream:
+    """Incremental decoding of one row: `push(codes [C, n])` returns the samples that are final
+    so far, `flush()` the rest. Concatenated, they equal `Codec.decode` of all codes when the
+    window covers the decoder's reach."""
+
+    def __init__(self, codec: Codec, window: StreamWindow = StreamWindow()):
+        before, after = codec.decoder_reach() if window.left is None or window.right is None else (0, 0)
+        self.codec = codec
+        # Frame t's samples depend on codes t - after .. t + before.
+        self.left = after if window.left is None else window.left
+        self.right = before if window.right is None else window.right
+        self.codes = torch.zeros(codec.num_codebooks, 0, dtype=torch.long)
+        self.emitted = 0  # frames whose samples are out
+
+    def push(self, codes: torch.Tensor) -> torch.Tensor:
+        self.codes = torch.cat([self.codes, codes.cpu().long()], 1)
+        return self._emit(self.codes.shape[1] - self.right)
+
+    def flush(self) -> torch.Tensor:
+        return self._emit(self.codes.shape[1])
+
+    def _emit(self, upto: int) -> torch.Tensor:
+        if upto <= self.emitted:
+            return torch.zeros(0)
+        start = max(0, self.emitted - self.left)
+        end = min(self.codes.shape[1], upto + self.right)
+        wave = self.codec.decode(self.codes[:, start:end])
+        hop = self.codec.hop_length
+        chunk = wave[(self.emitted - start) * hop: (upto - start) * hop]
+        self.emitted = upto
+        return chunk

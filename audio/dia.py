@@ -1,0 +1,300 @@
+"""transformers' Dia as a frame `TokenModel` of the core: one decoder position per frame of C
+codebooks, in Dia's delayed layout.
+
+Dia (nari-labs) predicts all C DAC codebooks of a frame at once from parallel heads, with
+codebook c delayed by `delay_pattern[c]` frames, so the core's frame rules apply unchanged
+(codebooks are independent given the prefix). Everything Dia's `generate` does to the logits
+is done here, as a function of the frame history, so that a window of drafted frames is
+scored exactly as `generate` would score each of them one at a time:
+
+- classifier-free guidance as Dia's own *filter*: `cfg = cond + s * (cond - uncond)` selects
+  the top-k candidates and the token is drawn from the conditional logits among them
+  (`DiaClassifierFreeGuidanceLogitsProcessor`); the unconditional rows read zeroed text;
+- only codebook 0 may end the audio, and only when EOS is its most likely token
+  (`DiaEOSChannelFilterLogitsProcessor`);
+- codebook c is forced to EOS `delay[c]` frames after codebook 0's EOS, or after the frame
+  budget forces codebook 0 to end (`DiaEOSDelayPatternLogitsProcessor`); a codebook that has
+  ended emits PAD; codebook c is BOS (or the voice prompt's code) for its first `delay[c]`
+  frames (the processor's delay mask).
+
+Forced tokens are one-hot distributions, so speculative decoding over them stays exact.
+Greedy output equals `DiaForConditionalGeneration.generate(do_sample=False)` frame for frame
+(tests/audio/test_dia.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from mmgen.cache import SlotKVCache
+from mmgen.decoding import Stopping
+from mmgen.modeling import DecodeState
+from mmgen.sampling import Logits
+
+NEVER = 1 << 40  # "no EOS yet" as a frame index
+
+
+@dataclass
+class DiaConditions:
+    """One batch for `DiaTokenModel.start`: text ids [B, S] (right padded) and their mask, the
+    delayed decoder template [B, L, C] (BOS, voice-prompt codes, and PAD where frames are to be
+    generated; `decoder_input_ids` of `DiaProcessor`) with its mask [B, L] (left padded), the
+    frame budget, and Dia's guidance (scale None or 1 turns it off; top-k None keeps every
+    candidate)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    decoder_input_ids: torch.Tensor
+    decoder_attention_mask: torch.Tensor
+    max_new_frames: int
+    guidance_scale: Optional[float] = None
+    guidance_top_k: Optional[int] = None
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale is not None and self.guidance_scale != 1
+
+
+class DiaTokenModel:
+    """`DiaForConditionalGeneration` under the core: conditions are a `DiaConditions`, tokens
+    are delayed frames [B, n, C] over the decoder vocabulary (codes, then EOS, PAD, BOS)."""
+
+    def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0):
+        self.model = model
+        dec = model.config.decoder_config
+        self.num_codebooks = dec.num_channels
+        self.vocab_size = dec.vocab_size
+        self.eos, self.pad, self.bos = dec.eos_token_id, dec.pad_token_id, dec.bos_token_id
+        self.delay = torch.tensor(list(model.config.delay_pattern), dtype=torch.long)
+        self.compact_ratio = compact_ratio
+
+    def token_embeddings(self) -> torch.Tensor:
+        """Codebook 0's input embedding of each token [V, hidden]."""
+        return self.model.model.decoder.embeddings.embed.weight[: self.vocab_size]
+
+    # ---------------------------------------------------------------- protocol
+    @torch.no_grad()
+    def start(self, conditions: DiaConditions, capacity: int, guidance: bool) -> DecodeState:
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        if guidance:
+            raise ValueError("Dia applies its own guidance (DiaConditions.guidance_scale); pass no guidance scale to the sampler")
+        c, device = conditions, self.model.device
+        ids, mask = c.input_ids.to(device), c.attention_mask.to(device)
+        template, dmask = c.decoder_input_ids.to(device).long(), c.decoder_attention_mask.to(device).long()
+        if c.guided:
+            ids, mask = torch.cat([ids, torch.zeros_like(ids)]), mask.repeat(2, 1)
+        rows = ids.shape[0]
+        encoded = self.model.model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        # The prefill is every row of the template before the first frame any row generates.
+        valid = template.shape[1] - int((template[:, :, 0] == self.pad).sum(-1).max())
+        kv = EncoderDecoderCache(DynamicCache(config=self.model.config), DynamicCache(config=self.model.config))
+        B = len(template)
+        delay = self.delay.to(device)
+        budget_end = c.max_new_frames - int(delay.max()) - 1
+        if budget_end < 0:
+            raise ValueError(f"max_new_frames must exceed the largest delay ({int(delay.max())}), got {c.max_new_frames}")
+        extra = _Run(kv, encoded, mask, template[:, valid:], c.guidance_scale if c.guided else None, c.guidance_top_k,
+                     budget_end, delay, torch.full((B, capacity + 1, self.num_codebooks), self.pad, dtype=torch.long, device=device))
+        self._set_generated(extra, torch.zeros(B, dtype=torch.long, device=device))
+        # Prefill: positions are slot indices (Dia's own arange), left padding masked.
+        prompt_mask = dmask[:, :valid].repeat(rows // B, 1)
+        positions = torch.arange(valid, device=device).expand(rows, -1)
+        state = DecodeState(None, B, False, None, extra=extra)
+        hidden = self._decode(state, template[:, :valid], prompt_mask, positions)
+        state.cache = SlotKVCache(kv.self_attention_cache, prompt_mask, prompt_length=valid, compact_ratio=self.compact_ratio)
+        state.first_logits = self._logits(state, hidden[:, -1:], template[:, valid - 1: valid], first=True)
+        return state
+
+    @torch.no_grad()
+    def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
+        hidden = self._decode(state, tokens, *state.cache.open(tokens.shape[1]))
+        state.extra.fed = tokens
+        return self._logits(state, hidden, tokens)
+
+    def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
+        run: _Run = state.extra
+        n = run.fed.shape[1]
+        slots = (run.generated[:, None] + torch.arange(n, device=accepted.device)).clamp_max(run.history.shape[1] - 1)
+        run.history.scatter_(1, slots[..., None].expand(-1, -1, self.num_codebooks), run.fed)
+        self._set_generated(run, run.generated + accepted)
+        state.cache.commit(accepted.repeat(state.cache.mask.shape[0] // state.batch_size))
+
+    def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
+        self._set_generated(state.extra, num_generated)
+        state.cache.rewind(num_generated.repeat(state.cache.mask.shape[0] // state.batch_size))
+
+    def _set_generated(self, run: "_Run", generated: torch.Tensor) -> None:
+        """Row b has fed `generated[b]` frames; re-read the EOS history they hold."""
+        run.generated = generated
+        T = run.history.shape[1]
+        seen = (torch.arange(T, device=generated.device)[None] < generated[:, None])[..., None] & (run.history == self.eos)
+        run.closed = seen.any(1)
+        run.first_eos = torch.where(seen[..., 0], torch.arange(T, device=generated.device), NEVER).amin(1)
+
+    # ---------------------------------------------------------------- internals
+    def _decode(self, state: DecodeState, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        run: _Run = state.extra
+        rows = mask.shape[0]
+        x = tokens.repeat(rows // tokens.shape[0], 1, 1)
+        out = self.model.model.decoder(
+            input_ids=x, position_ids=positions, attention_mask=mask, encoder_hidden_states=run.encoded,
+            encoder_attention_mask=run.encoder_mask, past_key_values=run.kv, use_cache=True,
+        )
+        return out.last_hidden_state
+
+    def _logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor, first: bool = False) -> Logits:
+        """Dia's processed logits [B, n, C, V] for the frames after each fed frame."""
+        run: _Run = state.extra
+        B, n, C, V = state.batch_size, hidden.shape[1], self.num_codebooks, self.vocab_size
+        logits = self.model.logits_dense(hidden).view(-1, n, C, V).float()
+        cond = logits[:B]
+        if run.guidance_scale is not None:
+            uncond = logits[B:]
+            guided = cond + (cond - uncond) * run.guidance_scale
+            if run.guidance_top_k is not None:
+                keep = torch.zeros_like(cond, dtype=torch.bool)
+                keep.scatter_(-1, guided.topk(run.guidance_top_k, dim=-1).indices, True)
+                cond = cond.masked_fill(~keep, float("-inf"))
+            else:
+                cond = guided
+        neg = float("-inf")
+        cond = cond.clone()
+        cond[:, :, 1:, self.eos:] = neg  # only codebook 0 may end, no codebook emits PAD / BOS itself
+        cond[:, :, 0, self.eos + 1:] = neg
+        eos_top = cond[:, :, 0].argmax(-1) == self.eos  # [B, n]
+        cond[:, :, 0] = torch.where(eos_top[..., None], cond[:, :, 0].masked_fill(torch.arange(V, device=cond.device) != self.eos, neg),
+                                    cond[:, :, 0].masked_fill(torch.arange(V, device=cond.device) == self.eos, neg))
+        # Frame history of each predicted frame: the committed frames, then the fed ones before it.
+        steps = torch.arange(n, device=cond.device)
+        if first:
+            index = torch.zeros(B, 1, dtype=torch.long, device=cond.device)
+            first_eos, closed = run.first_eos[:, None], run.closed[:, None]
+        else:
+            index = run.generated[:, None] + steps + 1  # generated index of each predicted frame
+            fed_eos = fed == self.eos
+            seen = torch.where(fed_eos[..., 0], run.generated[:, None] + steps, NEVER).cummin(1).values
+            first_eos = torch.minimum(run.first_eos[:, None], seen)
+            closed = run.closed[:, None] | fed_eos.long().cummax(1).values.bool()
+        end = torch.minimum(first_eos, torch.where(eos_top, index, NEVER)).clamp_max(run.budget_end)
+        forced = torch.full((B, n, C), -1, dtype=torch.long, device=cond.device)
+        forced = torch.where(index[..., None] == end[..., None] + run.delay, self.eos, forced)
+        forced = torch.where(closed, self.pad, forced)
+        T = run.template.shape[1]
+        if T:
+            at = index.clamp_max(T - 1)
+            known = run.template.gather(1, at[..., None].expand(-1, -1, C))
+            forced = torch.where((index < T)[..., None] & (known != self.pad), known, forced)
+        one_hot = torch.full_like(cond, neg).scatter(-1, forced.clamp_min(0)[..., None], 0.0)
+        return Logits(torch.where((forced >= 0)[..., None], one_hot, cond))
+
+
+class _Run:
+    """Per-decode state: the cross-attention inputs, Dia's guidance, the undecoded part of the
+    template [B, T, C], and the frame history the processors read: `history` [B, capacity, C]
+    the fed frames, of which `generated` [B] are committed, `first_eos` [B] codebook 0's EOS
+    frame among them (NEVER), `closed` [B, C] the codebooks that have emitted EOS; `fed` the
+    last forward's frames."""
+
+    def __init__(self, kv, encoded, encoder_mask, template, guidance_scale, guidance_top_k, budget_end, delay, history):
+        self.kv, self.encoded, self.encoder_mask, self.template = kv, encoded, encoder_mask, template
+        self.guidance_scale, self.guidance_top_k, self.budget_end, self.delay = guidance_scale, guidance_top_k, budget_end, delay
+        self.history = history
+        self.generated = self.first_eos = self.closed = None
+        self.fed: Optional[torch.Tensor] = None
+
+
+def undelay(frames: torch.Tensor, delay: Sequence[int], start: int, end: int) -> torch.Tensor:
+    """Audio codes [C, end - start] from delayed frames [T, C]: code (t, c) sits at frame
+    t + delay[c]."""
+    return torch.stack([frames[start + d: end + d, c] for c, d in enumerate(delay)])
+
+
+def delayed_template(prompts: Sequence[torch.Tensor], delay: Sequence[int], bos: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dia's decoder template for a batch of voice-prompt codes ([C, P_b] each, P_b may be 0):
+    ids [B, L, C] and mask [B, L] with L = 1 + max P + max delay, left padded (BOS, mask 0) as
+    `DiaProcessor` does. Row s of codebook c holds code s - 1 - delay[c] of the prompt, BOS
+    before it and PAD (to be generated) after it."""
+    longest, lag = max(int(p.shape[1]) for p in prompts), max(delay)
+    rows = 1 + longest + lag
+    ids = torch.full((len(prompts), rows, len(delay)), bos, dtype=torch.long)
+    mask = torch.zeros(len(prompts), rows, dtype=torch.long)
+    for b, codes in enumerate(prompts):
+        P, left = int(codes.shape[1]), longest - int(codes.shape[1])
+        for c, d in enumerate(delay):
+            column = torch.full((1 + P + lag,), pad, dtype=torch.long)
+            column[: 1 + d] = bos
+            column[1 + d: 1 + d + P] = codes[c]
+            ids[b, left:, c] = column
+        mask[b, left:] = 1
+    return ids, mask
+
+
+class DiaSpeech:
+    """What `TTSPipeline` needs to know of Dia: text and voice prompts to `DiaConditions`, the
+    stop rule (the most delayed codebook's EOS closes a frame sequence), and delayed frames back
+    to audio codes."""
+
+    def __init__(self, model: Any, tokenizer: Any, codec: Any):
+        self.model, self.tokenizer, self.codec = model, tokenizer, codec
+        dec = model.config.decoder_config
+        self.delay = list(model.config.delay_pattern)
+        self.eos, self.pad, self.bos = dec.eos_token_id, dec.pad_token_id, dec.bos_token_id
+        self.text_context = int(model.config.encoder_config.max_position_embeddings)
+        self.frame_context = int(dec.max_position_embeddings)
+
+    def token_model(self) -> DiaTokenModel:
+        return DiaTokenModel(self.model)
+
+    def text_with_speaker(self, text: str) -> str:
+        """Dia reads speaker tags; untagged text is spoken by speaker 1."""
+        return text if text.lstrip().startswith("[S") else f"[S1] {text.strip()}"
+
+    saves_tokenizer = False  # byte-level, nothing to save
+
+    def frame_layout(self) -> tuple:
+        return ("dia", len(self.delay), self.model.config.decoder_config.vocab_size, tuple(self.delay))
+
+    def default_max_frames(self) -> int:
+        return self.frame_context - 1
+
+    def stopping(self, max_new_frames: int) -> Stopping:
+        """A row ends with the frame where its most delayed codebook emits EOS."""
+        return Stopping(stop_tokens=[self.eos], max_new_tokens=max_new_frames, stop_codebook=self.stop_codebook(),
+                        pad_token=self.pad)
+
+    def conditions(self, texts: Sequence[str], voices: Sequence[Optional[torch.Tensor]], voice_texts: Sequence[Optional[str]],
+                   max_new_frames: int, guidance: tuple[Optional[float], Optional[int]]) -> DiaConditions:
+        """A voice prompt (a waveform at the codec's rate) is encoded into the decoder's prefix;
+        its transcript is read before the text, as Dia expects."""
+        C = len(self.delay)
+        prompts = [torch.zeros(C, 0, dtype=torch.long) if v is None else self.codec.encode(v) for v in voices]
+        texts = [t if vt is None else f"{vt.strip()} {t.strip()}" for t, vt in zip(texts, voice_texts)]
+        encoded = self.tokenizer([self.text_with_speaker(t) for t in texts], padding=True, return_tensors="pt")
+        if encoded["input_ids"].shape[1] > self.text_context:
+            raise ValueError(f"the text is {encoded['input_ids'].shape[1]} bytes long; this model reads at most {self.text_context}")
+        ids, mask = delayed_template(prompts, self.delay, self.bos, self.pad)
+        prefill = ids.shape[1] - max(self.delay)
+        if prefill + max_new_frames > self.frame_context:
+            raise ValueError(f"voice prompt ({prefill - 1} frames) + max_new_frames {max_new_frames} exceed the model's "
+                             f"{self.frame_context} frames")
+        return DiaConditions(encoded["input_ids"], encoded["attention_mask"], ids, mask, max_new_frames, *guidance)
+
+    def stop_codebook(self) -> int:
+        return max(range(len(self.delay)), key=lambda c: self.delay[c])
+
+    def codes(self, frames: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(audio codes [C, T] of one row's generated speech, whether it has ended) from its
+        generated frames [n, C] so far: only audio frames whose every codebook is known, so
+        streaming can call it as frames arrive."""
+        lag = max(self.delay)
+        ends = (frames[:, 0] == self.eos).nonzero()
+        count = len(frames) - lag if not len(ends) else min(int(ends[0]), len(frames) - lag)
+        ended = bool(len(ends)) and len(frames) - lag >= int(ends[0])
+        # Audio frame t (after the prompt) of codebook c is generated frame t + delay[c].
+        if count <= 0:
+            return torch.zeros(len(self.delay), 0, dtype=torch.long), ended
+        return undelay(frames.cpu().long(), self.delay, 0, count), ended

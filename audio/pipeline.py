@@ -1,0 +1,319 @@
+"""`TTSPipeline`: text (and an optional voice prompt) in, waveform out, through transformers'
+own speech models on the shared decoding core.
+
+The model, tokenizer and codec are transformers' (Dia with DAC; CSM with Mimi); mmgen adds the
+core, so one checkpoint decodes with any frame decoder (autoregressive, speculative Jacobi over
+frames, a draft model, ...), with per-row ends, batches and streaming audio. A family adapter
+(`DiaSpeech`, `CsmSpeech`) turns texts and voices into the model's conditions and generated
+frames back into codec codes; the codec (`Codec`) turns codes into audio, streamed exactly
+(`CodecStream`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generator, Optional, Sequence, Union
+
+import torch
+
+from mmgen.decoding import DecodeStats, Decoder, resolve_decoder
+from mmgen.pipeline import Companion, Pipeline
+from mmgen.registry import register_pipeline
+from mmgen.sampling import SamplingConfig
+
+from mmgen.audio.codec import Codec, CodecStream, StreamWindow
+from mmgen.audio.waveform import read_audio
+
+#: Longest text accepted, in characters (Dia reads bytes; long texts are split by callers).
+MAX_TEXT_CHARS = 2000
+#: transformers' `generate` top-k when a generation config leaves it unset (Dia also takes it as
+#: its guidance filter's k).
+GENERATE_TOP_K = 50
+#: Where a pipeline folder keeps its codec when the model's processor does not name one.
+CODEC_FOLDER = "codec"
+
+
+@dataclass
+class TTSOutput:
+    """`audio`: one mono float32 waveform per row at `sampling_rate`; `codes`: its codec codes
+    [C, T]; `frames` [B, N, C] the decoder's frames (padded after each row's end) and
+    `lengths` [B]; `stats` the decoder's. `decode_s`: seconds from conditions to the last frame;
+    `real_time_factor`: decode_s over the seconds of audio of the longest row."""
+
+    audio: list[torch.Tensor]
+    sampling_rate: int
+    codes: list[torch.Tensor]
+    frames: torch.Tensor
+    lengths: torch.Tensor
+    stats: DecodeStats
+    decode_s: float = 0.0
+    real_time_factor: float = 0.0
+
+
+@register_pipeline(model_types=("dia", "csm"))
+class TTSPipeline(Pipeline):
+    """A text-to-speech model over codec frames (greedy or sampled as its generation config says)."""
+
+    component_types = {}  # transformers' own folders
+    conditions = "prompt"
+    default_decoding = "ar"
+    companions = {"draft": Companion("drafter", "-draft", "a smaller model of the same codec")}
+
+    @classmethod
+    def decoders(cls) -> dict[str, Any]:
+        """Frame decoders: LANTERN needs a latent codebook per token, entropy switching and prompt
+        lookup a text-like sequence, none of which a frame of codebooks offers yet."""
+        return {name: make for name, make in super().decoders().items()
+                if name not in ("lantern", "lantern++", "entropy-switch", "lookup", "gsd")}
+
+    def __init__(self, model: Any, tokenizer: Any, codec: Any):
+        super().__init__(model=model)
+        self.tokenizer, self.codec = tokenizer, Codec(codec)
+        self.family = _family(model, tokenizer, self.codec)
+
+    @property
+    def sampling_rate(self) -> int:
+        return self.codec.sampling_rate
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, repo_or_path: Union[str, os.PathLike], torch_dtype: Optional[torch.dtype] = None,
+                        device: Union[str, torch.device, None] = None, **kwargs) -> "TTSPipeline":
+        """A transformers speech checkpoint (Hub id or folder). The codec is the folder's
+        `codec/` subfolder, else the one its processor config names (Dia: descript/dac_44khz)."""
+        from transformers import AutoConfig
+
+        source = os.fspath(repo_or_path)
+        config = AutoConfig.from_pretrained(source)
+        if config.model_type == "dia":
+            from transformers import DacModel, DiaForConditionalGeneration, DiaTokenizer
+
+            model = DiaForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
+            tokenizer = DiaTokenizer()  # byte-level: no files
+            codec = DacModel.from_pretrained(_codec_source(source), dtype=torch_dtype)
+        elif config.model_type == "csm":
+            from transformers import AutoTokenizer, CsmForConditionalGeneration
+
+            model = CsmForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            codec = model.codec_model
+        else:
+            raise ValueError(f"{source}: model type {config.model_type!r} is not a speech model mmgen serves (dia, csm)")
+        pipe = cls(model.eval(), tokenizer, codec.eval())
+        return pipe.to(device) if device is not None else pipe
+
+    def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
+        """transformers' layout: the model (and its tokenizer files) in one folder, the codec in
+        `codec/` unless the model owns it (CSM)."""
+        self.model.save_pretrained(path)
+        if hasattr(self.tokenizer, "save_pretrained") and self.family.saves_tokenizer:
+            self.tokenizer.save_pretrained(path)
+        if getattr(self.model, "codec_model", None) is not self.codec.model:
+            self.codec.model.save_pretrained(Path(path) / CODEC_FOLDER)
+
+    def to(self, device=None, dtype=None) -> "TTSPipeline":
+        super().to(device, dtype)
+        if getattr(self.model, "codec_model", None) is not self.codec.model:
+            self.codec.model.to(device=device)
+        return self
+
+    def check_companion(self, other: Pipeline, companion: Companion) -> None:
+        """A drafter must speak the same codec frames: same family, codebooks and vocabulary."""
+        mine, theirs = self.family.frame_layout(), getattr(getattr(other, "family", None), "frame_layout", lambda: None)()
+        if mine != theirs:
+            raise ValueError(f"the {companion.option} has another codec layout than the model ({theirs} against {mine}): "
+                             "its drafts must be this model's frames")
+
+    def token_model(self) -> Any:
+        """The core's view of the model."""
+        return self.family.token_model()
+
+    # ---------------------------------------------------------------- generation
+    def sampling(self, temperature: Optional[float], top_k: Optional[int], top_p: Optional[float]) -> SamplingConfig:
+        """The sampler: arguments given, else the model's generation config (greedy when it does not sample)."""
+        config = self.model.generation_config
+        sample = bool(getattr(config, "do_sample", False))
+        if temperature is None:
+            temperature = float(config.temperature or 1.0) if sample else 0.0
+        if top_k is None:
+            top_k = _generate_top_k(config) if sample else 0
+        if top_p is None:
+            top_p = float(config.top_p or 1.0) if sample else 1.0
+        return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def prepare(self, text: Union[str, Sequence[str]], voice: Any = None, voice_text: Union[str, Sequence[str], None] = None,
+                max_new_frames: Optional[int] = None, guidance_scale: Optional[float] = None) -> tuple[Any, int]:
+        """(the model's conditions, the frame budget) for texts and optional voice prompts; every
+        input check happens here, before any forward."""
+        texts = [text] if isinstance(text, str) else list(text)
+        if not texts or any(not isinstance(t, str) or not t.strip() for t in texts):
+            raise ValueError("text must be a non-empty string or a list of them")
+        long = [len(t) for t in texts if len(t) > MAX_TEXT_CHARS]
+        if long:
+            raise ValueError(f"a text of {long[0]} characters is too long (at most {MAX_TEXT_CHARS}); split it")
+        voices = _per_row(voice, len(texts), "voice")
+        voice_texts = _per_row(voice_text, len(texts), "voice_text")
+        if any(v is None and vt is not None for v, vt in zip(voices, voice_texts)):
+            raise ValueError("voice_text is the transcript of a voice prompt: give the voice too")
+        waves = [None if v is None else read_audio(v, self.sampling_rate) for v in voices]
+        budget = self.family.default_max_frames() if max_new_frames is None else max_new_frames
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"max_new_frames must be an integer >= 1, got {max_new_frames!r}")
+        conditions = self.family.conditions(texts, waves, voice_texts, budget, self._guidance(guidance_scale))
+        return conditions, budget
+
+    def _guidance(self, scale: Optional[float]) -> tuple[Optional[float], Optional[int]]:
+        config = self.model.generation_config
+        scale = getattr(config, "guidance_scale", None) if scale is None else scale
+        return scale, _generate_top_k(config)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        text: Union[str, Sequence[str]],
+        voice: Any = None,
+        voice_text: Union[str, Sequence[str], None] = None,
+        max_new_frames: Optional[int] = None,
+        decoding: Union[str, Decoder] = "ar",
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        guidance_scale: Optional[float] = None,
+        generator: Optional[torch.Generator] = None,
+        streamer: Any = None,
+    ) -> TTSOutput:
+        """Speak each text.
+
+        Args:
+            text: one text or a list (one row each). Dia reads speaker tags ("[S1] ... [S2] ...");
+                untagged text is speaker 1.
+            voice: a voice prompt to continue from (a path, file bytes, or (array, rate)), one
+                for every row or a list; None for the model's own voice.
+            voice_text: the transcript of the voice prompt (spoken before the text).
+            max_new_frames: per-row budget of decoder frames (default: the model's context).
+            decoding: a frame decoder or shortcut ("ar", "sjd", "draft", ...).
+            temperature / top_k / top_p: default the model's generation config (greedy if it does
+                not sample); 0 temperature is greedy.
+            guidance_scale: the model's classifier-free guidance (Dia: default its config's).
+            generator: every random draw; None seeds one from OS entropy.
+            streamer: a core `Streamer` receiving each row's new frames as they commit.
+        """
+        decoder = resolve_decoder(decoding)
+        drafter = getattr(decoder, "drafter", None)
+        if isinstance(drafter, TTSPipeline):
+            self.check_companion(drafter, self.companions["draft"])
+        conditions, budget = self.prepare(text, voice, voice_text, max_new_frames, guidance_scale)
+        sampling = self.sampling(temperature, top_k, top_p)
+        stopping = self.family.stopping(budget)
+        begin = time.perf_counter()
+        result = decoder.generate(self.token_model(), conditions, budget, sampling, self.generator_for(generator),
+                                  stopping=stopping, streamer=streamer)
+        decode_s = time.perf_counter() - begin
+        codes = [self.family.codes(row[:n])[0] for row, n in zip(result.tokens, result.lengths.tolist())]
+        audio = [self.codec.decode(c) if c.shape[1] else torch.zeros(0) for c in codes]
+        longest = max(a.numel() for a in audio) / self.sampling_rate
+        return TTSOutput(audio, self.sampling_rate, codes, result.tokens, result.lengths, result.stats, decode_s,
+                         decode_s / longest if longest else 0.0)
+
+    def stream(self, text: Union[str, Sequence[str]], window: StreamWindow = StreamWindow(),
+               **kwargs) -> Generator[tuple[int, torch.Tensor], None, TTSOutput]:
+        """(row, waveform chunk) pairs as frames commit (decoding runs in a thread). A row's
+        chunks concatenate to its `audio` in `__call__` with the same arguments (exactly with the
+        default window, which covers the codec decoder's reach). The generator's return value
+        is that call's `TTSOutput`."""
+        import queue as queues
+
+        events: "queues.Queue" = queues.Queue()
+        outcome: dict = {}
+
+        class Frames:
+            def put(self, rows):
+                events.put(("frames", [r.clone() for r in rows]))
+
+            def end(self):
+                pass
+
+        def run():
+            try:
+                outcome["output"] = self(text, streamer=Frames(), **kwargs)
+            except BaseException as error:  # re-raised in the caller's thread
+                outcome["error"] = error
+            events.put(("done", None))
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        frames: dict[int, list[torch.Tensor]] = {}
+        streams: dict[int, CodecStream] = {}
+        sent: dict[int, int] = {}
+        finished: set[int] = set()
+        while True:
+            kind, rows = events.get(timeout=600)
+            if kind == "done":
+                break
+            for row, new in enumerate(rows):
+                if not len(new) or row in finished:
+                    continue
+                frames.setdefault(row, []).append(new)
+                codes, ended = self.family.codes(torch.cat(frames[row]))
+                stream = streams.setdefault(row, CodecStream(self.codec, window))
+                chunk = stream.push(codes[:, sent.get(row, 0):])
+                sent[row] = codes.shape[1]
+                if ended:
+                    chunk = torch.cat([chunk, stream.flush()])
+                    finished.add(row)
+                if chunk.numel():
+                    yield row, chunk
+        worker.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        output = outcome["output"]
+        for row, stream in streams.items():  # rows cut by their budget end without an end frame
+            if row not in finished:
+                tail = stream.flush()
+                if tail.numel():
+                    yield row, tail
+        return output
+
+
+def _generate_top_k(config: Any) -> int:
+    top_k = getattr(config, "top_k", None)
+    return GENERATE_TOP_K if top_k is None else int(top_k)
+
+
+def _codec_source(source: str) -> str:
+    local = Path(source) / CODEC_FOLDER
+    if local.is_dir():
+        return str(local)
+    from transformers.utils import cached_file
+
+    config = cached_file(source, "processor_config.json", _raise_exceptions_for_missing_entries=False)
+    named = json.loads(Path(config).read_text()).get("audio_tokenizer", {}).get("audio_tokenizer_name_or_path") if config else None
+    if not named:
+        raise ValueError(f"{source}: no codec: neither a {CODEC_FOLDER}/ folder nor an audio tokenizer in processor_config.json")
+    return named
+
+
+def _per_row(value: Any, rows: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != rows:
+            raise ValueError(f"{rows} texts need {rows} {name} entries (or one for all), got {len(value)}")
+        return value
+    return [value] * rows
+
+
+def _family(model: Any, tokenizer: Any, codec: Codec) -> Any:
+    kind = model.config.model_type
+    if kind == "dia":
+        from mmgen.audio.dia import DiaSpeech
+
+        return DiaSpeech(model, tokenizer, codec)
+    if kind == "csm":
+        from mmgen.audio.csm import CsmSpeech
+
+        return CsmSpeech(model, tokenizer, codec)
+    raise ValueError(f"model type {kind!r} is not a speech model mmgen serves (dia, csm)")

@@ -1,0 +1,171 @@
+"""CSM through `TTSPipeline` on tiny random models: a backbone for codebook 0 and a depth
+decoder for the rest of each Mimi frame. `generate` parity, lossless frame decoders over
+dependent codebooks (greedy identity and the exact joint of two sampled frames), streaming
+audio from a causal codec, voice prompts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mmgen.audio.csm import CsmTokenModel
+from mmgen.decoding import DraftSpeculative, Stopping, make_decoder
+from mmgen.sampling import SamplingConfig
+
+from tests.audio.tiny import CSM_MIMI_LENGTHS, NQ, RATE, tiny_csm
+
+TEXTS = ["Hello there.", "Something else entirely, and longer.", "Three."]
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_csm(0, eos_boost=3.0)  # rows end on their own, at different frames
+
+
+def transformers_frames(pipe, conditions, frames):
+    extra = {} if conditions.input_values is None else dict(input_values=conditions.input_values,
+                                                              input_values_cutoffs=conditions.input_values_cutoffs)
+    return pipe.model.generate(input_ids=conditions.input_ids, attention_mask=conditions.attention_mask, max_new_tokens=frames,
+                               do_sample=False, depth_decoder_do_sample=False, **extra)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_greedy_equals_transformers_generate(pipe, rows):
+    out = pipe(TEXTS[:rows], max_new_frames=16, temperature=0)
+    ref = transformers_frames(pipe, pipe.family.conditions(TEXTS[:rows], [None] * rows, [None] * rows, 16, (None, None)), 16)
+    for b, n in enumerate(out.lengths.tolist()):  # generate keeps decoding finished rows; mmgen pads them
+        assert torch.equal(out.frames[b, :n], ref[b, :n])
+        ends = (ref[b, :, :-1] == 0).all(-1).nonzero()
+        assert n == (int(ends[0]) + 1 if len(ends) else 16)  # through the end frame
+    assert rows == 1 or len(set(out.lengths.tolist())) > 1
+
+
+def test_audio_is_cut_where_generate_cuts_it(pipe):
+    out = pipe(TEXTS[0], max_new_frames=30, temperature=0)
+    conditions = pipe.family.conditions(TEXTS[:1], [None], [None], 30, (None, None))
+    audio = pipe.model.generate(input_ids=conditions.input_ids, attention_mask=conditions.attention_mask, max_new_tokens=30,
+                                do_sample=False, depth_decoder_do_sample=False, output_audio=True)[0]
+    assert torch.allclose(out.audio[0], audio.reshape(-1).float(), atol=1e-6)
+
+
+@pytest.mark.parametrize("decoding", ["sjd:window=4", "draft", "draft-self"])
+def test_lossless_frame_decoders_equal_ar_under_greedy(pipe, decoding):
+    ar = pipe(TEXTS, max_new_frames=16, temperature=0)
+    if decoding.startswith("draft"):
+        drafter = pipe if decoding == "draft-self" else tiny_csm(5, eos_boost=3.0)
+        decoder = DraftSpeculative(drafter=drafter, num_draft=3)
+    else:
+        name, _, rest = decoding.partition(":")
+        decoder = make_decoder(name, **({"window": int(rest.split("=")[1])} if rest else {}))
+    out = pipe(TEXTS, max_new_frames=16, temperature=0, decoding=decoder)
+    for b, n in enumerate(ar.lengths.tolist()):
+        assert out.lengths[b] == n and torch.equal(out.frames[b, :n], ar.frames[b, :n])
+    if decoding == "draft-self":  # every drafted frame is accepted: 4 frames per target forward
+        assert out.stats.forwards < ar.stats.forwards / 2
+
+
+def test_coupled_jacobi_is_refused_for_dependent_codebooks(pipe):
+    with pytest.raises(ValueError, match="dependent"):
+        pipe(TEXTS[0], max_new_frames=8, decoding="sjd-coupled")
+
+
+def _support(law, prefix_frames):
+    """Every frame of nonzero probability after `prefix_frames`, with its probability: codebook
+    by codebook, each law given the frame's codebooks before it (`law(frames, k)` -> [n, V])."""
+    frames, probs = torch.zeros(1, NQ, dtype=torch.long), torch.ones(1, dtype=torch.float64)
+    for k in range(NQ):
+        p = law(frames, k)
+        nxt, nprob = [], []
+        for i in range(len(frames)):
+            for token in p[i].nonzero().flatten().tolist():
+                f = frames[i].clone()
+                f[k] = token
+                nxt.append(f)
+                nprob.append(probs[i] * float(p[i, token]))
+        frames, probs = torch.stack(nxt), torch.tensor(nprob, dtype=torch.float64)
+    return frames, probs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decoding", ["sjd", "draft"])
+def test_frame_speculation_over_dependent_codebooks_is_exact_in_distribution(pipe, decoding):
+    """Two sampled frames (top-k 2 on every codebook: 256 outcomes) of 3000 rows against the
+    target's enumerated joint, each codebook's law given the frame's codebooks before it,
+    chi-square."""
+    from scipy.stats import chisquare
+
+    sampling = SamplingConfig(temperature=1.0, top_k=2)
+    model = CsmTokenModel(pipe.model)
+    conditions = lambda rows: pipe.family.conditions([TEXTS[0]] * rows, [None] * rows, [None] * rows, 20, (None, None))
+    zero = lambda n: torch.zeros(n, 1, dtype=torch.long)
+
+    def first_law(frames, k):
+        state = model.start(conditions(len(frames)), 4, False)
+        logits = model._logits(state.first_logits.cond[:, :, 0], state.extra.hidden, frames[:, None])
+        return sampling.probs(logits, zero(len(frames)))[:, 0, k]
+
+    f0s, p0s = _support(first_law, None)
+    joint = {}
+    for f0, p0 in zip(f0s, p0s):
+        def second_law(frames, k, f0=f0):
+            state = model.start(conditions(len(frames)), 4, False)
+            window = torch.stack([f0.expand(len(frames), -1), frames], 1)
+            return sampling.probs(model.forward(state, window), torch.ones(len(frames), 2, dtype=torch.long))[:, 0, k]
+
+        for f1, p1 in zip(*_support(second_law, f0)):
+            joint[tuple(f0.tolist() + f1.tolist())] = float(p0 * p1)
+    assert len(joint) == 256 and abs(sum(joint.values()) - 1) < 1e-4
+    rows = 3000
+    options = {"drafter": CsmTokenModel(tiny_csm(5, eos_boost=3.0).model), "num_draft": 2} if decoding == "draft" else {"window": 3}
+    out = make_decoder(decoding, **options).generate(
+        model, conditions(rows), 2, sampling, torch.Generator().manual_seed(0),
+        stopping=Stopping(stop_tokens=[], max_new_tokens=2))
+    counts = dict.fromkeys(joint, 0)
+    for f in out.tokens.reshape(rows, 2 * NQ).tolist():
+        assert tuple(f) in counts  # never outside the target's support
+        counts[tuple(f)] += 1
+    keys = sorted(joint)
+    expected = np.array([joint[k] for k in keys]) / sum(joint.values()) * rows
+    assert chisquare(np.array([counts[k] for k in keys]), expected).pvalue > 1e-3
+
+
+def test_streamed_audio_concatenates_to_the_one_shot_audio():
+    """Mimi's decoder is causal (its measured reach ahead is 0 frames), so chunks need left
+    context only and come out as soon as their frames commit."""
+    pipe = tiny_csm(1)  # runs to its budget
+    assert pipe.codec.decoder_reach()[0] == 0
+    whole = pipe(TEXTS[:2], max_new_frames=40, temperature=0)
+    chunks: dict[int, list] = {}
+    gen = pipe.stream(TEXTS[:2], max_new_frames=40, temperature=0)
+    try:
+        while True:
+            row, chunk = next(gen)
+            chunks.setdefault(row, []).append(chunk)
+    except StopIteration as stop:
+        output = stop.value
+    assert torch.equal(output.frames, whole.frames)
+    for row in range(2):
+        assert len(chunks[row]) > 1
+        assert torch.allclose(torch.cat(chunks[row]), whole.audio[row], atol=1e-5, rtol=0)  # float rounding only
+
+
+def test_voice_prompt_equals_transformers_processor_and_generate(pipe):
+    from transformers import CsmProcessor, EncodecFeatureExtractor
+
+    g = torch.Generator().manual_seed(0)
+    voice = (0.3 * torch.randn(16 * 6, generator=g)).numpy()  # 6 frames of the tiny Mimi
+    out = pipe("Hello there.", voice=(voice, RATE), voice_text="Hi.", max_new_frames=20, temperature=0)
+    proc = CsmProcessor(feature_extractor=EncodecFeatureExtractor(feature_size=1, sampling_rate=RATE), tokenizer=pipe.tokenizer)
+    inputs = proc(text="<|begin_of_text|>[0]Hi.<|end_of_text|><|AUDIO|><|audio_eos|><|begin_of_text|>[0]Hello there.<|end_of_text|>",
+                  audio=[voice], encoded_length_kwargs=CSM_MIMI_LENGTHS, sampling_rate=RATE)
+    ours = pipe.family.conditions(["Hello there."], [torch.from_numpy(voice)], ["Hi."], 20, (None, None))
+    assert torch.equal(ours.input_ids, inputs["input_ids"])
+    ref = pipe.model.generate(**inputs, max_new_tokens=20, do_sample=False, depth_decoder_do_sample=False)
+    n = int(out.lengths[0])
+    assert torch.equal(out.frames[0, :n], ref[0, :n])
+
+
+def test_guidance_is_refused(pipe):
+    with pytest.raises(ValueError, match="no guidance"):
+        pipe("hi", guidance_scale=3.0)

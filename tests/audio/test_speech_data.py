@@ -1,0 +1,62 @@
+"""The espeak speech corpus (`benchmarks/data/speech.py`) is byte-identical run to run, and the
+speech codec trainer (`benchmarks/train_speech.py`) resumes exactly: killed at a checkpoint and
+restarted, it ends with the weights of a run that never stopped."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from benchmarks.data import speech
+from benchmarks.data.speech import number_words
+
+needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None or not speech.VARIANTS.exists(),
+                                  reason="needs Debian's espeak-ng")
+
+
+def test_number_words():
+    assert [number_words(n) for n in (0, 13, 40, 42, 100, 312, 1000, 1005, 2312, 9999)] == [
+        "zero", "thirteen", "forty", "forty two", "one hundred", "three hundred and twelve", "one thousand",
+        "one thousand and five", "two thousand three hundred and twelve", "nine thousand nine hundred and ninety nine"]
+    with pytest.raises(ValueError):
+        number_words(10000)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("speech") / "speech.npz"
+    speech.main(["--out", str(path), "--limit", "6"])
+    return path
+
+
+@needs_espeak
+def test_corpus_is_byte_identical_with_any_worker_count(corpus, tmp_path):
+    again = tmp_path / "again.npz"
+    speech.main(["--out", str(again), "--limit", "6", "--workers", "1"])
+    assert again.read_bytes() == corpus.read_bytes()
+    data = speech.load_corpus(again)
+    inventory = set(speech.PHONEMES)
+    assert len(data["offsets"]) == len(data["text"]) + 1 and data["offsets"][-1] == len(data["audio"])
+    assert all(p and set(p.split()) <= inventory for p in data["phonemes"])
+
+
+@needs_espeak
+def test_resumed_codec_training_equals_an_uninterrupted_run(corpus, tmp_path):
+    from benchmarks.train_speech import main
+
+    tiny = json.dumps({"encoder_hidden_size": 2, "decoder_hidden_size": 16, "n_codebooks": 2, "codebook_size": 16})
+    # Every step restarts unused codes, so that path is replayed on resume too.
+    common = ["codec", "--data", str(corpus), "--codec-config", tiny, "--batch-size", "2", "--warmup", "2",
+              "--log-every", "1", "--threads", "1", "--steps", "4", "--restart-probability", "1"]
+    main([*common, "--out", str(tmp_path / "straight")])
+    # The same 4-step command stopped after 2 steps (as a kill after a checkpoint would), then again.
+    main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "2"])
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["step"] == 2
+    main([*common, "--out", str(tmp_path / "resumed")])
+
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    straight, resumed = load("straight"), load("resumed")
+    assert straight["step"] == resumed["step"] == 4
+    for key, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key

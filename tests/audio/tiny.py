@@ -1,0 +1,117 @@
+"""Tiny random transformers speech models built offline (no weights are downloaded)."""
+
+from __future__ import annotations
+
+import torch
+
+V = 64  # codebook size of the tiny codecs
+DELAY = (0, 2, 3)
+RATE = 16000
+
+
+def tiny_dac(seed: int = 0, codebooks: int = len(DELAY)):
+    from transformers import DacConfig, DacModel
+
+    torch.manual_seed(seed)
+    return DacModel(DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 2], decoder_hidden_size=16, n_codebooks=codebooks,
+                              codebook_size=V, codebook_dim=4, sampling_rate=RATE)).eval()
+
+
+def tiny_dia_model(seed: int = 0, layers: int = 2, hidden: int = 32, delay=DELAY, eos_boost: float = 0.0):
+    """A random Dia; `eos_boost` scales codebook 0's EOS logit row so rows end on their own."""
+    from transformers import DiaConfig, DiaDecoderConfig, DiaEncoderConfig, DiaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    enc = DiaEncoderConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                           intermediate_size=64, vocab_size=256)
+    dec = DiaDecoderConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, cross_num_attention_heads=2, cross_head_dim=16,
+                           cross_num_key_value_heads=2, cross_hidden_size=32, vocab_size=V + 4, num_channels=len(delay),
+                           eos_token_id=V, pad_token_id=V + 1, bos_token_id=V + 2, max_position_embeddings=256)
+    model = DiaForConditionalGeneration(DiaConfig(encoder_config=enc, decoder_config=dec, delay_pattern=list(delay))).eval()
+    if eos_boost:
+        with torch.no_grad():
+            model.logits_dense.weight[V] *= eos_boost  # channel 0's EOS row
+    return model
+
+
+def tiny_dia(seed: int = 0, **kwargs):
+    from transformers import DiaTokenizer
+
+    from mmgen.audio import pipeline
+
+    return pipeline.TTSPipeline(tiny_dia_model(seed, **kwargs), DiaTokenizer(), tiny_dac(seed))
+
+
+def dia_processor(pipe):
+    """transformers' own DiaProcessor around the pipeline's codec (for reference runs)."""
+    from transformers import DiaFeatureExtractor, DiaProcessor, DiaTokenizer
+
+    return DiaProcessor(feature_extractor=DiaFeatureExtractor(sampling_rate=RATE, hop_length=4), tokenizer=DiaTokenizer(),
+                        audio_tokenizer=pipe.codec.model)
+
+
+def dia_audio_kwargs(delay=DELAY) -> dict:
+    return dict(bos_token_id=V + 2, eos_token_id=V, pad_token_id=V + 1, delay_pattern=list(delay))
+
+
+NQ = 4  # Mimi codebooks of the tiny CSM
+CSM_MIMI_LENGTHS = {"kernel_sizes": [7, 3, 1, 4, 3, 1, 8, 3, 4], "strides": [1, 1, 1, 2, 1, 1, 4, 1, 2],
+                    "dilations": [1] * 9, "use_causal_conv": True}  # the tiny Mimi's encoder, for CsmProcessor
+
+
+def byte_tokenizer():
+    """A byte-level fast tokenizer with CSM's special tokens (ids 256..260)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    tk = Tokenizer(models.BPE(vocab=chars, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>", "<|pad|>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
+                                   pad_token="<|pad|>")
+
+
+def tiny_csm_model(seed: int = 0, layers: int = 2, hidden: int = 32, eos_boost: float = 0.0):
+    """A random CSM with a tiny Mimi; `eos_boost` scales the heads' code-0 rows so rows end."""
+    from transformers import CsmConfig, CsmDepthDecoderConfig, CsmForConditionalGeneration, MimiConfig
+
+    torch.manual_seed(seed)
+    mimi = MimiConfig(hidden_size=16, num_filters=4, upsampling_ratios=[4, 2], codebook_size=V, codebook_dim=16,
+                      num_quantizers=NQ, vector_quantization_hidden_dimension=16, upsample_groups=16, num_hidden_layers=1,
+                      intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, sliding_window=16,
+                      max_position_embeddings=512, sampling_rate=RATE)
+    depth = CsmDepthDecoderConfig(num_codebooks=NQ, backbone_hidden_size=hidden, vocab_size=V, hidden_size=32,
+                                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=NQ + 1)
+    config = CsmConfig(num_codebooks=NQ, vocab_size=V, text_vocab_size=261, hidden_size=hidden, intermediate_size=2 * hidden,
+                       num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                       pad_token_id=260, codebook_pad_token_id=V + 2, codebook_eos_token_id=0, bos_token_id=256,
+                       audio_token_id=258, audio_eos_token_id=259, depth_decoder_config=depth.to_dict(),
+                       codec_config=mimi.to_dict())
+    model = CsmForConditionalGeneration(config).eval()
+    with torch.no_grad():  # a fresh Mimi's codebooks are all zero (they are learned by EMA): give codes a meaning
+        for name, buffer in model.codec_model.named_buffers():
+            if name.endswith("codebook.embed_sum"):
+                buffer.copy_(torch.randn_like(buffer))
+    if eos_boost:
+        with torch.no_grad():
+            model.lm_head.weight[0] *= eos_boost
+            model.depth_decoder.codebooks_head.weight[:, :, 0] *= eos_boost
+    return model
+
+
+def tiny_csm(seed: int = 0, **kwargs):
+    from mmgen.audio import pipeline
+
+    model = tiny_csm_model(seed, **kwargs)
+    return pipeline.TTSPipeline(model, byte_tokenizer(), model.codec_model)
