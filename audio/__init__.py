@@ -11,5 +11,5 @@ PIPELINE_MODULES = {"TTSPipeline": "mmgen.audio.pipeline"}
 MODEL_TYPES = {"dia": "TTSPipeline", "csm": "TTSPipeline"}
 #: Bundled trained models (package data): name -> folder relative to this package.
 BUNDLED_MODELS: dict = {}
-#: `mmgen batch` job files whose jobs carry `speech` run here.
-BATCH_JOBS: dict = {}
+#: `mmgen batch` job files whose jobs carry a `text` run here (speech).
+BATCH_JOBS = {"text": "mmgen.audio.batch"}

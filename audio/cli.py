@@ -1,0 +1,119 @@
+"""`mmgen generate speech`: speak a text with a text-to-speech model into a WAV file.
+
+    mmgen generate speech --model FOLDER_OR_REPO --text "Hello there." --out hello.wav
+        [--voice prompt.wav --voice-text "transcript"] [--decoding draft --drafter SMALLER] [--stream]
+
+Any transformers Dia or CSM folder or Hub repo works (the codec comes from the folder's
+`codec/`, or the one its processor names). `--stream` writes `OUT.partial` as frames commit (a
+playable, growing WAV) and renames it to OUT at the end. An existing OUT is an error unless
+`--overwrite`. The pipeline (and transformers) is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from mmgen.cli import DTYPES, seed_arg
+
+
+def register(commands, groups) -> None:
+    speech = groups["generate"].add_parser("speech", help="speak a text into a WAV file (text-to-speech models)")
+    speech.add_argument("--model", required=True, metavar="NAME_OR_FOLDER",
+                        help="a transformers Dia or CSM folder, or a Hugging Face repo id")
+    speech.add_argument("--text", required=True, help="what to say (Dia reads speaker tags: '[S1] ... [S2] ...')")
+    speech.add_argument("--out", required=True, metavar="PATH.wav", help="the WAV file to write")
+    speech.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (default: an error)")
+    speech.add_argument("--voice", default=None, metavar="AUDIO", help="a voice prompt to continue from (any audio file)")
+    speech.add_argument("--voice-text", default=None, help="the transcript of --voice")
+    speech.add_argument("--decoding", default="ar", metavar="SPEC",
+                        help="a frame decoder: ar (default), sjd, draft (with --drafter), with options as NAME:key=value,...")
+    speech.add_argument("--drafter", default=None, metavar="NAME_OR_FOLDER",
+                        help="for --decoding draft: a smaller model of the same codec")
+    speech.add_argument("--max-new-frames", type=int, default=None, help="decoder frames at most (default: the model's context)")
+    speech.add_argument("--temperature", type=float, default=None, help="default the model's generation config; 0 is greedy")
+    speech.add_argument("--top-k", type=int, default=None, help="sampling: keep the k most likely codes (default the model's)")
+    speech.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass (default the model's)")
+    speech.add_argument("--guidance-scale", type=float, default=None, help="Dia's classifier-free guidance (default the model's)")
+    speech.add_argument("--seed", type=seed_arg, default=0, help="seed of the random generator, in [0, 2**63) (default 0)")
+    speech.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
+    speech.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+    speech.add_argument("--stream", action="store_true", help="write OUT.partial as audio is decoded, then rename it")
+    speech.set_defaults(run=generate_speech)
+
+
+def generate_speech(args: argparse.Namespace) -> int:
+    import torch
+    import transformers
+
+    from mmgen.decoding import parse_decoding
+    from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
+    from mmgen.sampling import make_generator
+
+    out = Path(args.out)
+    if out.suffix.lower() != ".wav":
+        raise ValueError(f"--out must name a .wav file, got {args.out}")
+    if out.is_dir() or (out.exists() and not args.overwrite):
+        raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ValueError(f"--out {args.out}: folder {out.parent} does not exist or is not writable")
+    if args.max_new_frames is not None and args.max_new_frames < 1:
+        raise ValueError(f"--max-new-frames must be >= 1, got {args.max_new_frames}")
+    if not args.text.strip():
+        raise ValueError("--text is empty")
+    if args.voice_text is not None and args.voice is None:
+        raise ValueError("--voice-text is the transcript of --voice: give --voice too")
+    if args.voice is not None and not Path(args.voice).is_file():
+        raise ValueError(f"--voice {args.voice}: no such file")
+    cls = pipeline_class_of(args.model)
+    if cls.__name__ != "TTSPipeline":
+        raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a text-to-speech model")
+    if args.drafter is not None and parse_decoding(args.decoding)[0] not in cls.companions:
+        raise ValueError(f"--drafter is for --decoding draft, not {args.decoding!r}")
+    transformers.utils.logging.disable_progress_bar()  # errors and the report stay the only output lines
+    transformers.utils.logging.set_verbosity_error()
+    dtype = getattr(torch, args.dtype)
+    pipe = load_pipeline(args.model, device=args.device, dtype=dtype)
+    given = {"drafter": args.drafter} if args.drafter is not None else {}
+    decoder = decoder_from_spec(args.decoding, pipe, args.model, args.device, dtype, **given)
+    call = dict(voice=args.voice, voice_text=args.voice_text, max_new_frames=args.max_new_frames, decoding=decoder,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, guidance_scale=args.guidance_scale,
+                generator=make_generator(args.seed, args.device))
+    if args.stream:
+        output = _stream_to_file(pipe, args.text, out, call)
+    else:
+        from mmgen.audio.waveform import write_wav
+
+        output = pipe(args.text, **call)
+        write_wav(out, output.audio[0], output.sampling_rate)
+    seconds = output.audio[0].numel() / output.sampling_rate
+    print(json.dumps({"out": str(out), "seconds": round(seconds, 3), "frames": int(output.lengths[0]),
+                      "decode_s": round(output.decode_s, 3), "real_time_factor": round(output.real_time_factor, 3),
+                      "stats": output.stats.to_dict()}), file=sys.stderr)
+    return 0
+
+
+def _stream_to_file(pipe, text: str, out: Path, call: dict):
+    """Append chunks to OUT.partial as they come (a WAV whose header is rewritten on each
+    flush, so players can follow it), then rename it to OUT."""
+    import soundfile
+
+    from mmgen.files import fsync_dir
+
+    partial = out.with_name(out.name + ".partial")
+    with soundfile.SoundFile(partial, "w", samplerate=pipe.sampling_rate, channels=1, format="WAV", subtype="PCM_16") as file:
+        stream = pipe.stream(text, **call)
+        while True:
+            try:
+                _, chunk = next(stream)
+            except StopIteration as stop:
+                output = stop.value
+                break
+            file.write(chunk.clamp(-1, 1).numpy())
+            file.flush()
+    os.replace(partial, out)
+    fsync_dir(out.parent)
+    return output
