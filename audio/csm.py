@@ -53,9 +53,9 @@ class CsmTokenModel:
         self.vocab_size = model.config.vocab_size
         self.compact_ratio = compact_ratio
 
-    def token_embeddings(self) -> torch.Tensor:
-        """Codebook 0's input embedding of each code [V, hidden]."""
-        return self.model.backbone_model.embed_tokens.embed_audio_tokens.weight[: self.vocab_size]
+    def codebook_embeddings(self) -> torch.Tensor:
+        """Each codebook's input embedding of each code [K, V, hidden] (grouped acceptance)."""
+        return self.model.backbone_model.embed_tokens.embed_audio_tokens.weight.view(self.num_codebooks, self.vocab_size, -1)
 
     @torch.no_grad()
     def start(self, conditions: CsmConditions, capacity: int, guidance: bool) -> DecodeState:

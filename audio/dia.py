@@ -71,9 +71,9 @@ class DiaTokenModel:
         self.delay = torch.tensor(list(model.config.delay_pattern), dtype=torch.long)
         self.compact_ratio = compact_ratio
 
-    def token_embeddings(self) -> torch.Tensor:
-        """Codebook 0's input embedding of each token [V, hidden]."""
-        return self.model.model.decoder.embeddings.embed.weight[: self.vocab_size]
+    def codebook_embeddings(self) -> torch.Tensor:
+        """Each codebook's input embedding of each token [C, V, hidden] (grouped acceptance)."""
+        return self.model.model.decoder.embeddings.embed.weight.view(self.num_codebooks, self.vocab_size, -1)
 
     # ---------------------------------------------------------------- protocol
     @torch.no_grad()

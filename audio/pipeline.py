@@ -67,9 +67,10 @@ class TTSPipeline(Pipeline):
     @classmethod
     def decoders(cls) -> dict[str, Any]:
         """Frame decoders: LANTERN needs a latent codebook per token, entropy switching and prompt
-        lookup a text-like sequence, none of which a frame of codebooks offers yet."""
+        lookup a text-like sequence, none of which a frame of codebooks offers yet. Grouped
+        acceptance (gsd) groups codes by each codebook's embedding table."""
         return {name: make for name, make in super().decoders().items()
-                if name not in ("lantern", "lantern++", "entropy-switch", "lookup", "gsd")}
+                if name not in ("lantern", "lantern++", "entropy-switch", "lookup")}
 
     def __init__(self, model: Any, tokenizer: Any, codec: Any):
         super().__init__(model=model)

@@ -232,7 +232,12 @@ class GroupedAcceptance(NeighbourhoodAcceptance):
         _set_number(self, "prob_threshold", lambda v: v >= 0, ">= 0")
         _set_number(self, "distance_threshold", lambda v: v >= 0, ">= 0")
 
-    def bind(self, model: Any) -> "GroupedAcceptance":
+    def bind(self, model: Any) -> "AcceptanceRule":
+        """Groups from the model's token embeddings; for frames of codebooks with their own
+        tables (`codebook_embeddings()` [K, V, D], codec TTS), one rule per codebook."""
+        tables = getattr(model, "codebook_embeddings", None)
+        if int(getattr(model, "num_codebooks", 1)) > 1 and callable(tables):
+            return PerCodebook(tuple(replace(self, close=close_pairs(t.detach(), self.distance_threshold)) for t in tables()))
         return replace(self, close=close_pairs(token_table(model, "token_embeddings"), self.distance_threshold))
 
     def _members(self, sorted_p, sorted_idx, offset):
@@ -362,3 +367,21 @@ def close_pairs(embeddings: torch.Tensor, threshold: float) -> ClosePairs:
 def _enumerate_chunks(table: torch.Tensor):
     size = max(1, _CHUNK_ELEMENTS // table.shape[0])
     return [(start, table[start : start + size]) for start in range(0, table.shape[0], size)]
+
+
+@dataclass(frozen=True)
+class PerCodebook(AcceptanceRule):
+    """One bound rule per codebook of a frame ([B, n, K, V] laws, drafts [B, n, K]): each
+    codebook's pairs are judged by its own rule (grouped acceptance with that codebook's
+    embedding table). The loop calls it on frames unflattened (`frames = True`)."""
+
+    rules: tuple = ()
+    frames = True
+
+    @property
+    def lossy(self) -> bool:
+        return any(rule.lossy for rule in self.rules)
+
+    def probabilities(self, p, q, drafts):
+        parts = [rule.probabilities(p[:, :, c], q[:, :, c], drafts[:, :, c]) for c, rule in enumerate(self.rules)]
+        return torch.stack([a for a, _ in parts], 2), torch.stack([r for _, r in parts], 2)

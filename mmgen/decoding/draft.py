@@ -11,7 +11,7 @@ import torch
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
 from mmgen.decoding.stats import DraftCounters
-from mmgen.decoding.speculative import Proposer, SpeculativeDecoder, _probs, gather_slots
+from mmgen.decoding.speculative import Proposer, SpeculativeDecoder, complete_frame, gather_slots
 from mmgen.modeling import TokenModel
 from mmgen.sampling import sample
 
@@ -56,8 +56,8 @@ class DraftModelProposer(Proposer):
             self.drafter.commit(self.state, slot)
             feed = sample(q_j, run.generator)
             if complete is not None:  # codebooks drawn one after another by the drafter itself
-                probs = lambda logits, c: _probs([run.per_codebook[c]], logits, at)
-                frame, laws = complete(self.state, slot - 1, feed[:, 0], torch.ones_like(slot), probs, run.generator)
+                frame, laws = complete_frame(complete, self.state, run.per_codebook, slot - 1, feed[:, 0],
+                                             torch.ones_like(slot), run.generator, at)
                 feed, q_j = frame[:, None], torch.cat([q_j[:, :, :1], laws[:, None, 1:]], 2)
             drafts.append(feed)
             q.append(q_j)

@@ -272,7 +272,7 @@ def speculative_decode(
     tokens[:, 0] = proposer.draw(run, p0, zero)[:, 0]
     complete = getattr(model, "complete_frame", None)
     if complete is not None:
-        tokens[:, 0] = _complete(complete, state, sampling, zero, tokens[:, 0], torch.ones_like(limit), generator)
+        tokens[:, 0] = complete_frame(complete, state, sampling, zero[:, 0], tokens[:, 0], torch.ones_like(limit), generator, zero)[0]
     run.active = ~(_is_stop(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
     proposer.start(run)
     recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
@@ -304,14 +304,15 @@ def speculative_decode(
             resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
             n_acc, next_token, known = _finalise(accepted, resampled, fresh, drafts, K)
             if complete is not None:
-                next_token = _complete(complete, state, sampling, n_acc[:, None], next_token, known, generator, index)
+                next_token = complete_frame(complete, state, sampling, n_acc, next_token, known, generator,
+                                            index.gather(1, n_acc[:, None]))[0]
             written = torch.cat([window, fresh[:, -1:]], 1)
             written = written.scatter(1, _frame_index((n_acc + 1)[:, None], K), next_token[:, None])
             step = n_acc + 1
         else:  # autoregressive: [newest, its sample], one token per row
             n_acc, next_token = no_drafts, fresh[:, -1]
             if complete is not None:
-                next_token = _complete(complete, state, sampling, no_drafts[:, None], next_token, ones, generator, index)
+                next_token = complete_frame(complete, state, sampling, no_drafts, next_token, ones, generator, index)[0]
             written, step = torch.cat([window, next_token[:, None]], 1), ones
         tokens.scatter_(1, _frame_index(run.pos[:, None] + slots, K), written)
         still = active
@@ -373,7 +374,7 @@ def _verify(rule, p, q, drafts, generator, index, run):
     verify = getattr(rule, "verify", None)
     if verify is not None:
         return verify(p, q, drafts, index, run)
-    if drafts.ndim == 2:
+    if drafts.ndim == 2 or getattr(rule, "frames", False):
         return rule(p, q, drafts, generator)
     B, k, K, V = p.shape
     accepted, residual = rule(p.reshape(B, k * K, V), q.reshape(B, k * K, V), drafts.reshape(B, k * K), generator)
@@ -402,12 +403,13 @@ def _finalise(accepted, resampled, fresh, drafts, K: int) -> tuple[torch.Tensor,
     return n_acc, torch.where((n_acc == k)[:, None], fresh[:, -1], rejected_frame), known
 
 
-def _complete(complete, state, sampling, slot, frame, known, generator, index=None) -> torch.Tensor:
-    """The model's own completion of a frame's codebooks known[b].. (dependent codebooks), from
-    the state after window slot `slot` [B, 1], each codebook through its sampler."""
-    at = slot if index is None else index.gather(1, slot)
-    probs = lambda logits, c: _probs([sampling[c]], logits, at)
-    return complete(state, slot[:, 0], frame, known, probs, generator)[0]
+def complete_frame(complete, state, sampling: list, slot: torch.Tensor, frame: torch.Tensor, known: torch.Tensor,
+                   generator: torch.Generator, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's own completion (`complete`, its `complete_frame`) of codebooks known[b].. of
+    `frame` [B, K] from the state after fed slot `slot` [B], each codebook through its sampler
+    at generated-token `index` [B, 1]: (frame, the laws [B, K, V] they were drawn from)."""
+    probs = lambda logits, c: _probs([sampling[c]], logits, index)
+    return complete(state, slot, frame, known, probs, generator)
 
 
 def _frame_index(index: torch.Tensor, K: int) -> torch.Tensor:

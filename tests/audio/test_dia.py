@@ -205,3 +205,27 @@ def test_saved_folder_loads_through_the_registry(pipe, tmp_path):
 def test_sampling_is_reproducible_from_the_generator(pipe):
     run = lambda: pipe(TEXTS[:2], max_new_frames=30, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
     assert torch.equal(run().frames, run().frames)
+
+
+def test_grouped_acceptance_groups_each_codebook_by_its_own_embeddings(pipe):
+    """GSD on frames: one rule per codebook, bound to that codebook's embedding table. Under
+    greedy only the argmax has mass, so nothing is grouped and the frames are AR's; under
+    sampling wide groups accept more drafts than the exact rule."""
+    from mmgen.decoding.acceptance import ExactAcceptance, GroupedAcceptance, PerCodebook
+
+    rule = GroupedAcceptance().bind(DiaTokenModel(pipe.model))
+    assert isinstance(rule, PerCodebook) and len(rule.rules) == len(DELAY)
+    ar = pipe(TEXTS, max_new_frames=30, temperature=0)
+    assert torch.equal(pipe(TEXTS, max_new_frames=30, temperature=0, decoding="gsd").frames, ar.frames)
+    from mmgen.decoding import DraftSpeculative
+
+    drafter = tiny_dia(3, eos_boost=2.0)  # another model: the exact rule rejects often
+
+    def accepted_per_forward(acceptance):
+        out = pipe(TEXTS * 2, max_new_frames=20, temperature=1.0, top_k=8, generator=torch.Generator().manual_seed(0),
+                   decoding=DraftSpeculative(drafter=drafter, num_draft=3, acceptance=acceptance))
+        h = out.stats.accepted_histogram
+        return sum(i * n for i, n in enumerate(h)) / sum(h)
+
+    wide = GroupedAcceptance(prob_threshold=1.0, distance_threshold=1e9)
+    assert accepted_per_forward(wide) > accepted_per_forward(ExactAcceptance())
