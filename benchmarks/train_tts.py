@@ -1,0 +1,450 @@
+"""Train the bundled text-to-speech pair on espeak-ng speech: `speech-tts` and its drafter
+`speech-tts-draft`.
+
+Both are transformers' own `DiaForConditionalGeneration` in small configurations: Dia's byte-level
+text encoder (`DiaTokenizer`, text read as "[S1] <text>" as `DiaSpeech.text_with_speaker` does)
+and its multi-channel audio decoder over the codes of the project's 16 kHz DAC codec
+(`benchmarks/train_speech.py`), in Dia's delayed layout (`DELAY`). The decoder vocabulary is the
+codebook, then EOS, PAD and BOS. They load through `TTSPipeline.from_pretrained(folder)` exactly
+as official Dia checkpoints do (the codec is the folder's `codec/`).
+
+Training inputs are those `DiaProcessor(..., generation=False, output_labels=True)` builds from
+the same codes (BOS, the codes, EOS, each codebook delayed; labels the inputs shifted by one with
+PAD and BOS set to -100), built here from the codes `train_speech.py tokenize` precomputed, with
+one difference: rows are right padded (the processor left pads). Dia's decoder knows positions
+only through RoPE in self-attention, so a row's computation does not depend on where its padding
+is, and right padding leaves no query position with every key masked. The loss is the model's
+own (cross-entropy over every channel's labelled positions). `TEXT_DROPOUT` of the training rows
+read all-zero text ids (same mask): the unconditional branch of Dia's classifier-free guidance.
+
+The loop, checkpointing and data order are `benchmarks/train.py`'s (`train_loop`: resumable,
+randomness from (seed, step)), so a killed and resumed run ends with the weights of one that
+never stopped. Held-out utterances (the corpus' `is_eval`) are never trained on.
+
+    python -m benchmarks.train_speech tokenize --data data/speech16k.npz --codec runs/speech-codec \
+        --out runs/speech-codes.npz
+    python -m benchmarks.train_tts target --codes runs/speech-codes.npz --out runs/tts-target --threads 1
+    python -m benchmarks.train_tts draft --codes runs/speech-codes.npz --out runs/tts-draft --threads 1
+    python -m benchmarks.train_tts export --codec runs/speech-export/codec --target runs/tts-target \
+        --draft runs/tts-draft --out audio/assets
+    python -m benchmarks.train_tts card --codes runs/speech-codes.npz --target runs/tts-target \
+        --draft runs/tts-draft --out audio/assets/speech-tts/MODEL_CARD.md
+
+`--codec` is either a codec run of `train_speech.py codec` (checkpoint.pt + config.json) or a
+transformers `DacModel` folder (`train_speech.py export` writes one in `<out>/codec`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+
+#: Encoder / decoder sizes of the pair (transformers' DiaEncoderConfig / DiaDecoderConfig fields).
+PRESETS = {
+    "target": dict(
+        encoder=dict(num_hidden_layers=4, hidden_size=256, intermediate_size=768, num_attention_heads=4,
+                     num_key_value_heads=4, head_dim=64),
+        decoder=dict(num_hidden_layers=4, hidden_size=256, intermediate_size=768, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=64, cross_num_attention_heads=4, cross_num_key_value_heads=2,
+                     cross_head_dim=64),
+    ),
+    "draft": dict(
+        encoder=dict(num_hidden_layers=2, hidden_size=128, intermediate_size=384, num_attention_heads=2,
+                     num_key_value_heads=2, head_dim=64),
+        decoder=dict(num_hidden_layers=2, hidden_size=192, intermediate_size=512, num_attention_heads=3,
+                     num_key_value_heads=1, head_dim=64, cross_num_attention_heads=3, cross_num_key_value_heads=1,
+                     cross_head_dim=64),
+    ),
+}
+#: Longest text (tokens: bytes, "[S1]" one token) and frame sequence (BOS + frames + delay + EOS) the
+#: models read; the corpus' longest are 48 tokens and 150 frames (3 s at 50 frames/s).
+TEXT_CONTEXT, FRAME_CONTEXT = 128, 256
+#: Share of training rows whose text is zeroed (the unconditional branch of guidance).
+TEXT_DROPOUT = 0.1
+#: Generation defaults saved with the bundle (`generation_config.json`): sampled at temperature 1
+#: (the distribution trained on; codec LMs decoded greedily tend to repeat frames), top-k 32 of the
+#: 256 codes (Dia also takes it as its guidance filter: candidates are the top 32 of the guided
+#: logits, drawn from the conditional ones), guidance scale 3 (Dia's published default).
+SAMPLING = dict(do_sample=True, temperature=1.0, top_k=32, top_p=1.0, guidance_scale=3.0)
+
+
+def delay_pattern(num_codebooks: int) -> list[int]:
+    """Codebook c delayed by c frames: each residual codebook sees the coarser ones of its frame."""
+    return list(range(num_codebooks))
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def text_with_speaker(text: str) -> str:
+    """What `DiaSpeech.text_with_speaker` reads (untagged text is speaker 1)."""
+    return text if text.lstrip().startswith("[S") else f"[S1] {text.strip()}"
+
+
+def delayed_row(codes: torch.Tensor, delay: list[int], eos: int, pad: int, bos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One utterance's training row as `DiaProcessor` builds it: codes [T, C] -> decoder inputs
+    [T + 1 + D, C] and labels [T + 1 + D, C] (D = max delay). Undelayed, codebook c is BOS, its T
+    codes, EOS; delayed by d it is d more BOS before and PAD after; labels are the next position's
+    token, -100 where that is PAD or BOS."""
+    T, C = codes.shape
+    u = torch.cat([torch.full((1, C), bos), codes.long(), torch.full((1, C), eos)])
+    out = torch.full((T + 2 + max(delay), C), pad, dtype=torch.long)
+    for c, d in enumerate(delay):
+        out[:d, c] = bos
+        out[d:d + T + 2, c] = u[:, c]
+    labels = out[1:].clone()
+    labels[(labels == pad) | (labels == bos)] = -100
+    return out[:-1], labels
+
+
+class CodesData:
+    """One split of `train_speech.py tokenize`'s codes file: per utterance its codes [frames, C]
+    and its text's ids ("[S1] <text>", Dia's byte-level tokenizer)."""
+
+    def __init__(self, path: str | Path, split: str = "train"):
+        from transformers import DiaTokenizer
+
+        data = np.load(path)
+        is_eval = data["is_eval"].astype(bool)
+        keep = np.flatnonzero(is_eval if split == "eval" else ~is_eval)
+        codes, offsets = data["codes"], data["offsets"]
+        self.codes = [torch.from_numpy(codes[offsets[i]:offsets[i + 1]].astype(np.int64)) for i in keep]
+        self.texts = [str(data["text"][i]) for i in keep]
+        self.codebook_size = int(data["codebook_size"])
+        self.num_codebooks = int(codes.shape[1])
+        self.frame_rate = float(data["frame_rate"]) if "frame_rate" in data else None
+        tokenizer = DiaTokenizer()
+        self.text_ids = [torch.tensor(tokenizer(text_with_speaker(t))["input_ids"]) for t in self.texts]
+        longest = max(map(len, self.text_ids), default=0)
+        if longest > TEXT_CONTEXT:
+            raise ValueError(f"{path}: a text of {longest} bytes exceeds the models' {TEXT_CONTEXT}")
+        frames = max((len(c) for c in self.codes), default=0)
+        if frames + 2 + max(delay_pattern(self.num_codebooks)) > FRAME_CONTEXT:
+            raise ValueError(f"{path}: an utterance of {frames} frames exceeds the models' {FRAME_CONTEXT} positions")
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    @property
+    def tokens(self) -> dict[str, int]:
+        v = self.codebook_size
+        return {"eos": v, "pad": v + 1, "bos": v + 2}
+
+    def batch(self, index: torch.Tensor, generator: torch.Generator | None = None,
+              text_dropout: float = 0.0) -> dict[str, torch.Tensor]:
+        """Model inputs with `labels` [B * C, L] (the processor's layout): text ids right padded
+        with 0 and its mask; decoder rows right padded with PAD (mask 0, labels -100); rows drawn
+        under `text_dropout` read all-zero text."""
+        t = self.tokens
+        delay = delay_pattern(self.num_codebooks)
+        rows = [delayed_row(self.codes[i], delay, t["eos"], t["pad"], t["bos"]) for i in index.tolist()]
+        texts = [self.text_ids[i] for i in index.tolist()]
+        B, C, L, S = len(rows), self.num_codebooks, max(len(r[0]) for r in rows), max(map(len, texts))
+        decoder = torch.full((B, L, C), t["pad"], dtype=torch.long)
+        labels = torch.full((B, L, C), -100, dtype=torch.long)
+        decoder_mask = torch.zeros(B, L, dtype=torch.long)
+        ids, mask = torch.zeros(B, S, dtype=torch.long), torch.zeros(B, S, dtype=torch.long)
+        for b, ((inputs, target), text) in enumerate(zip(rows, texts)):
+            decoder[b, :len(inputs)], labels[b, :len(inputs)], decoder_mask[b, :len(inputs)] = inputs, target, 1
+            ids[b, :len(text)], mask[b, :len(text)] = text, 1
+        if text_dropout:
+            drop = torch.rand(B, generator=generator) < text_dropout
+            ids[drop] = 0
+        return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder,
+                "decoder_attention_mask": decoder_mask, "labels": labels.transpose(1, 2).reshape(B * C, L)}
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def dia_config(preset: str, codebook_size: int, num_codebooks: int) -> Any:
+    from transformers import DiaConfig, DiaDecoderConfig, DiaEncoderConfig
+
+    p = PRESETS[preset]
+    enc = DiaEncoderConfig(**p["encoder"], vocab_size=256, max_position_embeddings=TEXT_CONTEXT)
+    dec = DiaDecoderConfig(**p["decoder"], cross_hidden_size=p["encoder"]["hidden_size"], vocab_size=codebook_size + 4,
+                           num_channels=num_codebooks, eos_token_id=codebook_size, pad_token_id=codebook_size + 1,
+                           bos_token_id=codebook_size + 2, max_position_embeddings=FRAME_CONTEXT)
+    return DiaConfig(encoder_config=enc, decoder_config=dec, delay_pattern=delay_pattern(num_codebooks))
+
+
+def new_model(config: Any, seed: int) -> Any:
+    """A Dia with the bundle's generation defaults (`SAMPLING`)."""
+    from transformers import DiaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = DiaForConditionalGeneration(config)
+    for key, value in SAMPLING.items():
+        setattr(model.generation_config, key, value)
+    model.generation_config.max_length = FRAME_CONTEXT
+    model.generation_config._from_model_config = False  # the saved defaults are the bundle's, not derived
+    return model
+
+
+def load_run(run: str | Path) -> Any:
+    """A trained run's model (its config from the run's config.json)."""
+    from transformers import DiaConfig
+
+    config = DiaConfig.from_dict(json.loads((Path(run) / "config.json").read_text())["dia"])
+    return load_trained(new_model(config, 0), str(run))
+
+
+def parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def steps_per_second() -> Callable[[], float]:
+    """A clock: steps per second over the calls so far in this process."""
+    started, calls = time.time(), [0]
+
+    def tick() -> float:
+        calls[0] += 1
+        return round(calls[0] / max(time.time() - started, 1e-9), 3)
+
+    return tick
+
+
+def split_by_length(batch: dict[str, torch.Tensor], parts: int) -> list[tuple[dict[str, torch.Tensor], float]]:
+    """The rows of `batch` sorted by length into `parts` groups, each cut to its own longest row,
+    with each group's share of the labelled tokens: the shares times the groups' mean losses sum
+    to the whole batch's mean loss (the same gradient, less padding to compute)."""
+    B = batch["decoder_input_ids"].shape[0]
+    lengths, text_lengths = batch["decoder_attention_mask"].sum(1), batch["attention_mask"].sum(1)
+    labels = batch["labels"].view(B, -1, batch["labels"].shape[-1])
+    total = int((labels != -100).sum())
+    out = []
+    for rows in torch.argsort(lengths, stable=True).tensor_split(min(parts, B)):
+        L, S = int(lengths[rows].max()), int(text_lengths[rows].max())
+        part = {"input_ids": batch["input_ids"][rows, :S], "attention_mask": batch["attention_mask"][rows, :S],
+                "decoder_input_ids": batch["decoder_input_ids"][rows, :L],
+                "decoder_attention_mask": batch["decoder_attention_mask"][rows, :L],
+                "labels": labels[rows, :, :L].reshape(-1, L)}
+        out.append((part, int((part["labels"] != -100).sum()) / total))
+    return out
+
+
+def train_model(args) -> None:
+    train = CodesData(args.codes, "train")
+    config = dia_config(args.job, train.codebook_size, train.num_codebooks)
+    model = new_model(config, args.seed)
+    clock = steps_per_second()
+
+    def loss_fn(index, generator):
+        batch = train.batch(index, generator, args.text_dropout)
+        loss = sum(model(**part).loss * share for part, share in split_by_length(batch, args.micro_batches))
+        return loss, {"steps_per_s": clock()}
+
+    params = parameters(model)
+    print(f"{args.job}: {params / 1e6:.2f}M parameters, {len(train)} training utterances, "
+          f"{train.num_codebooks} codebooks x {train.codebook_size}, delay {config.delay_pattern}")
+    train_loop(model, loss_fn, len(train), args, {"preset": args.job, "dia": config.to_dict(), "params": params,
+                                                  "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}})
+
+
+@torch.no_grad()
+def held_out_loss(model: Any, data: CodesData, batch: int = 32, drop_text: bool = False) -> dict[str, Any]:
+    """Teacher-forced cross-entropy (nats per labelled token) on `data`: overall and per codebook,
+    reading the text or (`drop_text`) the zeroed text of the unconditional branch."""
+    total = torch.zeros(data.num_codebooks, dtype=torch.float64)
+    count = torch.zeros(data.num_codebooks, dtype=torch.float64)
+    for start in range(0, len(data), batch):
+        inputs = data.batch(torch.arange(start, min(start + batch, len(data))))
+        labels = inputs.pop("labels")
+        if drop_text:
+            inputs["input_ids"].zero_()
+        logits = model(**inputs).logits
+        V = logits.shape[-1]
+        losses = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="none")
+        losses = losses.view(-1, data.num_codebooks, labels.shape[-1])
+        counted = (labels != -100).view(-1, data.num_codebooks, labels.shape[-1])
+        total += losses.sum((0, 2)).double()
+        count += counted.sum((0, 2)).double()
+    per = (total / count).tolist()
+    return {"loss": float(total.sum() / count.sum()), "per_codebook": [round(x, 4) for x in per]}
+
+
+# ---------------------------------------------------------------------------- export, card
+
+
+def load_codec_any(source: str | Path) -> Any:
+    """A codec run of `train_speech.py codec` (checkpoint.pt) or a transformers DacModel folder."""
+    source = Path(source)
+    if (source / "checkpoint.pt").exists():
+        from benchmarks.train_speech import load_codec
+
+        return load_codec(str(source))
+    from transformers import DacModel
+
+    return DacModel.from_pretrained(source, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def export(args) -> None:
+    """`<out>/speech-tts` and `<out>/speech-tts-draft`: each the model (`save_pretrained`) and the
+    codec in `codec/`, in `--dtype` (float16 by default; weights rounded first)."""
+    codec = load_codec_any(args.codec)
+    half = args.dtype == "float16"
+    if half:
+        codec = round_to_half(codec).half()
+    out = Path(args.out)
+    for name, run in (("speech-tts", args.target), ("speech-tts-draft", args.draft)):
+        model = load_run(run)
+        dec = model.config.decoder_config
+        if (dec.vocab_size - 4, dec.num_channels) != (codec.config.codebook_size, codec.config.n_codebooks):
+            raise ValueError(f"{run}: {dec.num_channels} codebooks of {dec.vocab_size - 4} codes, but the codec has "
+                             f"{codec.config.n_codebooks} of {codec.config.codebook_size}")
+        if half:
+            model = round_to_half(model).half()
+        model.save_pretrained(out / name)
+        codec.save_pretrained(out / name / "codec")
+        print(f"wrote {out / name}: {parameters(model) / 1e6:.2f}M parameters ({args.dtype}), codec {parameters(codec) / 1e6:.2f}M")
+
+
+def card(args) -> None:
+    """MODEL_CARD.md from the runs' logs and the held-out teacher-forced losses of the trained
+    weights (rounded to float16 as exported)."""
+    held_out, train = CodesData(args.codes, "eval"), CodesData(args.codes, "train")
+    runs = {name: last_log(run) for name, run in (("target", args.target), ("draft", args.draft))}
+    facts: dict[str, dict] = {}
+    for name, run in (("target", args.target), ("draft", args.draft)):
+        model = round_to_half(load_run(run))
+        facts[name] = {"params": parameters(model), "config": model.config,
+                       "text": held_out_loss(model, held_out), "no_text": held_out_loss(model, held_out, drop_text=True)}
+    uniform = math.log(held_out.codebook_size)
+    C, V = held_out.num_codebooks, held_out.codebook_size
+    seconds = lambda data: sum(len(c) for c in data.codes) / (data.frame_rate or 50)
+
+    def model_row(name: str, folder: str) -> str:
+        c, run = facts[name]["config"], runs[name]
+        e, d = c.encoder_config, c.decoder_config
+        return (f"| {folder} | {e.num_hidden_layers} x {e.hidden_size} | {d.num_hidden_layers} x {d.hidden_size} "
+                f"({d.num_attention_heads} heads, {d.num_key_value_heads} KV) | {facts[name]['params'] / 1e6:.2f}M | "
+                f"{run['final']['step']} | {run['args']['batch_size']} | {run['args']['lr']:g} | {run['final']['loss']:.3f} |")
+
+    def loss_row(name: str, folder: str) -> str:
+        f = facts[name]
+        return (f"| {folder} | {f['text']['loss']:.3f} | {f['no_text']['loss']:.3f} | "
+                f"{' / '.join(f'{x:.2f}' for x in f['text']['per_codebook'])} |")
+
+    target_args = runs["target"]["args"]
+    text = f"""# speech-tts and speech-tts-draft: bundled Dia text-to-speech on espeak-ng speech
+
+Two transformers `DiaForConditionalGeneration` models (Dia's byte-level text encoder and
+multi-codebook audio decoder, small configurations) trained from scratch on this project's CPU
+machine by `benchmarks/train_tts.py`, over the codes of the project's 16 kHz DAC codec
+(`benchmarks/train_speech.py`, {C} codebooks of {V} codes, 50 frames/s), which ships in each
+folder's `codec/`. `speech-tts-draft` is the drafter for `decoding="draft"` (same codec, codebooks,
+delay pattern and vocabulary). Load with `mmgen.audio.TTSPipeline.from_pretrained(folder)`.
+Weights ship in float16 (rounded before the figures below were computed).
+
+## Data
+
+`benchmarks/data/speech.py`: English texts the project makes itself (emoji names, spelled-out
+numbers, short template sentences) spoken by espeak-ng (Debian `espeak-ng`) with eight accent /
+voice variants, speeds and pitches chosen by a hash of the text; 16 kHz, 0.5-3 s each.
+{len(train)} training utterances ({seconds(train) / 3600:.2f} h), {len(held_out)} held out (5% by a hash of the
+text, never trained on). Text reaches the model as "[S1] <text>" in bytes.
+
+## Models and training
+
+| model | encoder (layers x hidden) | decoder | parameters | steps | batch | peak lr | last logged training loss |
+|---|---|---|---|---|---|---|---|
+{model_row("target", "speech-tts")}
+{model_row("draft", "speech-tts-draft")}
+
+Delay pattern {list(facts['target']['config'].delay_pattern)} (codebook c lags c frames); decoder vocabulary {V} codes,
+then EOS ({V}), PAD ({V + 1}), BOS ({V + 2}). The objective is Dia's: the inputs and labels
+`DiaProcessor(generation=False, output_labels=True)` builds (BOS, codes, EOS per codebook,
+delayed; PAD and BOS unlabelled), cross-entropy averaged over every codebook's labelled tokens.
+{TEXT_DROPOUT:.0%} of the training rows read all-zero text (the unconditional branch of Dia's
+classifier-free guidance). AdamW (betas 0.9/0.95, weight decay {target_args['weight_decay']:g}), cosine
+schedule with {target_args['warmup']} warm-up steps, gradient clipping 1.0; no augmentation. Each batch is
+computed in {target_args.get('micro_batches', 1)} groups of similar length (less padding, the same loss).
+{args.training_note}
+
+## Held-out teacher-forced loss
+
+Nats per labelled token on the {len(held_out)} held-out utterances (uniform over the codes: {uniform:.3f});
+"no text" reads the zeroed text of the unconditional branch, so the gap is what the text tells the model.
+
+| model | with text | no text | per codebook (with text) |
+|---|---|---|---|
+{loss_row("target", "speech-tts")}
+{loss_row("draft", "speech-tts-draft")}
+
+## Sampling defaults
+
+Saved in `generation_config.json`: sampled (`do_sample`), temperature {SAMPLING['temperature']}, top-k
+{SAMPLING['top_k']} (Dia also filters its guided candidates with this k), guidance scale {SAMPLING['guidance_scale']},
+at most {FRAME_CONTEXT - 1} frames ({(FRAME_CONTEXT - 1) / 50:.1f} s).
+
+## Limits
+
+A toy for offline tests and demos of frame drafting: robotic espeak voices, English only, short
+texts of the corpus' kinds (trained on at most {max(map(len, held_out.text_ids + train.text_ids))} text tokens, bytes with "[S1]" one, and 3 s of
+speech; the models read at most {TEXT_CONTEXT} tokens and {FRAME_CONTEXT} frames); undertrained (CPU, about an hour per model).
+
+## Reproduce
+
+```
+python -m benchmarks.data.speech --out data/speech16k.npz
+python -m benchmarks.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1
+{args.codes_command}
+{args.target_command}
+{args.draft_command}
+python -m benchmarks.train_tts export --codec runs/speech-codec --target runs/tts-target --draft runs/tts-draft --out audio/assets
+python -m benchmarks.train_tts card --codes runs/speech-codes.npz --target runs/tts-target --draft runs/tts-draft \\
+    --out audio/assets/speech-tts/MODEL_CARD.md
+```
+"""
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    print(f"wrote {args.out}")
+    print(json.dumps({name: {k: v for k, v in f.items() if k != "config"} for name, f in facts.items()}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    jobs = parser.add_subparsers(dest="job", required=True)
+    # Default steps: about 60-90 minutes each on one thread of this (shared) machine.
+    for preset, lr, steps in (("target", 1e-3, 4000), ("draft", 2e-3, 10000)):
+        p = jobs.add_parser(preset, help=f"train the {preset}")
+        p.add_argument("--codes", required=True, help="codes file of `train_speech.py tokenize`")
+        p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
+        p.add_argument("--micro-batches", type=int, default=4, help="forward each batch in this many groups of "
+                       "similar length (less padding; the same loss)")
+        add_training_arguments(p, lr, 16)
+        p.set_defaults(steps=steps, log_every=25, save_every=200)
+    exp = jobs.add_parser("export", help="write the two pipeline folders")
+    for name in ("--codec", "--target", "--draft", "--out"):
+        exp.add_argument(name, required=True)
+    exp.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    cd = jobs.add_parser("card", help="write MODEL_CARD.md")
+    for name in ("--codes", "--target", "--draft", "--out"):
+        cd.add_argument(name, required=True)
+    cd.add_argument("--threads", type=int, default=0)
+    cd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
+    cd.add_argument("--codes-command", default="python -m benchmarks.train_speech tokenize --data data/speech16k.npz "
+                    "--codec runs/speech-codec --out runs/speech-codes.npz")
+    cd.add_argument("--target-command", default="python -m benchmarks.train_tts target --codes runs/speech-codes.npz "
+                    "--out runs/tts-target --threads 1")
+    cd.add_argument("--draft-command", default="python -m benchmarks.train_tts draft --codes runs/speech-codes.npz "
+                    "--out runs/tts-draft --threads 1")
+    args = parser.parse_args(argv)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+    {"target": train_model, "draft": train_model, "export": export, "card": card}[args.job](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The text-to-speech trainer (`benchmarks/train_tts.py`): its rows are `DiaProcessor`'s training
+rows, a killed and resumed run ends with the weights of one that never stopped, and its export
+loads through `TTSPipeline.from_pretrained` and speaks (alone and with its drafter)."""
+
+import json
+
+import numpy as np
+import torch
+
+from benchmarks.train_tts import SAMPLING, CodesData, delay_pattern, delayed_row, main
+from tests.audio.tiny import RATE, V, tiny_dac
+
+C = 3  # codebooks of the tiny codec
+
+
+def fake_codes(path, n=20):
+    """A codes file as `train_speech.py tokenize` writes it: random codes of 6-14 frames, every
+    5th utterance held out."""
+    rng = np.random.default_rng(0)
+    frames = rng.integers(6, 15, n)
+    np.savez(path, codes=rng.integers(0, V, (int(frames.sum()), C)).astype(np.int16),
+             offsets=np.concatenate([[0], np.cumsum(frames)]), text=np.array([f"thing number {i}" for i in range(n)]),
+             is_eval=np.arange(n) % 5 == 4, frame_rate=np.array(RATE / 4), codebook_size=np.array(V))
+
+
+def test_rows_match_the_processor_and_resumed_training_equals_an_uninterrupted_run(tmp_path):
+    from transformers import DiaFeatureExtractor, DiaProcessor, DiaTokenizer
+
+    # One utterance through transformers' own processor (DAC in the loop) against the trainer's row.
+    dac = tiny_dac(0, codebooks=C)
+    processor = DiaProcessor(feature_extractor=DiaFeatureExtractor(sampling_rate=RATE, hop_length=4), tokenizer=DiaTokenizer(),
+                             audio_tokenizer=dac)
+    wave = torch.randn(40, generator=torch.Generator().manual_seed(0)).numpy()
+    ref = processor(text=["[S1] thing number 0"], audio=[wave], sampling_rate=RATE, generation=False, output_labels=True,
+                    bos_token_id=V + 2, eos_token_id=V, pad_token_id=V + 1, delay_pattern=delay_pattern(C))
+    with torch.no_grad():
+        codes = dac.encode(torch.from_numpy(wave)[None, None]).audio_codes[0].T  # [T, C]
+    inputs, labels = delayed_row(codes, delay_pattern(C), V, V + 1, V + 2)
+    assert torch.equal(inputs, ref["decoder_input_ids"][0].long())
+    assert torch.equal(labels, ref["labels"].view(C, -1).T)
+    assert ref["decoder_attention_mask"].bool().all() and ref["decoder_attention_mask"].shape[1] == len(inputs)
+
+    data_path = tmp_path / "codes.npz"
+    fake_codes(data_path)
+    data = CodesData(data_path)
+    assert len(data) == 16 and "thing number 4" not in data.texts  # held-out rows are never trained on
+    assert data.text_ids[0].tolist() == ref["input_ids"][0].tolist()
+    # A batch: each row is its utterance's row, right padded (PAD, mask 0, label -100); dropped text is all zero.
+    batch = data.batch(torch.tensor([3, 0, 7]), torch.Generator().manual_seed(0), text_dropout=0.5)
+    for b, i in enumerate([3, 0, 7]):
+        row, target = delayed_row(data.codes[i], delay_pattern(C), V, V + 1, V + 2)
+        n = len(row)
+        assert torch.equal(batch["decoder_input_ids"][b, :n], row) and (batch["decoder_input_ids"][b, n:] == V + 1).all()
+        assert batch["decoder_attention_mask"][b].tolist() == [1] * n + [0] * (batch["decoder_attention_mask"].shape[1] - n)
+        assert torch.equal(batch["labels"].view(3, C, -1)[b, :, :n], target.T) and (batch["labels"].view(3, C, -1)[b, :, n:] == -100).all()
+        text = batch["input_ids"][b, : len(data.text_ids[i])]
+        assert torch.equal(text, data.text_ids[i]) or not text.any()
+
+    common = ["draft", "--codes", str(data_path), "--batch-size", "4", "--warmup", "2", "--log-every", "1", "--threads", "1",
+              "--steps", "4", "--text-dropout", "0.5"]
+    main([*common, "--out", str(tmp_path / "straight")])
+    # The same 4-step command stopped after 2 steps (as a kill after a checkpoint would), then again.
+    main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "2"])
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["step"] == 2
+    main([*common, "--out", str(tmp_path / "resumed")])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    straight, resumed = load("straight"), load("resumed")
+    assert straight["step"] == resumed["step"] == 4
+    for key, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    logs = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in logs)
+
+
+def test_export_loads_through_the_pipeline_and_speaks(tmp_path):
+    from mmgen.audio.pipeline import TTSPipeline
+    from mmgen.decoding import make_decoder
+
+    data_path = tmp_path / "codes.npz"
+    fake_codes(data_path)
+    tiny_dac(0, codebooks=C).save_pretrained(tmp_path / "codec")
+    for preset in ("target", "draft"):
+        main([preset, "--codes", str(data_path), "--batch-size", "4", "--steps", "2", "--threads", "1",
+              "--out", str(tmp_path / preset)])
+    main(["export", "--codec", str(tmp_path / "codec"), "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+          "--out", str(tmp_path / "assets")])
+
+    pipe = TTSPipeline.from_pretrained(tmp_path / "assets" / "speech-tts")
+    drafter = TTSPipeline.from_pretrained(tmp_path / "assets" / "speech-tts-draft")
+    assert pipe.model.dtype == drafter.model.dtype == pipe.codec.dtype == torch.float16
+    assert pipe.sampling_rate == RATE and pipe.family.delay == delay_pattern(C)
+    assert {k: getattr(pipe.model.generation_config, k) for k in SAMPLING} == SAMPLING
+    # The pipeline reads the text exactly as the trainer fed it.
+    conditions, _ = pipe.prepare("thing number 0", max_new_frames=8)
+    assert conditions.input_ids[0].tolist() == CodesData(data_path).text_ids[0].tolist()
+
+    out = pipe("thing number 0", max_new_frames=12, generator=torch.Generator().manual_seed(0))
+    assert out.codes[0].shape[0] == C and out.codes[0].shape[1] >= 1
+    assert out.audio[0].dtype == torch.float32 and out.audio[0].numel() == out.codes[0].shape[1] * 4
+    assert torch.isfinite(out.audio[0]).all()
+    # The drafter is a companion of the same frame layout; greedy drafting equals greedy AR.
+    ar = pipe("thing number 1", max_new_frames=12, temperature=0)
+    drafted = pipe("thing number 1", max_new_frames=12, temperature=0,
+                   decoding=make_decoder("draft", drafter=drafter, num_draft=2))
+    assert torch.equal(drafted.frames, ar.frames)
