@@ -61,7 +61,10 @@ class Codec:
             changed = codes.clone()
             mid = probe_frames // 2
             changed[:, mid] = (changed[:, mid] + 1) % size
-            diff = (self.decode(codes) - self.decode(changed)).abs().view(probe_frames, self.hop_length).amax(1)
+            diff = (self.decode(codes) - self.decode(changed)).abs()
+            # Some decoders return a few samples fewer than frames x hop (odd strides): pad to frames.
+            diff = torch.nn.functional.pad(diff, (0, probe_frames * self.hop_length - diff.numel()))
+            diff = diff.view(probe_frames, self.hop_length).amax(1)
             moved = (diff > 0).nonzero().flatten()  # outside the reach both decodes are bitwise equal
             before = mid - int(moved.min()) if moved.numel() else 0
             after = int(moved.max()) - mid if moved.numel() else 0
@@ -85,7 +88,9 @@ class StreamWindow:
 class CodecStream:
     """Incremental decoding of one row: `push(codes [C, n])` returns the samples that are final
     so far, `flush()` the rest. Concatenated, they equal `Codec.decode` of all codes when the
-    window covers the decoder's reach."""
+    window covers the decoder's reach. Decoders are shift-equivariant away from their edges, so
+    window sample j is one-shot sample j + (window start) x hop; a decoder that returns a few
+    samples short (odd strides) is short at its end only, in the window as in one shot."""
 
     def __init__(self, codec: Codec, window: StreamWindow = StreamWindow()):
         before, after = codec.decoder_reach() if window.left is None or window.right is None else (0, 0)
