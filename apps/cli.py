@@ -1,5 +1,5 @@
 """Demo subcommands of `mmgen`: `mmgen demo image` serves the image demo, `mmgen demo vlm` the
-vision-language chat demo (Gradio).
+vision-language chat demo, `mmgen demo speech` the text-to-speech demo (Gradio).
 
 Gradio is imported only when a demo runs, so building the `mmgen` parser stays cheap.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 import argparse
 
 from mmgen.apps.image_request import MAX_IMAGES
-from mmgen.apps import vlm_request
+from mmgen.apps import speech_request, vlm_request
 
 MAX_CONCURRENCY = 8
 
 
 def register(commands, groups) -> None:
-    """Add the `demo` group and its `image` and `vlm` subcommands."""
+    """Add the `demo` group and its `image`, `vlm` and `speech` subcommands."""
     if "demo" not in groups:
         groups["demo"] = commands.add_parser("demo", help="serve a Gradio demo app").add_subparsers(dest="target", required=True)
     image = groups["demo"].add_parser("image", help="class-conditional image generation with every decoding method")
@@ -32,6 +32,7 @@ def register(commands, groups) -> None:
                        help="requests decoded at once (default 1; one model serves one request at a time)")
     image.set_defaults(run=run_image_demo)
     register_vlm(groups["demo"])
+    register_speech(groups["demo"])
 
 
 def register_vlm(demos) -> None:
@@ -51,6 +52,25 @@ def register_vlm(demos) -> None:
     vlm.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
                      help="requests decoded at once (default 1; one model serves one request at a time)")
     vlm.set_defaults(run=run_vlm_demo)
+
+
+def register_speech(demos) -> None:
+    """`mmgen demo speech`: speak a text with a text-to-speech model, every frame decoding method."""
+    speech = demos.add_parser("speech", help="speak a text with a text-to-speech model, every decoding method")
+    speech.add_argument("--model", action="append", default=None, metavar="FOLDER",
+                        help="a transformers Dia or CSM folder (repeatable; required: no speech model is bundled yet). "
+                             "A folder FOLDER-draft beside it comes along as its drafter")
+    speech.add_argument("--device", default="cpu", help="torch device of the models (default: cpu)")
+    speech.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    speech.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
+    speech.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
+    speech.add_argument("--max-new-frames", type=_bounded(1, speech_request.MAX_NEW_FRAMES, "--max-new-frames"),
+                        default=speech_request.DEFAULT_MAX_NEW_FRAMES,
+                        help=f"the frame-budget slider's maximum (default {speech_request.DEFAULT_MAX_NEW_FRAMES}, "
+                             f"up to {speech_request.MAX_NEW_FRAMES}; a model's own context bounds it too)")
+    speech.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
+                        help="requests decoded at once (default 1; one model serves one request at a time)")
+    speech.set_defaults(run=run_speech_demo)
 
 
 def run_image_demo(args: argparse.Namespace) -> int:
@@ -75,6 +95,19 @@ def run_vlm_demo(args: argparse.Namespace) -> int:
 
     demo = build_demo(catalog, max_images=args.max_images, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency)
     print(f"mmgen demo vlm: models {list(catalog.main)} (drafters {list(catalog.companions)}) on {args.device}")
+    launch_demo(demo, host=args.host, port=args.port, share=args.share)
+    return 0
+
+
+def run_speech_demo(args: argparse.Namespace) -> int:
+    from mmgen.cli import check_device
+
+    check_device(args.device)
+    catalog = speech_request.SpeechCatalog.discover(args.model, device=args.device)  # bad folders fail before gradio loads
+    from mmgen.apps.speech_demo import build_demo, launch_demo
+
+    demo = build_demo(catalog, max_new_frames=args.max_new_frames, concurrency=args.concurrency)
+    print(f"mmgen demo speech: models {list(catalog.main)} (drafters {list(catalog.companions)}) on {args.device}")
     launch_demo(demo, host=args.host, port=args.port, share=args.share)
     return 0
 

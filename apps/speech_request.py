@@ -1,0 +1,364 @@
+"""What the speech demo does for one press of Generate, without any UI: check the inputs, speak
+the text with the chosen decoding method (and, in compare mode, with plain autoregressive
+decoding on the same seed first), streaming each run's waveform as its frames commit.
+
+Kept apart from the Gradio layout (`speech_demo.py`) so that it is tested directly and so that
+importing it needs no gradio. Every input is checked and bounded here: Gradio's HTTP API takes
+any value, whatever the page's widgets allow. The catalogue's locks and cache, the number checks
+and the message quoting are the image demo's (`image_request.py`).
+
+No speech model is bundled yet: the demo serves the folders given with --model (transformers
+Dia or CSM folders, as `mmgen generate speech` reads them). A folder `X-draft` beside a folder
+`X` is X's drafter, for the `draft` method.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE, ModelCatalog, _float, _int, shown
+from mmgen.decoding import DecodeStats
+from mmgen.sampling import make_generator
+
+DRAFT_SUFFIX = "-draft"
+MAX_NEW_FRAMES = 4096  # hard cap of a run's decoder frames, whatever --max-new-frames says
+DEFAULT_MAX_NEW_FRAMES = 1024  # --max-new-frames' default: about 12 s of Dia's 86 frames a second
+MAX_TEXT_CHARS = 1000
+MAX_VOICE_BYTES = 16 * 1024 * 1024  # a voice upload larger than this is refused before it is read
+MAX_VOICE_SECONDS = 30.0  # a voice prompt is a few seconds of the voice to continue
+MAX_TOP_K = 65536  # when a model does not say its codebook size
+BASELINE_LABEL = "ar (baseline)"
+#: How soundfile names an in-memory file in its errors ("Error opening <_io.BytesIO object at 0x...>: ").
+IN_MEMORY_FILE = re.compile(r"Error opening <_io\.BytesIO object at 0x[0-9a-fA-F]+>: ")
+#: transformers `model_type`s the demo opens (`mmgen.audio`'s index).
+SPEECH_MODEL_TYPES = ("dia", "csm")
+NO_MODEL = ("no speech model is bundled with mmgen yet: pass --model FOLDER (a transformers Dia or CSM folder; "
+            "a folder FOLDER-draft beside it is its drafter)")
+
+
+class SpeechCatalog(ModelCatalog):
+    """The text-to-speech models a demo offers (`ModelCatalog`'s locks and cache): main models
+    and their drafters (names ending in -draft)."""
+
+    @classmethod
+    def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "SpeechCatalog":
+        """The given model folders; a folder X-draft beside a given folder X comes along as its
+        drafter. With none: ValueError (no speech model is bundled)."""
+        if not models:
+            raise ValueError(NO_MODEL)
+        entries = [_checked_folder(str(entry)) for entry in models]
+        for entry in list(entries):
+            sibling = Path(entry).parent / (Path(entry).name + DRAFT_SUFFIX)
+            if not entry.endswith(DRAFT_SUFFIX) and _is_speech_folder(sibling):
+                entries.append(str(sibling))
+        named: dict[str, str] = {}
+        for entry in dict.fromkeys(str(Path(e)) for e in entries):
+            name = Path(entry).name
+            named[entry if name in named else name] = entry  # two folders of one name: the second goes by its path
+        main = {n: s for n, s in named.items() if not n.endswith(DRAFT_SUFFIX)}
+        companions = {n: s for n, s in named.items() if n not in main}
+        if not main:  # only drafters were given: offer them as models
+            main, companions = companions, {}
+        return cls(main, companions, device)
+
+    def load(self, source: str) -> Any:
+        import transformers
+
+        from mmgen.loading import load_pipeline
+
+        transformers.utils.logging.disable_progress_bar()  # no loading bars in the server's log
+        pipe = load_pipeline(source, device=self.device)
+        if type(pipe).__name__ != "TTSPipeline":
+            raise ValueError(f"{Path(source).name} holds a {type(pipe).__name__}; the speech demo serves text-to-speech models")
+        return pipe
+
+    def drafter_of(self, model: str) -> Optional[str]:
+        """The catalogue's drafter of `model` (`<model>-draft`), or None."""
+        name = model + DRAFT_SUFFIX
+        return name if name in self.companions else None
+
+
+def _is_speech_folder(folder: Path) -> bool:
+    try:
+        return json.loads((Path(folder) / "config.json").read_text()).get("model_type") in SPEECH_MODEL_TYPES
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _checked_folder(entry: str) -> str:
+    """A folder with the config.json of a speech model (no Hub ids: the demo never downloads)."""
+    if not (Path(entry) / "config.json").is_file():
+        raise ValueError(f"--model {entry!r} is not a model folder with a config.json (a transformers Dia or CSM folder)")
+    if not _is_speech_folder(Path(entry)):
+        raise ValueError(f"--model {entry!r} is not a text-to-speech model: its config.json's model_type is not one of "
+                         f"{list(SPEECH_MODEL_TYPES)}")
+    return entry
+
+
+# --------------------------------------------------------------------------------------------
+# What the UI offers for a model
+# --------------------------------------------------------------------------------------------
+
+
+def methods(catalog: SpeechCatalog, model: str) -> list[str]:
+    """The frame decoders `model` runs: those its pipeline declares (`TTSPipeline.decoders()`),
+    less `draft` where the catalogue has no drafter for it."""
+    pipe = catalog.pipeline(model)
+    paired = catalog.drafter_of(model) is not None
+    return [name for name in pipe.decoders() if name not in pipe.companions or paired]
+
+
+def default_method(offered: Sequence[str]) -> str:
+    """Drafting where a drafter is loaded, else speculative Jacobi over frames, else the first."""
+    return next((m for m in ("draft", "sjd") if m in offered), offered[0])
+
+
+def sampling_defaults(catalog: SpeechCatalog, model: str) -> dict[str, Any]:
+    """The model's own sampler (its generation config: greedy when it does not sample), and the
+    top-k bound: what the UI's controls start at."""
+    pipe = catalog.pipeline(model)
+    config = pipe.sampling(None, None, None)
+    return {"temperature": float(config.temperature), "top_k": int(config.top_k), "top_p": float(config.top_p),
+            "max_top_k": _vocab_size(pipe), "max_new_frames": int(pipe.family.default_max_frames())}
+
+
+def _vocab_size(pipe: Any) -> int:
+    layout = pipe.family.frame_layout()
+    size = layout[2] if len(layout) > 2 else None
+    return int(size) if isinstance(size, int) and size > 0 else MAX_TOP_K
+
+
+def _decoder(name: str, pipe: Any, catalog: SpeechCatalog, model: str) -> Any:
+    """The decoder of a shortcut (`decoder_from_spec`); `draft` gets the catalogue's drafter of
+    `model`, checked against the model (same codec frames)."""
+    from mmgen.loading import decoder_from_spec
+
+    companion = pipe.companions.get(name)
+    given = {}
+    if companion is not None:
+        other = catalog.drafter_of(model) if companion.suffix == DRAFT_SUFFIX else None
+        if other is None:
+            raise ValueError(f"decoding {name!r} needs a drafter ({companion.role}): start the demo with a folder "
+                             f"{model}{companion.suffix} beside the model")
+        given[companion.option] = catalog.pipeline(other)
+    return decoder_from_spec(name, pipe, catalog.main[model], catalog.device, **given)
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """One press of Generate. None sampler values take the model's generation config."""
+
+    model: str
+    text: str
+    voice: Any = None  # a voice prompt: an audio file's path (an upload) or its bytes
+    voice_text: Optional[str] = None  # the voice prompt's transcript
+    method: str = "ar"
+    max_new_frames: int = 256
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 0
+    compare: bool = False  # also speak with plain autoregressive decoding, same seed, first
+
+
+@dataclass
+class SpeechRun:
+    """One decoding of the request: its label ("sjd", "ar (baseline)"), waveform (mono float32 at
+    `sampling_rate`) and the pipeline's numbers."""
+
+    label: str
+    audio: np.ndarray
+    sampling_rate: int
+    frames: int  # decoder frames of the row, its end included
+    stats: DecodeStats
+    decode_s: float
+    real_time_factor: float
+
+    @property
+    def seconds(self) -> float:
+        return self.audio.size / self.sampling_rate
+
+    @property
+    def frames_per_forward(self) -> float:
+        return self.frames / self.stats.forwards if self.stats.forwards else 0.0
+
+
+@dataclass
+class SpeechResult:
+    """The runs of one request, the autoregressive baseline first in compare mode."""
+
+    runs: list[SpeechRun]
+
+    @property
+    def method(self) -> SpeechRun:
+        return self.runs[-1]
+
+    @property
+    def baseline(self) -> Optional[SpeechRun]:
+        return self.runs[0] if len(self.runs) > 1 else None
+
+    def stats_rows(self) -> list[dict[str, Any]]:
+        """One row per run: frames, seconds of audio, forwards (the prefill included), frames per
+        forward, decode seconds and real-time factor (decode seconds over audio seconds: below
+        1 is faster than real time); in compare mode the decode-time speedup over the baseline."""
+        rows = []
+        for run in self.runs:
+            row = {"run": run.label, "frames": run.frames, "audio (s)": round(run.seconds, 3), "forwards": run.stats.forwards,
+                   "frames/forward": round(run.frames_per_forward, 2), "decode (s)": round(run.decode_s, 3),
+                   "real-time factor": round(run.real_time_factor, 3)}
+            if self.baseline is not None:
+                row["speedup"] = round(self.baseline.decode_s / run.decode_s, 2) if run.decode_s else None
+            rows.append(row)
+        return rows
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A streamed update: run `index` of the request (0 is the baseline in compare mode) has a new
+    chunk of waveform (mono float32 at `sampling_rate`); `seconds` of its audio are out so far."""
+
+    index: int
+    label: str
+    chunk: np.ndarray
+    sampling_rate: int
+    seconds: float
+
+
+def run_request(request: SpeechRequest, catalog: SpeechCatalog,
+                max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> SpeechResult:
+    """Check `request` (ValueError with a one-line message), speak it and return the runs."""
+    events = stream_request(request, catalog, max_new_frames)
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
+
+
+def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
+                   max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> Iterator[Progress]:
+    """`run_request`, yielding each run's waveform chunks as frames commit (`TTSPipeline.stream`);
+    returns the `SpeechResult` (the generator's return value). Every input is checked before
+    any decoding."""
+    if request.model not in catalog.main:
+        raise ValueError(f"unknown model {shown(request.model)}; choose one of {list(catalog.main)}")
+    pipe = catalog.pipeline(request.model)
+    text = _text(request.text)
+    limit = max(1, min(int(max_new_frames), MAX_NEW_FRAMES, int(pipe.family.default_max_frames())))
+    budget = _int("max new frames", request.max_new_frames, 1, limit)
+    seed = _int("seed", request.seed, 0, MAX_SEED)
+    sampling = _sampling(request, _vocab_size(pipe))
+    offered = methods(catalog, request.model)
+    if isinstance(request.method, str) and request.method in pipe.companions and request.method not in offered:
+        _decoder(request.method, pipe, catalog, request.model)  # raises: names the missing drafter
+    if not isinstance(request.method, str) or request.method not in offered:
+        raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
+    voice = _voice(request.voice, pipe.sampling_rate)
+    voice_text = _voice_text(request.voice_text, voice)
+    plan = [(BASELINE_LABEL, "ar")] if request.compare else []
+    plan.append((request.method, request.method))
+    runs = []
+    with catalog.using([request.model, *filter(None, [catalog.drafter_of(request.model)])]):
+        decoders = [_decoder(method, pipe, catalog, request.model) for _, method in plan]  # all checked before any run
+        for index, ((label, _), decoder) in enumerate(zip(plan, decoders)):
+            call = dict(voice=voice, voice_text=voice_text, max_new_frames=budget, decoding=decoder,
+                        generator=make_generator(seed, catalog.device), **sampling)
+            output = yield from _streamed(pipe, text, call, index, label)
+            runs.append(SpeechRun(label, output.audio[0].float().numpy(), output.sampling_rate, int(output.lengths[0]),
+                                  output.stats, float(output.decode_s), float(output.real_time_factor)))
+    return SpeechResult(runs)
+
+
+def _streamed(pipe: Any, text: str, call: dict, index: int, label: str):
+    """Yield `Progress` per waveform chunk (`TTSPipeline.stream`); return the call's `TTSOutput`.
+    Closed early (the page went away), it lets the decoding thread finish before returning, so
+    that the caller's model lock is held for as long as the model runs."""
+    stream, samples = pipe.stream(text, **call), 0
+    try:
+        while True:
+            try:
+                _, chunk = next(stream)
+            except StopIteration as end:
+                return end.value
+            samples += chunk.numel()
+            yield Progress(index, label, chunk.float().numpy(), pipe.sampling_rate, samples / pipe.sampling_rate)
+    except GeneratorExit:
+        try:
+            for _ in stream:
+                pass
+        except Exception:  # the run is abandoned: its error has no one to go to
+            pass
+        raise
+
+
+def _text(text: Any) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("type a text to speak (the text is empty)")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"the text must be at most {MAX_TEXT_CHARS} characters, got {len(text)}")
+    return text.strip()
+
+
+def _sampling(request: SpeechRequest, vocab_size: int) -> dict[str, Any]:
+    """The sampler arguments, checked and bounded; None leaves the model's default."""
+    out: dict[str, Any] = {}
+    if request.temperature is not None:
+        out["temperature"] = _float("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
+    if request.top_k is not None:
+        out["top_k"] = _int("top-k", request.top_k, 0, vocab_size)
+    if request.top_p is not None:
+        out["top_p"] = _float("top-p", request.top_p, 0.0, 1.0, low_open=True)
+    return out
+
+
+def _voice(voice: Any, sampling_rate: int) -> Optional[tuple]:
+    """The voice prompt as (waveform, rate) at the model's rate, or None. A file is bounded in
+    bytes before it is read and in seconds once decoded (`read_audio`); messages name it
+    "the voice prompt", never by its (server-side, temporary) path."""
+    from mmgen.audio.waveform import AudioError, read_audio
+
+    if voice is None or (isinstance(voice, str) and not voice):
+        return None
+    if isinstance(voice, (str, os.PathLike)):
+        path = Path(voice)
+        if not path.is_file():  # not a regular file: a device, a folder or nothing
+            raise ValueError("the voice prompt is not an audio file")
+        if path.stat().st_size > MAX_VOICE_BYTES:
+            raise ValueError(f"the voice prompt is {path.stat().st_size} bytes; at most {MAX_VOICE_BYTES} are accepted")
+        with path.open("rb") as file:
+            data = file.read(MAX_VOICE_BYTES + 1)
+    elif isinstance(voice, (bytes, bytearray)):
+        data = bytes(voice)
+    else:
+        raise ValueError(f"the voice prompt must be an audio file, got {shown(voice)}")
+    if len(data) > MAX_VOICE_BYTES:
+        raise ValueError(f"the voice prompt is over {MAX_VOICE_BYTES} bytes; at most {MAX_VOICE_BYTES} are accepted")
+    try:
+        wave = read_audio(data, sampling_rate, max_seconds=MAX_VOICE_SECONDS)
+    except AudioError as error:  # one line; soundfile names the in-memory file by its repr: dropped
+        raise AudioError(IN_MEMORY_FILE.sub("", str(error))) from None
+    return wave.numpy(), sampling_rate
+
+
+def _voice_text(text: Any, voice: Optional[tuple]) -> Optional[str]:
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if not isinstance(text, str):
+        raise ValueError(f"the voice transcript must be text, got {shown(text)}")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ValueError(f"the voice transcript must be at most {MAX_TEXT_CHARS} characters, got {len(text)}")
+    if voice is None:
+        raise ValueError("the voice transcript is the transcript of a voice prompt: upload the voice too")
+    return text.strip()
