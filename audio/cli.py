@@ -104,16 +104,20 @@ def _stream_to_file(pipe, text: str, out: Path, call: dict):
     from mmgen.files import fsync_dir
 
     partial = out.with_name(out.name + ".partial")
-    with soundfile.SoundFile(partial, "w", samplerate=pipe.sampling_rate, channels=1, format="WAV", subtype="PCM_16") as file:
-        stream = pipe.stream(text, **call)
-        while True:
-            try:
-                _, chunk = next(stream)
-            except StopIteration as stop:
-                output = stop.value
-                break
-            file.write(chunk.clamp(-1, 1).numpy())
-            file.flush()
+    try:
+        with soundfile.SoundFile(partial, "w", samplerate=pipe.sampling_rate, channels=1, format="WAV", subtype="PCM_16") as file:
+            stream = pipe.stream(text, **call)
+            while True:
+                try:
+                    _, chunk = next(stream)
+                except StopIteration as stop:
+                    output = stop.value
+                    break
+                file.write(chunk.clamp(-1, 1).numpy())
+                file.flush()
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a failed or interrupted run leaves no half file behind
+        raise
     os.replace(partial, out)
     fsync_dir(out.parent)
     return output

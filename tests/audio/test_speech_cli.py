@@ -67,6 +67,7 @@ def test_a_voice_prompt_is_read_and_resampled(folders, capsys, tmp_path):
     (["--out", "{tmp}/x.wav", "--voice-text", "hi"], "give --voice too"),
     (["--out", "{tmp}/x.wav", "--max-new-frames", "0"], "must be >= 1"),
     (["--out", "{tmp}/x.wav", "--voice", "{tmp}/broken.wav"], "cannot read audio"),
+    (["--out", "{tmp}/x.wav", "--voice", "{tmp}/broken.wav", "--stream"], "cannot read audio"),
     (["--out", "{tmp}/x.wav", "--decoding", "lantern"], "unknown decoding"),
 ])
 def test_bad_input_is_one_line_and_loses_nothing(folders, capsys, tmp_path, extra, message):
@@ -76,3 +77,4 @@ def test_bad_input_is_one_line_and_loses_nothing(folders, capsys, tmp_path, extr
     code, out, err = run(capsys, *argv)
     assert code != 0 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert (tmp_path / "exists.wav").read_bytes() == b"keep me"
+    assert not (tmp_path / "x.wav").exists() and not (tmp_path / "x.wav.partial").exists()

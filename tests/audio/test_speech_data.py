@@ -3,17 +3,12 @@ speech codec trainer (`benchmarks/train_speech.py`) resumes exactly: killed at a
 restarted, it ends with the weights of a run that never stopped."""
 
 import json
-import shutil
 
 import pytest
 import torch
 
 from benchmarks.data import speech
 from benchmarks.data.speech import number_words
-
-needs_espeak = pytest.mark.skipif(shutil.which("espeak-ng") is None or not speech.VARIANTS.exists(),
-                                  reason="needs Debian's espeak-ng")
-
 
 def test_number_words():
     assert [number_words(n) for n in (0, 13, 40, 42, 100, 312, 1000, 1005, 2312, 9999)] == [
@@ -30,7 +25,6 @@ def corpus(tmp_path_factory):
     return path
 
 
-@needs_espeak
 def test_corpus_is_byte_identical_with_any_worker_count(corpus, tmp_path):
     again = tmp_path / "again.npz"
     speech.main(["--out", str(again), "--limit", "6", "--workers", "1"])
@@ -41,7 +35,6 @@ def test_corpus_is_byte_identical_with_any_worker_count(corpus, tmp_path):
     assert all(p and set(p.split()) <= inventory for p in data["phonemes"])
 
 
-@needs_espeak
 def test_resumed_codec_training_equals_an_uninterrupted_run(corpus, tmp_path):
     from benchmarks.train_speech import main
 
