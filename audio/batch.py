@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
-                         read_jsonl, run_groups, start_run)
+                         model_memo, read_jsonl, run_groups, start_run)
 from mmgen.cli import check_seed
 
 from mmgen.audio.waveform import read_audio, wav_bytes
@@ -127,13 +127,8 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[SpeechJ
     transformers.utils.logging.disable_progress_bar()  # the summary and errors stay the only output
     values, errors = read_jsonl(path)
 
-    def load(model):
-        try:
-            return load_pipeline(model, device=device, dtype=dtype)
-        except Exception as error:
-            raise ValueError(f"cannot load model {model!r}: {error}") from error
-
-    pipes, owners, jobs, settings = Memo(load), {}, [], {}
+    pipes = model_memo(lambda model: load_pipeline(model, device=device, dtype=dtype))
+    owners, jobs, settings = {}, [], {}
     calls = Memo(lambda key: prepare_call(pipes(settings[key]["model"]), settings[key], device, dtype))
     for line, value in values:
         try:

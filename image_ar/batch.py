@@ -71,7 +71,7 @@ from typing import Any
 import torch
 
 from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
-                         read_jsonl, run_groups, start_run)
+                         model_memo, read_jsonl, run_groups, start_run)
 from mmgen.cli import check_seed
 
 from mmgen.image_ar.generation import (
@@ -178,14 +178,11 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
             errors.append(LineError(line, str(error)))
 
     def load(model):
-        try:
-            pipe = load_image_pipeline(model, device, dtype)
-        except Exception as error:
-            raise ValueError(f"cannot load model {model!r}: {error}") from error
+        pipe = load_image_pipeline(model, device, dtype)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    pipes = Memo(load)
+    pipes = model_memo(load)
     calls = Memo(lambda key: prepare_call(pipes(key[0]), key[0], key[1], device, dtype))
     jobs = []
     for line, spec in checked:

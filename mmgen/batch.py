@@ -155,6 +155,19 @@ class Memo:
         return {key: result for key, (ok, result) in self.results.items() if ok}
 
 
+def model_memo(load: Callable[[Any], Any]) -> Memo:
+    """A `Memo` of the models a job file names: each loads once through `load`, and one that
+    fails is the ValueError "cannot load model NAME: why" on every line that names it."""
+
+    def guarded(model):
+        try:
+            return load(model)
+        except Exception as error:
+            raise ValueError(f"cannot load model {model!r}: {error}") from error
+
+    return Memo(guarded)
+
+
 def claim_output(owners: dict[str, int], name: str, line: int) -> None:
     """ValueError when another line already writes the output `name` (case-insensitively: some
     file systems fold case); else `line` owns it."""
