@@ -38,7 +38,7 @@ BASELINE_LABEL = "ar (baseline)"
 #: How soundfile names an in-memory file in its errors ("Error opening <_io.BytesIO object at 0x...>: ").
 IN_MEMORY_FILE = re.compile(r"Error opening <_io\.BytesIO object at 0x[0-9a-fA-F]+>: ")
 #: transformers `model_type`s the demo opens (`mmgen.audio`'s index).
-SPEECH_MODEL_TYPES = ("dia", "csm")
+SPEECH_MODEL_TYPES = ("dia", "csm", "vibevoice")
 NO_MODEL = ("no speech model is bundled with mmgen yet: pass --model FOLDER (a transformers Dia or CSM folder; "
             "a folder FOLDER-draft beside it is its drafter)")
 
@@ -74,8 +74,10 @@ class SpeechCatalog(ModelCatalog):
         from mmgen.loading import load_pipeline
 
         transformers.utils.logging.disable_progress_bar()  # no loading bars in the server's log
+        from mmgen.audio.pipeline import TTSPipeline
+
         pipe = load_pipeline(source, device=self.device)
-        if type(pipe).__name__ != "TTSPipeline":
+        if not isinstance(pipe, TTSPipeline):
             raise ValueError(f"{Path(source).name} holds a {type(pipe).__name__}; the speech demo serves text-to-speech models")
         return pipe
 
@@ -109,7 +111,8 @@ def _checked_folder(entry: str) -> str:
 
 def methods(catalog: SpeechCatalog, model: str) -> list[str]:
     """The frame decoders `model` runs: those its pipeline declares (`TTSPipeline.decoders()`),
-    less `draft` where the catalogue has no drafter for it."""
+    less those that pair a second model (draft, entropy-switch) where the catalogue has no
+    drafter for it."""
     pipe = catalog.pipeline(model)
     paired = catalog.drafter_of(model) is not None
     return [name for name in pipe.decoders() if name not in pipe.companions or paired]
@@ -136,8 +139,8 @@ def _vocab_size(pipe: Any) -> int:
 
 
 def _decoder(name: str, pipe: Any, catalog: SpeechCatalog, model: str) -> Any:
-    """The decoder of a shortcut (`decoder_from_spec`); `draft` gets the catalogue's drafter of
-    `model`, checked against the model (same codec frames)."""
+    """The decoder of a shortcut (`decoder_from_spec`); `draft` and `entropy-switch` get the
+    catalogue's drafter of `model`, checked against the model (same codec frames)."""
     from mmgen.loading import decoder_from_spec
 
     companion = pipe.companions.get(name)

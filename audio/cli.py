@@ -23,16 +23,20 @@ from mmgen.cli import DTYPES, seed_arg
 def register(commands, groups) -> None:
     speech = groups["generate"].add_parser("speech", help="speak a text into a WAV file (text-to-speech models)")
     speech.add_argument("--model", required=True, metavar="NAME_OR_FOLDER",
-                        help="a transformers Dia or CSM folder, or a Hugging Face repo id")
+                        help="a transformers Dia, CSM or VibeVoice folder, or a Hugging Face repo id")
     speech.add_argument("--text", required=True, help="what to say (Dia reads speaker tags: '[S1] ... [S2] ...')")
     speech.add_argument("--out", required=True, metavar="PATH.wav", help="the WAV file to write")
     speech.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (default: an error)")
     speech.add_argument("--voice", default=None, metavar="AUDIO", help="a voice prompt to continue from (any audio file)")
     speech.add_argument("--voice-text", default=None, help="the transcript of --voice")
     speech.add_argument("--decoding", default="ar", metavar="SPEC",
-                        help="a frame decoder: ar (default), sjd, draft (with --drafter), with options as NAME:key=value,...")
+                        help="a frame decoder: ar (default), sjd, gsd, draft or entropy-switch (with --drafter); for "
+                             "VibeVoice ar or cspd (with --drafter and --final-std); options as NAME:key=value,...")
     speech.add_argument("--drafter", default=None, metavar="NAME_OR_FOLDER",
-                        help="for --decoding draft: a smaller model of the same codec")
+                        help="for --decoding draft, entropy-switch or cspd: a smaller model of the same codec")
+    speech.add_argument("--final-std", type=float, default=None,
+                        help="VibeVoice: standard deviation of the head's last step (default 0, its own sampler; "
+                             "cspd needs > 0)")
     speech.add_argument("--max-new-frames", type=int, default=None, help="decoder frames at most (default: the model's context)")
     speech.add_argument("--temperature", type=float, default=None, help="default the model's generation config; 0 is greedy")
     speech.add_argument("--top-k", type=int, default=None, help="sampling: keep the k most likely codes (default the model's)")
@@ -69,19 +73,27 @@ def generate_speech(args: argparse.Namespace) -> int:
     if args.voice is not None and not Path(args.voice).is_file():
         raise ValueError(f"--voice {args.voice}: no such file")
     cls = pipeline_class_of(args.model)
-    if cls.__name__ != "TTSPipeline":
+    from mmgen.audio.pipeline import TTSPipeline
+
+    if not issubclass(cls, TTSPipeline):
         raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a text-to-speech model")
-    if args.drafter is not None and parse_decoding(args.decoding)[0] not in cls.companions:
-        raise ValueError(f"--drafter is for --decoding draft, not {args.decoding!r}")
+    method = parse_decoding(args.decoding)[0]
+    if args.drafter is not None and method not in cls.companions:
+        raise ValueError(f"--drafter is for --decoding {' or '.join(sorted(cls.companions))}, not {args.decoding!r}")
+    continuous = cls.decoder_family == "causal-continuous"
+    if args.final_std is not None and not continuous:
+        raise ValueError("--final-std is for continuous-latent models (VibeVoice)")
     transformers.utils.logging.disable_progress_bar()  # errors and the report stay the only output lines
     transformers.utils.logging.set_verbosity_error()
     dtype = getattr(torch, args.dtype)
     pipe = load_pipeline(args.model, device=args.device, dtype=dtype)
-    given = {"drafter": args.drafter} if args.drafter is not None else {}
+    given = {cls.companions[method].option: args.drafter} if args.drafter is not None else {}
     decoder = decoder_from_spec(args.decoding, pipe, args.model, args.device, dtype, **given)
     call = dict(voice=args.voice, voice_text=args.voice_text, max_new_frames=args.max_new_frames, decoding=decoder,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, guidance_scale=args.guidance_scale,
                 generator=make_generator(args.seed, args.device))
+    if args.final_std is not None:
+        call["final_std"] = args.final_std
     if args.stream:
         output = _stream_to_file(pipe, args.text, out, call)
     else:

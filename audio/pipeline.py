@@ -62,15 +62,16 @@ class TTSPipeline(Pipeline):
     component_types = {}  # transformers' own folders
     conditions = "prompt"
     default_decoding = "ar"
-    companions = {"draft": Companion("drafter", "-draft", "a smaller model of the same codec")}
+    companions = {"draft": Companion("drafter", "-draft", "a smaller model of the same codec"),
+                  "entropy-switch": Companion("small", "-draft", "a smaller model of the same codec")}
 
     @classmethod
     def decoders(cls) -> dict[str, Any]:
-        """Frame decoders: LANTERN needs a latent codebook per token, entropy switching and prompt
-        lookup a text-like sequence, none of which a frame of codebooks offers yet. Grouped
-        acceptance (gsd) groups codes by each codebook's embedding table."""
-        return {name: make for name, make in super().decoders().items()
-                if name not in ("lantern", "lantern++", "entropy-switch", "lookup")}
+        """Frame decoders: LANTERN needs a latent codebook per token and prompt lookup a text-like
+        sequence, which a frame of codebooks does not offer. Grouped acceptance (gsd) groups codes
+        by each codebook's embedding table; entropy switching measures a frame's entropy as the
+        mean of its codebooks'."""
+        return {name: make for name, make in super().decoders().items() if name not in ("lantern", "lantern++", "lookup")}
 
     def __init__(self, model: Any, tokenizer: Any, codec: Any):
         super().__init__(model=model)
@@ -86,7 +87,8 @@ class TTSPipeline(Pipeline):
     def from_pretrained(cls, repo_or_path: Union[str, os.PathLike], torch_dtype: Optional[torch.dtype] = None,
                         device: Union[str, torch.device, None] = None, **kwargs) -> "TTSPipeline":
         """A transformers speech checkpoint (Hub id or folder). The codec is the folder's
-        `codec/` subfolder, else the one its processor config names (Dia: descript/dac_44khz)."""
+        `codec/` subfolder, else the one its processor config names (Dia: descript/dac_44khz).
+        A VibeVoice folder opens as a `LatentTTSPipeline` (continuous latents)."""
         from transformers import AutoConfig
 
         source = os.fspath(repo_or_path)
@@ -103,8 +105,13 @@ class TTSPipeline(Pipeline):
             model = CsmForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(source)
             codec = model.codec_model
+        elif config.model_type == "vibevoice":
+            from mmgen.audio.latent_pipeline import LatentTTSPipeline
+
+            return LatentTTSPipeline.from_pretrained(source, torch_dtype, device, **kwargs)
         else:
-            raise ValueError(f"{source}: model type {config.model_type!r} is not a speech model mmgen serves (dia, csm)")
+            raise ValueError(f"{source}: model type {config.model_type!r} is not a speech model mmgen serves "
+                             "(dia, csm, vibevoice)")
         pipe = cls(model.eval(), tokenizer, codec.eval())
         return pipe.to(device) if device is not None else pipe
 
@@ -205,9 +212,10 @@ class TTSPipeline(Pipeline):
             streamer: a core `Streamer` receiving each row's new frames as they commit.
         """
         decoder = resolve_decoder(decoding)
-        drafter = getattr(decoder, "drafter", None)
-        if isinstance(drafter, TTSPipeline):
-            self.check_companion(drafter, self.companions["draft"])
+        for companion in self.companions.values():
+            other = getattr(decoder, companion.option, None)
+            if isinstance(other, TTSPipeline):
+                self.check_companion(other, companion)
         conditions, budget = self.prepare(text, voice, voice_text, max_new_frames, guidance_scale)
         sampling = self.sampling(temperature, top_k, top_p)
         stopping = self.family.stopping(budget)

@@ -48,14 +48,18 @@ def build(family: str, size: str):
     return TTSPipeline(model, tiny.byte_tokenizer(), model.codec_model), "Hello there."
 
 
-def transformers_generate(pipe, conditions, frames: int):
+def transformers_generate(pipe, conditions, frames: int, greedy: bool = True, **options):
+    """transformers' `generate` on the pipeline's conditions: greedy, or sampled as the model's
+    generation config says; `options` go to `generate` (assistant_model=, ...)."""
     model = pipe.model
+    sampling = {"do_sample": False} if greedy else {}
     if pipe.family.__class__.__name__ == "DiaSpeech":
         return model.generate(input_ids=conditions.input_ids, attention_mask=conditions.attention_mask,
                               decoder_input_ids=conditions.decoder_input_ids, decoder_attention_mask=conditions.decoder_attention_mask,
-                              max_new_tokens=frames, do_sample=False, guidance_scale=conditions.guidance_scale)
+                              max_new_tokens=frames, guidance_scale=conditions.guidance_scale, **sampling, **options)
+    depth = {"depth_decoder_do_sample": False} if greedy else {}
     return model.generate(input_ids=conditions.input_ids, attention_mask=conditions.attention_mask, max_new_tokens=frames,
-                          do_sample=False, depth_decoder_do_sample=False)
+                          **sampling, **depth, **options)
 
 
 def step_latency(pipe, conditions, width: int, repeats: int) -> float:

@@ -60,6 +60,13 @@ CONTINUOUS_DECODERS: dict[str, Callable[[], ContinuousDecoder]] = {
     "cspd": ContinuousSpeculative,
 }
 
+#: The shortcuts of cached causal continuous models (next-token diffusion: VibeVoice):
+#: `decoding="cspd"` needs `drafter=`.
+CAUSAL_CONTINUOUS_DECODERS: dict[str, Callable[[], CausalContinuousSpeculative]] = {
+    "ar": CausalContinuousSpeculative,
+    "cspd": CausalContinuousSpeculative,
+}
+
 #: The shortcuts of next-scale models (VAR): `decoding="code"` needs `refiner=`.
 SCALE_DECODERS: dict[str, Callable[[], ScaleDecoder]] = {
     "ar": NextScale,
@@ -132,6 +139,7 @@ def _field_names(obj: Any) -> set[str]:
 #: The shortcuts of each decoder family (`BaseDecoder.family`).
 FAMILY_DECODERS: dict[str, dict[str, Callable[[], Any]]] = {
     "token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS,
+    "causal-continuous": CAUSAL_CONTINUOUS_DECODERS,
 }
 
 
@@ -140,7 +148,8 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
     `registry=SCALE_DECODERS` for next-scale models, `CONTINUOUS_DECODERS` for continuous ones
     (or `FAMILY_DECODERS[family]`). A decoder object must be of that registry's family."""
     family = next((name for name, table in FAMILY_DECODERS.items() if table is registry), "token")
-    kind = {"token": Decoder, "scale": ScaleDecoder, "continuous": ContinuousDecoder}[family]
+    kind = {"token": Decoder, "scale": ScaleDecoder, "continuous": ContinuousDecoder,
+            "causal-continuous": CausalContinuousSpeculative}[family]
     if isinstance(decoding, BaseDecoder) and decoding.family == family:
         return decoding
     if isinstance(decoding, str):
@@ -157,6 +166,7 @@ __all__ = [
     "BaseDecoder",
     "FAMILY_DECODERS",
     "CausalContinuousSpeculative",
+    "CAUSAL_CONTINUOUS_DECODERS",
     "speculative_decode",
     "TokenQueueStreamer",
     "Streamer",

@@ -8,6 +8,11 @@ that position or the target's own bonus token after the last. Both heads run on 
 table per position (denoising-trajectory alignment), so a drafter equal to the target keeps
 everything. Rows advance independently and roll back by not committing, as the token loop
 (`speculative.py`) does.
+
+A model that ends rows on its own (a speech model's end of audio) offers `lengths(state)`: each
+row's token count once it has ended (a number past `num_tokens` while it goes on). Ended rows
+stop drafting and verifying, the output's `lengths` holds the counts and the tokens after them
+are zeros.
 """
 
 from __future__ import annotations
@@ -71,14 +76,19 @@ class CausalContinuousSpeculative(BaseDecoder):
         pos = torch.zeros(B, dtype=torch.long, device=device)  # each row's newest finalised token
         ones = torch.ones(B, dtype=torch.long, device=device)
         recorder.record(ones, ones.bool())
+        ends = getattr(model, "lengths", None)
+        limit = lambda: torch.full_like(pos, num_tokens) if ends is None else ends(state).clamp(max=num_tokens)
+        stop = limit()
         draft_state = drafter.start(conditions, capacity, sampling.uses_guidance) if drafter is not None else None
         drafted = kept = fallbacks = 0
-        draft_forwards, first_round, done = 1 if drafter is not None else 0, True, 1
+        draft_forwards, first_round = 1 if drafter is not None else 0, True
+        finished = lambda: min(int(torch.where(pos + 1 < stop, pos, num_tokens).min()) + 1, num_tokens)
+        done = finished()
         if progress is not None:
-            progress.update(1)
+            progress.update(done)
 
         while done < num_tokens:
-            active = pos + 1 < num_tokens
+            active = pos + 1 < stop
             newest = out.gather(1, pos[:, None, None].expand(-1, 1, D))
             drafts, q = [], []
             if k:
@@ -119,14 +129,19 @@ class CausalContinuousSpeculative(BaseDecoder):
             model.commit(state, step)
             recorder.record(step, active)
             pos = pos + step
+            stop = limit()
             if k:
                 drafter.rewind(draft_state, (pos - 1).clamp_min(0))
                 first_round = False
-            now = min(int(pos.min()) + 1, num_tokens)  # the one host sync
+            now = finished()  # the one host sync (an ended row counts as done)
             if progress is not None and now > done:
                 progress.update(now - done)
             done = now
 
-        stats = recorder.finish(num_tokens, B, state.cache_bytes + (draft_state.cache_bytes if k else 0))
+        stats = recorder.finish(num_tokens if ends is None else max(int(stop.max()), 1), B, state.cache_bytes + (draft_state.cache_bytes if k else 0))
         stats.extra = DraftCounters(draft_forwards, drafted, kept, fallbacks)
-        return ContinuousOutput(out[:, :num_tokens], stats)
+        tokens = out[:, :num_tokens]
+        if ends is None:
+            return ContinuousOutput(tokens, stats)
+        tokens = tokens * (torch.arange(num_tokens, device=device) < stop[:, None])[..., None]
+        return ContinuousOutput(tokens, stats, lengths=stop)

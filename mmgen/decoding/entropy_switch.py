@@ -1,17 +1,29 @@
-"""Entropy switching between a small and a large model on one token sequence."""
+"""Entropy switching between a small and a large model on one token (or frame) sequence."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens, raise_if_masked
 from mmgen.decoding.draft import as_token_model
+from mmgen.decoding.speculative import (
+    Stopping,
+    Streamer,
+    _frame_index,
+    _invalid,
+    _is_stop,
+    _per_codebook,
+    _probs,
+    _Reporter,
+    complete_frame,
+    where_slots,
+)
 from mmgen.decoding.stats import StageCounters, StatsRecorder
-from mmgen.modeling import TokenModel
-from mmgen.sampling import SamplingConfig, invalid_rows, sample
+from mmgen.modeling import DecodeState, TokenModel
+from mmgen.sampling import SamplingConfig, sample
 
 
 @dataclass
@@ -29,6 +41,20 @@ class EntropySwitch(Decoder):
     is where the bundled emoji pair gains (2.3x fewer large-model calls at batch 1, about even at
     batch 8, where the large model runs whenever any row needs it) for a measured quality cost
     (docs/benchmarks.md); 2.0 ran the large model at almost every token.
+
+    Frames (codec TTS, `num_codebooks = K > 1`): each step is one frame [B, K], and a frame's
+    entropy is the mean over its codebooks of each codebook's entropy (a codebook the model
+    forces, one-hot, counts 0 nats). Both models must share the frame layout (codebooks and
+    vocabulary). A model with `complete_frame` (CSM: codebook 0 from the backbone, the rest from
+    its depth decoder) completes its own frames: the small model draws and completes its frame
+    first, since the laws of its later codebooks are part of the entropy, and a row the large
+    model takes gets the large model's own frame. Otherwise one draw is made from the chosen
+    model's law, as autoregressive decoding draws it (the same seed gives the same tokens).
+
+    Stopping and streaming are the speculative loop's (`speculative_decode`): a row ends with
+    its stop token or budget (`Stopping`), nothing after it is committed to either model, the
+    output is padded after it and `lengths` holds each row's count; `streamer.put` receives each
+    row's new token after every step, `streamer.end()` once at the end.
     """
 
     small: Any = None
@@ -45,59 +71,109 @@ class EntropySwitch(Decoder):
         model: TokenModel,
         conditions: Any,
         num_tokens: int,
-        sampling: SamplingConfig,
+        sampling: Union[SamplingConfig, Sequence[SamplingConfig]],
         generator: torch.Generator,
         progress: Optional[Progress] = None,
-        stopping: Optional[Any] = None,
-        streamer: Optional[Any] = None,
+        stopping: Optional[Stopping] = None,
+        streamer: Optional[Streamer] = None,
     ) -> DecodeOutput:
         check_num_tokens(num_tokens)
-        if stopping is not None or streamer is not None:
-            raise ValueError("EntropySwitch decodes a fixed number of tokens: it takes no stopping or streamer yet")
         if self.small is None:
             raise ValueError("EntropySwitch needs a small model with the same tokenizer (small=...)")
         small = as_token_model(self.small)
-        if small.vocab_size != model.vocab_size:
-            raise ValueError(f"small model vocabulary {small.vocab_size} != large model vocabulary {model.vocab_size}")
-        large_state = model.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
-        small_state = small.start(conditions, self.capacity(num_tokens), sampling.uses_guidance)
+        K, V = _layout(model)
+        if _layout(small) != (K, V):
+            raise ValueError(f"the small model's frames ({_layout(small)[0]} codebooks x {_layout(small)[1]} tokens) are "
+                             f"not the large model's ({K} x {V}): it must decode the same frames")
+        sampling = _per_codebook(sampling, K)
+        guidance = any(s.uses_guidance for s in sampling)
+        large_state = model.start(conditions, self.capacity(num_tokens), guidance)
+        small_state = small.start(conditions, self.capacity(num_tokens), guidance)
         B, device = small_state.batch_size, small_state.device
         recorder = StatsRecorder(device, max_accepted=1)
-        tokens = torch.empty(B, num_tokens, dtype=torch.long, device=device)
+        tokens = torch.zeros(B, num_tokens, *(() if K == 1 else (K,)), dtype=torch.long, device=device)
+        limit = (stopping or Stopping()).limits(B, num_tokens, device)
+        stop_ids = stopping.stop_ids(device) if stopping is not None else None
+        variable = stopping is not None
+        report = _Reporter(num_tokens, limit, progress, streamer)
+        synced = variable or streamer is not None  # else every row runs to num_tokens: no sync for progress
         entropies = torch.zeros(B, self.entropy_window, device=device)
-        ones = torch.ones(B, dtype=torch.long, device=device)
-        index = torch.zeros(B, 1, dtype=torch.long, device=device)
+        emitted = torch.zeros(B, dtype=torch.long, device=device)
+        active = torch.ones(B, dtype=torch.bool, device=device)  # rows still decoding token t
         bad = torch.zeros(B, dtype=torch.bool, device=device)
+        zero = torch.zeros(B, dtype=torch.long, device=device)
+        completes = getattr(small, "complete_frame", None), getattr(model, "complete_frame", None)
+        draw_first = any(c is not None for c in completes)  # the small frame is needed for its entropy
         # Forwards per model, prefills included; `large_fed` counts the tokens the large model has seen.
         large_fed, large_forwards, small_forwards = 0, 1, 1
         large_tokens = torch.zeros((), dtype=torch.long, device=device)
-        for t in range(num_tokens):
+        t = 0
+        while True:
+            index = zero[:, None] + t  # generated-token index [B, 1]
+            step = active.long()  # what each row commits of a forward: nothing once it has ended
             if t > 0:
                 logits = small.forward(small_state, tokens[:, t - 1 : t])
-                small.commit(small_state, ones)
+                small.commit(small_state, step)
                 small_forwards += 1
             else:
                 logits = small_state.first_logits
-            probs = sampling.probs(logits, index + t)
-            entropies[:, t % self.entropy_window] = -(probs * probs.clamp_min(1e-30).log()).sum(-1)[:, 0]
+            probs = _probs(sampling, logits, index)
+            token, law = None, probs[:, 0]
+            if draw_first:
+                token, law = _draw(completes[0], small_state, sampling, probs, zero, index, generator)
+            entropy = -(law * law.clamp_min(1e-30).log()).sum(-1)
+            entropies[:, t % self.entropy_window] = entropy.reshape(B, -1).mean(-1)  # frames: mean over codebooks
             rolling = entropies.sum(1) / min(t + 1, self.entropy_window)
-            use_large = rolling > self.threshold
+            use_large = (rolling > self.threshold) & active
             if bool(use_large.any()):  # one host sync per token: the large model runs only when needed
                 if t > large_fed:
                     large_logits = model.forward(large_state, tokens[:, large_fed:t])[:, -1:]
-                    model.commit(large_state, ones * (t - large_fed))
+                    model.commit(large_state, step * (t - large_fed))
+                    slot = zero + (t - large_fed - 1)  # the fed position the logits follow
                     large_fed, large_forwards = t, large_forwards + 1
                 else:
-                    large_logits = large_state.first_logits
-                probs = torch.where(use_large[:, None, None], sampling.probs(large_logits, index + t), probs)
+                    large_logits, slot = large_state.first_logits, zero
+                large_probs = _probs(sampling, large_logits, index)
+                if token is not None:
+                    large_token = _draw(completes[1], large_state, sampling, large_probs, slot, index, generator)[0]
+                    token = where_slots(use_large, large_token, token)
+                probs = where_slots(use_large, large_probs, probs)
                 large_tokens += use_large.sum()
-            bad |= invalid_rows(probs).any(-1)
-            tokens[:, t] = sample(probs, generator)[:, 0]
-            recorder.record(ones, ones.bool())  # one token per row per step
-            if progress is not None:
-                progress.update(1)
+            bad |= _invalid(probs) & active
+            tokens[:, t] = sample(probs, generator)[:, 0] if token is None else token
+            recorder.record(step, active)  # one token per decoding row per step
+            emitted = emitted + step
+            active = active & ~_is_stop(tokens[:, t : t + 1], stop_ids, stopping)[:, 0] & (emitted < limit)
+            t += 1
+            if report(tokens, emitted, active, synced) >= num_tokens:
+                break
+        if streamer is not None:
+            streamer.end()
         raise_if_masked(bad)
-        stats = recorder.finish(num_tokens, B, large_state.cache_bytes + small_state.cache_bytes)
+        stats = recorder.finish(int(emitted.max()) if variable else num_tokens, B,
+                                large_state.cache_bytes + small_state.cache_bytes)
         stats.forwards = large_forwards + small_forwards
-        stats.extra = StageCounters([large_forwards, small_forwards], [int(large_tokens), B * num_tokens - int(large_tokens)])
-        return DecodeOutput(tokens, stats)
+        total = int(emitted.sum())
+        stats.extra = StageCounters([large_forwards, small_forwards], [int(large_tokens), total - int(large_tokens)])
+        if not variable:
+            return DecodeOutput(tokens, stats)
+        # Nothing after a row's end is output: pad it, as the speculative loop does.
+        past = torch.arange(num_tokens, device=device)[None] >= emitted[:, None]
+        return DecodeOutput(tokens.masked_fill(_frame_index(past, K), stopping.pad_token), stats, emitted)
+
+
+def _layout(model: TokenModel) -> tuple[int, int]:
+    """(codebooks per frame, vocabulary): what two models must share to decode one sequence."""
+    return int(getattr(model, "num_codebooks", 1)), int(model.vocab_size)
+
+
+def _draw(complete: Optional[Callable], state: DecodeState, sampling: list, probs: torch.Tensor, slot: torch.Tensor,
+          index: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token [B] or frame [B, K] drawn from `probs` [B, 1(, K), V], and the laws it was drawn
+    from [B(, K), V]. A model with `complete_frame` (`complete`) draws codebooks 1.. itself from
+    its state after fed position `slot` [B], as autoregressive decoding does."""
+    token = sample(probs, generator)[:, 0]
+    if complete is None:
+        return token, probs[:, 0]
+    frame, laws = complete_frame(complete, state, sampling, slot, token, torch.ones_like(slot), generator, index)
+    return frame, torch.cat([probs[:, 0, :1], laws[:, 1:]], 1)

@@ -38,7 +38,7 @@ READY = "#generate"  # the page fixture waits for it
 ARTIFACTS = "speech_demo"
 TEXT = "[S1] Hello there."
 FRAMES = 40
-METHODS = ["ar", "sjd", "sjd-coupled", "gsd", "draft"]  # TTSPipeline.decoders() of a Dia model
+METHODS = ["ar", "sjd", "sjd-coupled", "gsd", "draft", "entropy-switch"]  # TTSPipeline.decoders() of a Dia model
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_catalog_pairs_the_sibling_drafter_and_offers_draft_only_with_it(catalog
     assert methods(catalog, "tiny-tts") == METHODS
     alone = SpeechCatalog.discover([str(folders[1])])
     assert list(alone.main) == ["solo-tts"] and not alone.companions
-    assert methods(alone, "solo-tts") == [m for m in METHODS if m != "draft"]
+    assert methods(alone, "solo-tts") == [m for m in METHODS if m not in ("draft", "entropy-switch")]
     with pytest.raises(ValueError, match=r"decoding 'draft' needs a drafter \(a smaller model of the same codec\): start the demo with a folder solo-tts-draft"):
         run_request(speak(model="solo-tts", method="draft"), alone)
     given = SpeechCatalog.discover([str(folders[0]), str(folders[0].parent / "tiny-tts-draft")])  # named: once

@@ -78,3 +78,24 @@ def test_bad_input_is_one_line_and_loses_nothing(folders, capsys, tmp_path, extr
     assert code != 0 and message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert (tmp_path / "exists.wav").read_bytes() == b"keep me"
     assert not (tmp_path / "x.wav").exists() and not (tmp_path / "x.wav.partial").exists()
+
+
+def test_vibevoice_folder_speaks_through_the_same_command(folders, capsys, tmp_path):
+    from tests.audio.tiny import tiny_vibevoice
+
+    tiny_vibevoice(0, speak=1.0).save_pretrained(tmp_path / "vv")
+    tiny_vibevoice(0, speak=1.0).save_pretrained(tmp_path / "vv-draft")
+    common = ["--model", tmp_path / "vv", "--text", "Hello there.", "--max-new-frames", 6, "--seed", 3]
+    code, _, err = run(capsys, *common, "--out", tmp_path / "plain.wav", "--final-std", 0.2)
+    assert code == 0 and json.loads(err.strip().splitlines()[-1])["frames"] == 6
+    expected = tiny_vibevoice(0, speak=1.0)("Hello there.", max_new_frames=6, final_std=0.2,
+                                            generator=torch.Generator().manual_seed(3)).audio[0]
+    audio, _ = soundfile.read(tmp_path / "plain.wav", dtype="float32")
+    assert audio.shape == expected.shape and abs(audio - expected.clamp(-1, 1).numpy()).max() <= 1 / 32767 + 1e-6
+    code, _, err = run(capsys, *common, "--out", tmp_path / "drafted.wav", "--final-std", 0.2, "--decoding", "cspd",
+                       "--drafter", tmp_path / "vv-draft")
+    assert code == 0 and json.loads(err.strip().splitlines()[-1])["stats"]["draft_forwards"] > 0
+    code, _, err = run(capsys, *common, "--out", tmp_path / "x.wav", "--decoding", "cspd", "--drafter", tmp_path / "vv-draft")
+    assert code != 0 and "final_std > 0" in err and not (tmp_path / "x.wav").exists()
+    code, _, err = run(capsys, "--model", folders / "dia", "--text", "Hi.", "--out", tmp_path / "y.wav", "--final-std", 0.1)
+    assert code != 0 and "--final-std is for continuous-latent models" in err

@@ -60,8 +60,12 @@ CSM_MIMI_LENGTHS = {"kernel_sizes": [7, 3, 1, 4, 3, 1, 8, 3, 4], "strides": [1, 
                     "dilations": [1] * 9, "use_causal_conv": True}  # the tiny Mimi's encoder, for CsmProcessor
 
 
-def byte_tokenizer():
-    """A byte-level fast tokenizer with CSM's special tokens (ids 256..260)."""
+CSM_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>", "<|pad|>")
+
+
+def byte_tokenizer(specials: tuple = CSM_SPECIALS):
+    """A byte-level fast tokenizer with special tokens at ids 256.. (CSM's by default; the
+    first two are its bos and eos, the last its pad)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -76,9 +80,8 @@ def byte_tokenizer():
     tk = Tokenizer(models.BPE(vocab=chars, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>", "<|AUDIO|>", "<|audio_eos|>", "<|pad|>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
-                                   pad_token="<|pad|>")
+    tk.add_special_tokens(list(specials))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=specials[0], eos_token=specials[1], pad_token=specials[-1])
 
 
 def tiny_csm_model(seed: int = 0, layers: int = 2, hidden: int = 32, eos_boost: float = 0.0):
@@ -121,3 +124,61 @@ def rounding(reference: torch.Tensor) -> float:
     """Float32 rounding allowance for audio computed two ways (other windows, batches, thread
     counts): scaled to the signal's peak, so the check means the same on every machine."""
     return 1e-5 * max(float(reference.abs().max()), 1e-3)
+
+
+
+# VibeVoice's generation tokens (Qwen2's names), the audio token first: it wins ties.
+VV_SPECIALS = ("<|vision_pad|>", "<|endoftext|>", "<|vision_start|>", "<|vision_end|>")
+VV_AUDIO, VV_EOS, VV_AUDIO_BOS, VV_AUDIO_EOS = 256, 257, 258, 259
+VV_TEMPLATE = ("{% for turn in messages %}Speaker {{ turn['role'] }}:{% for item in turn['content'] %}"
+               "{% if item['type'] == 'text' %} {{ item['text'] }}{% else %} <|vision_start|><|vision_pad|><|vision_end|>"
+               "{% endif %}{% endfor %}\n{% endfor %}Speech output:\n<|vision_start|>")
+
+
+def keep_speaking(model, speak: float) -> None:
+    """Make a random VibeVoice's rows talk on: residual channel 0 is held at 1 (every input puts 1
+    there, no layer writes to it), so the audio token's logit gains `speak` / rms(hidden) > 0."""
+    vv = model.model
+    with torch.no_grad():
+        vv.language_model.embed_tokens.weight[:, 0] = 1.0
+        for projector, bias in ((vv.multi_modal_projector, 1.0), (vv.semantic_connector, 0.0)):
+            projector.linear_2.weight[0] = 0.0
+            projector.linear_2.bias[0] = bias
+        for layer in vv.language_model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.lm_head.weight[model.config.audio_token_id, 0] = speak
+
+
+def tiny_vibevoice_model(seed: int = 0, layers: int = 2, hidden: int = 32, latent: int = 8, speak: float = 0.0):
+    """A random VibeVoice: Qwen2 backbone, σ-VAE decoder of hop 4, semantic encoder, diffusion head
+    (`speak`: `keep_speaking`)."""
+    from transformers import VibeVoiceConfig, VibeVoiceForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = dict(model_type="qwen2", vocab_size=261, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    audio = dict(hidden_size=latent, num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1], kernel_size=3)
+    semantic = dict(hidden_size=6, num_filters=4, downsampling_ratios=[2, 2], depths=[1, 1, 1], kernel_size=3)
+    head = dict(num_hidden_layers=1, intermediate_size=48, frequency_embedding_size=16)
+    config = VibeVoiceConfig(text_config=text, audio_config=audio, semantic_model_config=semantic, diffusion_head_config=head,
+                             pad_token_id=VV_EOS, eos_token_id=VV_EOS, audio_bos_token_id=VV_AUDIO_BOS,
+                             audio_eos_token_id=VV_AUDIO_EOS, audio_token_id=VV_AUDIO)
+    model = VibeVoiceForConditionalGeneration(config).eval()
+    if speak:
+        keep_speaking(model, speak)
+    return model
+
+
+def tiny_vibevoice(seed: int = 0, **kwargs):
+    """A `LatentTTSPipeline` over a tiny VibeVoice with a byte tokenizer and a small chat
+    template of VibeVoice's shape (the released checkpoints ship their own)."""
+    from transformers import VibeVoiceAcousticTokenizerFeatureExtractor, VibeVoiceProcessor
+
+    from mmgen.audio.latent_pipeline import LatentTTSPipeline
+
+    tokenizer = byte_tokenizer(VV_SPECIALS + ("<|pad|>",))
+    tokenizer.pad_token = "<|endoftext|>"
+    features = VibeVoiceAcousticTokenizerFeatureExtractor(sampling_rate=RATE, pad_to_multiple_of=4)
+    processor = VibeVoiceProcessor(features, tokenizer, chat_template=VV_TEMPLATE)
+    return LatentTTSPipeline(tiny_vibevoice_model(seed, **kwargs), processor)
