@@ -95,11 +95,9 @@ class LatentTTSPipeline(TTSPipeline):
         streamer: Any = None,
         final_std: float = 0.0,
     ) -> TTSOutput:
-        """Speak each text (see `TTSPipeline.__call__`); `max_new_frames` counts latents (7.5 per
-        second), `temperature` scales `final_std`, the standard deviation of the head's last step
+        """Speak each text (see `TTSPipeline.__call__`; `stream` yields audio chunks as latents
+        commit); `max_new_frames` counts latents (7.5 per second), `temperature` scales `final_std`, the standard deviation of the head's last step
         (0: VibeVoice's deterministic ODE sampler given its noise; "cspd" needs it > 0)."""
-        if streamer is not None:
-            raise ValueError("streaming VibeVoice's latents is not supported yet: call without a streamer")
         decoder = resolve_decoder(decoding, self.decoders())
         drafter = decoder.drafter
         if isinstance(drafter, TTSPipeline):
@@ -115,7 +113,7 @@ class LatentTTSPipeline(TTSPipeline):
         sampling = replace(sampling, guidance=1.0 if scale is None else float(scale))
         model = self.latent_model(final_std)
         begin = time.perf_counter()
-        result = decoder.generate(model, conditions, budget, sampling, self.generator_for(generator))
+        result = decoder.generate(model, conditions, budget, sampling, self.generator_for(generator), streamer=streamer)
         decode_s = time.perf_counter() - begin
         latents = [row[:n] for row, n in zip(result.tokens, result.lengths.tolist())]
         audio = [model.decode(x) for x in latents]
@@ -123,5 +121,24 @@ class LatentTTSPipeline(TTSPipeline):
         return TTSOutput(audio, self.sampling_rate, latents, result.tokens, result.lengths, result.stats, decode_s,
                          decode_s / longest if longest else 0.0)
 
-    def stream(self, *args, **kwargs):
-        raise ValueError("streaming VibeVoice's latents is not supported yet: call the pipeline instead")
+    def _row_audio(self, window: Any) -> "LatentAudio":
+        """One row's streaming decoder (the σ-VAE decoder is causal: no window is needed)."""
+        return LatentAudio(self.latent_model())
+
+
+class LatentAudio:
+    """A row's latents -> audio chunks through the causal σ-VAE decoder's streaming cache: the
+    chunks concatenate to the one-shot decode up to float rounding."""
+
+    def __init__(self, model: VibeVoiceLatentModel):
+        from transformers.models.vibevoice_acoustic_tokenizer.modeling_vibevoice_acoustic_tokenizer import (
+            VibeVoiceAcousticTokenizerConv1dPaddingCache)
+
+        self.model, self.cache = model, VibeVoiceAcousticTokenizerConv1dPaddingCache()
+
+    def push(self, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the audio of the new latents [n, D], False: the decoder stops sending at a row's end)."""
+        return self.model.decode(new, self.cache), False
+
+    def flush(self) -> torch.Tensor:
+        return torch.zeros(0)

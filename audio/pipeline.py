@@ -256,9 +256,7 @@ class TTSPipeline(Pipeline):
 
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
-        frames: dict[int, list[torch.Tensor]] = {}
-        streams: dict[int, CodecStream] = {}
-        sent: dict[int, int] = {}
+        audio: dict[int, Any] = {}  # row -> its chunker
         finished: set[int] = set()
         while True:
             kind, rows = events.get(timeout=600)
@@ -267,26 +265,43 @@ class TTSPipeline(Pipeline):
             for row, new in enumerate(rows):
                 if not len(new) or row in finished:
                     continue
-                frames.setdefault(row, []).append(new)
-                codes, ended = self.family.codes(torch.cat(frames[row]))
-                stream = streams.setdefault(row, CodecStream(self.codec, window))
-                chunk = stream.push(codes[:, sent.get(row, 0):])
-                sent[row] = codes.shape[1]
+                chunk, ended = audio.setdefault(row, self._row_audio(window)).push(new)
                 if ended:
-                    chunk = torch.cat([chunk, stream.flush()])
                     finished.add(row)
                 if chunk.numel():
                     yield row, chunk
         worker.join()
         if "error" in outcome:
             raise outcome["error"]
-        output = outcome["output"]
-        for row, stream in streams.items():  # rows cut by their budget end without an end frame
+        for row, chunker in audio.items():  # rows cut by their budget end without an end frame
             if row not in finished:
-                tail = stream.flush()
+                tail = chunker.flush()
                 if tail.numel():
                     yield row, tail
-        return output
+        return outcome["output"]
+
+    def _row_audio(self, window: StreamWindow) -> "FrameAudio":
+        """One row's streaming decoder: frames in, waveform chunks out."""
+        return FrameAudio(self.family, self.codec, window)
+
+
+class FrameAudio:
+    """A row's frames -> codec codes -> audio chunks (`CodecStream`), until its end frame."""
+
+    def __init__(self, family: Any, codec: Codec, window: StreamWindow):
+        self.family, self.frames, self.sent = family, [], 0
+        self.stream = CodecStream(codec, window)
+
+    def push(self, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(the audio the new frames complete, whether the row's end frame came)."""
+        self.frames.append(new)
+        codes, ended = self.family.codes(torch.cat(self.frames))
+        chunk = self.stream.push(codes[:, self.sent:])
+        self.sent = codes.shape[1]
+        return (torch.cat([chunk, self.stream.flush()]), True) if ended else (chunk, False)
+
+    def flush(self) -> torch.Tensor:
+        return self.stream.flush()
 
 
 def _generate_top_k(config: Any) -> int:

@@ -271,13 +271,15 @@ class VibeVoiceLatentModel:
         std = torch.full((1, 1, 1), self.final_std * float(temperature), device=mean.device)
         return HeadSample(mean + std * noise[:, :, -1].float(), mean, std)
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """A row's latents [T, D] -> its waveform [T x hop] (the causal decoder in one call)."""
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """A row's latents [T, D] -> its waveform [T x hop] (the causal decoder in one call; with a
+        streaming `cache`, the continuation of what it decoded before)."""
         vv = self.model.model
         if not latents.shape[0]:
             return torch.zeros(0)
         scaled = latents[None].to(self.model.dtype) / vv.latent_scaling_factor - vv.latent_bias_factor
-        return vv.audio_tower.decode(scaled).audio[0, 0].float()
+        return vv.audio_tower.decode(scaled, padding_cache=cache, use_cache=cache is not None).audio[0, 0].float()
 
 
 def _layer() -> Any:

@@ -50,7 +50,11 @@ class CausalContinuousSpeculative(BaseDecoder):
         check_int("num_draft", self.num_draft, 1)
 
     def generate(self, model: CausalContinuousModel, conditions: Any, num_tokens: int, sampling: SamplingConfig,
-                 generator: torch.Generator, progress: Optional[Progress] = None) -> ContinuousOutput:
+                 generator: torch.Generator, progress: Optional[Progress] = None, streamer: Optional[Any] = None) -> ContinuousOutput:
+        """Decode `num_tokens` tokens per row (fewer where the model ends a row: `lengths`);
+        `streamer.put` receives each row's newly final tokens [n_b, D] after every round (a token
+        is final once sampled and the model has said its row goes on to it), `streamer.end()`
+        once at the end."""
         check_num_tokens(num_tokens)
         _check_sampling(sampling)
         drafter = self.drafter
@@ -83,7 +87,16 @@ class CausalContinuousSpeculative(BaseDecoder):
         drafted = kept = fallbacks = 0
         draft_forwards, first_round = 1 if drafter is not None else 0, True
         finished = lambda: min(int(torch.where(pos + 1 < stop, pos, num_tokens).min()) + 1, num_tokens)
+        sent = [0] * B
+
+        def report():
+            for b, upto in enumerate(torch.minimum(pos + 1, stop).tolist()):
+                new, sent[b] = out[b, sent[b]: max(upto, sent[b])], max(upto, sent[b])
+                yield new
+
         done = finished()
+        if streamer is not None:
+            streamer.put(list(report()))
         if progress is not None:
             progress.update(done)
 
@@ -134,10 +147,14 @@ class CausalContinuousSpeculative(BaseDecoder):
                 drafter.rewind(draft_state, (pos - 1).clamp_min(0))
                 first_round = False
             now = finished()  # the one host sync (an ended row counts as done)
+            if streamer is not None:
+                streamer.put(list(report()))
             if progress is not None and now > done:
                 progress.update(now - done)
             done = now
 
+        if streamer is not None:
+            streamer.end()
         stats = recorder.finish(num_tokens if ends is None else max(int(stop.max()), 1), B, state.cache_bytes + (draft_state.cache_bytes if k else 0))
         stats.extra = DraftCounters(draft_forwards, drafted, kept, fallbacks)
         tokens = out[:, :num_tokens]

@@ -188,7 +188,6 @@ def test_pipeline_bad_input_is_refused():
     cases = [
         (dict(decoding=CausalContinuousSpeculative(drafter=tiny_vibevoice(1))), "final_std > 0"),
         (dict(decoding=CausalContinuousSpeculative(drafter=tiny_vibevoice(1, latent=6)), final_std=0.1), "another codec layout"),
-        (dict(streamer=object()), "streaming"),
         (dict(voice=(wave, 16000), voice_text="the words"), "without voice_text"),
         (dict(top_k=5), "top-k"),
         (dict(decoding="sjd"), "unknown decoding"),
@@ -198,3 +197,26 @@ def test_pipeline_bad_input_is_refused():
             pipe("hello", max_new_frames=4, **kwargs)
     with pytest.raises(ValueError, match="text"):
         pipe("  ")
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_streamed_chunks_concatenate_to_the_one_shot_audio(drafted):
+    pipe = tiny_vibevoice(0, speak=0.03)
+    texts = ["hello there", "hi", "a longer sentence"]
+    decoding = CausalContinuousSpeculative(drafter=tiny_vibevoice(0, speak=0.03), num_draft=3) if drafted else "ar"
+    kwargs = dict(max_new_frames=16, final_std=0.2, decoding=decoding, generator=torch.Generator().manual_seed(5))
+    stream = pipe.stream(texts, **kwargs)
+    chunks: dict = {}
+    while True:
+        try:
+            row, chunk = next(stream)
+        except StopIteration as stop:
+            output = stop.value
+            break
+        chunks.setdefault(row, []).append(chunk)
+    assert len(chunks[max(chunks, key=lambda r: len(chunks[r]))]) > 1  # audio came out in several chunks
+    expected = pipe(texts, **{**kwargs, "generator": torch.Generator().manual_seed(5)})
+    for b, audio in enumerate(expected.audio):
+        got = torch.cat(chunks[b]) if b in chunks else torch.zeros(0)
+        assert got.shape == audio.shape == output.audio[b].shape
+        torch.testing.assert_close(got, audio, atol=rounding(audio) if audio.numel() else 0, rtol=0)
