@@ -57,9 +57,10 @@ def register_vlm(demos) -> None:
 def register_speech(demos) -> None:
     """`mmgen demo speech`: speak a text with a text-to-speech model, every frame decoding method."""
     speech = demos.add_parser("speech", help="speak a text with a text-to-speech model, every decoding method")
-    speech.add_argument("--model", action="append", default=None, metavar="FOLDER",
-                        help="a transformers Dia or CSM folder (repeatable; required: no speech model is bundled yet). "
-                             "A folder FOLDER-draft beside it comes along as its drafter")
+    speech.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
+                        help=f"a bundled name or a transformers Dia, CSM or VibeVoice folder (repeatable; default: "
+                             f"{speech_request.DEFAULT_MODEL} with its drafter). A folder FOLDER-draft beside it comes "
+                             "along as its drafter")
     speech.add_argument("--device", default="cpu", help="torch device of the models (default: cpu)")
     speech.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
     speech.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")

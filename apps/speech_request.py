@@ -7,9 +7,10 @@ importing it needs no gradio. Every input is checked and bounded here: Gradio's 
 any value, whatever the page's widgets allow. The catalogue's locks and cache, the number checks
 and the message quoting are the image demo's (`image_request.py`).
 
-No speech model is bundled yet: the demo serves the folders given with --model (transformers
-Dia or CSM folders, as `mmgen generate speech` reads them). A folder `X-draft` beside a folder
-`X` is X's drafter, for the `draft` method.
+The demo serves the bundled `speech-tts` (with its drafter `speech-tts-draft`) unless given
+--model: bundled names or transformers Dia, CSM or VibeVoice folders, as `mmgen generate speech`
+reads them. A folder `X-draft` beside a folder `X` is X's drafter, for the methods that pair
+a second model.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ BASELINE_LABEL = "ar (baseline)"
 IN_MEMORY_FILE = re.compile(r"Error opening <_io\.BytesIO object at 0x[0-9a-fA-F]+>: ")
 #: transformers `model_type`s the demo opens (`mmgen.audio`'s index).
 SPEECH_MODEL_TYPES = ("dia", "csm", "vibevoice")
-NO_MODEL = ("no speech model is bundled with mmgen yet: pass --model FOLDER (a transformers Dia or CSM folder; "
-            "a folder FOLDER-draft beside it is its drafter)")
+#: The bundled model the demo serves when given none (its drafter comes along).
+DEFAULT_MODEL = "speech-tts"
 
 
 class SpeechCatalog(ModelCatalog):
@@ -49,11 +50,12 @@ class SpeechCatalog(ModelCatalog):
 
     @classmethod
     def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "SpeechCatalog":
-        """The given model folders; a folder X-draft beside a given folder X comes along as its
-        drafter. With none: ValueError (no speech model is bundled)."""
-        if not models:
-            raise ValueError(NO_MODEL)
-        entries = [_checked_folder(str(entry)) for entry in models]
+        """The given bundled names and model folders (default: the bundled `speech-tts`); a folder
+        X-draft beside a given folder X comes along as its drafter."""
+        from mmgen import registry
+
+        bundled = registry.bundled_models()
+        entries = [_checked_folder(str(bundled.get(str(entry), entry))) for entry in (models or [DEFAULT_MODEL])]
         for entry in list(entries):
             sibling = Path(entry).parent / (Path(entry).name + DRAFT_SUFFIX)
             if not entry.endswith(DRAFT_SUFFIX) and _is_speech_folder(sibling):
@@ -97,7 +99,8 @@ def _is_speech_folder(folder: Path) -> bool:
 def _checked_folder(entry: str) -> str:
     """A folder with the config.json of a speech model (no Hub ids: the demo never downloads)."""
     if not (Path(entry) / "config.json").is_file():
-        raise ValueError(f"--model {entry!r} is not a model folder with a config.json (a transformers Dia or CSM folder)")
+        raise ValueError(f"--model {entry!r} is neither a bundled speech model present in this installation nor a "
+                         "model folder with a config.json (a transformers Dia, CSM or VibeVoice folder)")
     if not _is_speech_folder(Path(entry)):
         raise ValueError(f"--model {entry!r} is not a text-to-speech model: its config.json's model_type is not one of "
                          f"{list(SPEECH_MODEL_TYPES)}")

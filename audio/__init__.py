@@ -11,7 +11,8 @@ The index below is what `mmgen.registry` reads to import the pipeline on first u
 PIPELINE_MODULES = {"TTSPipeline": "mmgen.audio.pipeline", "LatentTTSPipeline": "mmgen.audio.latent_pipeline"}
 #: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
 MODEL_TYPES = {"dia": "TTSPipeline", "csm": "TTSPipeline", "vibevoice": "LatentTTSPipeline"}
-#: Bundled trained models (package data): name -> folder relative to this package.
-BUNDLED_MODELS: dict = {}
+#: Bundled trained models (package data; see assets/speech-tts/MODEL_CARD.md): name -> folder
+#: relative to this package.
+BUNDLED_MODELS = {"speech-tts": "assets/speech-tts", "speech-tts-draft": "assets/speech-tts-draft"}
 #: `mmgen batch` job files whose jobs carry a `text` run here (speech).
 BATCH_JOBS = {"text": "mmgen.audio.batch"}

@@ -111,7 +111,9 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> SpeechC
     """The decoder and options of a job key, every spec checked (ValueError) before any work."""
     from mmgen.loading import decoder_from_spec
 
-    if type(pipe).__name__ != "TTSPipeline":
+    from mmgen.audio.pipeline import TTSPipeline
+
+    if not isinstance(pipe, TTSPipeline):
         raise ValueError(f"model {fields['model']!r} holds a {type(pipe).__name__}, not a text-to-speech model")
     decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
     options = {k: fields[k] for k in ("max_new_frames", "temperature", "top_k", "top_p", "guidance_scale")}

@@ -1,10 +1,12 @@
 """`mmgen generate speech`: speak a text with a text-to-speech model into a WAV file.
 
+    mmgen generate speech --text "Hello there." --out hello.wav            # the bundled speech-tts, offline
     mmgen generate speech --model FOLDER_OR_REPO --text "Hello there." --out hello.wav
         [--voice prompt.wav --voice-text "transcript"] [--decoding draft --drafter SMALLER] [--stream]
 
-Any transformers Dia or CSM folder or Hub repo works (the codec comes from the folder's
-`codec/`, or the one its processor names). `--stream` writes `OUT.partial` as frames commit (a
+The bundled `speech-tts` (a small Dia-layout model trained here on espeak-ng speech, with its
+drafter `speech-tts-draft`) runs by default; any transformers Dia, CSM or VibeVoice folder or Hub
+repo works too (a Dia's codec comes from the folder's `codec/`, or the one its processor names). `--stream` writes `OUT.partial` as frames commit (a
 playable, growing WAV) and renames it to OUT at the end. An existing OUT is an error unless
 `--overwrite`. The pipeline (and transformers) is imported only when the command runs.
 """
@@ -19,11 +21,15 @@ from pathlib import Path
 
 from mmgen.cli import DTYPES, seed_arg
 
+#: The bundled model `mmgen generate speech` speaks with when given none.
+DEFAULT_MODEL = "speech-tts"
+
 
 def register(commands, groups) -> None:
     speech = groups["generate"].add_parser("speech", help="speak a text into a WAV file (text-to-speech models)")
-    speech.add_argument("--model", required=True, metavar="NAME_OR_FOLDER",
-                        help="a transformers Dia, CSM or VibeVoice folder, or a Hugging Face repo id")
+    speech.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_FOLDER",
+                        help=f"the bundled {DEFAULT_MODEL} (default; its drafter is {DEFAULT_MODEL}-draft), or a "
+                             "transformers Dia, CSM or VibeVoice folder, or a Hugging Face repo id")
     speech.add_argument("--text", required=True, help="what to say (Dia reads speaker tags: '[S1] ... [S2] ...')")
     speech.add_argument("--out", required=True, metavar="PATH.wav", help="the WAV file to write")
     speech.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (default: an error)")

@@ -96,8 +96,9 @@ class LatentTTSPipeline(TTSPipeline):
         final_std: float = 0.0,
     ) -> TTSOutput:
         """Speak each text (see `TTSPipeline.__call__`; `stream` yields audio chunks as latents
-        commit); `max_new_frames` counts latents (7.5 per second), `temperature` scales `final_std`, the standard deviation of the head's last step
-        (0: VibeVoice's deterministic ODE sampler given its noise; "cspd" needs it > 0)."""
+        commit). `max_new_frames` counts latents (7.5 per second); `final_std` is the standard
+        deviation of the head's last step (0: VibeVoice's deterministic ODE sampler given its
+        noise; "cspd" needs it > 0), scaled by `temperature`."""
         decoder = resolve_decoder(decoding, self.decoders())
         drafter = decoder.drafter
         if isinstance(drafter, TTSPipeline):

@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dtype", choices=("float32", "bundle"), default="float32",
                    help="compute dtype (bundle: as saved, float16, slower on CPU)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--methods", default=None, help="comma-separated subset of the method names (default: all)")
     p.add_argument("--out", default=None, help="JSON of the results")
     args = p.parse_args(argv)
     import transformers
@@ -225,6 +226,12 @@ def main(argv: list[str] | None = None) -> dict:
     utterances = held_out(args.codes, args.utterances)
     refs = [u["phonemes"] for u in utterances]
     runs = methods(target, drafter, args.greedy, args.num_draft, args.entropy_threshold)
+    if args.methods:
+        chosen = [m.strip() for m in args.methods.split(",")]
+        unknown = [m for m in chosen if m not in runs]
+        if unknown:
+            raise SystemExit(f"unknown method(s) {unknown}: choose from {list(runs)}")
+        runs = {name: run for name, run in runs.items() if name in chosen}
     failures = {}
     with torch.no_grad():
         for name in list(runs):  # warm-up; a method that cannot run on this model is reported, not timed

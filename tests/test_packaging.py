@@ -44,6 +44,10 @@ def test_wheel_contents_and_imports(tmp_path):
                   "emoji-vlm/processor_config.json", "emoji-vlm/MODEL_CARD.md", "emoji-vlm-draft/model.safetensors",
                   "emoji-vlm-eval.jsonl"]:
         assert f"mmgen/vlm/assets/{asset}" in names
+    for asset in ["speech-tts/config.json", "speech-tts/generation_config.json", "speech-tts/model.safetensors",
+                  "speech-tts/codec/config.json", "speech-tts/codec/model.safetensors", "speech-tts/MODEL_CARD.md",
+                  "speech-tts-draft/model.safetensors", "speech-tts-draft/codec/model.safetensors"]:
+        assert f"mmgen/audio/assets/{asset}" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "mmgen = mmgen.cli:main" in entry_points
 
@@ -53,7 +57,7 @@ def test_wheel_contents_and_imports(tmp_path):
     assert installed.returncode == 0, installed.stderr
     probe = (
         "import mmgen, mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.image_ar.var, mmgen.image_ar.mar, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
-        "from mmgen.loading import resolve_model; resolve_model('emoji64'); resolve_model('emoji-vlm');"
+        "from mmgen.loading import resolve_model; resolve_model('emoji64'); resolve_model('emoji-vlm'); resolve_model('speech-tts');"
         "print(mmgen.image_ar.llamagen.__file__)"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,

@@ -85,11 +85,11 @@ def test_catalog_pairs_the_sibling_drafter_and_offers_draft_only_with_it(catalog
     assert list(given.main) == ["tiny-tts"] and list(given.companions) == ["tiny-tts-draft"]
 
 
-def test_no_model_or_a_folder_of_another_kind_is_a_one_line_error(tmp_path):
-    for none in (None, []):
-        with pytest.raises(ValueError, match=r"^no speech model is bundled with mmgen yet: pass --model FOLDER"):
-            SpeechCatalog.discover(none)
-    with pytest.raises(ValueError, match="is not a model folder with a config.json"):
+def test_the_bundled_pair_by_default_and_a_folder_of_another_kind_is_a_one_line_error(tmp_path):
+    for none in (None, [], ["speech-tts"]):
+        catalog = SpeechCatalog.discover(none)
+        assert list(catalog.main) == ["speech-tts"] and list(catalog.companions) == ["speech-tts-draft"]
+    with pytest.raises(ValueError, match="is neither a bundled speech model present in this installation nor a model folder"):
         SpeechCatalog.discover([str(tmp_path / "missing")])
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text('{"model_type": "llama"}')
@@ -296,7 +296,7 @@ def test_switching_model_lists_its_methods_and_sampler_defaults(catalog):
 # --- the command -----------------------------------------------------------------------------
 
 
-def test_demo_command_parses_bounds_requires_a_model_and_launches_locally(monkeypatch, folders, capsys):
+def test_demo_command_parses_bounds_defaults_to_the_bundled_pair_and_launches_locally(monkeypatch, folders, capsys):
     from mmgen import cli
     from mmgen.apps import speech_demo
 
@@ -307,8 +307,8 @@ def test_demo_command_parses_bounds_requires_a_model_and_launches_locally(monkey
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["demo", "speech", *bad])
     capsys.readouterr()
-    assert cli.main(["demo", "speech"]) == 2
-    assert capsys.readouterr().err.strip() == f"mmgen: error: {speech_request.NO_MODEL}"
+    assert cli.main(["demo", "speech", "--model", str(folders[0].parent / "missing")]) == 2
+    assert capsys.readouterr().err.strip().startswith("mmgen: error: --model ")
     launched = {}
     monkeypatch.setattr(speech_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
     assert cli.main(["demo", "speech", "--model", str(folders[0]), "--concurrency", "2", "--max-new-frames", "64"]) == 0

@@ -99,3 +99,13 @@ def test_vibevoice_folder_speaks_through_the_same_command(folders, capsys, tmp_p
     assert code != 0 and "final_std > 0" in err and not (tmp_path / "x.wav").exists()
     code, _, err = run(capsys, "--model", folders / "dia", "--text", "Hi.", "--out", tmp_path / "y.wav", "--final-std", 0.1)
     assert code != 0 and "--final-std is for continuous-latent models" in err
+
+
+def test_the_bundled_pair_speaks_offline_by_default(capsys, tmp_path):
+    code, _, err = run(capsys, "--text", "Hello there.", "--out", tmp_path / "hello.wav", "--max-new-frames", 24)
+    report = json.loads(err.strip().splitlines()[-1])
+    audio, rate = soundfile.read(tmp_path / "hello.wav", dtype="float32")
+    assert code == 0 and rate == 16000 and 0 < report["frames"] <= 24 and len(audio) > 0
+    code, _, err = run(capsys, "--text", "Hello there.", "--out", tmp_path / "drafted.wav", "--max-new-frames", 24,
+                       "--decoding", "draft")  # the bundled drafter comes along
+    assert code == 0 and json.loads(err.strip().splitlines()[-1])["stats"]["draft_forwards"] > 0
