@@ -102,19 +102,19 @@ class VibeVoiceLatentModel:
         self.final_std = float(final_std)
         self.scheduler = scheduler_for(model)
         self.audio_token = config.audio_token_id
-        self.choices = torch.tensor([config.audio_bos_token_id, config.audio_eos_token_id, config.audio_token_id,
-                                     config.eos_token_id])
+        self.choices = torch.tensor(sorted({config.audio_bos_token_id, config.audio_eos_token_id, config.audio_token_id,
+                                            config.eos_token_id}))
         self.hop = config.audio_config.hop_length
 
     # ------------------------------------------------------------------ backbone
     def _continues(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, n] whether the backbone's choice among VibeVoice's four generation tokens is another
-        audio token (`generate` takes the argmax of exactly these; the first wins ties)."""
+        audio token (`generate` takes the argmax of exactly these over the whole vocabulary, so
+        the smallest id wins ties: `choices` are sorted, and argmax keeps the first maximum)."""
         choices = self.choices.to(hidden.device)
-        logits = self.model.lm_head(hidden)[..., choices].float()
-        full = torch.full((*logits.shape[:-1], self.model.config.vocab_size), float("-inf"), device=hidden.device)
-        full[..., choices] = logits  # ties resolve by token id, as argmax over the whole vocabulary does
-        return full.argmax(-1) == self.audio_token
+        logits = torch.nn.functional.linear(hidden, self.model.lm_head.weight[choices])  # 4 rows, not the vocabulary
+        picked = choices[logits.float().argmax(-1)]
+        return picked == self.audio_token
 
     def _backbone(self, cache: SlotKVCache, embeds: torch.Tensor, offset: Any) -> torch.Tensor:
         mask, positions = cache.open(embeds.shape[1])
