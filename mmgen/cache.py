@@ -1,7 +1,8 @@
-"""The core's two KV caches.
+"""The core's KV caches.
 
 `StaticKVCache`: slot = position, preallocated (mmgen's own models). `SlotKVCache`: slots and
-positions differ, over a growable store (adapters of transformers models).
+positions differ, over a growable store (adapters of transformers models). `FrameKVCache`: whole
+frames of a block-causal model under a `CachePolicy` (global, sliding window, sink + window).
 
 `StaticKVCache` is gpt-fast's static cache, extended for speculative decoding with batches: every row writes
 at its own positions, the attention mask comes from those positions, and rolling back a
@@ -12,6 +13,7 @@ step of fixed width can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -211,3 +213,102 @@ class SlotKVCache:
                 setattr(layer, name, torch.cat([t[:, :, :p], t[:, :, p:].gather(2, index)], dim=2))
         slots = torch.arange(width, device=kept.device)
         self.mask = torch.cat([self.mask[:, :p], slots >= width - counts], dim=1)
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """Which committed frames (or blocks, or tokens: any unit) later queries attend to.
+
+    `window=None` keeps everything (global). Otherwise the cache keeps its first `sink` units
+    and its `window` most recent ones, StreamingLLM's attention sink (Xiao et al., 2023) and
+    the rolling cache of streaming video (Self-Forcing); `sink=0` is a plain sliding window.
+    """
+
+    window: Optional[int] = None
+    sink: int = 0
+
+    def __post_init__(self):
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"cache window must be an integer >= 1 or None (global), got {self.window!r}")
+        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
+            raise ValueError(f"cache sink must be an integer >= 0, got {self.sink!r}")
+        if self.sink and self.window is None:
+            raise ValueError("a cache sink needs a window: the global policy keeps every frame already")
+
+    @classmethod
+    def parse(cls, spec: str) -> "CachePolicy":
+        """`"global"`, `"window:N"` or `"sink:S,window:N"` (the CLI's --cache-policy)."""
+        if spec == "global":
+            return cls()
+        try:
+            fields = dict(part.split(":", 1) for part in spec.split(","))
+            window, sink = int(fields.pop("window")), int(fields.pop("sink", 0))
+        except (ValueError, KeyError):
+            raise ValueError(f"cache policy {spec!r}: expected 'global', 'window:N' or 'sink:S,window:N'") from None
+        if fields:
+            raise ValueError(f"cache policy {spec!r}: unknown field(s) {sorted(fields)}")
+        return cls(window=window, sink=sink)
+
+    def __str__(self) -> str:
+        if self.window is None:
+            return "global"
+        return f"sink:{self.sink},window:{self.window}" if self.sink else f"window:{self.window}"
+
+    def held(self, committed: int) -> int:
+        """Units the cache holds after `committed` units were committed."""
+        return committed if self.window is None else min(committed, self.sink + self.window)
+
+
+class FrameKVCache:
+    """A static K/V cache of whole frames for block-causal models (block-diffusion video).
+
+    K/V [layers, B, capacity, H, D] (tokens: frames × `tokens_per_frame`), keys stored before
+    their rotary embedding. A forward of a block writes its K/V after the committed frames
+    (`update`), so the block attends to the cache and to itself; `commit(n)` keeps the
+    block's last n frames and applies the `CachePolicy`, moving the kept recent frames left
+    over the evicted ones. Keys are rotated at attention time by their slot's frame index: under
+    the global policy that is the absolute frame, under a window it is the frame's place in the
+    cache (StreamingLLM's positions), so rotary positions stay below sink + window + block and
+    rollouts run past the model's rotary table. Memory is fixed at allocation.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int, tokens_per_frame: int,
+                 max_frames: int, block_frames: int, policy: CachePolicy = CachePolicy(),
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+        self.policy, self.tokens_per_frame, self.block_frames = policy, tokens_per_frame, block_frames
+        self.capacity_frames = policy.held(max_frames) + block_frames
+        shape = (num_layers, batch_size, self.capacity_frames * tokens_per_frame, num_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.frames = 0  # frames held (all of them committed)
+        self.committed = 0  # frames committed since the start (the next block's absolute frame)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a block's k, v [B, n, H, D] after the held frames; return the layer's keys and
+        values [B, held + n, H, D] (views), the block's last."""
+        start = self.frames * self.tokens_per_frame
+        end = start + k.shape[1]
+        if end > self.k.shape[2]:
+            raise ValueError(f"a block of {k.shape[1]} tokens does not fit the cache after {self.frames} frames")
+        self.k[layer, :, start:end] = k
+        self.v[layer, :, start:end] = v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+    def commit(self, num_frames: int) -> None:
+        """Keep the `num_frames` frames the last forward wrote, then evict by the policy."""
+        self.frames += num_frames
+        self.committed += num_frames
+        held = self.policy.held(self.frames)
+        if held < self.frames:
+            t, sink = self.tokens_per_frame, self.policy.sink
+            recent = slice((self.frames - (held - sink)) * t, self.frames * t)
+            for buffer in (self.k, self.v):
+                buffer[:, :, sink * t:held * t] = buffer[:, :, recent].clone()
+            self.frames = held
+
+    def reset(self) -> None:
+        self.frames = self.committed = 0

@@ -10,7 +10,7 @@ condition" means); the decoder receives both halves in a `Logits` and applies th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -259,3 +259,36 @@ def token_table(model: TokenModel, name: str) -> torch.Tensor:
     if table.ndim != 2 or table.shape[0] != model.vocab_size:
         raise ValueError(f"{type(model).__name__}.{name}() has shape {tuple(table.shape)}; expected [{model.vocab_size}, D]")
     return table.detach()
+
+
+class BlockDiffusionModel(Protocol):
+    """Semi-autoregressive block diffusion (CausVid, Yin et al. 2024; Self-Forcing, Huang et al.
+    2025): a sequence of latent blocks, each denoised from noise by a flow-matching model that
+    attends to the committed blocks through a cache, then committed by one clean pass that
+    writes the block into the cache. Guidance is the model's business, as for `TokenModel`:
+    `velocity` returns the conditional and (when guided) the unconditional prediction."""
+
+    def start(self, conditions: Any, num_blocks: int, guidance: bool) -> Any:
+        """Encode the conditions and allocate a cache for `num_blocks` blocks; returns the state."""
+        ...
+
+    def block_shape(self, state: Any) -> tuple[int, ...]:
+        """Shape of one block's latents (batch first)."""
+        ...
+
+    def velocity(self, state: Any, x: torch.Tensor, timestep: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The flow v ≈ noise − x0 of the noisy block `x` at `timestep` (σ × 1000), given the
+        committed blocks: (conditional, unconditional or None). Commits nothing."""
+        ...
+
+    def commit(self, state: Any, x0: torch.Tensor) -> None:
+        """Write the clean block `x0` into the cache (the context of later blocks)."""
+        ...
+
+    def condition(self, state: Any, conditions: Any) -> None:
+        """Condition the blocks from the next one on `conditions` (a prompt switch)."""
+        ...
+
+    def finish(self, state: Any) -> None:
+        """Release what `start` installed (called once the decode ends, also on error)."""
+        ...

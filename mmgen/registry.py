@@ -23,7 +23,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 #: (name of a model shipped as package data -> its folder, relative to the package) and
 #: `BATCH_JOBS` (the field that marks a job of that modality -> the module whose `run_batch`
 #: runs such job files) the registry reads.
-MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm", "mmgen.audio")
+MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm", "mmgen.audio", "mmgen.video")
 
 PIPELINES: dict[str, type] = {}
 MODEL_TYPE_PIPELINES: dict[str, str] = {}

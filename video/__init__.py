@@ -1,3 +1,11 @@
-"""Block-diffusion (semi-autoregressive) video on diffusers components.
+"""Block-diffusion (semi-autoregressive) video on diffusers' Wan components.
 
-Reserved namespace: nothing ships here yet (see the issue tracker)."""
+`BlockDiffusionVideoPipeline` makes a video block by block with diffusers'
+`WanTransformer3DModel` (a cached block-causal decode through attention processors),
+`AutoencoderKLWan` (streaming decode) and transformers' `UMT5EncoderModel`, under the core's
+block-diffusion decoders (plain, collaborative large/small). The index below is what
+`mmgen.registry` reads to import the pipeline on first use.
+"""
+
+#: Pipeline class name -> the module that defines and registers it.
+PIPELINE_MODULES = {"BlockDiffusionVideoPipeline": "mmgen.video.pipeline"}

@@ -21,6 +21,7 @@ from mmgen.decoding.acceptance import (
 )
 from mmgen.decoding.autoregressive import Autoregressive
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, Decoder
+from mmgen.decoding.block_diffusion import BlockDecodeOutput, BlockDenoising, BlockStats, CollaborativeDenoising, FlowSchedule
 from mmgen.decoding.continuous import (
     ContinuousAcceptance,
     ContinuousDecoder,
@@ -137,9 +138,15 @@ def _field_names(obj: Any) -> set[str]:
 
 
 #: The shortcuts of each decoder family (`BaseDecoder.family`).
+#: Block-diffusion decoders (video): plain, and CoDe's large/small split across denoising steps.
+BLOCK_DIFFUSION_DECODERS: dict[str, Callable[[], BlockDenoising]] = {
+    "block": BlockDenoising,
+    "collaborative": CollaborativeDenoising,
+}
+
 FAMILY_DECODERS: dict[str, dict[str, Callable[[], Any]]] = {
     "token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS,
-    "causal-continuous": CAUSAL_CONTINUOUS_DECODERS,
+    "causal-continuous": CAUSAL_CONTINUOUS_DECODERS, "block-diffusion": BLOCK_DIFFUSION_DECODERS,
 }
 
 
@@ -149,7 +156,7 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
     (or `FAMILY_DECODERS[family]`). A decoder object must be of that registry's family."""
     family = next((name for name, table in FAMILY_DECODERS.items() if table is registry), "token")
     kind = {"token": Decoder, "scale": ScaleDecoder, "continuous": ContinuousDecoder,
-            "causal-continuous": CausalContinuousSpeculative}[family]
+            "causal-continuous": CausalContinuousSpeculative, "block-diffusion": BlockDenoising}[family]
     if isinstance(decoding, BaseDecoder) and decoding.family == family:
         return decoding
     if isinstance(decoding, str):
@@ -165,6 +172,12 @@ __all__ = [
     "StageCounters",
     "BaseDecoder",
     "FAMILY_DECODERS",
+    "BLOCK_DIFFUSION_DECODERS",
+    "BlockDenoising",
+    "CollaborativeDenoising",
+    "FlowSchedule",
+    "BlockDecodeOutput",
+    "BlockStats",
     "CausalContinuousSpeculative",
     "CAUSAL_CONTINUOUS_DECODERS",
     "speculative_decode",

@@ -1,0 +1,150 @@
+"""diffusers' Wan transformer as the core's `BlockDiffusionModel`.
+
+The transformer stays diffusers' own module: a decode swaps in the processors of
+`video.attention` (cached block-causal self-attention, cached prompt cross-attention) and, for
+cached denoising, diffusers' First Block Cache hooks (ParaAttention's FBCache, after TeaCache:
+when the first block's residual barely changes between denoising steps, the other blocks'
+residual is reused). Both come off again when the decode ends (`WanBlockModel.attached`).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+
+from mmgen.cache import CachePolicy, FrameKVCache
+from mmgen.video.attention import (
+    BlockContext,
+    CachedCrossAttention,
+    CachedSelfAttention,
+    ContextSlot,
+    processors_installed,
+    rotary_tables,
+)
+
+
+@dataclass
+class PromptEmbeddings:
+    """A batch's text-encoder states [B, L, D] and, for guidance, the negative prompt's."""
+
+    cond: torch.Tensor
+    uncond: Optional[torch.Tensor] = None
+
+
+@dataclass
+class WanBlockState:
+    context: BlockContext
+    embeddings: torch.Tensor  # [B (+ B uncond), L, D]
+    guided: bool
+    batch_size: int
+    started: bool = False  # whether the current block had a denoising forward
+    hooks: ExitStack = field(default_factory=ExitStack)  # the processors and hooks `start` installed
+
+    @property
+    def nbytes(self) -> int:
+        return self.context.cache.nbytes
+
+
+class WanBlockModel:
+    """Block-causal decoding of a `WanTransformer3DModel` over latent blocks [B, C, f, h, w].
+
+    `policy` is the cache's (global, window, sink + window, in latent frames); `max_frames`
+    sizes the cache (the whole video under the global policy). `cache_threshold` turns on
+    First Block Cache for the denoising forwards (never for the clean pass that writes the
+    cache); 0 computes every block, so the output equals no caching.
+    """
+
+    def __init__(self, transformer: Any, block_frames: int, latent_size: tuple[int, int],
+                 policy: CachePolicy = CachePolicy(), cache_threshold: Optional[float] = None):
+        self.transformer, self.block_frames, self.latent_size = transformer, block_frames, latent_size
+        self.policy, self.cache_threshold = policy, cache_threshold
+        config = transformer.config
+        p_t, p_h, p_w = config.patch_size
+        h, w = latent_size
+        if p_t != 1:
+            raise ValueError(f"block diffusion caches whole latent frames: the model's temporal patch is {p_t}, not 1")
+        if h % p_h or w % p_w:
+            raise ValueError(f"latent size {h}×{w} does not divide into the model's patches {tuple(config.patch_size)}")
+        self.tokens_per_frame = (h // p_h) * (w // p_w)  # per latent frame
+        self.slot = ContextSlot()
+
+    # ------------------------------------------------------------------ BlockDiffusionModel
+    def start(self, conditions: PromptEmbeddings, num_blocks: int, guidance: bool) -> WanBlockState:
+        config = self.transformer.config
+        max_frames = num_blocks * self.block_frames
+        if self.policy.held(max_frames) + self.block_frames > config.rope_max_seq_len:
+            raise ValueError(f"{max_frames} latent frames overflow the model's rotary table ({config.rope_max_seq_len} "
+                             "frames) under the global cache policy: use a window policy for longer rollouts")
+        if guidance and conditions.uncond is None:
+            raise ValueError("guidance needs the negative prompt's embeddings")
+        batch = conditions.cond.shape[0]
+        rows = 2 * batch if guidance else batch
+        param = next(self.transformer.parameters())
+        cache = FrameKVCache(config.num_layers, rows, config.num_attention_heads, config.attention_head_dim,
+                             self.tokens_per_frame, max_frames, self.block_frames, self.policy,
+                             dtype=param.dtype, device=param.device)
+        embeddings = torch.cat([conditions.cond, conditions.uncond]) if guidance else conditions.cond
+        state = WanBlockState(BlockContext(cache), embeddings.to(param.dtype), guidance, batch)
+        state.hooks.enter_context(self.attached())
+        return state
+
+    def finish(self, state: WanBlockState) -> None:
+        state.hooks.close()
+
+    def block_shape(self, state: WanBlockState) -> tuple[int, ...]:
+        return (state.batch_size, self.transformer.config.in_channels, self.block_frames, *self.latent_size)
+
+    def velocity(self, state: WanBlockState, x: torch.Tensor, timestep: float):
+        out = self._forward(state, x, timestep, "denoise", fresh=not state.started)
+        state.started = True
+        return (out[:state.batch_size], out[state.batch_size:]) if state.guided else (out, None)
+
+    def commit(self, state: WanBlockState, x0: torch.Tensor) -> None:
+        self._forward(state, x0, 0.0, "commit", fresh=True)
+        state.context.cache.commit(self.block_frames)
+        state.started = False
+
+    def condition(self, state: WanBlockState, conditions: PromptEmbeddings) -> None:
+        if state.guided and conditions.uncond is None:
+            raise ValueError("guidance needs the negative prompt's embeddings")
+        embeddings = torch.cat([conditions.cond, conditions.uncond]) if state.guided else conditions.cond
+        state.embeddings = embeddings.to(state.embeddings.dtype)
+        state.context.prompt_version += 1  # every layer recomputes its prompt keys and values
+
+    # ------------------------------------------------------------------ internals
+    def _forward(self, state: WanBlockState, x: torch.Tensor, timestep: float, name: str, fresh: bool) -> torch.Tensor:
+        ctx, transformer = state.context, self.transformer
+        self.slot.context = ctx
+        frames = ctx.cache.frames + self.block_frames
+        ctx.rotary = rotary_tables(transformer, frames, *self.latent_size)
+        if state.guided:
+            x = torch.cat([x, x])
+        t = torch.full((x.shape[0],), timestep, device=x.device, dtype=torch.float32)
+        with ExitStack() as stack:
+            if self.cache_threshold is not None:
+                if fresh:  # a new block (or the clean pass): nothing of the last block's FBCache state is reused
+                    transformer._reset_stateful_cache()
+                stack.enter_context(transformer.cache_context(name))
+            out = transformer(x.to(ctx.cache.k.dtype), t, encoder_hidden_states=state.embeddings, return_dict=False)[0]
+        return out.to(x.dtype)
+
+    @contextmanager
+    def attached(self) -> Iterator[None]:
+        """The cached processors (and FBCache hooks when a threshold is set) for the duration
+        of the block: one decode, from `start` to `finish`."""
+        from diffusers.hooks import FirstBlockCacheConfig
+
+        transformer = self.transformer
+        with processors_installed(transformer, lambda i: CachedSelfAttention(i, self.slot),
+                                  lambda i: CachedCrossAttention(i, self.slot)):
+            if self.cache_threshold is None:
+                yield
+                return
+            transformer.enable_cache(FirstBlockCacheConfig(threshold=float(self.cache_threshold)))
+            try:
+                yield
+            finally:
+                transformer.disable_cache()

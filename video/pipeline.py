@@ -1,0 +1,239 @@
+"""`BlockDiffusionVideoPipeline`: text-to-video block by block on diffusers' Wan components.
+
+A video of F latent frames is made in blocks of `block_frames` latent frames (CausVid,
+Self-Forcing): each block is denoised in a few flow-matching steps by diffusers'
+`WanTransformer3DModel` attending to the cached K/V of earlier blocks (`video.model`), then
+committed by one clean pass; the VAE (`AutoencoderKLWan`) decodes each block as it is committed
+through its causal feature cache (`video.vae`), so frames stream. The prompt is encoded by
+transformers' `UMT5EncoderModel` as diffusers' WanPipeline does (states past each prompt's
+length zeroed).
+
+    pipe = BlockDiffusionVideoPipeline.from_pretrained(folder)
+    out = pipe("cat face moving left", num_frames=17, cache_policy="window:4",
+               callback=lambda i, latents, frames: ..., generator=torch.Generator().manual_seed(0))
+    write_mp4("cat.mp4", out.frames[0], fps=pipe.fps)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from mmgen.cache import CachePolicy
+from mmgen.decoding import FAMILY_DECODERS, BlockStats, FlowSchedule, resolve_decoder
+from mmgen.pipeline import Companion, Pipeline
+from mmgen.registry import register_pipeline
+from mmgen.video.export import to_uint8
+from mmgen.video.model import PromptEmbeddings, WanBlockModel
+from mmgen.video.profiler import BlockProfiler, VideoProfile
+from mmgen.video.vae import StreamingDecoder, decode_latents
+
+DECODE_MODES = ("block", "end", "none")
+#: callback(block index, the block's latents [B, C, f, h, w], its frames [B, T, H, W, 3] uint8 or None)
+VideoCallback = Callable[[int, torch.Tensor, Optional[torch.Tensor]], None]
+
+
+@dataclass
+class VideoOutput:
+    """`frames` [B, T, H, W, 3] uint8 (None with decode="none"); `latents` [B, C, F, h, w]."""
+
+    frames: Optional[torch.Tensor]
+    latents: torch.Tensor
+    profile: VideoProfile
+    stats: BlockStats
+    fps: float
+
+
+@register_pipeline
+class BlockDiffusionVideoPipeline(Pipeline):
+    component_types = {
+        "transformer": (WanTransformer3DModel, None),
+        "vae": (AutoencoderKLWan, None),
+        "text_encoder": (UMT5EncoderModel, None),
+        "tokenizer": (AutoTokenizer, None),
+    }
+    decoder_family = "block-diffusion"
+    conditions = "prompt"
+    default_decoding = "block"
+    companions = {"collaborative": Companion("small", "-small", "a smaller denoiser of the same VAE")}
+
+    def __init__(self, transformer, vae, text_encoder, tokenizer, block_frames: int = 3, num_frames: int = 81,
+                 height: int = 480, width: int = 832, fps: float = 16.0, max_sequence_length: int = 512,
+                 timesteps: Sequence[float] = (1000.0, 750.0, 500.0, 250.0), shift: float = 5.0,
+                 stochastic: bool = True, negative_prompt: str = ""):
+        super().__init__(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+        self.block_frames, self.num_frames, self.height, self.width, self.fps = block_frames, num_frames, height, width, fps
+        self.max_sequence_length, self.negative_prompt = max_sequence_length, negative_prompt
+        self.schedule = FlowSchedule(tuple(timesteps), shift, stochastic)
+
+    def pipeline_config(self) -> dict:
+        return {"block_frames": self.block_frames, "num_frames": self.num_frames, "height": self.height,
+                "width": self.width, "fps": self.fps, "max_sequence_length": self.max_sequence_length,
+                "timesteps": list(self.schedule.timesteps), "shift": self.schedule.shift,
+                "stochastic": self.schedule.stochastic, "negative_prompt": self.negative_prompt}
+
+    # ---------------------------------------------------------------- geometry
+    @property
+    def temporal_ratio(self) -> int:
+        return int(self.vae.config.scale_factor_temporal)
+
+    @property
+    def spatial_ratio(self) -> int:
+        return int(self.vae.config.scale_factor_spatial)
+
+    def latent_frames(self, num_frames: int) -> int:
+        return (num_frames - 1) // self.temporal_ratio + 1
+
+    def first_frame(self, latent_frame: int) -> int:
+        """The first video frame latent frame j decodes to (the first latent is one frame)."""
+        return 0 if latent_frame == 0 else self.temporal_ratio * (latent_frame - 1) + 1
+
+    def check_geometry(self, num_frames: int, block_frames: int, height: int, width: int) -> None:
+        """ValueError for a video this pipeline cannot make, naming the nearest valid sizes."""
+        r, s = self.temporal_ratio, self.spatial_ratio
+        if isinstance(block_frames, bool) or not isinstance(block_frames, int) or block_frames < 1:
+            raise ValueError(f"block_frames must be an integer >= 1 (latent frames per block), got {block_frames!r}")
+        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % r:
+            raise ValueError(f"num_frames must be 1 + {r}·k (the VAE keeps the first frame and compresses time by {r}), got {num_frames!r}")
+        latents = self.latent_frames(num_frames)
+        if latents % block_frames:
+            lower = (latents // block_frames) * block_frames
+            valid = [1 + r * (n - 1) for n in (lower, lower + block_frames) if n > 0]
+            raise ValueError(f"num_frames={num_frames} is {latents} latent frames, not a multiple of block_frames={block_frames}: "
+                             f"use num_frames {' or '.join(map(str, valid))}")
+        p = self.transformer.config.patch_size
+        for name, size, patch in (("height", height, p[1]), ("width", width, p[2])):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % (s * patch):
+                raise ValueError(f"{name} must be a positive multiple of {s * patch} (VAE ×{s}, patch {patch}), got {size!r}")
+
+    # ---------------------------------------------------------------- prompts
+    @torch.no_grad()
+    def encode_prompt(self, prompts: list[str]) -> torch.Tensor:
+        """UMT5 states [B, max_sequence_length, D], zero past each prompt's tokens (WanPipeline's)."""
+        batch = self.tokenizer(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
+                               add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        ids, mask = batch.input_ids.to(self.device), batch.attention_mask.to(self.device)
+        states = self.text_encoder(ids, mask).last_hidden_state
+        return states * mask[..., None].to(states.dtype)
+
+    def embeddings(self, prompts: list[str], guided: bool, negative_prompt: str) -> PromptEmbeddings:
+        cond = self.encode_prompt(prompts)
+        uncond = self.encode_prompt([negative_prompt] * len(prompts)) if guided else None
+        return PromptEmbeddings(cond, uncond)
+
+    # ---------------------------------------------------------------- the model
+    def block_model(self, like: Optional[WanBlockModel] = None, block_frames: Optional[int] = None,
+                    latent_size: Optional[tuple[int, int]] = None, cache_policy: Union[str, CachePolicy] = "global",
+                    cache_threshold: Optional[float] = None) -> WanBlockModel:
+        """The transformer as a `BlockDiffusionModel`; `like` copies another's settings (the
+        small model of collaborative denoising follows the large one's)."""
+        if like is not None:
+            return WanBlockModel(self.transformer, like.block_frames, like.latent_size, like.policy, like.cache_threshold)
+        policy = CachePolicy.parse(cache_policy) if isinstance(cache_policy, str) else cache_policy
+        size = latent_size or (self.height // self.spatial_ratio, self.width // self.spatial_ratio)
+        return WanBlockModel(self.transformer, block_frames or self.block_frames, size, policy, cache_threshold)
+
+    def check_companion(self, other: Pipeline, companion: Companion) -> None:
+        mine, theirs = self.transformer.config, getattr(other, "transformer", None)
+        if theirs is None or (theirs.config.in_channels, theirs.config.patch_size) != (mine.in_channels, mine.patch_size):
+            raise ValueError(f"{companion.role}: the small model must denoise the same latents (channels and patches)")
+        if other.vae.config.z_dim != self.vae.config.z_dim:
+            raise ValueError(f"{companion.role}: the small model's VAE has {other.vae.config.z_dim} latent channels, not {self.vae.config.z_dim}")
+
+    # ---------------------------------------------------------------- call
+    def __call__(
+        self,
+        prompt: Union[str, list[str]],
+        num_frames: Optional[int] = None,
+        block_frames: Optional[int] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        decoding: Any = None,
+        cache_policy: Union[str, CachePolicy] = "global",
+        guidance_scale: float = 1.0,
+        negative_prompt: Optional[str] = None,
+        prompt_switches: Optional[dict[int, Union[str, list[str]]]] = None,
+        decode: str = "block",
+        callback: Optional[VideoCallback] = None,
+        cache_threshold: Optional[float] = None,
+        schedule: Optional[FlowSchedule] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> VideoOutput:
+        """Make a video of `num_frames` frames for each prompt.
+
+        `prompt_switches` {frame: prompt}: from the first block starting at or after that video
+        frame, the video follows the new prompt (its cross-attention keys are recomputed; the
+        cached frames stay). `decode`: "block" streams each block through the VAE as it is
+        committed (and hands its frames to `callback`), "end" decodes once at the end, "none"
+        returns latents only. `cache_threshold` turns on First Block Cache for denoising steps
+        (0 equals no caching). `decoding`: "block" (default) or "collaborative" with `small=`.
+        """
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+            raise ValueError("prompt must be a non-empty string or a list of them")
+        num_frames = self.num_frames if num_frames is None else num_frames
+        block_frames = self.block_frames if block_frames is None else block_frames
+        height, width = height or self.height, width or self.width
+        self.check_geometry(num_frames, block_frames, height, width)
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        if cache_threshold is not None and not cache_threshold >= 0:
+            raise ValueError(f"cache_threshold must be >= 0, got {cache_threshold!r}")
+        num_blocks = self.latent_frames(num_frames) // block_frames
+        switches = self._switch_blocks(prompt_switches or {}, num_frames, num_blocks, block_frames, len(prompts))
+        decoder = resolve_decoder(self.default_decoding if decoding is None else decoding, FAMILY_DECODERS["block-diffusion"])
+        model = self.block_model(block_frames=block_frames, latent_size=(height // self.spatial_ratio, width // self.spatial_ratio),
+                                 cache_policy=cache_policy, cache_threshold=cache_threshold)
+        generator = self.generator_for(generator)
+        guided = guidance_scale != 1.0
+        negative = self.negative_prompt if negative_prompt is None else negative_prompt
+        conditions = self.embeddings(prompts, guided, negative)
+        switched = {b: self.embeddings(p, guided, negative) for b, p in switches.items()}
+
+        streaming = StreamingDecoder(self.vae) if decode == "block" else None
+        pieces: list[torch.Tensor] = []
+        profiler = BlockProfiler(self.device)
+        progress = self.progress_bar(num_blocks, desc="blocks")
+
+        def on_block(index: int, latents: torch.Tensor) -> None:
+            frames = None
+            if streaming is not None:
+                frames = to_uint8(streaming.decode(latents))
+                pieces.append(frames)
+            if callback is not None:
+                callback(index, latents, frames)
+            profiler.block_done()
+            progress.update(1)
+
+        profiler.start()
+        with torch.no_grad():
+            out = decoder.generate(model, conditions, num_blocks, generator, guidance_scale=guidance_scale,
+                                   switches=switched, callback=on_block, schedule=self.schedule)
+            latents = torch.cat(out.latents, dim=2)
+            frames = torch.cat(pieces, dim=1) if streaming is not None else None
+            if decode == "end":
+                frames = to_uint8(decode_latents(self.vae, latents))
+        progress.close()
+        profile = profiler.finish(num_frames * len(prompts), cache_bytes=out.stats.cache_bytes)
+        return VideoOutput(frames, latents, profile, out.stats, self.fps)
+
+    def _switch_blocks(self, switches: dict, num_frames: int, num_blocks: int, block_frames: int, batch: int) -> dict[int, list[str]]:
+        """{video frame: prompt(s)} -> {block index: prompts}, checked before any work."""
+        starts = [self.first_frame(b * block_frames) for b in range(num_blocks)]
+        blocks: dict[int, list[str]] = {}
+        for frame, prompt in sorted(switches.items()):
+            if isinstance(frame, bool) or not isinstance(frame, int) or not 0 <= frame < num_frames:
+                raise ValueError(f"prompt switch at frame {frame!r}: the video has frames 0 … {num_frames - 1}")
+            block = next((b for b, start in enumerate(starts) if start >= frame), None)
+            if block is None:
+                raise ValueError(f"prompt switch at frame {frame}: no block starts at or after it (the last block starts at "
+                                 f"frame {starts[-1]}; blocks start at frames {starts})")
+            prompts = [prompt] * batch if isinstance(prompt, str) else list(prompt)
+            if len(prompts) != batch or any(not isinstance(p, str) or not p.strip() for p in prompts):
+                raise ValueError(f"prompt switch at frame {frame}: give one non-empty prompt, or one per video ({batch})")
+            blocks[block] = prompts
+        return blocks

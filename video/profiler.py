@@ -1,0 +1,77 @@
+"""Per-block timing and memory of a video decode: what a streaming user waits for."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class VideoProfile:
+    """`block_s[i]`: seconds from the previous block's end (or the decode's start) to block i's
+    end, its streaming decode included; `first_block_s` is what a viewer waits before the first
+    frames. `peak_memory_bytes`: CUDA's peak allocation on a GPU, else the process's peak
+    resident size (which includes everything loaded before the call). `cache_bytes`: the
+    transformer K/V cache(s) held during the decode."""
+
+    block_s: list[float] = field(default_factory=list)
+    total_s: float = 0.0
+    frames: int = 0
+    peak_memory_bytes: int = 0
+    cache_bytes: int = 0
+
+    @property
+    def first_block_s(self) -> float:
+        return self.block_s[0] if self.block_s else 0.0
+
+    @property
+    def frames_per_second(self) -> float:
+        return self.frames / self.total_s if self.total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(first_block_s=self.first_block_s, frames_per_second=self.frames_per_second)
+        return out
+
+
+class BlockProfiler:
+    """`start()`, `block_done()` after each block, `finish(frames)` -> `VideoProfile`."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.profile = VideoProfile()
+        self._t0 = self._last = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._sync()
+        self._t0 = self._last = time.perf_counter()
+
+    def block_done(self) -> None:
+        self._sync()
+        now = time.perf_counter()
+        self.profile.block_s.append(now - self._last)
+        self._last = now
+
+    def finish(self, frames: int, cache_bytes: Optional[int] = None) -> VideoProfile:
+        self._sync()
+        self.profile.total_s = time.perf_counter() - self._t0
+        self.profile.frames = frames
+        if cache_bytes is not None:
+            self.profile.cache_bytes = cache_bytes
+        if self.device.type == "cuda":
+            self.profile.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.device))
+        else:  # ru_maxrss is KiB on Linux, bytes on macOS
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self.profile.peak_memory_bytes = int(rss if sys.platform == "darwin" else rss * 1024)
+        return self.profile
