@@ -20,11 +20,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def tiny_transformer(layers: int = 2, heads: int = 2, seed: int = 0) -> WanTransformer3DModel:
+def tiny_transformer(layers: int = 2, heads: int = 2, seed: int = 0, rope: int = 32) -> WanTransformer3DModel:
     torch.manual_seed(seed)
     return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=12, in_channels=4,
                                  out_channels=4, text_dim=16, freq_dim=16, ffn_dim=32, num_layers=layers,
-                                 cross_attn_norm=True, rope_max_seq_len=32).eval()
+                                 cross_attn_norm=True, rope_max_seq_len=rope).eval()
 
 
 def tiny_vae(seed: int = 0) -> AutoencoderKLWan:

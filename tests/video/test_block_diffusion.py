@@ -1,0 +1,202 @@
+"""Block-diffusion video: the cached decode equals the block-causal model, streaming decode equals
+the one-shot decode, cache policies bound memory, caching at threshold 0 changes nothing."""
+
+import pytest
+import torch
+
+from mmgen.cache import CachePolicy, FrameKVCache
+from mmgen.decoding import BlockDenoising, CollaborativeDenoising, FlowSchedule
+from mmgen.video.attention import MaskedSelfAttention, block_causal_mask, processors_installed
+from mmgen.video.model import PromptEmbeddings, WanBlockModel
+from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+from mmgen.video.vae import StreamingDecoder, decode_latents
+from tests.video.tiny import tiny_transformer, tiny_vae, tiny_video_pipeline
+
+PROMPT = "cat face moving left"
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_video_pipeline()
+
+
+def block_causal_reference(transformer, clean, noisy, text, timestep, block):
+    """The transformer over [clean frames, noisy block] at once: per-token timesteps (0 on the
+    clean frames) and a block-causal mask, through diffusers' own rotary embedding."""
+    b, _, f, h, w = clean.shape
+    tokens = (h // 2) * (w // 2)
+    seq = torch.cat([clean, noisy], 2)
+    t = torch.cat([torch.zeros(b, f * tokens), torch.full((b, noisy.shape[2] * tokens), timestep)], 1).double()
+    mask = block_causal_mask(seq.shape[2], block, tokens)
+    with processors_installed(transformer, lambda i: MaskedSelfAttention(mask)):
+        return transformer(seq, t, encoder_hidden_states=text, return_dict=False)[0][:, :, f:]
+
+
+@pytest.mark.parametrize("policy", [CachePolicy(), CachePolicy(window=8)])
+def test_cached_block_forward_equals_the_block_causal_forward_in_float64(policy):
+    torch.manual_seed(0)
+    transformer = tiny_transformer().double()
+    frames, block = 6, 2
+    text = PromptEmbeddings(torch.randn(2, 5, 16, dtype=torch.float64))
+    clean = torch.randn(2, 4, frames, 4, 4, dtype=torch.float64)
+    noisy = torch.randn(2, 4, block, 4, 4, dtype=torch.float64)
+    model = WanBlockModel(transformer, block, (4, 4), policy)  # a window of 8 frames holds the whole video
+    with torch.no_grad():
+        state = model.start(text, frames // block, guidance=False)
+        try:
+            for b in range(frames // block):
+                cached = model.velocity(state, noisy, 700.0)[0]
+                reference = block_causal_reference(transformer, clean[:, :, :b * block], noisy, text.cond, 700.0, block)
+                assert (cached - reference).abs().max() < 1e-12
+                model.commit(state, clean[:, :, b * block:(b + 1) * block])
+        finally:
+            model.finish(state)
+    assert all(type(blk.attn1.processor).__name__ == "WanAttnProcessor" for blk in transformer.blocks)
+
+
+def test_a_window_attends_to_the_recent_frames_at_cache_positions():
+    """Under window:2 the third block sees only the second block's frames, at rotary positions
+    0-1, and itself at 2-3: what a decode that starts from the second block computes. (One
+    layer, so a cached frame's K/V depend on the frame alone, not on what it saw.)"""
+    torch.manual_seed(1)
+    transformer = tiny_transformer(layers=1).double()
+    text = PromptEmbeddings(torch.randn(1, 5, 16, dtype=torch.float64))
+    clean = torch.randn(1, 4, 4, 4, 4, dtype=torch.float64)
+    noisy = torch.randn(1, 4, 2, 4, 4, dtype=torch.float64)
+
+    def third_block(policy, context):
+        model = WanBlockModel(transformer, 2, (4, 4), policy)
+        state = model.start(text, 3, guidance=False)
+        try:
+            for b in range(context.shape[2] // 2):
+                model.commit(state, context[:, :, 2 * b:2 * b + 2])
+            return model.velocity(state, noisy, 500.0)[0], state.context.cache.frames
+        finally:
+            model.finish(state)
+
+    with torch.no_grad():
+        windowed, held = third_block(CachePolicy(window=2), clean)
+        fresh, _ = third_block(CachePolicy(), clean[:, :, 2:])
+        full, _ = third_block(CachePolicy(), clean)
+    assert held == 2
+    assert (windowed - fresh).abs().max() < 1e-12
+    assert (windowed - full).abs().max() > 1e-3
+
+
+def test_frame_cache_policies_keep_sink_and_recent_frames():
+    cache = FrameKVCache(1, 1, 1, 1, tokens_per_frame=1, max_frames=10, block_frames=1, policy=CachePolicy(window=2, sink=1))
+    assert cache.capacity_frames == 4
+    for frame in range(6):
+        cache.update(0, torch.full((1, 1, 1, 1), float(frame)), torch.zeros(1, 1, 1, 1))
+        cache.commit(1)
+    assert cache.k[0, 0, :cache.frames, 0, 0].tolist() == [0.0, 4.0, 5.0]
+    assert cache.committed == 6
+    assert str(CachePolicy.parse("sink:1,window:2")) == "sink:1,window:2" and CachePolicy.parse("global").window is None
+    for bad in ("window:0", "sink:1", "window:x", "window:2,depth:1"):
+        with pytest.raises(ValueError):
+            CachePolicy.parse(bad)
+
+
+def test_streaming_vae_decode_equals_the_one_shot_decode():
+    vae = tiny_vae().double()
+    z = torch.randn(1, 4, 6, 4, 4, dtype=torch.float64)
+    stream = StreamingDecoder(vae)
+    pieces = [stream.decode(z[:, :, i:i + 2]) for i in range(0, 6, 2)]
+    assert [p.shape[2] for p in pieces] == [5, 8, 8]
+    assert torch.equal(torch.cat(pieces, 2), decode_latents(vae, z))
+
+
+def test_pipeline_streams_blocks_and_decode_modes_agree(pipe):
+    seen = []
+    out = pipe(PROMPT, generator=seeded(), callback=lambda i, latents, frames: seen.append((i, latents.shape, frames.shape)))
+    assert out.frames.shape == (1, 13, 32, 32, 3) and out.frames.dtype == torch.uint8
+    assert seen == [(0, (1, 4, 2, 4, 4), (1, 5, 32, 32, 3)), (1, (1, 4, 2, 4, 4), (1, 8, 32, 32, 3))]
+    at_end = pipe(PROMPT, decode="end", generator=seeded())
+    assert torch.equal(at_end.frames, out.frames) and torch.equal(at_end.latents, out.latents)
+    none = pipe(PROMPT, decode="none", generator=seeded())
+    assert none.frames is None and torch.equal(none.latents, out.latents)
+    assert out.stats.to_dict()["denoise_forwards"] == {"model": 8} and out.stats.commit_forwards == {"model": 2}
+    assert len(out.profile.block_s) == 2 and out.profile.first_block_s > 0 and out.profile.frames == 13
+    assert torch.equal(pipe(PROMPT, generator=seeded()).frames, out.frames)  # a seed reproduces a video
+
+
+def test_first_block_cache_at_threshold_zero_equals_no_caching(pipe):
+    plain = pipe(PROMPT, generator=seeded())
+    assert torch.equal(pipe(PROMPT, cache_threshold=0.0, generator=seeded()).latents, plain.latents)
+    skipping = pipe(PROMPT, cache_threshold=100.0, generator=seeded())  # reuses the residual on every later step
+    assert not torch.equal(skipping.latents, plain.latents)
+    assert torch.equal(pipe(PROMPT, generator=seeded()).latents, plain.latents)  # hooks are gone afterwards
+    assert not pipe.transformer._diffusers_hook.hooks if hasattr(pipe.transformer, "_diffusers_hook") else True
+
+
+def test_rollout_past_the_rotary_table_stays_bounded():
+    pipe = tiny_video_pipeline()
+    pipe.transformer = tiny_transformer(rope=6)  # a 6-frame rotary table
+    with pytest.raises(ValueError, match="rotary table"):
+        pipe(PROMPT, num_frames=29, decode="none", generator=seeded())  # 8 latent frames, global policy
+    sizes = {}
+    for frames in (29, 61):  # 8 and 16 latent frames, far past the table
+        for policy in ("window:2", "sink:1,window:2"):
+            out = pipe(PROMPT, num_frames=frames, cache_policy=policy, decode="none", generator=seeded())
+            assert torch.isfinite(out.latents).all()
+            sizes.setdefault(policy, set()).add(out.stats.cache_bytes)
+    assert all(len(s) == 1 for s in sizes.values())  # the cache does not grow with the video
+
+
+def test_prompt_switch_changes_only_later_blocks(pipe):
+    plain = pipe(PROMPT, num_frames=21, generator=seeded())
+    switched = pipe(PROMPT, num_frames=21, prompt_switches={8: "dog face moving up"}, generator=seeded())
+    # blocks start at frames 0, 5, 13: a switch at frame 8 takes effect at the third block
+    assert torch.equal(switched.latents[:, :, :4], plain.latents[:, :, :4])
+    assert not torch.equal(switched.latents[:, :, 4:], plain.latents[:, :, 4:])
+    same = pipe(PROMPT, num_frames=21, prompt_switches={5: PROMPT}, generator=seeded())
+    assert torch.equal(same.latents, plain.latents)
+
+
+def test_guidance_batches_and_collaboration(pipe):
+    out = pipe([PROMPT, "dog face moving up"], guidance_scale=3.0, negative_prompt="", generator=seeded())
+    assert out.frames.shape[0] == 2 and out.stats.cache_bytes == 2 * pipe(PROMPT, generator=seeded()).stats.cache_bytes * 2
+    small = tiny_video_pipeline(layers=1, seed=1)
+    plain = pipe(PROMPT, generator=seeded())
+    every_step_large = pipe(PROMPT, decoding=CollaborativeDenoising(small=small, large_steps=4), generator=seeded())
+    assert torch.equal(every_step_large.latents, plain.latents)
+    mixed = pipe(PROMPT, decoding=CollaborativeDenoising(small=small, large_steps=2), generator=seeded())
+    assert mixed.stats.denoise_forwards == {"large": 4, "small": 4} and mixed.stats.commit_forwards == {"large": 2, "small": 2}
+    assert not torch.equal(mixed.latents, plain.latents)
+    with pytest.raises(ValueError, match="small model"):
+        pipe(PROMPT, decoding="collaborative", generator=seeded())
+
+
+def test_euler_schedule_and_save_load(pipe, tmp_path):
+    euler = BlockDenoising(schedule=FlowSchedule.uniform(3, shift=3.0))
+    out = pipe(PROMPT, decoding=euler, generator=seeded())
+    assert out.stats.denoise_forwards == {"model": 6}
+    pipe.save_pretrained(tmp_path / "tiny")
+    loaded = BlockDiffusionVideoPipeline.from_pretrained(tmp_path / "tiny")
+    loaded.set_progress_bar_config(disable=True)
+    for name in ("transformer", "vae", "text_encoder"):
+        mine, theirs = getattr(pipe, name).state_dict(), getattr(loaded, name).state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert loaded.pipeline_config() == pipe.pipeline_config()
+    again = loaded(PROMPT, decoding=euler, generator=seeded())
+    assert torch.allclose(again.latents, out.latents, atol=1e-5)  # same weights; kernels may round differently
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_frames=9), "use num_frames 5 or 13"),
+    (dict(num_frames=12), "1 \\+ 4·k"),
+    (dict(height=30), "height must be a positive multiple of 16"),
+    (dict(prompt_switches={13: "dog face"}), "frames 0 … 12"),
+    (dict(prompt_switches={6: "dog face"}), "no block starts at or after it"),
+    (dict(decode="stream"), "decode must be one of"),
+    (dict(cache_policy="window:-1"), "cache policy|cache window"),
+    (dict(cache_threshold=-1.0), "cache_threshold"),
+    (dict(block_frames=0), "block_frames"),
+])
+def test_bad_input_is_a_clear_error_before_any_work(pipe, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pipe(PROMPT, generator=seeded(), **kwargs)
