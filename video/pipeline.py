@@ -16,7 +16,9 @@ length zeroed).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -48,6 +50,17 @@ class VideoOutput:
     fps: float
 
 
+def wan_folder(wan: Union[str, os.PathLike], with_transformer: bool = True) -> Path:
+    """The local folder of a diffusers Wan folder or Hub repo; ValueError if a component is missing."""
+    from mmgen.hub import resolve_path
+
+    root = resolve_path(wan)
+    for name in ("vae", "text_encoder", "tokenizer") + (("transformer",) if with_transformer else ()):
+        if not (root / name).is_dir():
+            raise ValueError(f"{wan} is not a diffusers Wan folder: {name}/ is missing")
+    return root
+
+
 @register_pipeline
 class BlockDiffusionVideoPipeline(Pipeline):
     component_types = {
@@ -75,6 +88,19 @@ class BlockDiffusionVideoPipeline(Pipeline):
                 "width": self.width, "fps": self.fps, "max_sequence_length": self.max_sequence_length,
                 "timesteps": list(self.schedule.timesteps), "shift": self.schedule.shift,
                 "stochastic": self.schedule.stochastic, "negative_prompt": self.negative_prompt}
+
+    @classmethod
+    def from_wan(cls, wan: Union[str, os.PathLike], transformer: Any = None, **config: Any) -> "BlockDiffusionVideoPipeline":
+        """Components from a diffusers Wan folder or Hub repo (`vae/`, `text_encoder/`,
+        `tokenizer/`, and `transformer/` unless `transformer` — a module or a folder — is
+        given): a causal Wan generator (a converted Self-Forcing / CausVid checkpoint) beside the
+        VAE and text encoder it was trained with. `config`: the pipeline settings."""
+        root = wan_folder(wan, with_transformer=transformer is None)
+        if transformer is None or isinstance(transformer, (str, os.PathLike)):
+            transformer = WanTransformer3DModel.from_pretrained(str(transformer or root / "transformer"))
+        return cls(transformer=transformer, vae=AutoencoderKLWan.from_pretrained(str(root / "vae")),
+                   text_encoder=UMT5EncoderModel.from_pretrained(str(root / "text_encoder")),
+                   tokenizer=AutoTokenizer.from_pretrained(str(root / "tokenizer")), **config)
 
     # ---------------------------------------------------------------- geometry
     @property
