@@ -9,3 +9,6 @@ block-diffusion decoders (plain, collaborative large/small). The index below is 
 
 #: Pipeline class name -> the module that defines and registers it.
 PIPELINE_MODULES = {"BlockDiffusionVideoPipeline": "mmgen.video.pipeline"}
+#: Bundled trained models (package data; see assets/emoji-motion/MODEL_CARD.md): name -> folder
+#: relative to this package.
+BUNDLED_MODELS = {"emoji-motion": "assets/emoji-motion", "emoji-motion-small": "assets/emoji-motion-small"}
