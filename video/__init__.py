@@ -12,3 +12,5 @@ PIPELINE_MODULES = {"BlockDiffusionVideoPipeline": "mmgen.video.pipeline"}
 #: Bundled trained models (package data; see assets/emoji-motion/MODEL_CARD.md): name -> folder
 #: relative to this package.
 BUNDLED_MODELS = {"emoji-motion": "assets/emoji-motion", "emoji-motion-small": "assets/emoji-motion-small"}
+#: `mmgen batch` job files whose jobs carry a `video` (the prompt) run here.
+BATCH_JOBS = {"video": "mmgen.video.batch"}

@@ -1,11 +1,12 @@
 """Writing videos: MP4 (H.264 through PyAV, which bundles FFmpeg), atomically.
 
-The file appears complete or not at all: frames go to a hidden sibling first, renamed over
-the target at the end (a killed run leaves no half-written video under the target's name).
+The file appears complete or not at all (`mmgen.files.write_atomic`: a temporary sibling,
+fsynced and renamed over the target), so a killed run leaves no half-written video.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import Union
@@ -13,36 +14,39 @@ from typing import Union
 import numpy as np
 import torch
 
+from mmgen.files import write_atomic
+
 
 def to_uint8(video: torch.Tensor) -> torch.Tensor:
     """Video [B, 3, T, H, W] in [-1, 1] -> frames [B, T, H, W, 3] uint8."""
     return ((video.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 4, 1).cpu()
 
 
-def write_mp4(path: Union[str, os.PathLike], frames: Union[torch.Tensor, np.ndarray], fps: float = 16.0, crf: int = 18) -> Path:
-    """Frames [T, H, W, 3] uint8 -> an H.264 MP4 at `path` (odd sizes are padded by one pixel,
-    which yuv420p needs). Written to a temporary sibling and renamed, so `path` is whole."""
+def mp4_bytes(frames: Union[torch.Tensor, np.ndarray], fps: float = 16.0, crf: int = 18) -> bytes:
+    """Frames [T, H, W, 3] uint8 -> an H.264 MP4 (odd sizes padded by one pixel: yuv420p)."""
     import av
 
     frames = np.asarray(frames.cpu() if isinstance(frames, torch.Tensor) else frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"expected frames [T, H, W, 3] uint8, got {frames.shape} {frames.dtype}")
-    t, h, w, _ = frames.shape
+    _, h, w, _ = frames.shape
     frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=int(round(fps)))
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf)}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def write_mp4(path: Union[str, os.PathLike], frames: Union[torch.Tensor, np.ndarray], fps: float = 16.0, crf: int = 18) -> Path:
+    """`mp4_bytes` written atomically to `path` (a temporary sibling renamed over it)."""
     path = Path(path)
-    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
-    try:
-        with av.open(str(partial), mode="w", format="mp4") as container:
-            stream = container.add_stream("libx264", rate=int(round(fps)))
-            stream.width, stream.height = frames.shape[2], frames.shape[1]
-            stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": str(crf)}
-            for frame in frames:
-                container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-            container.mux(stream.encode())
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    write_atomic(path, mp4_bytes(frames, fps, crf))
     return path
 
 

@@ -1,0 +1,180 @@
+"""`mmgen batch` for video jobs: MP4 files from a JSONL job file, resumable and sharded over the
+ranks of a torchrun job, like the image, text and speech jobs.
+
+    mmgen batch clips.jsonl --out videos/ [--batch-size 8] [--on-error stop|skip]
+
+One job per line (a job with a `video` is a video job; its value is the prompt):
+
+    {"video": "cat face moving left", "output": "cat"}
+    {"model": "emoji-motion", "video": "sun bouncing vertically", "num_frames": 33, "cache_policy": "window:4", "output": "sun"}
+
+Required: `video` and `output` (a file-name stem, unique in the file: the video goes to
+`<out>/<output>.mp4`). Optional: `model` (default the bundled `emoji-motion`), `num_frames`,
+`block_frames`, `height`, `width`, `cache_policy`, `decoding`, `guidance_scale`,
+`negative_prompt`, `cache_threshold`, `seed` (default 0), as the `mmgen generate video` flags.
+Every line is checked before any work (JSON, fields, models load, geometry and specs valid);
+`--on-error` as for image jobs.
+
+Jobs of one model and options are packed in file order into calls of up to `--batch-size`
+videos with one generator seeded from their seeds (`mmgen.batch.group_seed`: a lone job keeps
+its own seed, so `--batch-size 1` equals `mmgen generate video --seed`). Files are written
+atomically and recorded in the manifest with the decode's stats, profile and group, so a killed
+run resumes without losing or duplicating videos.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
+                         model_memo, read_jsonl, run_groups, start_run)
+from mmgen.cache import CachePolicy
+from mmgen.cli import check_seed
+
+DEFAULT_MODEL = "emoji-motion"
+REQUIRED = {"video": "text", "output": "str"}
+OPTIONAL = {"model": "str", "num_frames": "int", "block_frames": "int", "height": "int", "width": "int",
+            "cache_policy": "str", "decoding": "str", "guidance_scale": "float", "negative_prompt": "str",
+            "cache_threshold": "float", "seed": "int"}
+KINDS = {**FIELD_KINDS, "text": ("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))}
+#: Options that change the video: jobs that agree on all of them may share a call.
+CALL_FIELDS = ("model", "num_frames", "block_frames", "height", "width", "cache_policy", "decoding", "guidance_scale",
+               "negative_prompt", "cache_threshold")
+DEFAULTS = {"model": DEFAULT_MODEL, "num_frames": None, "block_frames": None, "height": None, "width": None,
+            "cache_policy": "global", "decoding": "block", "guidance_scale": 1.0, "negative_prompt": None,
+            "cache_threshold": None, "seed": 0}
+
+
+@dataclass(frozen=True, eq=False)
+class VideoJob:
+    """One valid line, with its defaults filled in (`fields`)."""
+
+    line: int
+    spec: dict
+    fields: dict
+
+    @property
+    def key(self) -> tuple:
+        return tuple(json.dumps(self.fields[k]) for k in CALL_FIELDS)
+
+    @property
+    def category(self) -> tuple[str, str]:
+        return self.fields["model"], self.fields["decoding"]
+
+    @property
+    def file(self) -> str:
+        return f"{self.spec['output']}.mp4"
+
+    @property
+    def job(self) -> "VideoJob":
+        return self
+
+    @property
+    def order(self) -> int:
+        return self.line
+
+
+def check_fields(value: Any) -> dict:
+    """A job object's fields checked for presence and type, defaults filled in (ValueError)."""
+    check_schema(value, REQUIRED, OPTIONAL, KINDS)
+    fields = {**DEFAULTS, **value}
+    for name in ("guidance_scale", "cache_threshold"):
+        fields[name] = None if fields[name] is None else float(fields[name])
+    check_seed(fields["seed"])
+    CachePolicy.parse(fields["cache_policy"])
+    if fields["cache_threshold"] is not None and not fields["cache_threshold"] >= 0:
+        raise ValueError(f"cache_threshold must be >= 0, got {fields['cache_threshold']}")
+    return fields
+
+
+@dataclass
+class VideoCall:
+    """One loaded pipeline with one set of call options (a group's call)."""
+
+    pipe: Any
+    options: dict
+
+    def __call__(self, jobs: list[VideoJob], seed: int, device: str):
+        from mmgen.sampling import make_generator
+
+        return self.pipe([job.fields["video"] for job in jobs], generator=make_generator(seed, device), **self.options)
+
+
+def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> VideoCall:
+    """The decoder and options of a job key, geometry and specs checked (ValueError) before any work."""
+    from mmgen.loading import decoder_from_spec
+
+    from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+
+    if not isinstance(pipe, BlockDiffusionVideoPipeline):
+        raise ValueError(f"model {fields['model']!r} holds a {type(pipe).__name__}, not a block-diffusion video model")
+    frames = pipe.num_frames if fields["num_frames"] is None else fields["num_frames"]
+    block = pipe.block_frames if fields["block_frames"] is None else fields["block_frames"]
+    pipe.check_geometry(frames, block, fields["height"] or pipe.height, fields["width"] or pipe.width)
+    decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
+    options = {k: fields[k] for k in ("height", "width", "cache_policy", "guidance_scale", "negative_prompt", "cache_threshold")}
+    return VideoCall(pipe, dict(options, num_frames=frames, block_frames=block, decoding=decoder))
+
+
+def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[VideoJob], dict, list[LineError]]:
+    """The valid jobs, the prepared call of each job key, and the bad lines (each model loads once)."""
+    from mmgen.loading import load_pipeline
+    from mmgen.video.cli import quiet_loaders
+
+    quiet_loaders()
+    values, errors = read_jsonl(path)
+
+    def load(model: str):
+        pipe = load_pipeline(model, device=device, dtype=dtype)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    pipes = model_memo(load)
+    owners, jobs, settings = {}, [], {}
+    calls = Memo(lambda key: prepare_call(pipes(settings[key]["model"]), settings[key], device, dtype))
+    for line, value in values:
+        try:
+            fields = check_fields(value)
+            claim_output(owners, value["output"], line)
+            job = VideoJob(line, value, fields)
+            settings.setdefault(job.key, fields)
+            calls(job.key)
+            jobs.append(job)
+        except ValueError as error:
+            errors.append(LineError(line, str(error)))
+    return jobs, calls.loaded(), errors
+
+
+def run_batch(args: argparse.Namespace) -> int:
+    """Check every line, group, run this rank's share, merge the manifest (rank 0). Exit status
+    0, or 1 when some group failed (its files are missing; run again)."""
+    from mmgen.video.export import mp4_bytes
+
+    run = start_run(args, load_jobs)
+    world, device, jobs, calls, errors = run.world, run.device, run.jobs, run.calls, run.errors
+    groups = form_groups(jobs, key=lambda job: job.key, size=args.batch_size)
+    if args.dry_run:
+        if world.rank == 0:
+            print(f"{len(jobs)} valid job(s) in {len(groups)} group(s) of up to {args.batch_size}; {len(errors)} invalid line(s)")
+        return 0
+
+    def run_group(g: int, group: list[VideoJob], run: GroupRun) -> None:
+        """Make group `g` in one call and write the files it still lacks."""
+        seed = group_seed([job.fields["seed"] for job in group])
+        output = calls[group[0].key](group, seed, device)
+        todo = {job.file for job in run.todo}
+        for row, job in enumerate(group):
+            if job.file in todo:
+                where = {"index": g, "seed": seed, "row": row, "size": len(group)}
+                record = {"group": where, "frames": int(output.frames.shape[1]), "fps": output.fps,
+                          "stats": output.stats.to_dict(), "profile": output.profile.to_dict()}
+                run.record(job, mp4_bytes(output.frames[row], output.fps), record)
+
+    return run_groups(world, device, Path(args.out), jobs, groups, run_group, started=run.started, invalid_lines=len(errors),
+                      unit="files", bar_unit="file", progress=not args.no_progress)
