@@ -104,16 +104,18 @@ class CachedCrossAttention:
 
 class MaskedSelfAttention:
     """`attn1` over a whole sequence with a boolean mask [S, S] (True: may attend) and the
-    model's own rotary embedding; `mask=None` is the model's bidirectional attention."""
+    model's own rotary embedding; `mask=None` is the model's bidirectional attention. `mask`
+    may also be an object whose `.mask` is read at each call (a model whose sequence grows)."""
 
-    def __init__(self, mask: Optional[torch.Tensor]):
-        self.mask = mask
+    def __init__(self, mask: Any):
+        self.source = mask
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        mask = self.source if self.source is None or isinstance(self.source, torch.Tensor) else self.source.mask
         q = rotate(_heads(attn, attn.norm_q(attn.to_q(hidden_states))), *rotary_emb)
         k = rotate(_heads(attn, attn.norm_k(attn.to_k(hidden_states))), *rotary_emb)
         v = _heads(attn, attn.to_v(hidden_states))
-        return _attend(attn, q, k, v, self.mask)
+        return _attend(attn, q, k, v, mask)
 
 
 def block_causal_mask(num_frames: int, block_frames: int, tokens_per_frame: int, device=None) -> torch.Tensor:

@@ -21,6 +21,8 @@ from mmgen.video.attention import (
     CachedCrossAttention,
     CachedSelfAttention,
     ContextSlot,
+    MaskedSelfAttention,
+    block_causal_mask,
     processors_installed,
     rotary_tables,
 )
@@ -148,3 +150,60 @@ class WanBlockModel:
                 yield
             finally:
                 transformer.disable_cache()
+
+
+@dataclass
+class RecomputingState:
+    embeddings: torch.Tensor
+    guided: bool
+    batch_size: int
+    context: list[torch.Tensor] = field(default_factory=list)  # committed clean blocks
+    hooks: ExitStack = field(default_factory=ExitStack)
+
+
+class RecomputingWanModel:
+    """The same block-causal model without a cache, as naive implementations run it: every
+    forward feeds all committed clean frames (timestep 0) before the noisy block, under a
+    block-causal mask, recomputing the context each time. Equal to `WanBlockModel` under the
+    global policy (float64 test); the benchmarks' no-cache baseline."""
+
+    def __init__(self, transformer: Any, block_frames: int, latent_size: tuple[int, int]):
+        self.transformer, self.block_frames, self.latent_size = transformer, block_frames, latent_size
+        p_t, p_h, p_w = transformer.config.patch_size
+        self.tokens_per_frame = (latent_size[0] // p_h) * (latent_size[1] // p_w)
+        self.mask = None
+
+    def start(self, conditions: PromptEmbeddings, num_blocks: int, guidance: bool) -> RecomputingState:
+        embeddings = torch.cat([conditions.cond, conditions.uncond]) if guidance else conditions.cond
+        state = RecomputingState(embeddings.to(next(self.transformer.parameters()).dtype), guidance, conditions.cond.shape[0])
+        state.hooks.enter_context(processors_installed(self.transformer, lambda i: MaskedSelfAttention(self)))
+        return state
+
+    def finish(self, state: RecomputingState) -> None:
+        state.hooks.close()
+
+    def block_shape(self, state: RecomputingState) -> tuple[int, ...]:
+        return (state.batch_size, self.transformer.config.in_channels, self.block_frames, *self.latent_size)
+
+    def velocity(self, state: RecomputingState, x: torch.Tensor, timestep: float):
+        out = self._forward(state, x, timestep)
+        return (out[:state.batch_size], out[state.batch_size:]) if state.guided else (out, None)
+
+    def commit(self, state: RecomputingState, x0: torch.Tensor) -> None:
+        state.context.append(x0)
+
+    def condition(self, state: RecomputingState, conditions: PromptEmbeddings) -> None:
+        embeddings = torch.cat([conditions.cond, conditions.uncond]) if state.guided else conditions.cond
+        state.embeddings = embeddings.to(state.embeddings.dtype)
+
+    def _forward(self, state: RecomputingState, x: torch.Tensor, timestep: float) -> torch.Tensor:
+        dtype = state.embeddings.dtype
+        seq = torch.cat([*state.context, x], dim=2).to(dtype)
+        if state.guided:
+            seq = torch.cat([seq, seq])
+        frames, tokens = seq.shape[2], self.tokens_per_frame
+        clean = (frames - self.block_frames) * tokens
+        t = torch.cat([torch.zeros(seq.shape[0], clean), torch.full((seq.shape[0], self.block_frames * tokens), timestep)], 1)
+        self.mask = block_causal_mask(frames, self.block_frames, tokens, device=seq.device)
+        out = self.transformer(seq, t.to(seq.device), encoder_hidden_states=state.embeddings, return_dict=False)[0]
+        return out[:, :, -self.block_frames:].to(x.dtype)

@@ -30,7 +30,7 @@ from mmgen.decoding import FAMILY_DECODERS, BlockStats, FlowSchedule, resolve_de
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.video.export import to_uint8
-from mmgen.video.model import PromptEmbeddings, WanBlockModel
+from mmgen.video.model import PromptEmbeddings, RecomputingWanModel, WanBlockModel
 from mmgen.video.profiler import BlockProfiler, VideoProfile
 from mmgen.video.vae import StreamingDecoder, decode_latents
 
@@ -152,15 +152,22 @@ class BlockDiffusionVideoPipeline(Pipeline):
         return PromptEmbeddings(cond, uncond)
 
     # ---------------------------------------------------------------- the model
-    def block_model(self, like: Optional[WanBlockModel] = None, block_frames: Optional[int] = None,
+    def block_model(self, like: Any = None, block_frames: Optional[int] = None,
                     latent_size: Optional[tuple[int, int]] = None, cache_policy: Union[str, CachePolicy] = "global",
-                    cache_threshold: Optional[float] = None) -> WanBlockModel:
+                    cache_threshold: Optional[float] = None) -> Union[WanBlockModel, RecomputingWanModel]:
         """The transformer as a `BlockDiffusionModel`; `like` copies another's settings (the
-        small model of collaborative denoising follows the large one's)."""
+        small model of collaborative denoising follows the large one's). `cache_policy="none"`
+        is the no-cache reference (`RecomputingWanModel`: every forward re-feeds the video)."""
+        if isinstance(like, RecomputingWanModel):
+            return RecomputingWanModel(self.transformer, like.block_frames, like.latent_size)
         if like is not None:
             return WanBlockModel(self.transformer, like.block_frames, like.latent_size, like.policy, like.cache_threshold)
-        policy = CachePolicy.parse(cache_policy) if isinstance(cache_policy, str) else cache_policy
         size = latent_size or (self.height // self.spatial_ratio, self.width // self.spatial_ratio)
+        if cache_policy == "none":
+            if cache_threshold is not None:
+                raise ValueError("cache_threshold (First Block Cache) needs the KV cache: not with cache_policy='none'")
+            return RecomputingWanModel(self.transformer, block_frames or self.block_frames, size)
+        policy = CachePolicy.parse(cache_policy) if isinstance(cache_policy, str) else cache_policy
         return WanBlockModel(self.transformer, block_frames or self.block_frames, size, policy, cache_threshold)
 
     def check_companion(self, other: Pipeline, companion: Companion) -> None:
@@ -191,6 +198,8 @@ class BlockDiffusionVideoPipeline(Pipeline):
     ) -> VideoOutput:
         """Make a video of `num_frames` frames for each prompt.
 
+        `cache_policy`: "global", "window:N", "sink:S,window:N" (latent frames), or "none", the
+        no-cache reference that recomputes the committed frames at every forward.
         `prompt_switches` {frame: prompt}: from the first block starting at or after that video
         frame, the video follows the new prompt (its cross-attention keys are recomputed; the
         cached frames stay). `decode`: "block" streams each block through the VAE as it is
@@ -209,6 +218,8 @@ class BlockDiffusionVideoPipeline(Pipeline):
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
         if cache_threshold is not None and not cache_threshold >= 0:
             raise ValueError(f"cache_threshold must be >= 0, got {cache_threshold!r}")
+        if cache_policy != "none" and not isinstance(cache_policy, CachePolicy):
+            CachePolicy.parse(cache_policy)
         num_blocks = self.latent_frames(num_frames) // block_frames
         switches = self._switch_blocks(prompt_switches or {}, num_frames, num_blocks, block_frames, len(prompts))
         decoder = resolve_decoder(self.default_decoding if decoding is None else decoding, FAMILY_DECODERS["block-diffusion"])
@@ -236,14 +247,19 @@ class BlockDiffusionVideoPipeline(Pipeline):
             progress.update(1)
 
         profiler.start()
-        with torch.no_grad():
-            out = decoder.generate(model, conditions, num_blocks, generator, guidance_scale=guidance_scale,
-                                   switches=switched, callback=on_block, schedule=self.schedule)
-            latents = torch.cat(out.latents, dim=2)
-            frames = torch.cat(pieces, dim=1) if streaming is not None else None
-            if decode == "end":
-                frames = to_uint8(decode_latents(self.vae, latents))
-        progress.close()
+        try:
+            with torch.no_grad():
+                out = decoder.generate(model, conditions, num_blocks, generator, guidance_scale=guidance_scale,
+                                       switches=switched, callback=on_block, schedule=self.schedule)
+                latents = torch.cat(out.latents, dim=2)
+                frames = torch.cat(pieces, dim=1) if streaming is not None else None
+                if decode == "end":
+                    frames = to_uint8(decode_latents(self.vae, latents))
+        except BaseException:
+            profiler.close()  # no profile of a failed call; the sampling thread stops
+            raise
+        finally:
+            progress.close()
         profile = profiler.finish(num_frames * len(prompts), cache_bytes=out.stats.cache_bytes)
         return VideoOutput(frames, latents, profile, out.stats, self.fps)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
@@ -39,6 +41,32 @@ class VideoProfile:
         return out
 
 
+def resident_bytes() -> int:
+    """This process's resident size now (Linux /proc; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class _PeakSampler(threading.Thread):
+    def __init__(self, interval: float = 0.002):
+        super().__init__(daemon=True)
+        self.interval, self.base = interval, resident_bytes()
+        self.peak, self.done = self.base, threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval):
+            self.peak = max(self.peak, resident_bytes())
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return max(self.peak, resident_bytes()) - self.base
+
+
 class BlockProfiler:
     """`start()`, `block_done()` after each block, `finish(frames)` -> `VideoProfile`."""
 
@@ -46,6 +74,7 @@ class BlockProfiler:
         self.device = device
         self.profile = VideoProfile()
         self._t0 = self._last = 0.0
+        self._sampler: Optional[_PeakSampler] = None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -54,6 +83,9 @@ class BlockProfiler:
     def start(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._sampler = _PeakSampler()
+            self._sampler.start()
         self._sync()
         self._t0 = self._last = time.perf_counter()
 
@@ -71,7 +103,13 @@ class BlockProfiler:
             self.profile.cache_bytes = cache_bytes
         if self.device.type == "cuda":
             self.profile.peak_memory_bytes = int(torch.cuda.max_memory_allocated(self.device))
-        else:  # ru_maxrss is KiB on Linux, bytes on macOS
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            self.profile.peak_memory_bytes = int(rss if sys.platform == "darwin" else rss * 1024)
+        elif self._sampler is not None:
+            self.profile.peak_memory_bytes = self._sampler.stop()
+            self._sampler = None
         return self.profile
+
+    def close(self) -> None:
+        """Stop sampling without a profile (a call that failed)."""
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None

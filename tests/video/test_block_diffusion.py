@@ -200,3 +200,26 @@ def test_euler_schedule_and_save_load(pipe, tmp_path):
 def test_bad_input_is_a_clear_error_before_any_work(pipe, kwargs, message):
     with pytest.raises(ValueError, match=message):
         pipe(PROMPT, generator=seeded(), **kwargs)
+
+
+def test_the_no_cache_baseline_makes_the_same_video_in_float64():
+    """`RecomputingWanModel` (every forward re-feeds the committed frames) and the cached model
+    under the global policy: the same decoder, the same noise, the same latents."""
+    from mmgen.video.model import RecomputingWanModel
+
+    transformer = tiny_transformer().double()
+    text = PromptEmbeddings(torch.randn(2, 5, 16, dtype=torch.float64), torch.zeros(2, 5, 16, dtype=torch.float64))
+    outs = []
+    for model in (WanBlockModel(transformer, 2, (4, 4)), RecomputingWanModel(transformer, 2, (4, 4))):
+        out = BlockDenoising().generate(model, text, 3, seeded(), guidance_scale=2.0)
+        outs.append(torch.cat(out.latents, 2))
+    assert (outs[0] - outs[1]).abs().max() < 1e-10
+
+
+def test_cache_policy_none_is_the_recomputing_reference(pipe):
+    cached = pipe(PROMPT, generator=seeded())
+    recomputed = pipe(PROMPT, cache_policy="none", generator=seeded())
+    assert recomputed.stats.cache_bytes == 0
+    assert (recomputed.latents - cached.latents).abs().max() < 1e-4  # float32: the same model, other kernels
+    with pytest.raises(ValueError, match="needs the KV cache"):
+        pipe(PROMPT, cache_policy="none", cache_threshold=0.1, generator=seeded())
