@@ -16,6 +16,7 @@ features) over N held-out captions, next to real clips of the same captions.
   block-causal implementations do); the same video as `cache` (tested).
 - `cache`, `window:N`, `sink:1,window:N`: mmgen's frame K/V cache under each policy.
 - `fbc:T`: First Block Cache at threshold T on the denoising steps.
+- `drop:T`: static-token dropping at threshold T (`video/dropping.py`).
 - `collab:K`: the large model takes the first K denoising steps of every block, `MODEL-small`
   the rest.
 - `skyreels-df`: diffusers' `SkyReelsV2DiffusionForcingPipeline` with the same transformer
@@ -93,6 +94,8 @@ def methods(pipe, small, window: int) -> dict[str, Callable[..., Any]]:
         f"sink:1,window:{window}": ours(cache_policy=f"sink:1,window:{window}"),
         "fbc:0.05": ours(cache_threshold=0.05),
         "fbc:0.2": ours(cache_threshold=0.2),
+        "drop:0.05": ours(drop_threshold=0.05),
+        "drop:0.2": ours(drop_threshold=0.2),
     }
     steps = len(pipe.schedule.timesteps)
     if small is not None:

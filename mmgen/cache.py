@@ -287,15 +287,18 @@ class FrameKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a block's k, v [B, n, H, D] after the held frames; return the layer's keys and
-        values [B, held + n, H, D] (views), the block's last."""
+        values [B, held + block, H, D] (views), the block's last. With `index` [n], the rows are
+        the block's tokens at those offsets; its other slots keep what the last forward wrote."""
         start = self.frames * self.tokens_per_frame
-        end = start + k.shape[1]
+        end = start + (self.block_frames * self.tokens_per_frame if index is not None else k.shape[1])
         if end > self.k.shape[2]:
-            raise ValueError(f"a block of {k.shape[1]} tokens does not fit the cache after {self.frames} frames")
-        self.k[layer, :, start:end] = k
-        self.v[layer, :, start:end] = v
+            raise ValueError(f"a block of {end - start} tokens does not fit the cache after {self.frames} frames")
+        slots = slice(start, end) if index is None else start + index
+        self.k[layer, :, slots] = k
+        self.v[layer, :, slots] = v
         return self.k[layer, :, :end], self.v[layer, :, :end]
 
     def commit(self, num_frames: int) -> None:

@@ -55,6 +55,7 @@ class BlockContext:
 
     cache: FrameKVCache
     rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    dropping: Any = None  # a `video.dropping.DroppingState` whose `active` tokens are the only queries
     prompt_version: int = 0
     cross: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -76,10 +77,15 @@ class CachedSelfAttention:
         q = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
         k = _heads(attn, attn.norm_k(attn.to_k(hidden_states)))
         v = _heads(attn, attn.to_v(hidden_states))
-        keys, values = context.cache.update(self.layer, k, v)
+        active = None if context.dropping is None else context.dropping.active
+        keys, values = context.cache.update(self.layer, k, v, active)
         cos, sin = context.rotary
-        n = q.shape[1]
-        q = rotate(q, cos[:, -n:], sin[:, -n:])
+        if active is None:
+            n = q.shape[1]
+            q = rotate(q, cos[:, -n:], sin[:, -n:])
+        else:  # the block's active tokens only, at their own positions
+            rows = active + keys.shape[1] - context.cache.block_frames * context.cache.tokens_per_frame
+            q = rotate(q, cos[:, rows], sin[:, rows])
         return _attend(attn, q, rotate(keys, cos, sin), values)
 
 

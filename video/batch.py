@@ -11,7 +11,7 @@ One job per line (a job with a `video` is a video job; its value is the prompt):
 Required: `video` and `output` (a file-name stem, unique in the file: the video goes to
 `<out>/<output>.mp4`). Optional: `model` (default the bundled `emoji-motion`), `num_frames`,
 `block_frames`, `height`, `width`, `cache_policy`, `decoding`, `guidance_scale`,
-`negative_prompt`, `cache_threshold`, `seed` (default 0), as the `mmgen generate video` flags.
+`negative_prompt`, `cache_threshold`, `drop_threshold`, `seed` (default 0), as the `mmgen generate video` flags.
 Every line is checked before any work (JSON, fields, models load, geometry and specs valid);
 `--on-error` as for image jobs.
 
@@ -41,14 +41,14 @@ DEFAULT_MODEL = "emoji-motion"
 REQUIRED = {"video": "text", "output": "str"}
 OPTIONAL = {"model": "str", "num_frames": "int", "block_frames": "int", "height": "int", "width": "int",
             "cache_policy": "str", "decoding": "str", "guidance_scale": "float", "negative_prompt": "str",
-            "cache_threshold": "float", "seed": "int"}
+            "cache_threshold": "float", "drop_threshold": "float", "seed": "int"}
 KINDS = {**FIELD_KINDS, "text": ("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))}
 #: Options that change the video: jobs that agree on all of them may share a call.
 CALL_FIELDS = ("model", "num_frames", "block_frames", "height", "width", "cache_policy", "decoding", "guidance_scale",
-               "negative_prompt", "cache_threshold")
+               "negative_prompt", "cache_threshold", "drop_threshold")
 DEFAULTS = {"model": DEFAULT_MODEL, "num_frames": None, "block_frames": None, "height": None, "width": None,
             "cache_policy": "global", "decoding": "block", "guidance_scale": 1.0, "negative_prompt": None,
-            "cache_threshold": None, "seed": 0}
+            "cache_threshold": None, "drop_threshold": None, "seed": 0}
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,12 +84,13 @@ def check_fields(value: Any) -> dict:
     """A job object's fields checked for presence and type, defaults filled in (ValueError)."""
     check_schema(value, REQUIRED, OPTIONAL, KINDS)
     fields = {**DEFAULTS, **value}
-    for name in ("guidance_scale", "cache_threshold"):
+    for name in ("guidance_scale", "cache_threshold", "drop_threshold"):
         fields[name] = None if fields[name] is None else float(fields[name])
     check_seed(fields["seed"])
     CachePolicy.parse(fields["cache_policy"])
-    if fields["cache_threshold"] is not None and not fields["cache_threshold"] >= 0:
-        raise ValueError(f"cache_threshold must be >= 0, got {fields['cache_threshold']}")
+    for name in ("cache_threshold", "drop_threshold"):
+        if fields[name] is not None and not fields[name] >= 0:
+            raise ValueError(f"{name} must be >= 0, got {fields[name]}")
     return fields
 
 
@@ -118,7 +119,8 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> VideoCa
     block = pipe.block_frames if fields["block_frames"] is None else fields["block_frames"]
     pipe.check_geometry(frames, block, fields["height"] or pipe.height, fields["width"] or pipe.width)
     decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
-    options = {k: fields[k] for k in ("height", "width", "cache_policy", "guidance_scale", "negative_prompt", "cache_threshold")}
+    options = {k: fields[k] for k in ("height", "width", "cache_policy", "guidance_scale", "negative_prompt", "cache_threshold",
+                                      "drop_threshold")}
     return VideoCall(pipe, dict(options, num_frames=frames, block_frames=block, decoding=decoder))
 
 

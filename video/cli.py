@@ -3,7 +3,7 @@
     mmgen generate video --prompt "cat face moving left" --out cat.mp4          # the bundled emoji-motion, offline
     mmgen generate video --model FOLDER --prompt "..." --out clip.mp4 --frames 81 --block-frames 3 \
         [--cache-policy sink:1,window:6] [--decoding collaborative --small SMALLER --large-steps 2] \
-        [--cache-threshold 0.05] [--switch 40="a new prompt"] [--decode end]
+        [--cache-threshold 0.05] [--drop-threshold 0.05] [--switch 40="a new prompt"] [--decode end]
     mmgen convert self-forcing self_forcing_dmd.pt --wan Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out sf-pipeline
 
 An existing OUT is an error unless `--overwrite`; the MP4 is written atomically. Every input is
@@ -56,6 +56,9 @@ def register(commands, groups) -> None:
     video.add_argument("--cache-threshold", type=float, default=None,
                        help="First Block Cache: reuse the later blocks' residual when the first block's changes less "
                             "than this (relative); 0 reuses nothing (default: off)")
+    video.add_argument("--drop-threshold", type=float, default=None,
+                       help="static-token dropping: after a block's first step, compute only tokens whose block input "
+                            "changed by at least this (relative); 0 drops nothing (default: off)")
     video.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance (default 1: none)")
     video.add_argument("--negative-prompt", default=None, help="guidance's negative prompt (default: the model's)")
     video.add_argument("--switch", type=_switch, action="append", default=[], metavar="FRAME=PROMPT",
@@ -107,8 +110,9 @@ def generate_video(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise ValueError("--prompt is empty")
     CachePolicy.parse(args.cache_policy)
-    if args.cache_threshold is not None and not args.cache_threshold >= 0:
-        raise ValueError(f"--cache-threshold must be >= 0, got {args.cache_threshold}")
+    for flag, value in (("--cache-threshold", args.cache_threshold), ("--drop-threshold", args.drop_threshold)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
     cls = pipeline_class_of(args.model)
     from mmgen.video.pipeline import BlockDiffusionVideoPipeline
 
@@ -130,7 +134,7 @@ def generate_video(args: argparse.Namespace) -> int:
     output = pipe(args.prompt, num_frames=frames, block_frames=block, height=args.height, width=args.width,
                   decoding=decoder, cache_policy=args.cache_policy, guidance_scale=args.guidance_scale,
                   negative_prompt=args.negative_prompt, prompt_switches=dict(args.switch), decode=args.decode,
-                  cache_threshold=args.cache_threshold, generator=make_generator(args.seed, args.device))
+                  cache_threshold=args.cache_threshold, drop_threshold=args.drop_threshold, generator=make_generator(args.seed, args.device))
     from mmgen.video.export import write_mp4
 
     write_mp4(out, output.frames[0], fps=output.fps)

@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from mmgen.cache import CachePolicy, FrameKVCache
+from mmgen.hooks import hooks_attached
 from mmgen.video.attention import (
     BlockContext,
     CachedCrossAttention,
@@ -26,6 +27,8 @@ from mmgen.video.attention import (
     processors_installed,
     rotary_tables,
 )
+from mmgen.video.dropping import HOOK_NAME as DROPPING_HOOK
+from mmgen.video.dropping import DroppingState, StaticTokenHook
 
 
 @dataclass
@@ -49,6 +52,11 @@ class WanBlockState:
     def nbytes(self) -> int:
         return self.context.cache.nbytes
 
+    @property
+    def computed_fraction(self) -> Optional[float]:
+        """Token-layers computed over all of them, with token dropping (None without)."""
+        return None if self.context.dropping is None else self.context.dropping.computed_fraction
+
 
 class WanBlockModel:
     """Block-causal decoding of a `WanTransformer3DModel` over latent blocks [B, C, f, h, w].
@@ -56,13 +64,15 @@ class WanBlockModel:
     `policy` is the cache's (global, window, sink + window, in latent frames); `max_frames`
     sizes the cache (the whole video under the global policy). `cache_threshold` turns on
     First Block Cache for the denoising forwards (never for the clean pass that writes the
-    cache); 0 computes every block, so the output equals no caching.
+    cache); 0 computes every block, so the output equals no caching. `drop_threshold` turns on
+    static-token dropping (`video.dropping`) for the same forwards, 0 likewise.
     """
 
     def __init__(self, transformer: Any, block_frames: int, latent_size: tuple[int, int],
-                 policy: CachePolicy = CachePolicy(), cache_threshold: Optional[float] = None):
+                 policy: CachePolicy = CachePolicy(), cache_threshold: Optional[float] = None,
+                 drop_threshold: Optional[float] = None):
         self.transformer, self.block_frames, self.latent_size = transformer, block_frames, latent_size
-        self.policy, self.cache_threshold = policy, cache_threshold
+        self.policy, self.cache_threshold, self.drop_threshold = policy, cache_threshold, drop_threshold
         config = transformer.config
         p_t, p_h, p_w = config.patch_size
         h, w = latent_size
@@ -89,8 +99,9 @@ class WanBlockModel:
                              self.tokens_per_frame, max_frames, self.block_frames, self.policy,
                              dtype=param.dtype, device=param.device)
         embeddings = torch.cat([conditions.cond, conditions.uncond]) if guidance else conditions.cond
-        state = WanBlockState(BlockContext(cache), embeddings.to(param.dtype), guidance, batch)
-        state.hooks.enter_context(self.attached())
+        dropping = None if self.drop_threshold is None else DroppingState(float(self.drop_threshold))
+        state = WanBlockState(BlockContext(cache, dropping=dropping), embeddings.to(param.dtype), guidance, batch)
+        state.hooks.enter_context(self.attached(dropping))
         return state
 
     def finish(self, state: WanBlockState) -> None:
@@ -120,6 +131,8 @@ class WanBlockModel:
     def _forward(self, state: WanBlockState, x: torch.Tensor, timestep: float, name: str, fresh: bool) -> torch.Tensor:
         ctx, transformer = state.context, self.transformer
         self.slot.context = ctx
+        if ctx.dropping is not None:  # a block's first step and the clean pass compute every token
+            ctx.dropping.enabled, ctx.dropping.record = name == "denoise" and not fresh, name == "denoise"
         frames = ctx.cache.frames + self.block_frames
         ctx.rotary = rotary_tables(transformer, frames, *self.latent_size)
         if state.guided:
@@ -134,14 +147,15 @@ class WanBlockModel:
         return out.to(x.dtype)
 
     @contextmanager
-    def attached(self) -> Iterator[None]:
-        """The cached processors (and FBCache hooks when a threshold is set) for the duration
-        of the block: one decode, from `start` to `finish`."""
+    def attached(self, dropping: Optional[DroppingState] = None) -> Iterator[None]:
+        """The cached processors (and FBCache or token-dropping hooks when their thresholds are
+        set) for the duration of the block: one decode, from `start` to `finish`."""
         from diffusers.hooks import FirstBlockCacheConfig
 
         transformer = self.transformer
+        hooks = {} if dropping is None else {block: StaticTokenHook(dropping) for block in transformer.blocks}
         with processors_installed(transformer, lambda i: CachedSelfAttention(i, self.slot),
-                                  lambda i: CachedCrossAttention(i, self.slot)):
+                                  lambda i: CachedCrossAttention(i, self.slot)), hooks_attached(hooks, DROPPING_HOOK):
             if self.cache_threshold is None:
                 yield
                 return

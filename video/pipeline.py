@@ -154,21 +154,23 @@ class BlockDiffusionVideoPipeline(Pipeline):
     # ---------------------------------------------------------------- the model
     def block_model(self, like: Any = None, block_frames: Optional[int] = None,
                     latent_size: Optional[tuple[int, int]] = None, cache_policy: Union[str, CachePolicy] = "global",
-                    cache_threshold: Optional[float] = None) -> Union[WanBlockModel, RecomputingWanModel]:
+                    cache_threshold: Optional[float] = None,
+                    drop_threshold: Optional[float] = None) -> Union[WanBlockModel, RecomputingWanModel]:
         """The transformer as a `BlockDiffusionModel`; `like` copies another's settings (the
         small model of collaborative denoising follows the large one's). `cache_policy="none"`
         is the no-cache reference (`RecomputingWanModel`: every forward re-feeds the video)."""
         if isinstance(like, RecomputingWanModel):
             return RecomputingWanModel(self.transformer, like.block_frames, like.latent_size)
         if like is not None:
-            return WanBlockModel(self.transformer, like.block_frames, like.latent_size, like.policy, like.cache_threshold)
+            return WanBlockModel(self.transformer, like.block_frames, like.latent_size, like.policy, like.cache_threshold,
+                                 like.drop_threshold)
         size = latent_size or (self.height // self.spatial_ratio, self.width // self.spatial_ratio)
         if cache_policy == "none":
-            if cache_threshold is not None:
-                raise ValueError("cache_threshold (First Block Cache) needs the KV cache: not with cache_policy='none'")
+            if cache_threshold is not None or drop_threshold is not None:
+                raise ValueError("cache_threshold and drop_threshold need the KV cache: not with cache_policy='none'")
             return RecomputingWanModel(self.transformer, block_frames or self.block_frames, size)
         policy = CachePolicy.parse(cache_policy) if isinstance(cache_policy, str) else cache_policy
-        return WanBlockModel(self.transformer, block_frames or self.block_frames, size, policy, cache_threshold)
+        return WanBlockModel(self.transformer, block_frames or self.block_frames, size, policy, cache_threshold, drop_threshold)
 
     def check_companion(self, other: Pipeline, companion: Companion) -> None:
         mine, theirs = self.transformer.config, getattr(other, "transformer", None)
@@ -193,6 +195,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
         decode: str = "block",
         callback: Optional[VideoCallback] = None,
         cache_threshold: Optional[float] = None,
+        drop_threshold: Optional[float] = None,
         schedule: Optional[FlowSchedule] = None,
         generator: Optional[torch.Generator] = None,
     ) -> VideoOutput:
@@ -205,7 +208,8 @@ class BlockDiffusionVideoPipeline(Pipeline):
         cached frames stay). `decode`: "block" streams each block through the VAE as it is
         committed (and hands its frames to `callback`), "end" decodes once at the end, "none"
         returns latents only. `cache_threshold` turns on First Block Cache for denoising steps
-        (0 equals no caching). `decoding`: "block" (default) or "collaborative" with `small=`.
+        (0 equals no caching); `drop_threshold` computes, after a block's first step, only the
+        tokens whose block input changed by at least it (relative L2; 0 equals no dropping). `decoding`: "block" (default) or "collaborative" with `small=`.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
@@ -216,15 +220,16 @@ class BlockDiffusionVideoPipeline(Pipeline):
         self.check_geometry(num_frames, block_frames, height, width)
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-        if cache_threshold is not None and not cache_threshold >= 0:
-            raise ValueError(f"cache_threshold must be >= 0, got {cache_threshold!r}")
+        for name, value in (("cache_threshold", cache_threshold), ("drop_threshold", drop_threshold)):
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
         if cache_policy != "none" and not isinstance(cache_policy, CachePolicy):
             CachePolicy.parse(cache_policy)
         num_blocks = self.latent_frames(num_frames) // block_frames
         switches = self._switch_blocks(prompt_switches or {}, num_frames, num_blocks, block_frames, len(prompts))
         decoder = resolve_decoder(self.default_decoding if decoding is None else decoding, FAMILY_DECODERS["block-diffusion"])
         model = self.block_model(block_frames=block_frames, latent_size=(height // self.spatial_ratio, width // self.spatial_ratio),
-                                 cache_policy=cache_policy, cache_threshold=cache_threshold)
+                                 cache_policy=cache_policy, cache_threshold=cache_threshold, drop_threshold=drop_threshold)
         generator = self.generator_for(generator)
         guided = guidance_scale != 1.0
         negative = self.negative_prompt if negative_prompt is None else negative_prompt

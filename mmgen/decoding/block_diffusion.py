@@ -60,10 +60,12 @@ class BlockStats:
     denoise_forwards: dict[str, int] = field(default_factory=dict)  # role -> forwards (CFG batches count once)
     commit_forwards: dict[str, int] = field(default_factory=dict)
     cache_bytes: int = 0  # the models' caches (states that report `nbytes`)
+    computed_fraction: dict[str, float] = field(default_factory=dict)  # role -> token-layers computed (token dropping)
 
     def to_dict(self) -> dict:
         return {"blocks": self.blocks, "denoise_forwards": dict(self.denoise_forwards),
-                "commit_forwards": dict(self.commit_forwards), "cache_bytes": self.cache_bytes}
+                "commit_forwards": dict(self.commit_forwards), "cache_bytes": self.cache_bytes,
+                "computed_fraction": dict(self.computed_fraction)}
 
 
 @dataclass
@@ -144,6 +146,9 @@ class BlockDenoising(BaseDecoder):
             blocks.append(x0)
             if callback is not None:
                 callback(b, x0)
+        for key, state in states.items():
+            if getattr(state, "computed_fraction", None) is not None:
+                stats.computed_fraction[roles[key]] = state.computed_fraction
         return BlockDecodeOutput(blocks, stats)
 
 

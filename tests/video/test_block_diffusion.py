@@ -221,5 +221,18 @@ def test_cache_policy_none_is_the_recomputing_reference(pipe):
     recomputed = pipe(PROMPT, cache_policy="none", generator=seeded())
     assert recomputed.stats.cache_bytes == 0
     assert (recomputed.latents - cached.latents).abs().max() < 1e-4  # float32: the same model, other kernels
-    with pytest.raises(ValueError, match="needs the KV cache"):
+    with pytest.raises(ValueError, match="need the KV cache"):
         pipe(PROMPT, cache_policy="none", cache_threshold=0.1, generator=seeded())
+
+
+def test_static_token_dropping_at_threshold_zero_equals_no_dropping(pipe):
+    plain = pipe(PROMPT, generator=seeded())
+    kept = pipe(PROMPT, drop_threshold=0.0, generator=seeded())
+    assert torch.equal(kept.latents, plain.latents) and kept.stats.computed_fraction == {"model": 1.0}
+    dropped = pipe(PROMPT, drop_threshold=1e9, generator=seeded())  # later steps reuse every residual
+    # 4 steps + the clean pass per block: the first step and the clean pass compute all tokens
+    assert dropped.stats.computed_fraction["model"] == pytest.approx(2 / 5)
+    assert not torch.equal(dropped.latents, plain.latents)
+    some = pipe(PROMPT, drop_threshold=0.3, generator=seeded())
+    assert 0.4 <= some.stats.computed_fraction["model"] <= 1.0 and torch.isfinite(some.latents).all()
+    assert torch.equal(pipe(PROMPT, generator=seeded()).latents, plain.latents)  # the hooks are gone

@@ -55,6 +55,7 @@ def test_collaborative_takes_the_small_model(folders, capsys, tmp_path):
     (["--cache-policy", "window:0"], "cache window"),
     (["--small", "x"], "are for --decoding collaborative"),
     (["--cache-threshold", "-1"], "--cache-threshold must be >= 0"),
+    (["--drop-threshold", "-1"], "--drop-threshold must be >= 0"),
 ])
 def test_bad_input_is_one_line_before_any_work(folders, capsys, tmp_path, argv, message):
     out = tmp_path / "x.mp4"
