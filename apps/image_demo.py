@@ -88,12 +88,8 @@ def handle_generate(catalog: ModelCatalog, max_images: int, model: str, class_na
                           top_k=top_k, top_p=top_p, num_steps=steps)
     try:
         result = run_request(request, catalog, max_images)
-    except (ValueError, OSError) as error:
-        raise gr.Error(plain_message(str(error)), title="Invalid input", print_exception=False) from None
     except Exception as error:  # keep the app up whatever a decoder does with odd options
-        log.exception("image demo request failed: %r", request)
-        raise gr.Error(plain_message(f"generation failed ({type(error).__name__}): {error}"), title="Generation failed",
-                       print_exception=False) from None
+        raise request_error(error, log, f"image demo request failed: {request!r}") from None
     baseline, label = result.baseline, result.method.label
     steps = result.step_rows()  # next-scale runs: tokens per step by model, instead of the flat accepted-length line
     return (
@@ -230,6 +226,17 @@ def _config_vocab_sizes(catalog: ModelCatalog) -> list[int]:
 
 #: A `<` that could open a tag, comment or declaration, and a `&` that could open an entity.
 MARKUP = re.compile(r"<(?=[A-Za-z/!?])|&(?=[A-Za-z#])")
+
+
+def request_error(error: Exception, log: logging.Logger, what: str) -> gr.Error:
+    """A request's error as the page shows it (one line of plain text, `plain_message`): bad
+    input (ValueError, OSError) as itself, anything else as a failed generation named by its
+    type and logged with its traceback under `what`. Every demo's handlers use it."""
+    if isinstance(error, (ValueError, OSError)):
+        return gr.Error(plain_message(str(error)), title="Invalid input", print_exception=False)
+    log.error("%s", what, exc_info=error)
+    return gr.Error(plain_message(f"generation failed ({type(error).__name__}): {error}"), title="Generation failed",
+                    print_exception=False)
 
 
 def plain_message(text: str) -> str:

@@ -26,7 +26,7 @@ import gradio as gr  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mmgen.apps.image_demo import CSS, QUEUE_SIZE, plain_message, theme  # noqa: E402
+from mmgen.apps.image_demo import CSS, QUEUE_SIZE, plain_message, request_error, theme  # noqa: E402
 from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
 from mmgen.apps.speech_request import (  # noqa: E402
     BASELINE_LABEL,
@@ -87,12 +87,8 @@ def handle_generate(catalog: SpeechCatalog, max_new_frames: int, streaming: bool
             except StopIteration as done:
                 result: SpeechResult = done.value
                 break
-            except (ValueError, OSError) as error:
-                raise gr.Error(plain_message(str(error)), title="Invalid input", print_exception=False) from None
             except Exception as error:  # keep the app up whatever a decoder does
-                log.exception("speech demo request failed: model %r method %r", model, method)
-                raise gr.Error(plain_message(f"generation failed ({type(error).__name__}): {error}"),
-                               title="Generation failed", print_exception=False) from None
+                raise request_error(error, log, f"speech demo request failed: model {model!r} method {method!r}") from None
             if first:  # the inputs were good: show the players this request fills
                 first = False
                 yield (gr.update(visible=request.compare, label=f"baseline: {BASELINE_LABEL}"),

@@ -24,7 +24,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mmgen.apps.image_demo import CSS, QUEUE_SIZE, plain_message, theme  # noqa: E402
+from mmgen.apps.image_demo import CSS, QUEUE_SIZE, plain_message, request_error, theme  # noqa: E402
 from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
 from mmgen.apps.vlm_request import (  # noqa: E402
     BASELINE_LABEL,
@@ -80,12 +80,8 @@ def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, messa
         except StopIteration as done:
             result: ChatResult = done.value
             break
-        except (ValueError, OSError) as error:
-            raise gr.Error(plain_message(str(error)), title="Invalid input", print_exception=False) from None
         except Exception as error:  # keep the app up whatever a decoder does
-            log.exception("VLM demo request failed: model %r method %r", model, method)
-            raise gr.Error(plain_message(f"generation failed ({type(error).__name__}): {error}"),
-                           title="Generation failed", print_exception=False) from None
+            raise request_error(error, log, f"VLM demo request failed: model {model!r} method {method!r}") from None
         answers[progress.index] = progress.text
         yield _shown(chats, answers, request.compare) + (gr.update(), gr.update(), gr.update())
     for i, run in enumerate(result.runs):
