@@ -1,5 +1,6 @@
 """Demo subcommands of `mmgen`: `mmgen demo image` serves the image demo, `mmgen demo vlm` the
-vision-language chat demo, `mmgen demo speech` the text-to-speech demo (Gradio).
+vision-language chat demo, `mmgen demo speech` the text-to-speech demo, `mmgen demo video` the
+streaming block-diffusion video demo (Gradio).
 
 Gradio is imported only when a demo runs, so building the `mmgen` parser stays cheap.
 """
@@ -9,30 +10,26 @@ from __future__ import annotations
 import argparse
 
 from mmgen.apps.image_request import MAX_IMAGES
-from mmgen.apps import speech_request, vlm_request
+from mmgen.apps import speech_request, video_request, vlm_request
 
 MAX_CONCURRENCY = 8
 
 
 def register(commands, groups) -> None:
-    """Add the `demo` group and its `image`, `vlm` and `speech` subcommands."""
+    """Add the `demo` group and its `image`, `vlm`, `speech` and `video` subcommands."""
     if "demo" not in groups:
         groups["demo"] = commands.add_parser("demo", help="serve a Gradio demo app").add_subparsers(dest="target", required=True)
     image = groups["demo"].add_parser("image", help="class-conditional image generation with every decoding method")
     image.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
                        help="a bundled model name or a pipeline folder (repeatable; default: every bundled model). "
                             "Names ending in -draft/-small are companions (drafters, refiners) of the model they extend")
-    image.add_argument("--device", default="cpu", help="torch device of the pipelines (default: cpu)")
-    image.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    image.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
-    image.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     image.add_argument("--max-images", type=_bounded(1, MAX_IMAGES, "--max-images"), default=4,
                        help=f"images per request, at most (default 4, up to {MAX_IMAGES})")
-    image.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
-                       help="requests decoded at once (default 1; one model serves one request at a time)")
+    _serving(image, "pipelines")
     image.set_defaults(run=run_image_demo)
     register_vlm(groups["demo"])
     register_speech(groups["demo"])
+    register_video(groups["demo"])
 
 
 def register_vlm(demos) -> None:
@@ -41,16 +38,11 @@ def register_vlm(demos) -> None:
     vlm.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
                      help=f"a bundled model name or a transformers VLM folder (repeatable; default: {vlm_request.DEFAULT_MODEL} "
                           "with its drafter). Names ending in -draft are drafters of the model they extend")
-    vlm.add_argument("--device", default="cpu", help="torch device of the models (default: cpu)")
-    vlm.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    vlm.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
-    vlm.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     vlm.add_argument("--max-images", type=_bounded(1, vlm_request.MAX_IMAGES, "--max-images"), default=4,
                      help=f"images per conversation, at most (default 4, up to {vlm_request.MAX_IMAGES})")
     vlm.add_argument("--max-new-tokens", type=_bounded(1, vlm_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
                      help=f"the answer-length slider's maximum (default 128, up to {vlm_request.MAX_NEW_TOKENS})")
-    vlm.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
-                     help="requests decoded at once (default 1; one model serves one request at a time)")
+    _serving(vlm)
     vlm.set_defaults(run=run_vlm_demo)
 
 
@@ -61,17 +53,38 @@ def register_speech(demos) -> None:
                         help=f"a bundled name or a transformers Dia, CSM or VibeVoice folder (repeatable; default: "
                              f"{speech_request.DEFAULT_MODEL} with its drafter). A folder FOLDER-draft beside it comes "
                              "along as its drafter")
-    speech.add_argument("--device", default="cpu", help="torch device of the models (default: cpu)")
-    speech.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    speech.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
-    speech.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
     speech.add_argument("--max-new-frames", type=_bounded(1, speech_request.MAX_NEW_FRAMES, "--max-new-frames"),
                         default=speech_request.DEFAULT_MAX_NEW_FRAMES,
                         help=f"the frame-budget slider's maximum (default {speech_request.DEFAULT_MAX_NEW_FRAMES}, "
                              f"up to {speech_request.MAX_NEW_FRAMES}; a model's own context bounds it too)")
-    speech.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
-                        help="requests decoded at once (default 1; one model serves one request at a time)")
+    _serving(speech)
     speech.set_defaults(run=run_speech_demo)
+
+
+def register_video(demos) -> None:
+    """`mmgen demo video`: make a video block by block with a block-diffusion model, each block shown as it is made."""
+    video = demos.add_parser("video", help="make a video block by block with a block-diffusion model, streaming each block")
+    video.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
+                       help=f"a bundled name or a BlockDiffusionVideoPipeline folder (repeatable; default: "
+                            f"{video_request.DEFAULT_MODEL} with its small model). A folder FOLDER-small beside it comes "
+                            "along as its small model, for collaborative denoising")
+    video.add_argument("--max-frames", type=_bounded(1, video_request.MAX_FRAMES, "--max-frames"),
+                       default=video_request.DEFAULT_MAX_FRAMES,
+                       help=f"the longest video offered, in frames (default {video_request.DEFAULT_MAX_FRAMES}, "
+                            f"up to {video_request.MAX_FRAMES})")
+    _serving(video)
+    video.set_defaults(run=run_video_demo)
+
+
+def _serving(demo, models: str = "models") -> None:
+    """What every demo takes besides its own settings: the device of its models, where it
+    listens, and how many requests it decodes at once."""
+    demo.add_argument("--device", default="cpu", help=f"torch device of the {models} (default: cpu)")
+    demo.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    demo.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
+    demo.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
+    demo.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
+                      help="requests decoded at once (default 1; one model serves one request at a time)")
 
 
 def run_image_demo(args: argparse.Namespace) -> int:
@@ -109,6 +122,19 @@ def run_speech_demo(args: argparse.Namespace) -> int:
 
     demo = build_demo(catalog, max_new_frames=args.max_new_frames, concurrency=args.concurrency)
     print(f"mmgen demo speech: models {list(catalog.main)} (drafters {list(catalog.companions)}) on {args.device}")
+    launch_demo(demo, host=args.host, port=args.port, share=args.share)
+    return 0
+
+
+def run_video_demo(args: argparse.Namespace) -> int:
+    from mmgen.cli import check_device
+
+    check_device(args.device)
+    catalog = video_request.VideoCatalog.discover(args.model, device=args.device)  # bad folders fail before gradio loads
+    from mmgen.apps.video_demo import build_demo, launch_demo
+
+    demo = build_demo(catalog, max_frames=args.max_frames, concurrency=args.concurrency)
+    print(f"mmgen demo video: models {list(catalog.main)} (small models {list(catalog.companions)}) on {args.device}")
     launch_demo(demo, host=args.host, port=args.port, share=args.share)
     return 0
 

@@ -1,0 +1,379 @@
+"""What the video demo does for one press of Generate, without any UI: check the inputs, make
+the video block by block with the block-diffusion pipeline, streaming each block's frames as it
+is committed, and return the frames with the call's profile.
+
+Kept apart from the Gradio layout (`video_demo.py`) so that it is tested directly and so that
+importing it needs neither gradio nor diffusers. Every input is checked and bounded here:
+Gradio's HTTP API takes any value, whatever the page's widgets allow. The catalogue's locks and
+cache, the number checks and the message quoting are the image demo's (`image_request.py`).
+
+The demo serves the bundled `emoji-motion` (with its small model `emoji-motion-small`) unless
+given --model: bundled names or `BlockDiffusionVideoPipeline` folders, as `mmgen generate
+video` reads them. A folder `X-small` beside a folder `X` is X's small model, for collaborative
+denoising (the large model takes the first denoising steps of each block, the small one the rest).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+
+from mmgen import registry
+from mmgen.apps.image_request import MAX_SEED, ModelCatalog, _float, _int, shown
+from mmgen.sampling import make_generator
+
+#: The bundled model the demo serves when given none (its small model comes along).
+DEFAULT_MODEL = "emoji-motion"
+SMALL_SUFFIX = "-small"
+PIPELINE_CLASS = "BlockDiffusionVideoPipeline"
+MAX_FRAMES = 321  # hard cap of a video's frames, whatever --max-frames says (20 s at 16 fps)
+DEFAULT_MAX_FRAMES = 81  # --max-frames' default: Wan's 5 s at 16 fps
+MAX_PROMPT_CHARS = 500
+MAX_POLICY_CHARS = 40
+MAX_CACHE_FRAMES = 128  # a cache window's or sink's latent frames, at most
+MAX_CACHE_THRESHOLD = 1.0  # First Block Cache: a relative change; 1 already reuses nearly every step
+MAX_DROP_THRESHOLD = 1.0  # static-token dropping: a relative change likewise
+#: Cache policies (`CachePolicy`, in latent frames) and the no-cache reference that recomputes
+#: the committed frames at every forward.
+NO_CACHE = "none"
+COLLABORATIVE = "collaborative"
+
+
+class VideoCatalog(ModelCatalog):
+    """The block-diffusion video models a demo offers (`ModelCatalog`'s locks and cache): main
+    models and their small models (names ending in -small)."""
+
+    @classmethod
+    def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "VideoCatalog":
+        """The given bundled names and pipeline folders (default: the bundled `emoji-motion`);
+        a model's small model `<model>-small` comes along: the bundled one of a bundled name, a
+        folder X-small beside a folder X."""
+        bundled = registry.bundled_models()
+        entries = [_checked_entry(str(entry), bundled) for entry in (models or [DEFAULT_MODEL])]
+        for entry in list(entries):
+            if entry.endswith(SMALL_SUFFIX):
+                continue
+            small = entry + SMALL_SUFFIX if entry in bundled else str(Path(entry).parent / (Path(entry).name + SMALL_SUFFIX))
+            if _is_video_folder(bundled.get(small, small)):
+                entries.append(small)
+        return cls.from_entries(entries, bundled, device)
+
+    def load(self, source: str) -> Any:
+        from mmgen.loading import load_pipeline
+        from mmgen.video.cli import quiet_loaders
+        from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+
+        quiet_loaders()  # no loading bars or cast warnings in the server's log
+        pipe = load_pipeline(source, device=self.device)
+        if not isinstance(pipe, BlockDiffusionVideoPipeline):
+            raise ValueError(f"{Path(str(source)).name} holds a {type(pipe).__name__}; the video demo serves "
+                             "block-diffusion video models")
+        return pipe
+
+    def small_of(self, model: str) -> Optional[str]:
+        """The catalogue's small model of `model` (`<model>-small`), or None."""
+        name = model + SMALL_SUFFIX
+        return name if name in self.companions else None
+
+
+def _is_video_folder(folder: Any) -> bool:
+    try:
+        return json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name") == PIPELINE_CLASS
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _checked_entry(entry: str, bundled: dict) -> str:
+    """A bundled name present in this installation, or a video pipeline folder (no Hub ids:
+    the demo never downloads). Folders are named by their normalised path."""
+    if entry in bundled or entry == DEFAULT_MODEL:
+        if entry not in bundled or not (Path(bundled[entry]) / "model_index.json").is_file():
+            raise ValueError(f"the bundled model {entry!r} is missing from this installation; pass --model FOLDER")
+        return entry
+    if not (Path(entry) / "model_index.json").is_file():
+        raise ValueError(f"--model {entry!r} is neither a bundled video model nor a pipeline folder with a "
+                         "model_index.json (`mmgen convert self-forcing` writes one)")
+    if not _is_video_folder(entry):
+        raise ValueError(f"--model {entry!r} is not a block-diffusion video model: its model_index.json names "
+                         f"no {PIPELINE_CLASS}")
+    return str(Path(entry))
+
+
+# --------------------------------------------------------------------------------------------
+# What the UI offers for a model
+# --------------------------------------------------------------------------------------------
+
+
+def methods(catalog: VideoCatalog, model: str) -> list[str]:
+    """The block-diffusion decoders `model` runs: those its pipeline declares
+    (`Pipeline.decoders()`), less collaborative denoising where the catalogue has no small model."""
+    pipe = catalog.pipeline(model)
+    paired = catalog.small_of(model) is not None
+    return [name for name in pipe.decoders() if name not in pipe.companions or paired]
+
+
+def lengths(pipe: Any, max_frames: int = DEFAULT_MAX_FRAMES) -> list[int]:
+    """The video lengths (frames) the model makes at its block size, up to `max_frames`: the
+    VAE keeps the first frame and compresses time by r (1 + r·k frames), and a video is whole
+    blocks of latent frames: 1 + r·(n·b − 1) for n blocks of b latent frames."""
+    r, b = pipe.temporal_ratio, pipe.block_frames
+    limit = max(1, min(int(max_frames), MAX_FRAMES))
+    out, n = [], 1
+    while 1 + r * (n * b - 1) <= limit:
+        out.append(1 + r * (n * b - 1))
+        n += 1
+    return out
+
+
+def default_length(pipe: Any, offered: Sequence[int]) -> Optional[int]:
+    """The model's own length where offered, else the longest offered below it, else the first."""
+    if not offered:
+        return None
+    if pipe.num_frames in offered:
+        return pipe.num_frames
+    below = [n for n in offered if n <= pipe.num_frames]
+    return below[-1] if below else offered[0]
+
+
+def cache_policies(pipe: Any) -> list[str]:
+    """Cache policies to pick from (any other `window:N` / `sink:S,window:N` may be typed):
+    every committed frame, a window of two blocks, that window with the first block as a sink,
+    and the no-cache reference."""
+    b = pipe.block_frames
+    return ["global", f"window:{2 * b}", f"sink:{b},window:{2 * b}", NO_CACHE]
+
+
+def model_settings(catalog: VideoCatalog, model: str, max_frames: int = DEFAULT_MAX_FRAMES) -> dict[str, Any]:
+    """What the UI's controls offer and start at for `model`."""
+    pipe = catalog.pipeline(model)
+    offered = lengths(pipe, max_frames)
+    steps = len(pipe.schedule.timesteps)
+    return {"methods": methods(catalog, model), "lengths": offered, "length": default_length(pipe, offered),
+            "policies": cache_policies(pipe), "steps": steps, "large_steps": max(1, steps // 2),
+            "block_frames": pipe.block_frames, "fps": float(pipe.fps), "size": (pipe.height, pipe.width)}
+
+
+# --------------------------------------------------------------------------------------------
+# Requests and results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """One press of Generate. None takes the model's own value (length) or turns a feature off
+    (First Block Cache)."""
+
+    model: str
+    prompt: str
+    num_frames: Optional[int] = None
+    cache_policy: str = "global"  # global, window:N, sink:S,window:N (latent frames) or none
+    decode_per_block: bool = True  # decode (and stream) each block as it is made, else the whole video at the end
+    method: str = "block"  # or collaborative (with the model's small model)
+    large_steps: int = 1  # collaborative: the large model's denoising steps of each block
+    cache_threshold: Optional[float] = None  # First Block Cache; None or 0: off
+    drop_threshold: Optional[float] = None  # static-token dropping; None or 0: off
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A streamed update: block `index` (0-based) of `num_blocks` is committed, `seconds` after
+    the call started; `frames` [T, H, W, 3] uint8 are its video frames `start` … `start + T − 1`
+    (None when the video is decoded at the end)."""
+
+    index: int
+    num_blocks: int
+    start: int
+    frames: Optional[np.ndarray]
+    seconds: float
+
+
+@dataclass
+class VideoResult:
+    """The video (frames [T, H, W, 3] uint8 at `fps`), its blocks' frame ranges [start, end)
+    and the pipeline's numbers (`VideoProfile`, `BlockStats`)."""
+
+    label: str
+    frames: np.ndarray
+    fps: float
+    spans: list[tuple[int, int]]
+    profile: Any
+    stats: Any
+
+    def mp4(self) -> bytes:
+        """The video as an H.264 MP4 (`mmgen.video.export.mp4_bytes`)."""
+        from mmgen.video.export import mp4_bytes
+
+        return mp4_bytes(self.frames, self.fps)
+
+    def blocks(self) -> list[np.ndarray]:
+        """The frames of each block, in order."""
+        return [self.frames[start:end] for start, end in self.spans]
+
+    def profile_row(self) -> dict[str, Any]:
+        """What a streaming viewer waits for: the first block's latency, the frames made per
+        second over the whole call, the K/V cache held, the memory the call added (CUDA's peak
+        allocation on a GPU), the denoising forwards per model and, with token dropping, the
+        share of token-layers each model computed."""
+        p, s = self.profile, self.stats
+        return {"method": self.label, "frames": int(self.frames.shape[0]), "blocks": s.blocks,
+                "first block (s)": round(p.first_block_s, 3), "total (s)": round(p.total_s, 3),
+                "frames/s": round(p.frames_per_second, 2), "cache": size_text(p.cache_bytes),
+                "peak memory": size_text(p.peak_memory_bytes),
+                "denoise forwards": " · ".join(f"{role} {n}" for role, n in s.denoise_forwards.items()),
+                "tokens computed": " · ".join(f"{role} {f:.0%}" for role, f in s.computed_fraction.items()) or "all"}
+
+    def block_rows(self) -> list[dict[str, Any]]:
+        """(block, its frames, its latency) per block: seconds from the previous block's end,
+        its decode included."""
+        return [{"block": i + 1, "frames": f"{start}–{end - 1}", "latency (s)": round(seconds, 4)}
+                for i, ((start, end), seconds) in enumerate(zip(self.spans, self.profile.block_s))]
+
+
+def size_text(size: int) -> str:
+    """Bytes in the largest unit that keeps the number at 1 or more: '9.0 KiB'."""
+    value, unit = float(size), "B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def run_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = DEFAULT_MAX_FRAMES) -> VideoResult:
+    """Check `request` (ValueError with a one-line message), make the video and return it."""
+    events = stream_request(request, catalog, max_frames)
+    while True:
+        try:
+            next(events)
+        except StopIteration as done:
+            return done.value
+
+
+def stream_request(request: VideoRequest, catalog: VideoCatalog,
+                   max_frames: int = DEFAULT_MAX_FRAMES) -> Iterator[Progress]:
+    """`run_request`, yielding a `Progress` per block as it is committed (the pipeline runs in a
+    thread); returns the `VideoResult` (the generator's return value). Every input is checked
+    before any work. Closed early (the page went away), the run stops after its current block."""
+    if request.model not in catalog.main:
+        raise ValueError(f"unknown model {shown(request.model)}; choose one of {list(catalog.main)}")
+    pipe = catalog.pipeline(request.model)
+    prompt = _prompt(request.prompt)
+    limit = max(1, min(int(max_frames), MAX_FRAMES))
+    frames = _int("length (frames)", pipe.num_frames if request.num_frames is None else request.num_frames, 1, limit)
+    pipe.check_geometry(frames, pipe.block_frames, pipe.height, pipe.width)
+    policy = _cache_policy(request.cache_policy)
+    if not isinstance(request.decode_per_block, bool):
+        raise ValueError(f"decode per block must be true or false, got {shown(request.decode_per_block)}")
+    offered = methods(catalog, request.model)
+    if request.method == COLLABORATIVE and COLLABORATIVE not in offered:
+        raise ValueError(f"collaborative denoising needs a small model: start the demo with a folder "
+                         f"{request.model}{SMALL_SUFFIX} beside the model")
+    if not isinstance(request.method, str) or request.method not in offered:
+        raise ValueError(f"unknown method {shown(request.method)} for this model; choose one of {offered}")
+    steps = len(pipe.schedule.timesteps)
+    options, label = {}, request.method
+    if request.method == COLLABORATIVE:
+        options["large_steps"] = _int("large-model steps", request.large_steps, 1, steps)
+        label = f"{COLLABORATIVE} (large {options['large_steps']}/{steps} steps)"
+    thresholds = dict(cache_threshold=_threshold("First Block Cache threshold", request.cache_threshold, MAX_CACHE_THRESHOLD),
+                      drop_threshold=_threshold("token dropping threshold", request.drop_threshold, MAX_DROP_THRESHOLD))
+    if policy == NO_CACHE and any(v is not None for v in thresholds.values()):
+        raise ValueError("First Block Cache and token dropping need the K/V cache: set their thresholds to 0 with the "
+                         "cache policy 'none'")
+    seed = _int("seed", request.seed, 0, MAX_SEED)
+    small = catalog.small_of(request.model) if request.method == COLLABORATIVE else None
+    with catalog.using([request.model, *filter(None, [small])]):
+        from mmgen.loading import decoder_from_spec
+
+        if small is not None:
+            options["small"] = catalog.pipeline(small)
+        decoder = decoder_from_spec(request.method, pipe, catalog.main[request.model], catalog.device, **options)
+        # block b's latent frames [b, b + block) decode to video frames [first_frame(b), first_frame(b + block))
+        spans = [(pipe.first_frame(b), pipe.first_frame(b + pipe.block_frames))
+                 for b in range(0, pipe.latent_frames(frames), pipe.block_frames)]
+        call = dict(prompt=prompt, num_frames=frames, decoding=decoder, cache_policy=policy,
+                    decode="block" if request.decode_per_block else "end", generator=make_generator(seed, catalog.device),
+                    **thresholds)
+        output = yield from _streamed(pipe, call, spans)
+    return VideoResult(label, output.frames[0].numpy(), float(output.fps), spans, output.profile, output.stats)
+
+
+class _Stopped(Exception):
+    """Raised in the pipeline's callback to end a run whose stream was closed."""
+
+
+def _streamed(pipe: Any, call: dict, spans: list[tuple[int, int]]):
+    """Run the pipeline in a thread, yielding a `Progress` per committed block (its callback);
+    return the call's `VideoOutput`. Closed early, the run ends at its next block and the
+    thread is joined before returning, so that the caller's model locks are held for as long
+    as the model runs."""
+    events: "queue.Queue" = queue.Queue()
+    stop, outcome = threading.Event(), {}
+    started = time.perf_counter()
+
+    def on_block(index: int, latents: Any, frames: Any) -> None:
+        if stop.is_set():
+            raise _Stopped()
+        shown_frames = None if frames is None else frames[0].numpy()
+        events.put((index, shown_frames, time.perf_counter() - started))
+
+    def run() -> None:
+        try:
+            outcome["output"] = pipe(**call, callback=on_block)
+        except BaseException as error:  # re-raised in the caller's thread
+            outcome["error"] = error
+        events.put(None)
+
+    worker = threading.Thread(target=run, daemon=True, name="mmgen-video-demo (run)")
+    worker.start()
+    try:
+        while (event := events.get()) is not None:
+            index, frames, seconds = event
+            yield Progress(index, len(spans), spans[index][0], frames, seconds)
+    finally:  # also when closed early: stop at the next block, and wait for the model to be free
+        stop.set()
+        worker.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["output"]
+
+
+def _prompt(text: Any) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("type a prompt (the prompt is empty)")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt must be at most {MAX_PROMPT_CHARS} characters, got {len(text)}")
+    return text.strip()
+
+
+def _threshold(what: str, value: Any, high: float) -> Optional[float]:
+    """A feature's threshold in [0, high]; None or 0 turn the feature off (None)."""
+    return None if value is None else _float(what, value, 0.0, high) or None
+
+
+def _cache_policy(spec: Any) -> str:
+    """A cache policy spec (`CachePolicy.parse`), its window and sink bounded, or 'none'."""
+    from mmgen.cache import CachePolicy
+
+    if not isinstance(spec, str) or len(spec) > MAX_POLICY_CHARS:
+        raise ValueError(f"the cache policy must be global, window:N, sink:S,window:N or none, got {shown(spec)}")
+    spec = spec.strip()
+    if spec == NO_CACHE:
+        return spec
+    try:
+        policy = CachePolicy.parse(spec)
+        if policy.window is not None:
+            _int("cache window", policy.window, 1, MAX_CACHE_FRAMES)
+            _int("cache sink", policy.sink, 0, MAX_CACHE_FRAMES)
+    except ValueError as error:  # named as typed: "cache policy 'window:0': cache window must be ..."
+        message = str(error)
+        raise ValueError(message if message.startswith("cache policy") else f"cache policy {shown(spec)}: {message}") from None
+    return str(policy)
