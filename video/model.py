@@ -80,6 +80,8 @@ class WanBlockModel:
             raise ValueError(f"block diffusion caches whole latent frames: the model's temporal patch is {p_t}, not 1")
         if h % p_h or w % p_w:
             raise ValueError(f"latent size {h}×{w} does not divide into the model's patches {tuple(config.patch_size)}")
+        if cache_threshold is not None and config.num_layers < 2:
+            raise ValueError("First Block Cache needs a transformer of two blocks or more (it reuses the later blocks' residual)")
         self.tokens_per_frame = (h // p_h) * (w // p_w)  # per latent frame
         self.slot = ContextSlot()
 

@@ -161,8 +161,9 @@ class BlockDiffusionVideoPipeline(Pipeline):
         is the no-cache reference (`RecomputingWanModel`: every forward re-feeds the video)."""
         if isinstance(like, RecomputingWanModel):
             return RecomputingWanModel(self.transformer, like.block_frames, like.latent_size)
-        if like is not None:
-            return WanBlockModel(self.transformer, like.block_frames, like.latent_size, like.policy, like.cache_threshold,
+        if like is not None:  # First Block Cache only where there are later blocks to skip
+            threshold = like.cache_threshold if self.transformer.config.num_layers > 1 else None
+            return WanBlockModel(self.transformer, like.block_frames, like.latent_size, like.policy, threshold,
                                  like.drop_threshold)
         size = latent_size or (self.height // self.spatial_ratio, self.width // self.spatial_ratio)
         if cache_policy == "none":

@@ -236,3 +236,12 @@ def test_static_token_dropping_at_threshold_zero_equals_no_dropping(pipe):
     some = pipe(PROMPT, drop_threshold=0.3, generator=seeded())
     assert 0.4 <= some.stats.computed_fraction["model"] <= 1.0 and torch.isfinite(some.latents).all()
     assert torch.equal(pipe(PROMPT, generator=seeded()).latents, plain.latents)  # the hooks are gone
+
+
+def test_first_block_cache_needs_two_blocks_and_a_one_block_small_model_runs_without_it(pipe):
+    with pytest.raises(ValueError, match="two blocks or more"):
+        WanBlockModel(tiny_transformer(layers=1), 2, (4, 4), cache_threshold=0.1)
+    small = tiny_video_pipeline(layers=1, seed=1)
+    out = pipe(PROMPT, cache_threshold=0.0, decoding=CollaborativeDenoising(small=small, large_steps=2), generator=seeded())
+    plain = pipe(PROMPT, decoding=CollaborativeDenoising(small=small, large_steps=2), generator=seeded())
+    assert torch.equal(out.latents, plain.latents)
