@@ -17,9 +17,10 @@ import torch
 class VideoProfile:
     """`block_s[i]`: seconds from the previous block's end (or the decode's start) to block i's
     end, its streaming decode included; `first_block_s` is what a viewer waits before the first
-    frames. `peak_memory_bytes`: CUDA's peak allocation on a GPU, else the process's peak
-    resident size (which includes everything loaded before the call). `cache_bytes`: the
-    transformer K/V cache(s) held during the decode."""
+    frames. `peak_memory_bytes`: on a GPU, CUDA's peak allocation during the call; on the CPU,
+    the peak resident size during the call above the size at its start (sampled every 2 ms from
+    /proc, so the weights loaded before the call do not count). `cache_bytes`: the transformer
+    K/V cache(s) held during the decode."""
 
     block_s: list[float] = field(default_factory=list)
     total_s: float = 0.0
