@@ -48,6 +48,12 @@ def test_wheel_contents_and_imports(tmp_path):
                   "speech-tts/codec/config.json", "speech-tts/codec/model.safetensors", "speech-tts/MODEL_CARD.md",
                   "speech-tts-draft/model.safetensors", "speech-tts-draft/codec/model.safetensors"]:
         assert f"mmgen/audio/assets/{asset}" in names
+    for asset in ["emoji-motion/model_index.json", "emoji-motion/transformer/config.json",
+                  "emoji-motion/transformer/diffusion_pytorch_model.safetensors", "emoji-motion/vae/config.json",
+                  "emoji-motion/text_encoder/model.safetensors", "emoji-motion/tokenizer/tokenizer.json",
+                  "emoji-motion/MODEL_CARD.md", "emoji-motion-small/model_index.json",
+                  "emoji-motion-small/transformer/diffusion_pytorch_model.safetensors"]:
+        assert f"mmgen/video/assets/{asset}" in names
     entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "mmgen = mmgen.cli:main" in entry_points
 
@@ -57,7 +63,7 @@ def test_wheel_contents_and_imports(tmp_path):
     assert installed.returncode == 0, installed.stderr
     probe = (
         "import mmgen, mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.image_ar.var, mmgen.image_ar.mar, mmgen.vlm, mmgen.audio, mmgen.video, mmgen.kernels, mmgen.apps;"
-        "from mmgen.loading import resolve_model; resolve_model('emoji64'); resolve_model('emoji-vlm'); resolve_model('speech-tts');"
+        "from mmgen.loading import resolve_model; resolve_model('emoji64'); resolve_model('emoji-vlm'); resolve_model('speech-tts'); resolve_model('emoji-motion');"
         "print(mmgen.image_ar.llamagen.__file__)"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,

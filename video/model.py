@@ -96,7 +96,7 @@ class WanBlockModel:
             raise ValueError("guidance needs the negative prompt's embeddings")
         batch = conditions.cond.shape[0]
         rows = 2 * batch if guidance else batch
-        param = next(self.transformer.parameters())
+        param = self.transformer.patch_embedding.weight  # the compute dtype (diffusers keeps some modules in float32)
         cache = FrameKVCache(config.num_layers, rows, config.num_attention_heads, config.attention_head_dim,
                              self.tokens_per_frame, max_frames, self.block_frames, self.policy,
                              dtype=param.dtype, device=param.device)
@@ -191,7 +191,7 @@ class RecomputingWanModel:
 
     def start(self, conditions: PromptEmbeddings, num_blocks: int, guidance: bool) -> RecomputingState:
         embeddings = torch.cat([conditions.cond, conditions.uncond]) if guidance else conditions.cond
-        state = RecomputingState(embeddings.to(next(self.transformer.parameters()).dtype), guidance, conditions.cond.shape[0])
+        state = RecomputingState(embeddings.to(self.transformer.patch_embedding.weight.dtype), guidance, conditions.cond.shape[0])
         state.hooks.enter_context(processors_installed(self.transformer, lambda i: MaskedSelfAttention(self)))
         return state
 

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from mmgen import registry
 from mmgen.apps.video_request import (VideoCatalog, VideoRequest, default_length, lengths, methods, model_settings,
                                       run_request, stream_request)
 
@@ -92,14 +91,8 @@ def test_catalog_pairs_the_sibling_small_model_and_offers_collaborative_only_wit
 
 
 def test_the_bundled_model_by_default_and_other_folders_are_one_line_errors(tmp_path):
-    folder = registry.bundled_models()["emoji-motion"]
-    if (folder / "model_index.json").is_file():  # the bundled pair, where this installation has it
-        catalog = VideoCatalog.discover(None)
-        assert list(catalog.main) == ["emoji-motion"] and list(catalog.companions) == ["emoji-motion-small"]
-    else:
-        with pytest.raises(ValueError, match="the bundled model 'emoji-motion' is missing from this installation; "
-                                             "pass --model FOLDER"):
-            VideoCatalog.discover(None)
+    catalog = VideoCatalog.discover(None)  # the bundled pair
+    assert list(catalog.main) == ["emoji-motion"] and list(catalog.companions) == ["emoji-motion-small"]
     with pytest.raises(ValueError, match="is neither a bundled video model nor a pipeline folder with a model_index.json"):
         VideoCatalog.discover([str(tmp_path / "missing")])
     (tmp_path / "image").mkdir()

@@ -1,0 +1,45 @@
+"""The bundled video pair (package data; see video/assets/emoji-motion/MODEL_CARD.md): it loads
+strictly, shares its VAE, text encoder and tokenizer with the small model, and makes videos
+offline from the CLI default."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from mmgen.cli import main
+from mmgen.loading import load_pipeline
+from mmgen.registry import bundled_models
+from mmgen.video.export import read_mp4
+
+
+def test_the_pair_loads_in_float16_and_shares_its_components():
+    folders = bundled_models()
+    big, small = load_pipeline("emoji-motion"), load_pipeline("emoji-motion-small")
+    for name in ("transformer", "vae", "text_encoder"):
+        stored = load_file(next((folders["emoji-motion"] / name).glob("*.safetensors")))
+        assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.float16}
+    big.set_progress_bar_config(disable=True)
+    out = big("red heart moving down", num_frames=9, generator=torch.Generator().manual_seed(0))  # as stored, no cast
+    assert out.frames.shape == (1, 9, 64, 64, 3)
+    index = json.loads((folders["emoji-motion-small"] / "model_index.json").read_text())
+    assert set(index["shared"]) == {"vae", "text_encoder", "tokenizer"}
+    assert small.transformer.config.num_layers < big.transformer.config.num_layers
+    card = (folders["emoji-motion"] / "MODEL_CARD.md").read_text()
+    assert "emoji-motion-small" in card and "direction acc." in card
+    quality = json.loads((folders["emoji-motion"] / "quality.json").read_text())
+    assert quality  # the card's figures, measured by benchmarks/train_video.py card
+
+
+def test_the_cli_default_makes_the_documented_example_offline(tmp_path, capsys):
+    out = tmp_path / "cat.mp4"
+    assert main(["generate", "video", "--prompt", "cat face moving left", "--out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert report["frames"] == 17 and report["stats"]["blocks"] == 5
+    assert read_mp4(out).shape == (17, 64, 64, 3)
+    out2 = tmp_path / "collab.mp4"
+    assert main(["generate", "video", "--prompt", "sun moving up", "--out", str(out2), "--decoding", "collaborative",
+                 "--large-steps", "2"]) == 0  # the bundled small model comes along
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["stats"]["denoise_forwards"] == {"large": 10, "small": 30}

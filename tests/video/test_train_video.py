@@ -1,0 +1,114 @@
+"""The video trainer (`benchmarks/train_video.py`): its teacher-forced forward is the cached block
+decode (float64), its prompt encoding is the pipeline's, and a killed and resumed run ends with the
+weights of one that never stopped (VAE, target with its text-encoder freeze, small)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.data.emoji import FONT
+from benchmarks.train_video import (MAX_TEXT, PromptEncoder, main, new_text_encoder, new_tokenizer, teacher_forcing_mask,
+                                    teacher_forcing_velocity)
+from mmgen.video.model import PromptEmbeddings, WanBlockModel
+from tests.video.tiny import tiny_transformer, tiny_vae
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_teacher_forcing_equals_the_cached_block_decode_in_float64(block):
+    """Each noisy block's velocity from the one-forward training sequence equals `WanBlockModel`'s
+    velocity for that block after committing the clean blocks before it."""
+    torch.manual_seed(0)
+    transformer = tiny_transformer().double()
+    frames = 4
+    text = torch.randn(2, 5, 16, dtype=torch.float64)
+    clean = torch.randn(2, 4, frames, 4, 4, dtype=torch.float64)
+    noisy = torch.randn(2, 4, frames, 4, 4, dtype=torch.float64)
+    sigmas = torch.rand(2, frames // block, dtype=torch.float64)
+    with torch.no_grad():
+        trained = teacher_forcing_velocity(transformer, clean, noisy, sigmas, text, block)
+        for b in range(frames // block):
+            for row in range(2):  # the cached decode takes one timestep per call: one row at a time
+                model = WanBlockModel(transformer, block, (4, 4))
+                state = model.start(PromptEmbeddings(text[row:row + 1]), frames // block, guidance=False)
+                try:
+                    for c in range(b):
+                        model.commit(state, clean[row:row + 1, :, c * block:(c + 1) * block])
+                    cached = model.velocity(state, noisy[row:row + 1, :, b * block:(b + 1) * block], 1000.0 * float(sigmas[row, b]))[0]
+                finally:
+                    model.finish(state)
+                assert (cached - trained[row:row + 1, :, b * block:(b + 1) * block]).abs().max() < 1e-12
+    assert all(type(blk.attn1.processor).__name__ == "WanAttnProcessor" for blk in transformer.blocks)
+    # frame-level: clean 0, 1, 2 then noisy 0 … 3 (block 1): a noisy frame sees the clean frames before it and itself
+    mask = teacher_forcing_mask(4, 1, 1).int().tolist()
+    assert mask == [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0],
+                    [0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 1, 0, 0], [1, 1, 0, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0, 1]]
+
+
+def test_prompt_encoding_is_the_pipelines():
+    from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+
+    tokenizer, text_encoder = new_tokenizer(), new_text_encoder().eval()
+    pipe = BlockDiffusionVideoPipeline(tiny_transformer(), tiny_vae(), text_encoder, tokenizer, max_sequence_length=MAX_TEXT)
+    prompts = ["grinning face moving left and sun moving right", "", "snake bouncing vertically"]
+    with torch.no_grad():
+        assert torch.equal(PromptEncoder(tokenizer, text_encoder)(prompts), pipe.encode_prompt(prompts))
+    ids = tokenizer(prompts)["input_ids"]
+    assert ids[1] == [1] and ids[2][-1] == 1 and 2 not in sum(ids, [])  # </s> ends each; no unknown words
+
+
+def fake_latents(path, n=12):
+    """A latents file as `latents` writes it: [N, 8, 3, 4, 4] (4 tokens per latent frame)."""
+    rng = np.random.default_rng(0)
+    captions = [["red heart moving left", "sun bouncing vertically", "snake moving up and airplane moving down"][i % 3] for i in range(n)]
+    np.savez(path, latents=rng.standard_normal((n, 8, 3, 4, 4)).astype(np.float16), captions=np.array(captions), indices=np.arange(n))
+
+
+def straight_and_resumed(tmp_path, common, steps, stops):
+    """Run `common` for `steps` steps at once, and again stopped after each of `stops` (as a
+    kill after a checkpoint would) and resumed; both checkpoints."""
+    main([*common, "--out", str(tmp_path / "straight"), "--steps", str(steps)])
+    for stop in stops:
+        main([*common, "--out", str(tmp_path / "resumed"), "--steps", str(steps), "--run-steps", str(stop)])
+    main([*common, "--out", str(tmp_path / "resumed"), "--steps", str(steps)])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    straight, resumed = load("straight"), load("resumed")
+    assert straight["step"] == resumed["step"] == steps
+    for key, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    return straight
+
+
+def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
+    path = tmp_path / "latents.npz"
+    fake_latents(path)
+    common = ["--latents", str(path), "--batch-size", "4", "--warmup", "2", "--log-every", "1", "--threads", "1",
+              "--text-dropout", "0.5"]
+    # The text encoder trains for 2 steps, then is rounded to float16, frozen and saved; a run
+    # stopped at step 1 and at step 3 (either side of the freeze) ends as one that never stopped.
+    target = straight_and_resumed(tmp_path / "target", ["target", *common, "--text-steps", "2"], 4, [1, 2])
+    frozen = {k[len("text_encoder."):]: v for k, v in target["model"].items() if k.startswith("text_encoder.")}
+    for run in ("straight", "resumed"):
+        saved = torch.load(tmp_path / "target" / run / "checkpoint.pt", weights_only=True)
+        from transformers import UMT5EncoderModel
+
+        snapshot = UMT5EncoderModel.from_pretrained(str(tmp_path / "target" / run / "text_encoder")).state_dict()
+        assert all(torch.equal(snapshot[k], v) for k, v in frozen.items())
+        assert all(torch.equal(v, v.half().float()) for v in frozen.values())
+        assert saved["step"] == 4
+    logs = [json.loads(line) for line in (tmp_path / "target" / "straight" / "log.jsonl").read_text().splitlines()]
+    assert [r["text"] for r in logs] == ["trained", "trained", "frozen", "frozen"] and all(np.isfinite(r["loss"]) for r in logs)
+    small = ["small", *common, "--text-encoder", str(tmp_path / "target" / "straight" / "text_encoder")]
+    state = straight_and_resumed(tmp_path / "small", small, 3, [2])
+    assert not any(k.startswith("text_encoder.") for k in state["model"])
+
+
+@pytest.mark.skipif(not __import__("os").path.exists(FONT), reason="needs fonts-noto-color-emoji")
+def test_resumed_vae_training_equals_an_uninterrupted_run(tmp_path):
+    common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
+              "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1"]
+    straight_and_resumed(tmp_path, common, 3, [1])
+    config = json.loads((tmp_path / "straight" / "vae" / "config.json").read_text())
+    assert len(config["latents_std"]) == 8 and all(s > 0 for s in config["latents_std"])
+    assert json.loads((tmp_path / "resumed" / "eval.json").read_text()) == json.loads((tmp_path / "straight" / "eval.json").read_text())
