@@ -47,7 +47,7 @@ KINDS = {**FIELD_KINDS, "text": ("a non-empty string", lambda v: isinstance(v, s
 CALL_FIELDS = ("model", "num_frames", "block_frames", "height", "width", "cache_policy", "decoding", "guidance_scale",
                "negative_prompt", "cache_threshold", "drop_threshold")
 DEFAULTS = {"model": DEFAULT_MODEL, "num_frames": None, "block_frames": None, "height": None, "width": None,
-            "cache_policy": "global", "decoding": "block", "guidance_scale": 1.0, "negative_prompt": None,
+            "cache_policy": "global", "decoding": "block", "guidance_scale": None, "negative_prompt": None,
             "cache_threshold": None, "drop_threshold": None, "seed": 0}
 
 

@@ -59,7 +59,8 @@ def register(commands, groups) -> None:
     video.add_argument("--drop-threshold", type=float, default=None,
                        help="static-token dropping: after a block's first step, compute only tokens whose block input "
                             "changed by at least this (relative); 0 drops nothing (default: off)")
-    video.add_argument("--guidance-scale", type=float, default=1.0, help="classifier-free guidance (default 1: none)")
+    video.add_argument("--guidance-scale", type=float, default=None,
+                       help="classifier-free guidance (default: the model's; 1 is none)")
     video.add_argument("--negative-prompt", default=None, help="guidance's negative prompt (default: the model's)")
     video.add_argument("--switch", type=_switch, action="append", default=[], metavar="FRAME=PROMPT",
                        help="from the first block starting at or after FRAME, follow PROMPT (repeatable)")

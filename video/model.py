@@ -84,6 +84,7 @@ class WanBlockModel:
             raise ValueError("First Block Cache needs a transformer of two blocks or more (it reuses the later blocks' residual)")
         self.tokens_per_frame = (h // p_h) * (w // p_w)  # per latent frame
         self.slot = ContextSlot()
+        self._rotary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ BlockDiffusionModel
     def start(self, conditions: PromptEmbeddings, num_blocks: int, guidance: bool) -> WanBlockState:
@@ -136,7 +137,9 @@ class WanBlockModel:
         if ctx.dropping is not None:  # a block's first step and the clean pass compute every token
             ctx.dropping.enabled, ctx.dropping.record = name == "denoise" and not fresh, name == "denoise"
         frames = ctx.cache.frames + self.block_frames
-        ctx.rotary = rotary_tables(transformer, frames, *self.latent_size)
+        if frames not in self._rotary:  # a handful of sizes per decode (the held frames stop growing under a window)
+            self._rotary[frames] = rotary_tables(transformer, frames, *self.latent_size)
+        ctx.rotary = self._rotary[frames]
         if state.guided:
             x = torch.cat([x, x])
         t = torch.full((x.shape[0],), timestep, device=x.device, dtype=torch.float32)

@@ -77,17 +77,18 @@ class BlockDiffusionVideoPipeline(Pipeline):
     def __init__(self, transformer, vae, text_encoder, tokenizer, block_frames: int = 3, num_frames: int = 81,
                  height: int = 480, width: int = 832, fps: float = 16.0, max_sequence_length: int = 512,
                  timesteps: Sequence[float] = (1000.0, 750.0, 500.0, 250.0), shift: float = 5.0,
-                 stochastic: bool = True, negative_prompt: str = ""):
+                 stochastic: bool = True, negative_prompt: str = "", guidance_scale: float = 1.0):
         super().__init__(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         self.block_frames, self.num_frames, self.height, self.width, self.fps = block_frames, num_frames, height, width, fps
-        self.max_sequence_length, self.negative_prompt = max_sequence_length, negative_prompt
+        self.max_sequence_length, self.negative_prompt, self.guidance_scale = max_sequence_length, negative_prompt, guidance_scale
         self.schedule = FlowSchedule(tuple(timesteps), shift, stochastic)
 
     def pipeline_config(self) -> dict:
         return {"block_frames": self.block_frames, "num_frames": self.num_frames, "height": self.height,
                 "width": self.width, "fps": self.fps, "max_sequence_length": self.max_sequence_length,
                 "timesteps": list(self.schedule.timesteps), "shift": self.schedule.shift,
-                "stochastic": self.schedule.stochastic, "negative_prompt": self.negative_prompt}
+                "stochastic": self.schedule.stochastic, "negative_prompt": self.negative_prompt,
+                "guidance_scale": self.guidance_scale}
 
     @classmethod
     def from_wan(cls, wan: Union[str, os.PathLike], transformer: Any = None, **config: Any) -> "BlockDiffusionVideoPipeline":
@@ -190,7 +191,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
         width: Optional[int] = None,
         decoding: Any = None,
         cache_policy: Union[str, CachePolicy] = "global",
-        guidance_scale: float = 1.0,
+        guidance_scale: Optional[float] = None,
         negative_prompt: Optional[str] = None,
         prompt_switches: Optional[dict[int, Union[str, list[str]]]] = None,
         decode: str = "block",
@@ -209,7 +210,8 @@ class BlockDiffusionVideoPipeline(Pipeline):
         cached frames stay). `decode`: "block" streams each block through the VAE as it is
         committed (and hands its frames to `callback`), "end" decodes once at the end, "none"
         returns latents only. `cache_threshold` turns on First Block Cache for denoising steps
-        (0 equals no caching); `drop_threshold` computes, after a block's first step, only the
+        (0 equals no caching); `guidance_scale` defaults to the pipeline's (saved with it);
+        `drop_threshold` computes, after a block's first step, only the
         tokens whose block input changed by at least it (relative L2; 0 equals no dropping). `decoding`: "block" (default) or "collaborative" with `small=`.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
@@ -232,6 +234,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
         model = self.block_model(block_frames=block_frames, latent_size=(height // self.spatial_ratio, width // self.spatial_ratio),
                                  cache_policy=cache_policy, cache_threshold=cache_threshold, drop_threshold=drop_threshold)
         generator = self.generator_for(generator)
+        guidance_scale = self.guidance_scale if guidance_scale is None else float(guidance_scale)
         guided = guidance_scale != 1.0
         negative = self.negative_prompt if negative_prompt is None else negative_prompt
         conditions = self.embeddings(prompts, guided, negative)
