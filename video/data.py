@@ -2,7 +2,7 @@
 
 Each clip is a plain background (one colour from `PALETTE`) with one or two emoji sprites moving
 at constant speed. Sprites are Noto Color Emoji glyphs rendered by the image set's own renderer
-(`benchmarks/data/emoji.py`: `render`, on white), cut out by removing the white that touches the
+(`mmgen.image_ar.emoji.render`, on white), cut out by removing the white that touches the
 sprite's border. An object either moves in one direction (left, right, up, down; it stays
 inside the frame) or bounces along one axis (its velocity flips at the walls; every bouncing
 object reaches a wall in the middle third of the clip, so the reversal is visible).
@@ -153,7 +153,7 @@ def class_names() -> tuple[str, ...]:
 @lru_cache(maxsize=None)
 def _emoji_table() -> dict[str, tuple[str, str]]:
     """Unicode name -> (emoji, subgroup) for every fully-qualified emoji."""
-    from benchmarks.data.emoji import parse_emoji_test  # not installed: needs a source checkout
+    from mmgen.image_ar.emoji import parse_emoji_test
 
     return {name: (emoji, subgroup) for emoji, name, _group, subgroup in parse_emoji_test()}
 
@@ -175,7 +175,7 @@ def sprite(name: str, size: int) -> tuple[np.ndarray, np.ndarray]:
     set's rendering (on white, Lanczos-resized), minus the near-white region touching the border."""
     from PIL import ImageFont
 
-    from benchmarks.data.emoji import FONT, render  # not installed: needs a source checkout
+    from mmgen.image_ar.emoji import FONT, render
 
     image = render(_emoji_table()[name][0], ImageFont.truetype(FONT, 109), size)
     if image is None:
