@@ -245,3 +245,20 @@ def test_first_block_cache_needs_two_blocks_and_a_one_block_small_model_runs_wit
     out = pipe(PROMPT, cache_threshold=0.0, decoding=CollaborativeDenoising(small=small, large_steps=2), generator=seeded())
     plain = pipe(PROMPT, decoding=CollaborativeDenoising(small=small, large_steps=2), generator=seeded())
     assert torch.equal(out.latents, plain.latents)
+
+
+def test_a_vae_without_temporal_compression_makes_one_latent_per_frame():
+    """A per-frame Wan VAE (`temperal_downsample` all False, temporal ratio 1): every frame
+    count is valid and the streamed frames still equal the one-shot decode."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, False, False], scale_factor_temporal=1,
+                           latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
+    pipe = tiny_video_pipeline()
+    pipe.vae = pipe.components["vae"] = vae
+    out = pipe(PROMPT, num_frames=6, generator=seeded())
+    assert out.latents.shape[2] == 6 and out.frames.shape[1] == 6
+    at_end = pipe(PROMPT, num_frames=6, decode="end", generator=seeded())
+    assert torch.equal(at_end.frames, out.frames)
