@@ -91,8 +91,9 @@ class WanBlockModel:
         config = self.transformer.config
         max_frames = num_blocks * self.block_frames
         if self.policy.held(max_frames) + self.block_frames > config.rope_max_seq_len:
+            fix = "use a window policy for longer rollouts" if self.policy.window is None else "use a smaller window"
             raise ValueError(f"{max_frames} latent frames overflow the model's rotary table ({config.rope_max_seq_len} "
-                             f"frames) under the cache policy {self.policy}: use a (smaller) window for longer rollouts")
+                             f"frames) under the cache policy {self.policy}: {fix}")
         if guidance and conditions.uncond is None:
             raise ValueError("guidance needs the negative prompt's embeddings")
         batch = conditions.cond.shape[0]

@@ -337,6 +337,10 @@ def app_url(browser, catalog):  # `browser`: the image demo's fixture
 
 
 def natural_size(page, selector: str) -> list:
+    """The picture's size once the browser has decoded it (it may still be loading when the
+    status line already says done)."""
+    page.wait_for_function("(s) => { const i = document.querySelector(s); return i && i.complete && i.naturalWidth > 0; }",
+                           arg=selector)
     return page.evaluate("(s) => { const i = document.querySelector(s); return [i.naturalWidth, i.naturalHeight]; }", selector)
 
 
