@@ -210,9 +210,10 @@ class BlockDiffusionVideoPipeline(Pipeline):
         cached frames stay). `decode`: "block" streams each block through the VAE as it is
         committed (and hands its frames to `callback`), "end" decodes once at the end, "none"
         returns latents only. `cache_threshold` turns on First Block Cache for denoising steps
-        (0 equals no caching); `guidance_scale` defaults to the pipeline's (saved with it);
-        `drop_threshold` computes, after a block's first step, only the
-        tokens whose block input changed by at least it (relative L2; 0 equals no dropping). `decoding`: "block" (default) or "collaborative" with `small=`.
+        (0 equals no caching); `drop_threshold` computes, after a block's first step, only the
+        tokens whose block input changed by at least it (relative L2; 0 equals no dropping).
+        `guidance_scale` defaults to the pipeline's (saved with it). `decoding`: "block"
+        (default) or "collaborative" with `small=`.
         """
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
