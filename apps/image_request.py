@@ -90,6 +90,11 @@ class ModelCatalog:
     def names(self) -> list[str]:
         return [*self.main, *self.companions]
 
+    def companion_of(self, model: str, suffix: str) -> Optional[str]:
+        """The catalogue's companion `<model><suffix>` of `model` (its drafter or small model), or None."""
+        name = model + suffix
+        return name if name in self.companions else None
+
     def pipeline(self, name: str) -> Any:
         """The loaded (cached) pipeline of a main or companion model."""
         source = {**self.main, **self.companions}.get(name)

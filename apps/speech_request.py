@@ -83,11 +83,6 @@ class SpeechCatalog(ModelCatalog):
             raise ValueError(f"{Path(source).name} holds a {type(pipe).__name__}; the speech demo serves text-to-speech models")
         return pipe
 
-    def drafter_of(self, model: str) -> Optional[str]:
-        """The catalogue's drafter of `model` (`<model>-draft`), or None."""
-        name = model + DRAFT_SUFFIX
-        return name if name in self.companions else None
-
 
 def _is_speech_folder(folder: Path) -> bool:
     try:
@@ -117,7 +112,7 @@ def methods(catalog: SpeechCatalog, model: str) -> list[str]:
     less those that pair a second model (draft, entropy-switch) where the catalogue has no
     drafter for it."""
     pipe = catalog.pipeline(model)
-    paired = catalog.drafter_of(model) is not None
+    paired = catalog.companion_of(model, DRAFT_SUFFIX) is not None
     return [name for name in pipe.decoders() if name not in pipe.companions or paired]
 
 
@@ -149,7 +144,7 @@ def _decoder(name: str, pipe: Any, catalog: SpeechCatalog, model: str) -> Any:
     companion = pipe.companions.get(name)
     given = {}
     if companion is not None:
-        other = catalog.drafter_of(model) if companion.suffix == DRAFT_SUFFIX else None
+        other = catalog.companion_of(model, DRAFT_SUFFIX) if companion.suffix == DRAFT_SUFFIX else None
         if other is None:
             raise ValueError(f"decoding {name!r} needs a drafter ({companion.role}): start the demo with a folder "
                              f"{model}{companion.suffix} beside the model")
@@ -276,7 +271,7 @@ def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
     plan = [(BASELINE_LABEL, "ar")] if request.compare else []
     plan.append((request.method, request.method))
     runs = []
-    with catalog.using([request.model, *filter(None, [catalog.drafter_of(request.model)])]):
+    with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, DRAFT_SUFFIX)])]):
         decoders = [_decoder(method, pipe, catalog, request.model) for _, method in plan]  # all checked before any run
         for index, ((label, _), decoder) in enumerate(zip(plan, decoders)):
             call = dict(voice=voice, voice_text=voice_text, max_new_frames=budget, decoding=decoder,

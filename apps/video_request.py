@@ -77,11 +77,6 @@ class VideoCatalog(ModelCatalog):
                              "block-diffusion video models")
         return pipe
 
-    def small_of(self, model: str) -> Optional[str]:
-        """The catalogue's small model of `model` (`<model>-small`), or None."""
-        name = model + SMALL_SUFFIX
-        return name if name in self.companions else None
-
 
 def _is_video_folder(folder: Any) -> bool:
     try:
@@ -115,7 +110,7 @@ def methods(catalog: VideoCatalog, model: str) -> list[str]:
     """The block-diffusion decoders `model` runs: those its pipeline declares
     (`Pipeline.decoders()`), less collaborative denoising where the catalogue has no small model."""
     pipe = catalog.pipeline(model)
-    paired = catalog.small_of(model) is not None
+    paired = catalog.companion_of(model, SMALL_SUFFIX) is not None
     return [name for name in pipe.decoders() if name not in pipe.companions or paired]
 
 
@@ -289,7 +284,7 @@ def stream_request(request: VideoRequest, catalog: VideoCatalog,
         raise ValueError("First Block Cache and token dropping need the K/V cache: set their thresholds to 0 with the "
                          "cache policy 'none'")
     seed = _int("seed", request.seed, 0, MAX_SEED)
-    small = catalog.small_of(request.model) if request.method == COLLABORATIVE else None
+    small = catalog.companion_of(request.model, SMALL_SUFFIX) if request.method == COLLABORATIVE else None
     with catalog.using([request.model, *filter(None, [small])]):
         from mmgen.loading import decoder_from_spec
 

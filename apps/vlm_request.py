@@ -65,11 +65,6 @@ class VLMCatalog(ModelCatalog):
             raise ValueError(f"{source} holds a {type(pipe).__name__}; the VLM demo serves vision-language models")
         return pipe
 
-    def drafter_of(self, model: str) -> Optional[str]:
-        """The catalogue's drafter companion of `model` (`<model>-draft`), or None."""
-        name = model + "-draft"
-        return name if name in self.companions else None
-
 
 def _is_model_folder(folder: Path) -> bool:
     return (Path(folder) / "config.json").is_file() or (Path(folder) / "model_index.json").is_file()
@@ -101,7 +96,7 @@ def methods(catalog: VLMCatalog, model: str) -> list[str]:
     """The decoding shortcuts `model` runs: those its pipeline declares (`Pipeline.decoders()`),
     less those that pair with a second model the catalogue lacks (draft without a drafter)."""
     pipe = catalog.pipeline(model)
-    paired = catalog.drafter_of(model) is not None
+    paired = catalog.companion_of(model, "-draft") is not None
     return [name for name in pipe.decoders() if name not in pipe.companions or paired]
 
 
@@ -111,7 +106,7 @@ def _decoder(name: str, pipe: Any, catalog: VLMCatalog, model: str) -> Any:
     companion = pipe.companions.get(name)
     if companion is None:
         return make_decoder(name, pipe.decoders())
-    other = catalog.drafter_of(model) if companion.suffix == "-draft" else None
+    other = catalog.companion_of(model, "-draft") if companion.suffix == "-draft" else None
     if other is None:
         raise ValueError(f"decoding {name!r} needs {companion.role}; start the demo with --model {model}{companion.suffix} "
                          "beside the model")
@@ -234,7 +229,7 @@ def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 
     plan = [(BASELINE_LABEL, "ar", None)] if request.compare else []
     plan.append((label, request.method, dropping))
     runs = []
-    with catalog.using([request.model, *filter(None, [catalog.drafter_of(request.model)])]):
+    with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, "-draft")])]):
         for index, (run_label, method, policy) in enumerate(plan):
             call = dict(max_new_tokens=budget, decoding=_decoder(method, pipe, catalog, request.model),
                         temperature=temperature, generator=make_generator(seed, catalog.device))

@@ -24,15 +24,13 @@ decoder's stats and the group, so a killed run resumes without losing or duplica
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
-                         model_memo, read_jsonl, run_groups, start_run)
+from mmgen.batch import FIELD_KINDS, FileJob, LineError, check_schema, load_file_jobs, model_memo, run_file_batch
 from mmgen.cli import check_seed
 
 from mmgen.audio.waveform import read_audio, wav_bytes
@@ -41,41 +39,21 @@ REQUIRED = {"model": "str", "text": "text", "output": "str"}
 OPTIONAL = {"voice": "str", "voice_text": "str", "decoding": "str", "seed": "int", "max_new_frames": "int",
             "temperature": "float", "top_k": "int", "top_p": "float", "guidance_scale": "float"}
 KINDS = {**FIELD_KINDS, "text": ("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))}
-#: Options that change the audio: jobs that agree on all of them may share a call.
-CALL_FIELDS = ("model", "decoding", "max_new_frames", "temperature", "top_k", "top_p", "guidance_scale")
 DEFAULTS = {"voice": None, "voice_text": None, "decoding": "ar", "seed": 0, "max_new_frames": None, "temperature": None,
             "top_k": None, "top_p": None, "guidance_scale": None}
 
 
 @dataclass(frozen=True, eq=False)
-class SpeechJob:
+class SpeechJob(FileJob):
     """One valid line, with its defaults filled in (`fields`) and its voice prompt read."""
 
-    line: int
-    spec: dict
-    fields: dict
-    voice: Optional[torch.Tensor]
+    voice: Optional[torch.Tensor] = None
+    CALL_FIELDS = ("model", "decoding", "max_new_frames", "temperature", "top_k", "top_p", "guidance_scale")
+    SUFFIX = ".wav"
 
     @property
     def key(self) -> tuple:
-        return (*(json.dumps(self.fields[k]) for k in CALL_FIELDS), self.voice is not None)
-
-    @property
-    def category(self) -> tuple[str, str]:
-        return self.fields["model"], self.fields["decoding"]
-
-    @property
-    def file(self) -> str:
-        return f"{self.spec['output']}.wav"
-
-    @property
-    def job(self) -> "SpeechJob":
-        """A speech job is its own one output (the driver's item protocol: `mmgen.batch.run_groups`)."""
-        return self
-
-    @property
-    def order(self) -> int:
-        return self.line
+        return (*super().key, self.voice is not None)
 
 
 def check_fields(value: Any) -> dict:
@@ -127,52 +105,30 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[SpeechJ
     from mmgen.loading import load_pipeline
 
     transformers.utils.logging.disable_progress_bar()  # the summary and errors stay the only output
-    values, errors = read_jsonl(path)
-
     pipes = model_memo(lambda model: load_pipeline(model, device=device, dtype=dtype))
-    owners, jobs, settings = {}, [], {}
-    calls = Memo(lambda key: prepare_call(pipes(settings[key]["model"]), settings[key], device, dtype))
-    for line, value in values:
-        try:
-            fields = check_fields(value)
-            claim_output(owners, value["output"], line)
-            pipe = pipes(fields["model"])
-            voice = None if fields["voice"] is None else read_audio(fields["voice"], pipe.sampling_rate)
-            job = SpeechJob(line, value, fields, voice)
-            settings.setdefault(job.key, fields)
-            calls(job.key)
-            pipe.prepare(fields["text"], None if voice is None else (voice.numpy(), pipe.sampling_rate), fields["voice_text"],
-                         fields["max_new_frames"], fields["guidance_scale"])  # text length and context checked here
-            jobs.append(job)
-        except ValueError as error:
-            errors.append(LineError(line, str(error)))
-    return jobs, calls.loaded(), errors
+
+    def make_job(line: int, spec: dict, fields: dict) -> SpeechJob:
+        rate = pipes(fields["model"]).sampling_rate
+        return SpeechJob(line, spec, fields, None if fields["voice"] is None else read_audio(fields["voice"], rate))
+
+    def check_inputs(job: SpeechJob, call: SpeechCall) -> None:
+        voice = None if job.voice is None else (job.voice.numpy(), call.pipe.sampling_rate)
+        f = job.fields  # text length and context checked here
+        call.pipe.prepare(f["text"], voice, f["voice_text"], f["max_new_frames"], f["guidance_scale"])
+
+    return load_file_jobs(path, check_fields, make_job, lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype),
+                          check_inputs)
 
 
 def run_batch(args: argparse.Namespace) -> int:
     """Check every line, group, run this rank's share, merge the manifest (rank 0). Exit status
     0, or 1 when some group failed (its files are missing; run again)."""
-    run = start_run(args, load_jobs)
-    world, device, jobs, calls, errors = run.world, run.device, run.jobs, run.calls, run.errors
-    groups = form_groups(jobs, key=lambda job: job.key, size=args.batch_size)
-    if args.dry_run:
-        if world.rank == 0:
-            print(f"{len(jobs)} valid job(s) in {len(groups)} group(s) of up to {args.batch_size}; {len(errors)} invalid line(s)")
-        return 0
 
-    def run_group(g: int, group: list[SpeechJob], run: GroupRun) -> None:
-        """Speak group `g` in one call and write the files it still lacks."""
-        seed = group_seed([job.fields["seed"] for job in group])
-        output = calls[group[0].key](group, seed, device)
+    def encode(output, row: int, job: SpeechJob, where: dict) -> tuple[bytes, dict]:
         stats = output.stats.to_dict()
         del stats["accepted_per_forward"]  # one float per forward: the histogram suffices
-        todo = {job.file for job in run.todo}
-        for row, job in enumerate(group):
-            if job.file in todo:
-                where = {"index": g, "seed": seed, "row": row, "size": len(group)}
-                record = {"group": where, "frames": int(output.lengths[row]), "seconds": output.audio[row].numel() / output.sampling_rate,
-                          "stats": stats}
-                run.record(job, wav_bytes(output.audio[row], output.sampling_rate), record)
+        record = {"frames": int(output.lengths[row]), "seconds": output.audio[row].numel() / output.sampling_rate,
+                  "stats": stats}
+        return wav_bytes(output.audio[row], output.sampling_rate), record
 
-    return run_groups(world, device, Path(args.out), jobs, groups, run_group, started=run.started, invalid_lines=len(errors),
-                      unit="files", bar_unit="file", progress=not args.no_progress)
+    return run_file_batch(args, load_jobs, encode)

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from mmgen.cli import DTYPES, seed_arg
+from mmgen.cli import DTYPES, check_output_file, seed_arg
 
 #: The bundled model `mmgen generate speech` speaks with when given none.
 DEFAULT_MODEL = "speech-tts"
@@ -63,13 +63,7 @@ def generate_speech(args: argparse.Namespace) -> int:
     from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
     from mmgen.sampling import make_generator
 
-    out = Path(args.out)
-    if out.suffix.lower() != ".wav":
-        raise ValueError(f"--out must name a .wav file, got {args.out}")
-    if out.is_dir() or (out.exists() and not args.overwrite):
-        raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it")
-    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise ValueError(f"--out {args.out}: folder {out.parent} does not exist or is not writable")
+    out = check_output_file(args.out, ".wav", args.overwrite)
     if args.max_new_frames is not None and args.max_new_frames < 1:
         raise ValueError(f"--max-new-frames must be >= 1, got {args.max_new_frames}")
     if not args.text.strip():

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Collection, Hashable, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, ClassVar, Collection, Hashable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -620,6 +620,97 @@ def start_run(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tuple[lis
     if not jobs:
         raise ValueError(f"{args.jobs} has no job to run")
     return RunStart(started, world, device, jobs, calls, errors)
+
+
+@dataclass(frozen=True, eq=False)
+class FileJob:
+    """One valid line of a job file whose job makes one file, `<output><SUFFIX>` (a recording, an
+    answer, a video), with its defaults filled in (`fields`). A modality subclasses it with its
+    `CALL_FIELDS` (the options that change the output: jobs that agree on all of them may share a
+    call) and `SUFFIX`; it is its own one output in `run_groups`' item protocol."""
+
+    line: int
+    spec: dict
+    fields: dict
+    CALL_FIELDS: ClassVar[tuple[str, ...]] = ()
+    SUFFIX: ClassVar[str] = ""
+
+    @property
+    def key(self) -> tuple:
+        return tuple(json.dumps(self.fields[k]) for k in self.CALL_FIELDS)
+
+    @property
+    def category(self) -> tuple[str, str]:
+        return self.fields["model"], self.fields["decoding"]
+
+    @property
+    def file(self) -> str:
+        return f"{self.spec['output']}{self.SUFFIX}"
+
+    @property
+    def job(self) -> "FileJob":
+        return self
+
+    @property
+    def order(self) -> int:
+        return self.line
+
+
+def load_file_jobs(path: Path, check_fields: Callable[[Any], dict], make_job: Callable[[int, dict, dict], FileJob],
+                   prepare: Callable[[dict], Any], check_inputs: Optional[Callable[[FileJob, Any], None]] = None,
+                   ) -> tuple[list[FileJob], dict, list[LineError]]:
+    """Every line of a file-per-job file checked before any work: its fields (`check_fields`),
+    its output name unique, the job built (`make_job(line, spec, fields)`, which may read its
+    inputs), one call prepared per job key (`prepare(fields)`: loads the model once, checks the
+    options) and the job's inputs against that call (`check_inputs(job, call)`). Each raises
+    ValueError for a bad line. Returns the valid jobs, the prepared call of each key, the bad lines."""
+    values, errors = read_jsonl(path)
+    owners, jobs, settings = {}, [], {}
+    # One call per job key; `settings` holds the fields that key stands for.
+    calls = Memo(lambda key: prepare(settings[key]))
+    for line, value in values:
+        try:
+            fields = check_fields(value)
+            claim_output(owners, value["output"], line)
+            job = make_job(line, value, fields)
+            settings.setdefault(job.key, fields)
+            call = calls(job.key)
+            if check_inputs is not None:
+                check_inputs(job, call)
+            jobs.append(job)
+        except ValueError as error:
+            errors.append(LineError(line, str(error)))
+    return jobs, calls.loaded(), errors
+
+
+def run_file_batch(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tuple[list, dict, list]],
+                   encode: Callable[[Any, int, FileJob, dict], tuple[bytes, dict]], unit: str = "files",
+                   bar_unit: str = "file") -> int:
+    """A file-per-job batch command: check every line (`start_run`), group jobs of one key in file
+    order into calls of up to --batch-size (one generator seeded by `group_seed` of their seeds),
+    run this rank's share and write each file the group still lacks: `encode(output, row, job,
+    where)` -> (the file's bytes, the manifest record's fields), `where` being the row's group,
+    seed and place. Exit status 0, or 1 when some group failed (its files are missing; run again)."""
+    run = start_run(args, load_jobs)
+    groups = form_groups(run.jobs, key=lambda job: job.key, size=args.batch_size)
+    if args.dry_run:
+        if run.world.rank == 0:
+            print(f"{len(run.jobs)} valid job(s) in {len(groups)} group(s) of up to {args.batch_size}; "
+                  f"{len(run.errors)} invalid line(s)")
+        return 0
+
+    def run_group(g: int, group: list[FileJob], progress: GroupRun) -> None:
+        seed = group_seed([job.fields["seed"] for job in group])
+        output = run.calls[group[0].key](group, seed, run.device)
+        todo = {job.file for job in progress.todo}
+        for row, job in enumerate(group):
+            if job.file in todo:
+                where = {"index": g, "seed": seed, "row": row, "size": len(group)}
+                data, fields = encode(output, row, job, where)
+                progress.record(job, data, {"group": where, **fields})
+
+    return run_groups(run.world, run.device, Path(args.out), run.jobs, groups, run_group, started=run.started,
+                      invalid_lines=len(run.errors), unit=unit, bar_unit=bar_unit, progress=not args.no_progress)
 
 
 def run_groups(world: World, device: str, out: Path, jobs: Sequence[Any], groups: list[list[Any]],

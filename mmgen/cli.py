@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Sequence
 
 if TYPE_CHECKING:
@@ -55,6 +57,19 @@ def seed_arg(text: str) -> int:
         return check_seed(int(text.strip()))
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text!r}") from None
+
+
+def check_output_file(path: str, suffix: str, overwrite: bool, flag: str = "--out") -> Path:
+    """`path` as a Path, or ValueError when it does not end in `suffix`, names an existing file
+    (unless `overwrite`) or a folder, or lies in a folder that is missing or not writable."""
+    out = Path(path)
+    if out.suffix.lower() != suffix:
+        raise ValueError(f"{flag} must name a {suffix} file, got {path}")
+    if out.is_dir() or (out.exists() and not overwrite):
+        raise ValueError(f"{flag} {path} exists; pass --overwrite to replace it")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: folder {out.parent} does not exist or is not writable")
+    return out
 
 
 def check_device(device: Any) -> "torch.device":

@@ -25,15 +25,13 @@ run resumes without losing or duplicating videos.
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
-                         model_memo, read_jsonl, run_groups, start_run)
+from mmgen.batch import FIELD_KINDS, FileJob, LineError, check_schema, load_file_jobs, model_memo, run_file_batch
 from mmgen.cache import CachePolicy
 from mmgen.cli import check_seed
 
@@ -43,41 +41,17 @@ OPTIONAL = {"model": "str", "num_frames": "int", "block_frames": "int", "height"
             "cache_policy": "str", "decoding": "str", "guidance_scale": "float", "negative_prompt": "str",
             "cache_threshold": "float", "drop_threshold": "float", "seed": "int"}
 KINDS = {**FIELD_KINDS, "text": ("a non-empty string", lambda v: isinstance(v, str) and bool(v.strip()))}
-#: Options that change the video: jobs that agree on all of them may share a call.
-CALL_FIELDS = ("model", "num_frames", "block_frames", "height", "width", "cache_policy", "decoding", "guidance_scale",
-               "negative_prompt", "cache_threshold", "drop_threshold")
 DEFAULTS = {"model": DEFAULT_MODEL, "num_frames": None, "block_frames": None, "height": None, "width": None,
             "cache_policy": "global", "decoding": "block", "guidance_scale": None, "negative_prompt": None,
             "cache_threshold": None, "drop_threshold": None, "seed": 0}
 
 
-@dataclass(frozen=True, eq=False)
-class VideoJob:
+class VideoJob(FileJob):
     """One valid line, with its defaults filled in (`fields`)."""
 
-    line: int
-    spec: dict
-    fields: dict
-
-    @property
-    def key(self) -> tuple:
-        return tuple(json.dumps(self.fields[k]) for k in CALL_FIELDS)
-
-    @property
-    def category(self) -> tuple[str, str]:
-        return self.fields["model"], self.fields["decoding"]
-
-    @property
-    def file(self) -> str:
-        return f"{self.spec['output']}.mp4"
-
-    @property
-    def job(self) -> "VideoJob":
-        return self
-
-    @property
-    def order(self) -> int:
-        return self.line
+    CALL_FIELDS = ("model", "num_frames", "block_frames", "height", "width", "cache_policy", "decoding",
+                   "guidance_scale", "negative_prompt", "cache_threshold", "drop_threshold")
+    SUFFIX = ".mp4"
 
 
 def check_fields(value: Any) -> dict:
@@ -130,7 +104,6 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[VideoJo
     from mmgen.video.cli import quiet_loaders
 
     quiet_loaders()
-    values, errors = read_jsonl(path)
 
     def load(model: str):
         pipe = load_pipeline(model, device=device, dtype=dtype)
@@ -138,19 +111,7 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[VideoJo
         return pipe
 
     pipes = model_memo(load)
-    owners, jobs, settings = {}, [], {}
-    calls = Memo(lambda key: prepare_call(pipes(settings[key]["model"]), settings[key], device, dtype))
-    for line, value in values:
-        try:
-            fields = check_fields(value)
-            claim_output(owners, value["output"], line)
-            job = VideoJob(line, value, fields)
-            settings.setdefault(job.key, fields)
-            calls(job.key)
-            jobs.append(job)
-        except ValueError as error:
-            errors.append(LineError(line, str(error)))
-    return jobs, calls.loaded(), errors
+    return load_file_jobs(path, check_fields, VideoJob, lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype))
 
 
 def run_batch(args: argparse.Namespace) -> int:
@@ -158,25 +119,9 @@ def run_batch(args: argparse.Namespace) -> int:
     0, or 1 when some group failed (its files are missing; run again)."""
     from mmgen.video.export import mp4_bytes
 
-    run = start_run(args, load_jobs)
-    world, device, jobs, calls, errors = run.world, run.device, run.jobs, run.calls, run.errors
-    groups = form_groups(jobs, key=lambda job: job.key, size=args.batch_size)
-    if args.dry_run:
-        if world.rank == 0:
-            print(f"{len(jobs)} valid job(s) in {len(groups)} group(s) of up to {args.batch_size}; {len(errors)} invalid line(s)")
-        return 0
+    def encode(output, row: int, job: VideoJob, where: dict) -> tuple[bytes, dict]:
+        record = {"frames": int(output.frames.shape[1]), "fps": output.fps, "stats": output.stats.to_dict(),
+                  "profile": output.profile.to_dict()}
+        return mp4_bytes(output.frames[row], output.fps), record
 
-    def run_group(g: int, group: list[VideoJob], run: GroupRun) -> None:
-        """Make group `g` in one call and write the files it still lacks."""
-        seed = group_seed([job.fields["seed"] for job in group])
-        output = calls[group[0].key](group, seed, device)
-        todo = {job.file for job in run.todo}
-        for row, job in enumerate(group):
-            if job.file in todo:
-                where = {"index": g, "seed": seed, "row": row, "size": len(group)}
-                record = {"group": where, "frames": int(output.frames.shape[1]), "fps": output.fps,
-                          "stats": output.stats.to_dict(), "profile": output.profile.to_dict()}
-                run.record(job, mp4_bytes(output.frames[row], output.fps), record)
-
-    return run_groups(world, device, Path(args.out), jobs, groups, run_group, started=run.started, invalid_lines=len(errors),
-                      unit="files", bar_unit="file", progress=not args.no_progress)
+    return run_file_batch(args, load_jobs, encode)

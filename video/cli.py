@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from mmgen.cli import DTYPES, seed_arg
+from mmgen.cli import DTYPES, check_output_file, seed_arg
 
 #: The bundled model `mmgen generate video` uses when given none (its small model: emoji-motion-small).
 DEFAULT_MODEL = "emoji-motion"
@@ -101,13 +100,7 @@ def generate_video(args: argparse.Namespace) -> int:
     from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
     from mmgen.sampling import make_generator
 
-    out = Path(args.out)
-    if out.suffix.lower() != ".mp4":
-        raise ValueError(f"--out must name a .mp4 file, got {args.out}")
-    if out.is_dir() or (out.exists() and not args.overwrite):
-        raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it")
-    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise ValueError(f"--out {args.out}: folder {out.parent} does not exist or is not writable")
+    out = check_output_file(args.out, ".mp4", args.overwrite)
     if not args.prompt.strip():
         raise ValueError("--prompt is empty")
     CachePolicy.parse(args.cache_policy)

@@ -36,8 +36,7 @@ from typing import Any
 
 import torch
 
-from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
-                         model_memo, read_jsonl, run_groups, start_run)
+from mmgen.batch import FIELD_KINDS, FileJob, LineError, check_schema, load_file_jobs, model_memo, run_file_batch
 from mmgen.cli import check_seed
 
 from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags, read_image
@@ -52,42 +51,18 @@ KINDS = {
     "prompt": ("a non-empty string or a list of chat messages", lambda v: (isinstance(v, str) and bool(v.strip()))
                or (isinstance(v, list) and bool(v) and all(isinstance(m, dict) for m in v))),
 }
-#: Options that change an answer: jobs that agree on all of them may share a call.
-CALL_FIELDS = ("model", "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "dropping", "keep_ratio",
-               "draft_dropping")
 DEFAULTS = {"model": DEFAULT_MODEL, "images": [], "decoding": "ar", "seed": 0, "max_new_tokens": 64, "temperature": 0.0,
             "top_k": 0, "top_p": 1.0, "dropping": None, "keep_ratio": None, "draft_dropping": None}
 
 
 @dataclass(frozen=True, eq=False)
-class TextJob:
+class TextJob(FileJob):
     """One valid line, with its defaults filled in (`fields`) and its images read."""
 
-    line: int
-    spec: dict
-    fields: dict
-    images: tuple
-
-    @property
-    def key(self) -> tuple:
-        return tuple(json.dumps(self.fields[k]) for k in CALL_FIELDS)
-
-    @property
-    def category(self) -> tuple[str, str]:
-        return self.fields["model"], self.fields["decoding"]
-
-    @property
-    def file(self) -> str:
-        return f"{self.spec['output']}.json"
-
-    @property
-    def job(self) -> "TextJob":
-        """A text job is its own one output (the driver's item protocol: `mmgen.batch.run_groups`)."""
-        return self
-
-    @property
-    def order(self) -> int:
-        return self.line
+    images: tuple = ()
+    CALL_FIELDS = ("model", "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "dropping", "keep_ratio",
+                   "draft_dropping")
+    SUFFIX = ".json"
 
 
 def check_fields(value: Any) -> dict:
@@ -141,51 +116,28 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[TextJob
     from mmgen.loading import load_pipeline
 
     transformers.utils.logging.disable_progress_bar()  # the summary and errors stay the only output
-    values, errors = read_jsonl(path)
-
     pipes = model_memo(lambda model: load_pipeline(model, device=device, dtype=dtype))
-    owners, jobs, settings = {}, [], {}
-    # One call per job key (model and options); `settings` holds the fields that key stands for.
-    calls = Memo(lambda key: prepare_call(pipes(settings[key]["model"]), settings[key], device, dtype))
-    for line, value in values:
-        try:
-            fields = check_fields(value)
-            claim_output(owners, value["output"], line)
-            job = TextJob(line, value, fields, tuple(read_image(p, f"image {p}") for p in fields["images"]))
-            pipe = pipes(fields["model"])
-            settings.setdefault(job.key, fields)
-            calls(job.key)
-            pipe.prepare_inputs(fields["prompt"], list(job.images) or None)  # conversations and placeholders checked here
-            jobs.append(job)
-        except ValueError as error:
-            errors.append(LineError(line, str(error)))
-    return jobs, calls.loaded(), errors
+
+    def make_job(line: int, spec: dict, fields: dict) -> TextJob:
+        return TextJob(line, spec, fields, tuple(read_image(p, f"image {p}") for p in fields["images"]))
+
+    def check_inputs(job: TextJob, call: TextCall) -> None:
+        call.pipe.prepare_inputs(job.fields["prompt"], list(job.images) or None)  # conversations and placeholders
+
+    return load_file_jobs(path, check_fields, make_job, lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype),
+                          check_inputs)
 
 
 def run_batch(args: argparse.Namespace) -> int:
     """Check every line, group, run this rank's share, merge the manifest (rank 0). Exit status
     0, or 1 when some group failed (its answers are missing; run again)."""
-    run = start_run(args, load_jobs)
-    world, device, jobs, calls, errors = run.world, run.device, run.jobs, run.calls, run.errors
-    groups = form_groups(jobs, key=lambda job: job.key, size=args.batch_size)
-    if args.dry_run:
-        if world.rank == 0:
-            print(f"{len(jobs)} valid job(s) in {len(groups)} group(s) of up to {args.batch_size}; {len(errors)} invalid line(s)")
-        return 0
-    def run_group(g: int, group: list[TextJob], run: GroupRun) -> None:
-        """Answer group `g` in one call and write the answers it still lacks."""
-        seed = group_seed([job.fields["seed"] for job in group])
-        output = calls[group[0].key](group, seed, device)
+
+    def encode(output, row: int, job: TextJob, where: dict) -> tuple[bytes, dict]:
         stats = output.stats.to_dict()
         del stats["accepted_per_forward"]  # one float per forward: the histogram suffices
-        todo = {job.file for job in run.todo}
-        for row, job in enumerate(group):
-            if job.file in todo:
-                n = int(output.lengths[row])
-                where = {"index": g, "seed": seed, "row": row, "size": len(group)}
-                answer = {"prompt": job.fields["prompt"], "text": output.texts[row], "token_ids": output.token_ids[row, :n].tolist(),
-                          "model": job.fields["model"], "decoding": job.fields["decoding"], "stats": stats, "group": where}
-                run.record(job, (json.dumps(answer, ensure_ascii=False, indent=1) + "\n").encode(), {"group": where})
+        n = int(output.lengths[row])
+        answer = {"prompt": job.fields["prompt"], "text": output.texts[row], "token_ids": output.token_ids[row, :n].tolist(),
+                  "model": job.fields["model"], "decoding": job.fields["decoding"], "stats": stats, "group": where}
+        return (json.dumps(answer, ensure_ascii=False, indent=1) + "\n").encode(), {}
 
-    return run_groups(world, device, Path(args.out), jobs, groups, run_group, started=run.started, invalid_lines=len(errors),
-                      unit="answers", bar_unit="answer", progress=not args.no_progress)
+    return run_file_batch(args, load_jobs, encode, unit="answers", bar_unit="answer")
