@@ -190,7 +190,7 @@ def wan_size(height: int, width: int, blocks: int, block_frames: int, repeats: i
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="emoji-motion", help="a video pipeline name or folder, or 'tiny'")
-    parser.add_argument("--frames", type=int, default=33)
+    parser.add_argument("--frames", type=int, default=None, help="video frames (default the model's num_frames)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--window", type=int, default=2, help="latent frames of the window policies")
     parser.add_argument("--clips", type=int, default=0, help="held-out captions for the quality proxies (0: none)")
@@ -208,6 +208,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         result = {"wan_size": wan_size(args.height, args.width, args.blocks, args.block_frames, args.repeats)}
     else:
         pipe, small = load(args.model)
+        args.frames = args.frames or pipe.num_frames
         result = {"model": args.model, "frames": args.frames, "threads": args.threads,
                   "timing": timing(pipe, small, args.frames, args.repeats, args.window, only)}
         if args.clips:

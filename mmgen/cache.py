@@ -110,7 +110,7 @@ class SlotKVCache:
     - `rewind(n)`: keep each row's first n[b] generated tokens;
     - `evict(drop)`: hide chosen slots from a row for good (token dropping: FastV-style
       pruning of prompt tokens, sliding windows);
-    - `keep_recent(window, sink)`: the window policy of streaming video / StreamingLLM: each
+    - `keep(policy)`: a `CachePolicy` (the window policy of streaming video / StreamingLLM): each
       row attends to its `sink` first slots and its `window` most recent kept slots.
 
     When holes outnumber `compact_ratio` x the longest row's generated slots, the kept slots are
@@ -171,11 +171,14 @@ class SlotKVCache:
         Positions are unchanged: evicted tokens keep their place in each row's sequence."""
         self.mask = self.mask & ~drop
 
-    def keep_recent(self, window: int, sink: int = 0) -> None:
-        """Each row keeps its first `sink` slots and its `window` most recent kept slots."""
+    def keep(self, policy: "CachePolicy") -> None:
+        """Each row keeps what `policy` holds of its kept slots: all (global), or its first `sink`
+        and its `window` most recent ones."""
+        if policy.window is None:
+            return
         order = self.mask.long().cumsum(1)  # 1-based rank of each kept slot
         count = order[:, -1:]
-        self.evict(self.mask & (order > sink) & (order <= count - window))
+        self.evict(self.mask & (order > policy.sink) & (order <= count - policy.window))
 
     def crop(self, length: int) -> None:
         """Drop slots from `length` on (`Cache.crop` takes the count to remove, negated)."""

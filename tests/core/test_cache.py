@@ -119,7 +119,7 @@ def test_slot_cache_commit_rewind_and_compaction_keep_each_rows_tokens_in_order(
 
 
 def test_slot_cache_eviction_and_recent_window():
-    from mmgen.cache import SlotKVCache
+    from mmgen.cache import CachePolicy, SlotKVCache
 
     store = _Store(rows=2, slots=10)
     cache = SlotKVCache(store, torch.ones(2, 10, dtype=torch.bool), prompt_length=10, compact_ratio=None)
@@ -127,6 +127,8 @@ def test_slot_cache_eviction_and_recent_window():
     drop[0, 3:6] = True  # token dropping: row 0 loses three prompt tokens
     cache.evict(drop)
     assert cache.mask.sum(1).tolist() == [7, 10] and cache.positions.tolist() == [10, 10]  # positions stay
-    cache.keep_recent(window=4, sink=2)
+    cache.keep(CachePolicy())  # global: nothing more leaves
+    assert cache.mask.sum(1).tolist() == [7, 10]
+    cache.keep(CachePolicy.parse("sink:2,window:4"))
     assert cache.mask[0].nonzero().flatten().tolist() == [0, 1, 6, 7, 8, 9]
     assert cache.mask[1].nonzero().flatten().tolist() == [0, 1, 6, 7, 8, 9]

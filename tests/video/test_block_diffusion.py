@@ -262,3 +262,15 @@ def test_a_vae_without_temporal_compression_makes_one_latent_per_frame():
     assert out.latents.shape[2] == 6 and out.frames.shape[1] == 6
     at_end = pipe(PROMPT, num_frames=6, decode="end", generator=seeded())
     assert torch.equal(at_end.frames, out.frames)
+
+
+def test_cpu_peak_memory_counts_what_the_call_allocated_and_not_what_came_before():
+    from mmgen.video.profiler import CpuPeak
+
+    before = torch.ones(64 * 2**20 // 4)  # 64 MiB held from before the call: not counted
+    peak = CpuPeak()
+    during = torch.ones(128 * 2**20 // 4)  # 128 MiB allocated and freed during the call
+    del during
+    grown = peak.stop()
+    assert 100 * 2**20 < grown < 180 * 2**20, grown
+    del before
