@@ -28,7 +28,6 @@ from mmgen.apps.image_request import (
 from mmgen.decoding import DecodeStats, make_decoder
 from mmgen.sampling import make_generator
 from mmgen.vlm.cli import read_image
-from mmgen.vlm.dropping import DROPPING_POLICIES
 
 #: The bundled model the demo serves when given none (its drafter `emoji-vlm-draft` comes along).
 DEFAULT_MODEL = "emoji-vlm"
@@ -89,6 +88,8 @@ def _checked_entry(entry: str, bundled: dict) -> str:
 
 def dropping_policies() -> list[str]:
     """The token-dropping policies the UI offers (`mmgen.vlm.dropping`)."""
+    from mmgen.vlm.dropping import DROPPING_POLICIES  # imports diffusers' hooks: not when the CLI parser is built
+
     return list(DROPPING_POLICIES)
 
 

@@ -173,12 +173,11 @@ def sample_and_score(pipe: LlamaGenPipeline, decoder: Decoder, sampling: Samplin
 
 
 def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], sampling: SamplingConfig,
-                 per_class: int, batch_size: int, seed: int, progress: Optional[tqdm] = None) -> list[dict]:
+                 labels: torch.Tensor, batch_size: int, seed: int, progress: Optional[tqdm] = None) -> list[dict]:
     """Quality proxies of each method's samples: the same labels and seed for every method."""
     from mmgen.image_ar.quality import ImageQualityProxies
 
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
-    labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
     rows = []
     for method in methods:
         plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} quality")
@@ -186,6 +185,13 @@ def quality_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str]
         rows.append({"model": model_name, "method": method,
                      **sample_and_score(pipe, decoder, sampling, labels, batch_size, seed, scorer, progress)})
     return rows
+
+
+def quality_labels(num_classes: int, args) -> torch.Tensor:
+    """The class labels of the quality samples: `--quality-per-class` of each of the first
+    `--quality-classes` classes (0: all), class by class."""
+    classes = num_classes if args.quality_classes <= 0 else min(args.quality_classes, num_classes)
+    return torch.arange(classes).repeat_interleave(args.quality_per_class)
 
 
 def quality_chunks(labels: torch.Tensor, batch_size: int) -> int:
@@ -302,7 +308,7 @@ def run(args) -> str:
                     report["speed"] += speed_rows(pipe, name, args.methods, args.batch_sizes, sampling, args.repeats,
                                                   args.warmup, progress)
                 if args.quality_per_class > 0:
-                    report["quality"] += quality_rows(pipe, name, args.methods, sampling, args.quality_per_class,
+                    report["quality"] += quality_rows(pipe, name, args.methods, sampling, quality_labels(pipe.num_classes, args),
                                                       args.quality_batch_size, args.seed, progress)
     return write_report(report, args.json, args.markdown)
 
@@ -339,6 +345,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top-k", type=int, help="default: each model's own")
     parser.add_argument("--top-p", type=float, help="default: each model's own")
     parser.add_argument("--quality-per-class", type=int, default=2, help="samples per class for the quality proxies (0: skip)")
+    parser.add_argument("--quality-classes", type=int, default=0, help="quality samples of the first N classes only (0: all)")
     parser.add_argument("--quality-batch-size", type=int, default=32, help="images per decode of the quality samples")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the quality samples, in [0, 2**63)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, mps")

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from mmgen.image_ar.bench import plan, quality_chunks, tick, timed_decodes
+from mmgen.image_ar.bench import plan, quality_chunks, quality_labels, tick, timed_decodes
 from mmgen.image_ar.bench_var import weights_mb
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
 from mmgen.loading import decoder_from_spec, resolve_model
@@ -74,12 +74,11 @@ def mar_diffusion_loss(model: MAR, latents: torch.Tensor, labels: torch.Tensor, 
 
 
 @torch.no_grad()
-def mar_quality_rows(pipe: MARPipeline, model_name: str, decoders: dict, options: dict, per_class: int, batch_size: int,
+def mar_quality_rows(pipe: MARPipeline, model_name: str, decoders: dict, options: dict, labels: torch.Tensor, batch_size: int,
                      seed: int, progress=None) -> list[dict]:
     from mmgen.image_ar.quality import ImageQualityProxies
 
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
-    labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
     rows = []
     for method, decoder in decoders.items():
         plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} quality")
@@ -108,5 +107,5 @@ def run_mar(args, report: dict, device: torch.device, dtype: torch.dtype, progre
             report["speed"] += mar_speed_rows(pipe, name, decoders, args.batch_sizes, options, args.repeats, args.warmup,
                                               progress)
         if args.quality_per_class > 0:
-            report["quality"] += mar_quality_rows(pipe, name, decoders, options, args.quality_per_class,
+            report["quality"] += mar_quality_rows(pipe, name, decoders, options, quality_labels(pipe.num_classes, args),
                                                   args.quality_batch_size, args.seed, progress)

@@ -18,7 +18,7 @@ import torch
 
 from mmgen.decoding.pruning import CachedTokenPruning
 
-from mmgen.image_ar.bench import plan, quality_chunks, tick, timed_decodes
+from mmgen.image_ar.bench import plan, quality_chunks, quality_labels, tick, timed_decodes
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
 from mmgen.loading import decoder_from_spec, resolve_model
 from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTransformer, VQVAEConfig
@@ -81,11 +81,10 @@ def var_token_nll(pipe: VARPipeline, labels: torch.Tensor, tokens: torch.Tensor)
 
 @torch.no_grad()
 def var_quality_rows(pipe: VARPipeline, model_name: str, methods: Sequence[str], prunings: Sequence[str], options: dict,
-                     per_class: int, batch_size: int, seed: int, progress=None) -> list[dict]:
+                     labels: torch.Tensor, batch_size: int, seed: int, progress=None) -> list[dict]:
     from mmgen.image_ar.quality import ImageQualityProxies
 
     scorer = ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER)
-    labels = torch.arange(pipe.num_classes).repeat_interleave(per_class)
     rows = []
     for method, pruning_spec in ((m, p) for m in methods for p in prunings):
         plan(progress, quality_chunks(labels, batch_size), f"{model_name} {method} pruning {pruning_spec} quality")
@@ -143,5 +142,6 @@ def run_var(args, report: dict, device: torch.device, dtype: torch.dtype, progre
             report["speed"] += var_speed_rows(pipe, name, scale_decoders(args.methods, pipe, name), args.prunings,
                                               args.batch_sizes, options, args.repeats, args.warmup, progress)
         if args.quality_per_class > 0:
-            report["quality"] += var_quality_rows(pipe, name, args.methods, args.prunings, options, args.quality_per_class,
+            report["quality"] += var_quality_rows(pipe, name, args.methods, args.prunings, options,
+                                                  quality_labels(pipe.num_classes, args),
                                                   args.quality_batch_size, args.seed, progress)

@@ -9,7 +9,17 @@ model, a pipeline folder or a Hub repo as the pipeline class it was saved as.
 from __future__ import annotations
 
 import os
+import sys
 from importlib import metadata
+
+# OpenMP threads that spin between parallel regions steal the core a busy box's other process
+# holds: a GPT-B decode step on 2 threads beside one busy process takes 3.4x longer with GNU
+# OpenMP's default (spinning) waits than with passive ones, which cost nothing measurable on an
+# idle box (`benchmarks/threads.py`, docs/benchmarks.md "Threads"). OpenMP reads the policy when
+# torch loads, so it is set only where torch is not loaded yet (the `mmgen` command, or
+# `import mmgen` first), and never over the user's own setting.
+if "torch" not in sys.modules:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from typing import Any, Optional, Union
 
 from mmgen import registry

@@ -363,6 +363,33 @@ def test_import_mmgen_imports_no_modality_and_pipelines_come_on_first_use():
     assert "ok module 'mmgen' has no attribute 'NoSuchPipeline'" in result.stdout
 
 
+def test_importing_mmgen_first_makes_openmp_wait_passively_unless_the_user_chose():
+    probe = "import os, mmgen; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+    def run(code: str, **extra) -> str:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**env, **extra})
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    assert run(probe) == "PASSIVE"
+    assert run(probe, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
+    assert run("import torch\n" + probe) == "None"  # too late for OpenMP: left alone
+
+
+def test_the_cli_parser_loads_no_model_library():
+    """`mmgen --help` and every command's parsing import no transformers, diffusers, gradio,
+    torchaudio or PyAV (diffusers alone, through torch._dynamo, doubled the CLI's start-up)."""
+    probe = (
+        "import sys, mmgen.cli\n"
+        "mmgen.cli.build_parser()\n"
+        "print(sorted(m for m in ('transformers', 'diffusers', 'gradio', 'torchaudio', 'av') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_load_pipeline_opens_bundled_names_and_folders(model_dir, mar_dir, tmp_path):
     import mmgen
 
