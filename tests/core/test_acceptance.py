@@ -251,3 +251,25 @@ def test_decoding_specs_and_option_routing():
         make_decoder("lantern", delta="a lot")
     with pytest.raises(ValueError, match="unknown decoding"):
         make_decoder(SpeculativeJacobi())
+
+
+@pytest.mark.parametrize("vocab, k, lam", [(512, 32, None), (4096, 300, None), (4096, 300, 2.0)])
+def test_relaxed_target_over_the_support_is_bit_identical_to_the_dense_pass(vocab, k, lam):
+    """Under top-k sampling only tokens in supp(p) ∩ supp(q) contribute, so the sparse pass
+    drops exact zeros only: the same bits as the [V, k] pass (the fixtures rely on it)."""
+    g = torch.Generator().manual_seed(vocab + k)
+    neighbours = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(vocab)])
+    rule = RelaxedAcceptance(k=k, lam=lam, neighbours=neighbours)
+
+    def probs(top_k: int) -> torch.Tensor:
+        logits = torch.randn(6, vocab, generator=g) * 3
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+    p, q = probs(vocab // 8), probs(vocab // 4)  # different supports, as Jacobi carry-over gives
+    q[0] = p[0]  # a row whose q is its p
+    support = (p > 0) & (q > 0)
+    assert not support.all() and support.any(1).all()
+    sparse = rule._relaxed_target_on(support, p, q, neighbours)
+    assert torch.equal(sparse, rule._relaxed_target_dense(p, q, neighbours))
+    assert torch.equal(rule.relaxed_target(p.view(2, 3, vocab), q.view(2, 3, vocab)), sparse.view(2, 3, vocab))
