@@ -181,7 +181,7 @@ class RelaxedAcceptance(NeighbourhoodAcceptance):
 
     def relaxed_target(self, p, q):
         neighbours = self._table().to(p.device)
-        V, k = neighbours.shape
+        V = neighbours.shape[0]
         flat_p, flat_q = p.reshape(-1, V), q.reshape(-1, V)
         support = (flat_p > 0) & (flat_q > 0)
         if bool(support.all()):

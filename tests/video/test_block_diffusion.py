@@ -264,12 +264,19 @@ def test_a_vae_without_temporal_compression_makes_one_latent_per_frame():
     assert torch.equal(at_end.frames, out.frames)
 
 
-def test_cpu_peak_memory_counts_what_the_call_allocated_and_not_what_came_before():
-    from mmgen.video.profiler import CpuPeak
+@pytest.mark.parametrize("kernel", [True, False], ids=["high-water-mark", "sampler"])
+def test_cpu_peak_memory_counts_what_the_call_allocated_and_not_what_came_before(kernel, monkeypatch):
+    import time
 
+    from mmgen.video import profiler
+
+    if not kernel:  # the fallback where /proc has no resettable high-water mark
+        monkeypatch.setattr(profiler, "_high_water_bytes", lambda: None)
     before = torch.ones(64 * 2**20 // 4)  # 64 MiB held from before the call: not counted
-    peak = CpuPeak()
+    peak = profiler.CpuPeak()
+    assert peak.kernel is kernel
     during = torch.ones(128 * 2**20 // 4)  # 128 MiB allocated and freed during the call
+    time.sleep(0.1)  # several sampling intervals
     del during
     grown = peak.stop()
     assert 100 * 2**20 < grown < 180 * 2**20, grown

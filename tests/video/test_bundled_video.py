@@ -29,8 +29,17 @@ def test_the_pair_loads_in_float16_and_shares_its_components():
     assert small.transformer.config.num_layers < big.transformer.config.num_layers
     card = (folders["emoji-motion"] / "MODEL_CARD.md").read_text()
     assert "emoji-motion-small" in card and "direction acc." in card
+    # The card's table is quality.json (measured by `benchmarks/train_video.py card`), and the
+    # proxies are calibrated: real clips score far above shuffled frames' chance and the models.
     quality = json.loads((folders["emoji-motion"] / "quality.json").read_text())
-    assert quality  # the card's figures, measured by benchmarks/train_video.py card
+    real = quality["real clips"]
+    for name in ("emoji-motion", "emoji-motion-small"):
+        r = quality[name]
+        assert 0 <= r["class_accuracy"] <= 1 and 0 <= r["direction_accuracy"] <= 1 and r["num_clips"] == 64
+        assert r["class_accuracy"] < real["class_accuracy"] and r["fid_proxy"] > real["fid_proxy"]
+        row = f"| {name} | {r['class_accuracy']:.1%} | {r['direction_accuracy']:.1%} | {r['temporal_l1']:.4f} | {r['fid_proxy']:.1f} |"
+        assert row in card
+    assert real["class_accuracy"] > 0.9 and real["direction_accuracy"] > 0.9
 
 
 def test_the_cli_default_makes_the_documented_example_offline(tmp_path, capsys):
