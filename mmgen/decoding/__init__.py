@@ -41,6 +41,7 @@ from mmgen.decoding.next_scale import Collaborative, MapSmoothing, NextScale, Sc
 from mmgen.decoding.pruning import CachedTokenPruning
 from mmgen.decoding.speculative import Proposer, Stopping, Streamer, TokenQueueStreamer, speculative_decode
 from mmgen.decoding.stats import DecodeStats, DraftCounters, StageCounters
+from mmgen.decoding.window import AdaptiveWindow
 
 #: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
 DECODERS: dict[str, Callable[[], Decoder]] = {
@@ -168,6 +169,7 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
 
 
 __all__ = [
+    "AdaptiveWindow",
     "DraftCounters",
     "StageCounters",
     "BaseDecoder",

@@ -46,7 +46,8 @@ class DraftModelProposer(Proposer):
     def propose(self, run):
         # The drafter holds tokens < pos - 1 (all < pos in the first round).
         back = torch.arange(1 if self.first_round else 2, device=run.device) - (0 if self.first_round else 1)
-        feed = gather_slots(run.tokens, run.pos[:, None] + back)
+        # Clamped: a row that ended on its very first token stays at pos 0 (idle, fed anyway).
+        feed = gather_slots(run.tokens, (run.pos[:, None] + back).clamp_min(0))
         drafts, q = [], []
         complete = getattr(self.drafter, "complete_frame", None)
         for j in range(self.num_draft):

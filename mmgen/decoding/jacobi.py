@@ -19,6 +19,7 @@ from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
 from mmgen.decoding.drafts import DraftContext, RandomDraftInit, resolve_draft_init
 from mmgen.decoding.speculative import DecodeRun, Proposer, SpeculativeDecoder, gather_slots, where_slots
+from mmgen.decoding.window import resolve_adaptive
 
 
 class JacobiProposer(Proposer):
@@ -28,6 +29,7 @@ class JacobiProposer(Proposer):
     need none, as coupled decoding's match). Frames carry a codebook axis throughout."""
 
     samples_every_slot = True
+    adapts_window = True
 
     def __init__(self, window: int, init, laws: bool = True):
         self.num_draft, self.init, self.laws = window - 1, init, laws
@@ -55,13 +57,23 @@ class JacobiProposer(Proposer):
         return self.window[:, 1:], self.q
 
     def update(self, run, n_acc, next_token, fresh, p, active):
-        B, L = run.batch_size, self.num_draft + 1
+        B, L, fed = run.batch_size, self.num_draft + 1, fresh.shape[1]
         source = n_acc[:, None] + 1 + torch.arange(L - 1, device=run.device)  # slot of p that predicted each new draft
-        carried = source < L
-        src = source.clamp_max(L - 1)
+        carried = source < fed
+        src = source.clamp_max(fed - 1)
         window = torch.cat([next_token[:, None], gather_slots(fresh, src)], 1)
+        q = gather_slots(p, src) if self.laws else None
+        if fed < L:
+            # A narrower forward (`AdaptiveWindow`) left the old window's later drafts unread:
+            # each is still a draw from its own law, so it stays a valid draft for its position.
+            unread = ~carried & (source + 1 < L)
+            old = source.clamp_max(L - 2)
+            window[:, 1:] = where_slots(unread, gather_slots(self.window[:, 1:], old), window[:, 1:])
+            if self.laws:
+                q = where_slots(unread, gather_slots(self.q, old), q)
+            carried = carried | unread
         fresh_slots = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=run.device), ~carried], 1)
-        window, q = self._fill(run, window, fresh_slots, gather_slots(p, src) if self.laws else None)
+        window, q = self._fill(run, window, fresh_slots, q)
         # Rows that had finished before this forward keep their window.
         self.window = where_slots(active, window, self.window)
         if self.laws:
@@ -81,9 +93,11 @@ class SpeculativeJacobi(SpeculativeDecoder):
     window: int = 16
     acceptance: Any = field(default_factory=ExactAcceptance)
     draft_init: Any = field(default_factory=RandomDraftInit)  # or a name of drafts.DRAFT_INITS
+    adapt: Any = False  # an AdaptiveWindow, True (its defaults), a token cost, or False: always `window`
 
     def __post_init__(self):
         check_int("window", self.window, 1)
+        resolve_adaptive(self.adapt)
 
     def roles(self, model, num_tokens, generator):
         L = min(self.window, num_tokens)  # a wider window has nothing to draft

@@ -17,6 +17,7 @@ import torch
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
 from mmgen.decoding.speculative import DecodeRun, Proposer, SpeculativeDecoder
+from mmgen.decoding.window import resolve_adaptive
 from mmgen.sampling import one_hot
 
 
@@ -51,6 +52,8 @@ class NGramProposer(Proposer):
     """Drafts by prompt lookup over `context` [B, P] (the prompt's token ids, optional) and the
     tokens generated so far."""
 
+    adapts_window = True
+
     def __init__(self, num_draft: int, max_ngram: int, context: Optional[torch.Tensor]):
         self.num_draft, self.max_ngram, self.context = num_draft, max_ngram, context
 
@@ -59,7 +62,7 @@ class NGramProposer(Proposer):
         context = self.context if self.context is not None else run.tokens.new_zeros(B, 0)
         context = context.to(run.device).expand(B, -1)
         sequence = torch.cat([context, run.tokens], 1)
-        drafts = lookup_drafts(sequence, context.shape[1] + run.pos + 1, self.num_draft, self.max_ngram)
+        drafts = lookup_drafts(sequence, context.shape[1] + run.pos + 1, run.num_draft, self.max_ngram)
         return drafts, one_hot(drafts, run.vocab_size)
 
 
@@ -73,10 +76,12 @@ class PromptLookup(SpeculativeDecoder):
     max_ngram: int = 3
     acceptance: Any = field(default_factory=ExactAcceptance)
     context: Optional[torch.Tensor] = field(default=None, repr=False)
+    adapt: Any = False  # an AdaptiveWindow, True (its defaults), a token cost, or False: always num_draft
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)
         check_int("max_ngram", self.max_ngram, 1)
+        resolve_adaptive(self.adapt)
 
     @property
     def window(self) -> int:

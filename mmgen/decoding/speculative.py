@@ -39,6 +39,7 @@ import torch
 
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
 from mmgen.decoding.stats import StatsRecorder
+from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
 from mmgen.modeling import DecodeState, TokenModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
 
@@ -159,11 +160,15 @@ class Proposer:
 
     `num_draft` drafts per forward (0 is autoregressive decoding). `samples_every_slot` asks
     the loop for the target's own sample at every slot of the window (Jacobi carries them over
-    as the next drafts), not just at the bonus slot.
+    as the next drafts), not just at the bonus slot. Under an `AdaptiveWindow` the loop sets
+    `run.num_draft` to each forward's draft count before `propose` and verifies only that many.
     """
 
     num_draft: int = 0
     samples_every_slot: bool = False
+    #: Whether the loop may verify fewer drafts than `num_draft` in a forward (`AdaptiveWindow`):
+    #: the proposer then sees `fresh` and `p` of the narrower window in `update`.
+    adapts_window: bool = False
 
     def start(self, run: DecodeRun) -> None:
         """Called once the prefill token is finalised."""
@@ -215,8 +220,11 @@ class SpeculativeDecoder(Decoder):
     ) -> DecodeOutput:
         check_num_tokens(num_tokens)
         proposer, rule = self.roles(model, num_tokens, generator)
+        adapt = resolve_adaptive(getattr(self, "adapt", None))
+        if adapt is not None and not proposer.adapts_window:
+            raise ValueError(f"{type(self).__name__} cannot adapt its window: its proposer drafts a fixed number")
         return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, rule,
-                                  self.capacity(num_tokens), progress, stopping, streamer)
+                                  self.capacity(num_tokens), progress, stopping, streamer, adapt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,6 +244,7 @@ def speculative_decode(
     progress: Optional[Progress] = None,
     stopping: Optional[Stopping] = None,
     streamer: Optional[Streamer] = None,
+    adapt: Optional[AdaptiveWindow] = None,
 ) -> DecodeOutput:
     """Decode up to `num_tokens` tokens per row with `proposer` and acceptance `rule`.
 
@@ -284,23 +293,27 @@ def speculative_decode(
     slowest = report(tokens, emitted, run.active, synced)
 
     ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
+    chooser = adapt.start(B, k, B * (2 if uses_guidance else 1), device) if adapt is not None and k > 0 else None
     while slowest < num_tokens:
         active = run.active
-        if k > 0:
+        d = k if chooser is None else chooser.choose()  # drafts verified by this forward
+        run.num_draft = d
+        if d > 0:
             drafts, q = proposer.propose(run)
+            drafts, q = drafts[:, :d], (None if q is None else q[:, :d])
             window = torch.cat([run.newest(), drafts], 1)
         else:
             window = run.newest()
-        index = run.pos[:, None] + 1 + slots[: k + 1]  # generated-token index each slot predicts
+        index = run.pos[:, None] + 1 + slots[: d + 1]  # generated-token index each slot predicts
         p = probs(model.forward(state, window), index)
         bad |= _invalid(p) & active
 
-        if k > 0:
+        if d > 0:
             accepted, residual = _verify(rule, p[:, :-1], q, drafts, generator, index[:, :-1], run)
         every = proposer.samples_every_slot or K > 1
         fresh = proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
         # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
-        if k > 0:
+        if d > 0:
             resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
             n_acc, next_token, known = _finalise(accepted, resampled, fresh, drafts, K)
             if complete is not None:
@@ -314,12 +327,12 @@ def speculative_decode(
             if complete is not None:
                 next_token = complete_frame(complete, state, sampling, no_drafts, next_token, ones, generator, index)[0]
             written, step = torch.cat([window, next_token[:, None]], 1), ones
-        tokens.scatter_(1, _frame_index(run.pos[:, None] + slots, K), written)
+        tokens.scatter_(1, _frame_index(run.pos[:, None] + slots[: d + 2], K), written)
         still = active
         if variable:
             # Cut each row at its budget, and just after its first stop token among the new ones.
             step = torch.minimum(step, limit - emitted)
-            stops = _is_stop(written[:, 1:], stop_ids, stopping) & (slots[1:] <= step[:, None])
+            stops = _is_stop(written[:, 1:], stop_ids, stopping) & (slots[1 : d + 2] <= step[:, None])
             hit = stops.any(1)
             step = torch.where(hit, stops.long().argmax(1) + 1, step)
             still = still & ~hit
@@ -331,6 +344,8 @@ def speculative_decode(
         emitted = emitted + step
         run.active = still & (emitted < limit)
         proposer.update(run, n_acc, next_token, fresh, p, active)
+        if chooser is not None:  # tokens finalised per row still decoding (one more sync)
+            chooser.observe(float((step * active).sum() / active.sum().clamp_min(1)))
         slowest = report(tokens, emitted, run.active, synced)
 
     if streamer is not None:
@@ -339,6 +354,8 @@ def speculative_decode(
     # With stop tokens, autoregressive decoding of this batch takes as many forwards as its longest row.
     stats = recorder.finish(int(emitted.max()) if variable else num_tokens, B, state.cache_bytes + proposer.cache_bytes)
     proposer.finish(stats)
+    if chooser is not None:
+        stats.drafts_per_forward = chooser.chosen
     if not variable:
         return DecodeOutput(tokens[:, :num_tokens], stats)
     # Nothing after a row's end is output: pad it.

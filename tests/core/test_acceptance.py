@@ -273,3 +273,26 @@ def test_relaxed_target_over_the_support_is_bit_identical_to_the_dense_pass(voca
     sparse = rule._relaxed_target_on(support, p, q, neighbours)
     assert torch.equal(sparse, rule._relaxed_target_dense(p, q, neighbours))
     assert torch.equal(rule.relaxed_target(p.view(2, 3, vocab), q.view(2, 3, vocab)), sparse.view(2, 3, vocab))
+
+
+@pytest.mark.parametrize("vocab, top_k", [(512, 64), (4096, 300), (4096, 0)])
+def test_grouped_target_over_the_support_ranks_is_bit_identical_to_all_ranks(vocab, top_k):
+    """Ranks past every row's support hold p = 0: dropping them drops exact zeros only."""
+    from mmgen.decoding.acceptance import close_pairs
+
+    g = torch.Generator().manual_seed(vocab + top_k)
+    embeddings = torch.randn(vocab, 4, generator=g)
+    rule = GroupedAcceptance(distance_threshold=2.0, prob_threshold=0.5, close=close_pairs(embeddings, 2.0))
+    assert len(rule.close.codes) > 4 * vocab  # groups are not trivial
+
+    def probs(k: int) -> torch.Tensor:
+        logits = torch.randn(6, vocab, generator=g)
+        if k:
+            logits = logits.masked_fill(logits < logits.topk(k, -1).values[:, -1:], float("-inf"))
+        return logits.softmax(-1)
+
+    p, q = probs(top_k), probs(2 * top_k)
+    q[0] = p[0]
+    restricted = rule.relaxed_target(p, q)
+    assert torch.equal(restricted, rule._relaxed_target_ranks(p, q, restrict=False))
+    assert (restricted != p).any()  # the groups moved mass

@@ -1,0 +1,184 @@
+"""The adaptive window: fewer drafts (down to none) when they are not accepted, exactly lossless.
+
+Lossless is checked both ways for any sequence of draft counts (a chooser that cycles through
+them, including 0 and the narrower windows that leave Jacobi drafts unread): greedy outputs
+token-identical to autoregressive decoding, sampled outputs distributed as the exactly
+enumerated law (chi-square). Then the policy itself: it falls back to autoregressive steps when
+nothing is accepted (cost within 10% of AR) and keeps the whole window when everything is.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from mmgen.decoding import AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding
+from mmgen.decoding.speculative import Stopping
+from mmgen.decoding.window import _powers, resolve_adaptive
+from mmgen.image_ar.llamagen import LlamaGenTokenModel
+from mmgen.modeling import DecodeState
+from mmgen.sampling import Logits, SamplingConfig
+
+from tests.conftest import tiny_transformer
+from tests.core.test_decoding import ALPHA, LENGTH, enumerable, exact_joint  # noqa: F401
+from tests.core.test_speculative_loop import ToyFrameModel
+
+
+@dataclass(frozen=True)
+class CyclingWindow(AdaptiveWindow):
+    """Draft counts in a fixed cycle, whatever was accepted: every width change the loop and the
+    proposers must survive."""
+
+    cycle: tuple = (1, 0, 2, 2, 0, 1)
+
+    def start(self, batch, max_draft, rows_fed, device):
+        return _Cycle([min(d, max_draft) for d in self.cycle])
+
+
+class _Cycle:
+    def __init__(self, cycle):
+        self.cycle, self.chosen = cycle, []
+
+    def choose(self):
+        self.chosen.append(self.cycle[len(self.chosen) % len(self.cycle)])
+        return self.chosen[-1]
+
+    def observe(self, tokens):
+        pass
+
+
+GREEDY = SamplingConfig(top_k=1, guidance=4.0)
+
+
+@pytest.mark.parametrize("cycle", [(1, 0, 2, 2, 0, 1), (7, 0, 3, 1, 7, 0, 0), (0,)])
+@pytest.mark.parametrize("name", ["sjd", "lookup"])
+def test_greedy_with_any_draft_counts_is_token_identical_to_ar(name, cycle):
+    model = LlamaGenTokenModel(tiny_transformer())
+    conditions = torch.tensor([1, 5, 7])
+    ar = Autoregressive().generate(model, conditions, 64, GREEDY, torch.Generator().manual_seed(0))
+    adapt = CyclingWindow(cycle=cycle)
+    decoder = SpeculativeJacobi(window=8, adapt=adapt) if name == "sjd" else PromptLookup(num_draft=7, adapt=adapt)
+    out = decoder.generate(model, conditions, 64, GREEDY, torch.Generator().manual_seed(1))
+    assert torch.equal(ar.tokens, out.tokens)
+    assert out.stats.drafts_per_forward[: len(cycle)] == list(cycle)[: out.stats.forwards - 1]
+
+
+def test_greedy_frames_with_any_draft_counts_equal_ar():
+    model = ToyFrameModel(vocab_size=4, scale=3.0)
+    sampling = SamplingConfig(temperature=0.0)
+    ar = Autoregressive().generate(model, torch.tensor([0, 1, 2]), 24, sampling, torch.Generator())
+    out = SpeculativeJacobi(window=6, adapt=CyclingWindow(cycle=(5, 0, 2, 1))).generate(
+        model, torch.tensor([0, 1, 2]), 24, sampling, torch.Generator().manual_seed(2))
+    assert torch.equal(ar.tokens, out.tokens)
+
+
+@pytest.mark.parametrize("stop", [None, 2])
+@pytest.mark.parametrize("name", ["sjd", "lookup", "sjd-policy"])
+def test_sampling_with_changing_draft_counts_matches_exact_distribution(enumerable, name, stop):
+    """Every window change, reads of drafts left unread by a narrower forward included, keeps the
+    output law exact (LENGTH tokens of VOCAB: every sequence enumerated)."""
+    sampling = SamplingConfig(temperature=0.9, guidance=2.0)
+    seqs, joint = exact_joint(enumerable, 1, sampling)
+    law = {}
+    for seq, p in zip(seqs.tolist(), joint.tolist()):
+        cut = seq[: seq.index(stop) + 1] if stop in seq else seq
+        law[tuple(cut)] = law.get(tuple(cut), 0.0) + p
+    n = 6000
+    adapt = {
+        "sjd": CyclingWindow(cycle=(1, 2, 0, 1, 1)),
+        "lookup": CyclingWindow(cycle=(2, 0, 1)),
+        # The real policy on a batch this large: acceptance-driven widths, probes every forward.
+        "sjd-policy": AdaptiveWindow(token_cost=1.0, dwell=1, probe_every=1),
+    }[name]
+    decoder = PromptLookup(num_draft=2, max_ngram=1, adapt=adapt) if name == "lookup" else SpeculativeJacobi(window=3, adapt=adapt)
+    out = decoder.generate(enumerable, torch.full((n,), 1), LENGTH, sampling, torch.Generator().manual_seed(0),
+                           stopping=Stopping(stop_tokens=[stop] if stop is not None else []))
+    assert 0 in out.stats.drafts_per_forward and max(out.stats.drafts_per_forward) > 0
+    keys = sorted(law)
+    counts = dict.fromkeys(keys, 0)
+    for row, length in zip(out.tokens.tolist(), out.lengths.tolist()):
+        counts[tuple(row[:length])] += 1  # a key error would be an impossible output
+    observed = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
+    expected = torch.tensor([law[k] for k in keys], dtype=torch.float64) * n
+    assert chisquare(observed, expected).pvalue > ALPHA
+
+
+def relative_cost(stats, rows_fed: int, token_cost: float, window: int = 16) -> float:
+    """The decode's forwards in autoregressive steps under the policy's own cost model."""
+    beta = token_cost * rows_fed / (1 + token_cost * rows_fed)
+    drafts = stats.drafts_per_forward or [window - 1] * (stats.forwards - 1)
+    return (1 + sum(1 + beta * d for d in drafts)) / stats.tokens  # + the prefill
+
+
+def test_nothing_accepted_falls_back_to_ar_within_ten_percent():
+    """A random 4096-token model: random drafts are essentially never accepted."""
+    model = LlamaGenTokenModel(tiny_transformer(vocab_size=4096, block_size=256, output_std=0.5))
+    sampling = SamplingConfig(temperature=1.0, guidance=2.0)
+    conditions = torch.tensor([1, 2])
+    policy = AdaptiveWindow(token_cost=0.05)
+    out = SpeculativeJacobi(window=16, adapt=policy).generate(model, conditions, 256, sampling, torch.Generator().manual_seed(0))
+    fixed = SpeculativeJacobi(window=16).generate(model, conditions, 256, sampling, torch.Generator().manual_seed(0))
+    assert fixed.stats.step_compression < 1.05  # the worst case: nothing gained by drafting
+    assert relative_cost(out.stats, 4, 0.05) < 1.1
+    assert relative_cost(fixed.stats, 4, 0.05) > 1.5
+    assert out.stats.drafts_per_forward.count(0) > 0.8 * len(out.stats.drafts_per_forward)
+
+
+class ContextFree:
+    """Next-token logits that ignore the context: Jacobi's carried drafts are exact draws from
+    the target's own law, so every draft after the first forward is accepted."""
+
+    vocab_size = 16
+
+    def __init__(self):
+        self.logits = torch.randn(self.vocab_size, generator=torch.Generator().manual_seed(0))
+
+    def _logits(self, B, n):
+        return Logits(self.logits.expand(B, n, -1).clone())
+
+    def start(self, conditions, capacity, guidance):
+        return DecodeState(cache=None, batch_size=len(conditions), guidance=False, first_logits=self._logits(len(conditions), 1))
+
+    def forward(self, state, tokens):
+        return self._logits(*tokens.shape[:2])
+
+    def commit(self, state, accepted):
+        pass
+
+    def rewind(self, state, n):
+        pass
+
+
+def test_everything_accepted_keeps_the_whole_window():
+    model = ContextFree()
+    sampling = SamplingConfig(temperature=1.0)
+    out = SpeculativeJacobi(window=16, adapt=True).generate(model, torch.zeros(2, dtype=torch.long), 256, sampling,
+                                                            torch.Generator().manual_seed(0))
+    fixed = SpeculativeJacobi(window=16).generate(model, torch.zeros(2, dtype=torch.long), 256, sampling,
+                                                  torch.Generator().manual_seed(0))
+    drafts = out.stats.drafts_per_forward
+    assert drafts.count(15) > 0.85 * len(drafts)  # the rest: probes of the next narrower window
+    assert relative_cost(out.stats, 2, 0.05) < 1.05 * relative_cost(fixed.stats, 2, 0.05)
+
+
+def test_default_widths_are_powers_of_two_windows():
+    assert _powers(15) == [0, 1, 3, 7, 15]
+    assert _powers(5) == [0, 1, 3, 5]
+    assert AdaptiveWindow(widths=(4, 0)).start(1, 2, 1, "cpu").widths == [0, 2]
+
+
+def test_options_and_errors():
+    assert resolve_adaptive(False) is None and resolve_adaptive(None) is None
+    assert resolve_adaptive(True) == AdaptiveWindow()
+    assert resolve_adaptive(0.2) == AdaptiveWindow(token_cost=0.2)
+    name, options = parse_decoding("sjd:adapt=0.1")
+    assert make_decoder(name, **options).adapt == 0.1
+    assert make_decoder("lantern", adapt=True).adapt is True
+    for bad in [dict(token_cost=-1.0), dict(decay=1.0), dict(probe_every=0), dict(dwell=True), dict(widths=())]:
+        with pytest.raises(ValueError):
+            AdaptiveWindow(**bad)
+    with pytest.raises(ValueError, match="adapt must be"):
+        SpeculativeJacobi(adapt="often")
+    with pytest.raises(ValueError, match="adapt must be"):
+        PromptLookup(adapt=[1])
