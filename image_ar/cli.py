@@ -16,6 +16,7 @@ from mmgen.image_ar.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from mmgen.image_ar.generation import (
     ImageOptions,
     check_targets,
+    compile_companions,
     image_file_names,
     load_image_pipeline,
     png_bytes,
@@ -58,6 +59,9 @@ def register(commands, groups) -> None:
                        "the same seed, model and options give the same images")
     image.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
     image.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+    image.add_argument("--compile", action="store_true", help="LlamaGen models: run the decode and verify steps under "
+                       "torch.compile (CUDA graphs on CUDA), and those of a LlamaGen companion (draft, entropy-switch); "
+                       "each window width compiles once, on its first step (seconds on a GPU, tens of seconds on a CPU)")
     image.add_argument("--out", required=True, help="output folder for the PNG files (created if missing)")
     image.add_argument("--overwrite", action="store_true", help="replace existing files of the same names (default: "
                        "an existing file is an error, before any work)")
@@ -120,8 +124,12 @@ def generate_image(args: argparse.Namespace) -> int:
         raise NotADirectoryError(f"--out {out} is a file, not a folder")
     pipe = load_image_pipeline(args.model, args.device, dtype)
     pipe.set_progress_bar_config(disable=args.no_progress)
+    if args.compile:
+        pipe.compile()
     options = ImageOptions.from_namespace(args)
     call = prepare_call(pipe, args.model or DEFAULT_MODEL, options, args.device, dtype, prompts=prompts)
+    if args.compile:
+        compile_companions(pipe, call.decoder)
     inputs = args.prompt if prompts else [pipe.class_index(label) for label in args.class_labels]
     paths = [out / name for name in image_file_names(inputs, args.model or DEFAULT_MODEL, args.seed, options, pipe.default_decoding, prompts)]
     check_targets(paths, args.overwrite)

@@ -117,6 +117,17 @@ def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, de
     return ImageCall(pipe, decoder, given)
 
 
+def compile_companions(pipe, decoder) -> None:
+    """`--compile` for the second model a decoder pairs `pipe` with (a drafter, a small model):
+    compiled too when it is a pipeline whose steps compile."""
+    from mmgen.pipeline import Pipeline
+
+    for companion in pipe.companions.values():
+        other = getattr(decoder, companion.option, None)
+        if isinstance(other, Pipeline) and other.compilable:
+            other.compile()
+
+
 #: ImageOptions fields that are keywords of a pipeline call (the rest pick the decoder).
 CALL_OPTIONS = ("guidance_scale", "temperature", "top_k", "top_p", "cfg_interval", "preset", "more_smooth", "num_iter",
                 "cfg_schedule")

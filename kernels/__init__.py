@@ -1,3 +1,16 @@
-"""Triton kernels with torch reference twins; the core reaches them through one dispatch point.
+"""Triton kernels with torch reference twins for the decoding core's hot non-matmul work.
 
-Reserved namespace: nothing ships here yet (see the issue tracker)."""
+- `sample_logits`: CFG + temperature + top-k/top-p + softmax + sampling of [N, V] logits in one
+  kernel (`kernels/sampling.py`).
+- `verify_exact`: exact-rule acceptance of a batch of drafts and the finalised token after the
+  accepted prefix in one kernel (`kernels/verify.py`).
+
+Each op is one function of `kernels/dispatch.py`: the Triton kernel on CUDA tensors, the twin
+(the core's own torch code) elsewhere, `backend=` or MMGEN_KERNELS to force either. Randomness
+is always the caller's (noise drawn from its torch.Generator), so both paths give the same
+tokens. Importing this package never imports triton. Not wired into the decoding loop yet.
+"""
+
+from mmgen.kernels.dispatch import BACKENDS, backend_for, exponential_noise, sample_logits, verify_exact
+
+__all__ = ["BACKENDS", "backend_for", "exponential_noise", "sample_logits", "verify_exact"]

@@ -65,6 +65,14 @@ class StaticKVCache(nn.Module):
 
     def update(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [B, H, n, D] at `positions` [B, n]; return the layer's full K, V."""
+        if torch.compiler.is_compiling():
+            # The same writes as one index_put_ into the whole buffer, which inductor does in
+            # place: a scatter_ into the layer's view makes it copy the whole cache every step.
+            rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+            at = (torch.full_like(positions, layer), rows, slice(None), positions)
+            self.k[at] = k.transpose(1, 2).to(self.k.dtype)
+            self.v[at] = v.transpose(1, 2).to(self.v.dtype)
+            return self.k[layer], self.v[layer]
         index = positions[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
         self.k[layer].scatter_(2, index, k.to(self.k.dtype))
         self.v[layer].scatter_(2, index, v.to(self.v.dtype))
@@ -92,6 +100,13 @@ class StaticKVCache(nn.Module):
     def reset(self) -> None:
         self.lengths.zero_()
         self.key_padding.zero_()
+
+    def clear(self) -> None:
+        """Back to its freshly allocated state, in place (K/V zeroed too, so a reused cache
+        computes bit for bit what a new one does; the buffers keep their addresses)."""
+        self.reset()
+        self.k.zero_()
+        self.v.zero_()
 
 
 class SlotKVCache:

@@ -45,6 +45,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
     #: The official sampler's defaults, used where a pipeline saved none of its own.
     official_sampling: ClassVar[dict] = OFFICIAL_SAMPLING
     default_decoding = "sjd"  # lossless speculative Jacobi decoding
+    compilable = True
     companions = {
         "draft": Companion("drafter", "-draft", "a draft model"),
         "entropy-switch": Companion("small", "-draft", "a small model"),
@@ -57,6 +58,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
             )
         self.set_sampling_defaults(sampling_defaults)
         super().__init__(transformer=transformer, vq=vq, **others)
+        self._compiled_token_models: dict[tuple, LlamaGenTokenModel] = {}
 
     @property
     def image_size(self) -> int:
@@ -70,9 +72,21 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
 
     def token_model(self, official_attention: Optional[bool] = None) -> LlamaGenTokenModel:
         """The GPT as the core's `TokenModel`, with the VQ codebook for relaxed acceptance.
-        `official_attention`: see `LlamaGenTokenModel` (None: on for bfloat16/float16 weights)."""
+        `official_attention`: see `LlamaGenTokenModel` (None: on for bfloat16/float16 weights).
+
+        After `compile()` the token model is compiled and kept for later calls (one per
+        attention setting, device and dtype), so its graphs and pooled caches are reused."""
         codebook = self.vq.quantize.codebook()
-        return LlamaGenTokenModel(self.transformer, codebook=codebook, official_attention=official_attention)
+        if not self.compile_steps:
+            return LlamaGenTokenModel(self.transformer, codebook=codebook, official_attention=official_attention)
+        weight = self.transformer.tok_embeddings.weight
+        key = (official_attention, weight.device, weight.dtype)
+        if key not in self._compiled_token_models:
+            # Models of another device or dtype hold pooled caches nothing will read again.
+            self._compiled_token_models = {k: m for k, m in self._compiled_token_models.items() if k[1:] == key[1:]}
+            self._compiled_token_models[key] = LlamaGenTokenModel(
+                self.transformer, codebook=codebook, official_attention=official_attention, compile=True)
+        return self._compiled_token_models[key]
 
     def sampling_config(
         self,

@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 import torch
 
+from mmgen.compile import CachePool, compile_forward
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
 
@@ -60,6 +61,13 @@ class LlamaGenTokenModel:
     float32 but round differently in bfloat16/float16, where greedy outputs then drift apart
     from the official ones. None (the default) turns it on for bfloat16/float16 weights and
     leaves float32 on the default backend.
+
+    `compile`: run `forward` (the decode and verify steps) under `torch.compile`, one graph per
+    window width, captured in CUDA graphs on CUDA (`mmgen.compile`); `start` stays eager. Its
+    caches are then pooled: a decode reuses the previous one's cache of the same size once that
+    decode's state is gone, so the captured graphs keep their addresses. Compiled code rounds
+    differently from eager (float32 logits agree to ~1e-6), so sampled tokens can differ where
+    two tokens are all but tied.
     """
 
     def __init__(
@@ -67,6 +75,7 @@ class LlamaGenTokenModel:
         transformer: LlamaGenTransformer,
         codebook: Optional[torch.Tensor] = None,
         official_attention: Optional[bool] = None,
+        compile: bool = False,
     ):
         self.transformer = transformer
         self.vocab_size = transformer.config.vocab_size
@@ -78,6 +87,12 @@ class LlamaGenTokenModel:
             raise ValueError(f"official_attention must be True, False or None (by dtype), got {official_attention!r}")
         #: The SDPA backend of `forward` (the decoding forwards); `start` (the prefix) keeps the default.
         self.decode_attention = "math" if official_attention else "default"
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile must be True or False, got {compile!r}")
+        self.compiled = compile
+        self._caches = CachePool() if compile else None
+        if compile:
+            compile_forward(self, transformer.tok_embeddings.weight.device)
 
     def token_embeddings(self) -> torch.Tensor:
         """The GPT's input embedding of each image token [V, dim]."""
@@ -97,13 +112,19 @@ class LlamaGenTokenModel:
             mask = None if mask is None else torch.cat([mask, mask])
         prefix = model.embed_conditions(conditions)
         rows, n = prefix.shape[:2]
-        cache = model.setup_cache(rows, n + capacity)
+        make = lambda: model.setup_cache(rows, n + capacity)
+        weight = model.tok_embeddings.weight
+        key = (rows, n + capacity, weight.dtype, weight.device)
+        cache = make() if self._caches is None else self._caches.take(key, make)
         if mask is not None:
             cache.key_padding[:, :n] = ~mask[:, :n]
         logits = model.forward_hidden(prefix, cache.positions(n), cache)[:, -1:]
         cache.advance(n)
         batch = rows // 2 if guidance else rows
-        return DecodeState(cache, batch, guidance, _split(logits, guidance), extra=n)
+        state = DecodeState(cache, batch, guidance, _split(logits, guidance), extra=n)
+        if self._caches is not None:
+            self._caches.lend(key, cache, state)
+        return state
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:

@@ -1,0 +1,69 @@
+"""The one dispatch point: each op runs its Triton kernel on CUDA tensors when triton imports,
+and its torch twin (the core's own code path) everywhere else.
+
+`backend=` on a call, or the environment variable MMGEN_KERNELS, overrides the choice:
+"auto" (the default), "twin" or "triton". Forcing "triton" on CPU tensors runs Triton's
+interpreter, which needs TRITON_INTERPRET=1 set before triton is first imported (the tests do
+that in a subprocess). Nothing here imports triton or the kernel modules until an op runs, so
+`import mmgen.kernels` works without triton, and the decoding loop may import this package
+(the kernel modules import the loop's own functions, so the loop must not import them directly).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+from mmgen.sampling import Logits
+
+BACKENDS = ("auto", "twin", "triton")
+
+
+def backend_for(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
+    """"triton" or "twin" for an op on `tensor`: `backend`, else $MMGEN_KERNELS, else auto."""
+    choice = backend or os.environ.get("MMGEN_KERNELS", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {choice!r} (argument or MMGEN_KERNELS)")
+    if choice == "auto":
+        return "triton" if tensor.is_cuda and importlib.util.find_spec("triton") is not None else "twin"
+    if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)")
+    return choice
+
+
+def exponential_noise(shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Exp(1) float32 noise of `shape` from `generator`: exactly the draws `mmgen.sampling.sample`
+    makes for probabilities of that shape from the same generator state."""
+    return torch.empty(shape, device=device).exponential_(generator=generator)
+
+
+def sample_logits(logits: Logits, scale: Optional[torch.Tensor], noise: torch.Tensor, temperature: float = 1.0,
+                  top_k: int = 0, top_p: float = 1.0, *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CFG (per-row `scale` [...], float32; unused without `logits.uncond`), temperature (0: greedy),
+    top-k, top-p, softmax and the exponential race with Exp(1) `noise` [..., V]
+    (`exponential_noise`): (float32 probabilities [..., V], tokens [...]), exactly what
+    `SamplingConfig.probs` and `sample` give for that scale and noise."""
+    from mmgen.kernels import sampling
+
+    if logits.uncond is not None:
+        if scale is None:
+            raise ValueError("guided logits (with uncond) need a guidance scale per row")
+        scale = torch.as_tensor(scale, dtype=torch.float32, device=logits.cond.device)
+    if backend_for(logits.cond, backend) == "triton":
+        return sampling.sample_logits_triton(logits, scale, noise, temperature, top_k, top_p)
+    return sampling.sample_logits_twin(logits, scale, noise, temperature, top_k, top_p)
+
+
+def verify_exact(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor,
+                 bonus: torch.Tensor, *, backend: Optional[str] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact-rule verify and finalise of drafts [B, n] drawn from q [B, n, V] against p
+    [B, n, V] with `uniforms` [B, n], residual noise [B, n, V] and bonus tokens [B]:
+    (accepted prefix length n_acc [B], the token finalised after it [B])."""
+    from mmgen.kernels import verify
+
+    if backend_for(p, backend) == "triton":
+        return verify.verify_exact_triton(p, q, drafts, uniforms, noise, bonus)
+    return verify.verify_exact_twin(p, q, drafts, uniforms, noise, bonus)

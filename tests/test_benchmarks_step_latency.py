@@ -1,0 +1,40 @@
+"""`benchmarks/step_latency.py` at the tiny sizes on the CPU, eager (the compiled step itself is
+tested in tests/core/test_compiled_steps.py; compiling one costs tens of seconds on this CPU)."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from benchmarks.step_latency import TINY, Case, Step, bandwidth, main, measure, weight_bytes
+
+
+def test_tiny_preset_reports_every_family(tmp_path, capsys):
+    report = main(["--preset", "tiny", "--modes", "eager", "--repeats", "2", "--warmup", "1", "--device", "cpu",
+                   "--json", str(tmp_path / "step.json")])
+    assert [(r["model"], r["mode"]) for r in report["rows"]] == [(m, "eager") for m in TINY]
+    for r in report["rows"]:
+        assert r["ar_ms"] > 0 and r["verify_ms"] > 0 and r["floor_ms"] > 0
+        assert r["ar_over_floor"] == pytest.approx(r["ar_ms"] / r["floor_ms"])
+        assert r["verify_over_ar"] == pytest.approx(r["verify_ms"] / r["ar_ms"])
+    assert report["bandwidth_source"] == "measured copy" and report["bandwidth_gbps"] > 0
+    assert json.loads((tmp_path / "step.json").read_text())["rows"] == report["rows"]
+    out = capsys.readouterr().out
+    assert "| llamagen-tiny |" in out and "| 16-token verify |" in out and "var-tiny: next-scale" in out
+
+
+def test_rows_skip_modes_and_widths_a_model_lacks():
+    steps = []
+    step = lambda mode, width: None if width == 16 else steps.append((mode, width)) or Step(lambda: None)
+    case = Case("fake", 10, 1000, ("eager",), step)
+    (row,) = measure(case, ["eager", "compiled"], 16, torch.device("cpu"), repeats=2, warmup=0, floor=1e-3)
+    assert steps == [("eager", 1)]
+    assert row["mode"] == "eager" and row["ar_ms"] > 0 and row["verify_ms"] is None and row["verify_over_ar"] is None
+
+
+def test_floor_reads_every_weight_but_embedding_tables():
+    model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 4, bias=False), nn.Sequential(nn.Linear(4, 4)))
+    assert weight_bytes(model) == 4 * (8 * 4 + 4 * 4 + 4)
+    assert weight_bytes(model, skip=(model[2],)) == 4 * 8 * 4
+    assert bandwidth(torch.device("cpu"), 3350.0) == (3.35e12, "--bandwidth")
