@@ -296,3 +296,33 @@ def test_grouped_target_over_the_support_ranks_is_bit_identical_to_all_ranks(voc
     restricted = rule.relaxed_target(p, q)
     assert torch.equal(restricted, rule._relaxed_target_ranks(p, q, restrict=False))
     assert (restricted != p).any()  # the groups moved mass
+
+
+@pytest.mark.parametrize("vocab, k, lam, top_k", [(512, 32, None, 64), (4096, 300, None, 500), (4096, 300, 2.0, 500),
+                                                  (512, 511, None, 0), (512, 100, 3.0, 0), (512, 128, None, 0)])
+def test_relaxed_draws_equal_the_whole_target_where_the_loop_reads_them(vocab, k, lam, top_k):
+    """`__call__` builds pi only at the drafts and at each row's first rejection: the same
+    accept decisions and, at the first rejection, the same residual bits as `probabilities`."""
+    g = torch.Generator().manual_seed(vocab + k)
+    neighbours = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(vocab)])
+    rule = RelaxedAcceptance(k=k, lam=lam, neighbours=neighbours)
+
+    def probs(kk: int) -> torch.Tensor:
+        logits = torch.randn(4, 6, vocab, generator=g) * 2
+        if kk:
+            logits = logits.masked_fill(logits < logits.topk(kk, -1).values[..., -1:], float("-inf"))
+        return logits.softmax(-1)
+
+    p, q = probs(top_k), probs(2 * top_k)
+    q[0] = p[0]  # drafts from the target itself: everything accepted in row 0
+    drafts = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(4, 6)
+    accept, residual = rule.probabilities(p, q, drafts)
+    pi_x = rule.relaxed_target(p, q).gather(-1, drafts[..., None]).reshape(-1)
+    assert torch.equal(rule._target_at(p.reshape(-1, vocab), q.reshape(-1, vocab), drafts.reshape(-1)), pi_x)
+    accepted, lazy = rule(p, q, drafts, torch.Generator().manual_seed(5))
+    assert torch.equal(accepted, torch.rand(drafts.shape, generator=torch.Generator().manual_seed(5)) < accept)
+    assert accepted[0].all() and (~accepted).any()
+    for b in range(4):
+        if not accepted[b].all():
+            j = int((~accepted[b]).long().argmax())
+            assert torch.equal(lazy[b, j], residual[b, j])
