@@ -105,7 +105,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows = []
     for method, stats in runs.items():
         seconds = statistics.median(s.wall_time_s for s in stats)
-        chooser = AdaptiveWindow(token_cost=rho).start(args.batch_size, 15, rows_fed, args.device)
+        chooser = AdaptiveWindow(token_cost=rho).start(15, rows_fed, args.device)
         beta = chooser.cost[-1] - 1 if len(chooser.cost) > 1 else 0.0
         window = getattr(decoders[method], "window", 1)
         modelled = statistics.median(

@@ -293,7 +293,7 @@ def speculative_decode(
     slowest = report(tokens, emitted, run.active, synced)
 
     ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
-    chooser = adapt.start(B, k, B * (2 if uses_guidance else 1), device) if adapt is not None and k > 0 else None
+    chooser = adapt.start(k, B * (2 if uses_guidance else 1), device) if adapt is not None and k > 0 else None
     while slowest < num_tokens:
         active = run.active
         d = k if chooser is None else chooser.choose()  # drafts verified by this forward

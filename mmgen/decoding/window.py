@@ -79,7 +79,7 @@ class AdaptiveWindow:
         if self.widths is not None and (not self.widths or any(int(w) != w or w < 0 for w in self.widths)):
             raise ValueError(f"widths must be draft counts >= 0, got {self.widths!r}")
 
-    def start(self, batch: int, max_draft: int, rows_fed: int, device) -> "WindowChooser":
+    def start(self, max_draft: int, rows_fed: int, device) -> "WindowChooser":
         """The chooser of one decode: at most `max_draft` drafts, `rows_fed` rows per forward
         (2 x batch with guidance)."""
         widths = self.widths if self.widths is not None else _powers(max_draft)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from mmgen.decoding import AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding
 from mmgen.decoding.speculative import Stopping
@@ -21,8 +20,8 @@ from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, SamplingConfig
 
 from tests.conftest import tiny_transformer
-from tests.core.test_decoding import ALPHA, LENGTH, enumerable, exact_joint  # noqa: F401
-from tests.core.test_speculative_loop import ToyFrameModel
+from tests.core.test_decoding import LENGTH, enumerable  # noqa: F401
+from tests.core.test_speculative_loop import ToyFrameModel, assert_outputs_follow, stopped_law
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class CyclingWindow(AdaptiveWindow):
 
     cycle: tuple = (1, 0, 2, 2, 0, 1)
 
-    def start(self, batch, max_draft, rows_fed, device):
+    def start(self, max_draft, rows_fed, device):
         return _Cycle([min(d, max_draft) for d in self.cycle])
 
 
@@ -79,11 +78,7 @@ def test_sampling_with_changing_draft_counts_matches_exact_distribution(enumerab
     """Every window change, reads of drafts left unread by a narrower forward included, keeps the
     output law exact (LENGTH tokens of VOCAB: every sequence enumerated)."""
     sampling = SamplingConfig(temperature=0.9, guidance=2.0)
-    seqs, joint = exact_joint(enumerable, 1, sampling)
-    law = {}
-    for seq, p in zip(seqs.tolist(), joint.tolist()):
-        cut = seq[: seq.index(stop) + 1] if stop in seq else seq
-        law[tuple(cut)] = law.get(tuple(cut), 0.0) + p
+    law = stopped_law(enumerable, sampling, stop)
     n = 6000
     adapt = {
         "sjd": CyclingWindow(cycle=(1, 2, 0, 1, 1)),
@@ -95,13 +90,7 @@ def test_sampling_with_changing_draft_counts_matches_exact_distribution(enumerab
     out = decoder.generate(enumerable, torch.full((n,), 1), LENGTH, sampling, torch.Generator().manual_seed(0),
                            stopping=Stopping(stop_tokens=[stop] if stop is not None else []))
     assert 0 in out.stats.drafts_per_forward and max(out.stats.drafts_per_forward) > 0
-    keys = sorted(law)
-    counts = dict.fromkeys(keys, 0)
-    for row, length in zip(out.tokens.tolist(), out.lengths.tolist()):
-        counts[tuple(row[:length])] += 1  # a key error would be an impossible output
-    observed = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
-    expected = torch.tensor([law[k] for k in keys], dtype=torch.float64) * n
-    assert chisquare(observed, expected).pvalue > ALPHA
+    assert_outputs_follow(out, law)
 
 
 def relative_cost(stats, rows_fed: int, token_cost: float, window: int = 16) -> float:
@@ -165,7 +154,7 @@ def test_everything_accepted_keeps_the_whole_window():
 def test_default_widths_are_powers_of_two_windows():
     assert _powers(15) == [0, 1, 3, 7, 15]
     assert _powers(5) == [0, 1, 3, 5]
-    assert AdaptiveWindow(widths=(4, 0)).start(1, 2, 1, "cpu").widths == [0, 2]
+    assert AdaptiveWindow(widths=(4, 0)).start(2, 1, "cpu").widths == [0, 2]
 
 
 def test_options_and_errors():

@@ -114,12 +114,8 @@ def test_stop_tokens_end_rows_and_nothing_after_is_committed_or_emitted(name):
 def test_sampling_with_a_stop_token_matches_exact_distribution(enumerable, name):
     """Rows end at token 2: the outputs (sequence up to and with its stop) follow the exact law."""
     sampling = SamplingConfig(temperature=0.9, guidance=2.0)
-    seqs, joint = exact_joint(enumerable, 1, sampling)
     stop = 2
-    truncated = {}
-    for seq, p in zip(seqs.tolist(), joint.tolist()):
-        cut = seq[: seq.index(stop) + 1] if stop in seq else seq
-        truncated[tuple(cut)] = truncated.get(tuple(cut), 0.0) + p
+    law = stopped_law(enumerable, sampling, stop)
     n = 6000
     decoder = {
         "sjd": SpeculativeJacobi(window=3),
@@ -129,12 +125,27 @@ def test_sampling_with_a_stop_token_matches_exact_distribution(enumerable, name)
     }[name]
     out = decoder.generate(enumerable, torch.full((n,), 1), LENGTH, sampling, torch.Generator().manual_seed(0),
                            stopping=Stopping(stop_tokens=[stop]))
-    keys = sorted(truncated)
+    assert_outputs_follow(out, law)
+
+
+def stopped_law(model, sampling: SamplingConfig, stop=None) -> dict:
+    """P(output) of class 1 under `sampling`, outputs cut just after their first `stop` token."""
+    seqs, joint = exact_joint(model, 1, sampling)
+    law: dict = {}
+    for seq, p in zip(seqs.tolist(), joint.tolist()):
+        cut = tuple(seq[: seq.index(stop) + 1] if stop in seq else seq)
+        law[cut] = law.get(cut, 0.0) + p
+    return law
+
+
+def assert_outputs_follow(out, law: dict) -> None:
+    """Chi-square of a decode's rows (each up to its length) against `law`."""
+    keys = sorted(law)
     counts = dict.fromkeys(keys, 0)
     for row, length in zip(out.tokens.tolist(), out.lengths.tolist()):
         counts[tuple(row[:length])] += 1  # a key error would be an impossible output
     observed = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
-    expected = torch.tensor([truncated[k] for k in keys], dtype=torch.float64) * n
+    expected = torch.tensor([law[k] for k in keys], dtype=torch.float64) * len(out.tokens)
     assert chisquare(observed, expected).pvalue > ALPHA
 
 
