@@ -125,8 +125,7 @@ def run_batch(args: argparse.Namespace) -> int:
     0, or 1 when some group failed (its files are missing; run again)."""
 
     def encode(output, row: int, job: SpeechJob, where: dict) -> tuple[bytes, dict]:
-        stats = output.stats.to_dict()
-        del stats["accepted_per_forward"]  # one float per forward: the histogram suffices
+        stats = output.stats.to_dict(per_forward=False)
         record = {"frames": int(output.lengths[row]), "seconds": output.audio[row].numel() / output.sampling_rate,
                   "stats": stats}
         return wav_bytes(output.audio[row], output.sampling_rate), record

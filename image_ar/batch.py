@@ -224,8 +224,7 @@ def run_batch(args: argparse.Namespace) -> int:
         output = call(group["class_ids"], group["seed"], device)
         if len(output.images) != len(rows):
             raise RuntimeError(f"the pipeline returned {len(output.images)} images for {len(rows)} rows")
-        stats = output.stats.to_dict()
-        del stats["accepted_per_forward"]  # one float per forward, repeated in every row's record: the histogram suffices
+        stats = output.stats.to_dict(per_forward=False)
         todo = {row.file for row in run.todo}
         for position, (row, image) in enumerate(zip(rows, output.images)):
             if row.file in todo:

@@ -133,8 +133,7 @@ def run_batch(args: argparse.Namespace) -> int:
     0, or 1 when some group failed (its answers are missing; run again)."""
 
     def encode(output, row: int, job: TextJob, where: dict) -> tuple[bytes, dict]:
-        stats = output.stats.to_dict()
-        del stats["accepted_per_forward"]  # one float per forward: the histogram suffices
+        stats = output.stats.to_dict(per_forward=False)
         n = int(output.lengths[row])
         answer = {"prompt": job.fields["prompt"], "text": output.texts[row], "token_ids": output.token_ids[row, :n].tolist(),
                   "model": job.fields["model"], "decoding": job.fields["decoding"], "stats": stats, "group": where}

@@ -92,10 +92,13 @@ class DecodeStats:
         baseline = self.tokens if self.baseline_forwards is None else self.baseline_forwards
         return baseline / self.forwards if self.forwards else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self, per_forward: bool = True) -> dict:
         """The core counters, every family counter (defaults where the decode had none) and
-        the derived figures, flat."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        the derived figures, flat. `per_forward=False` leaves out the per-forward traces
+        (`accepted_per_forward`, `drafts_per_forward`): batch records, where the histogram
+        suffices and one list per forward would repeat in every row's record."""
+        skip = {"extra"} if per_forward else {"extra", "accepted_per_forward", "drafts_per_forward"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
         out.update({name: getattr(self, name) for name in _EXTRA_DEFAULTS})
         out["mean_accepted_length"] = self.mean_accepted_length
         out["step_compression"] = self.step_compression
