@@ -24,7 +24,7 @@ import torch
 from mmgen.decoding import AdaptiveWindow, resolve_decoder
 from mmgen.sampling import IntervalGuidance, SamplingConfig
 
-METHODS = ["ar", "sjd", "sjd:adapt=true"]
+METHODS = ["ar", "sjd:adapt=false", "sjd"]
 
 
 def build(model: str, device: str, init_std: float = 0.0):

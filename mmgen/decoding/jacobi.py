@@ -93,7 +93,7 @@ class SpeculativeJacobi(SpeculativeDecoder):
     window: int = 16
     acceptance: Any = field(default_factory=ExactAcceptance)
     draft_init: Any = field(default_factory=RandomDraftInit)  # or a name of drafts.DRAFT_INITS
-    adapt: Any = False  # an AdaptiveWindow, True (its defaults), a token cost, or False: always `window`
+    adapt: Any = True  # an AdaptiveWindow, True (its defaults), a token cost, or False: always `window`
 
     def __post_init__(self):
         check_int("window", self.window, 1)

@@ -76,7 +76,7 @@ class PromptLookup(SpeculativeDecoder):
     max_ngram: int = 3
     acceptance: Any = field(default_factory=ExactAcceptance)
     context: Optional[torch.Tensor] = field(default=None, repr=False)
-    adapt: Any = False  # an AdaptiveWindow, True (its defaults), a token cost, or False: always num_draft
+    adapt: Any = True  # an AdaptiveWindow, True (its defaults), a token cost, or False: always num_draft
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)

@@ -107,7 +107,7 @@ def test_nothing_accepted_falls_back_to_ar_within_ten_percent():
     conditions = torch.tensor([1, 2])
     policy = AdaptiveWindow(token_cost=0.05)
     out = SpeculativeJacobi(window=16, adapt=policy).generate(model, conditions, 256, sampling, torch.Generator().manual_seed(0))
-    fixed = SpeculativeJacobi(window=16).generate(model, conditions, 256, sampling, torch.Generator().manual_seed(0))
+    fixed = SpeculativeJacobi(window=16, adapt=False).generate(model, conditions, 256, sampling, torch.Generator().manual_seed(0))
     assert fixed.stats.step_compression < 1.05  # the worst case: nothing gained by drafting
     assert relative_cost(out.stats, 4, 0.05) < 1.1
     assert relative_cost(fixed.stats, 4, 0.05) > 1.5
@@ -144,7 +144,7 @@ def test_everything_accepted_keeps_the_whole_window():
     sampling = SamplingConfig(temperature=1.0)
     out = SpeculativeJacobi(window=16, adapt=True).generate(model, torch.zeros(2, dtype=torch.long), 256, sampling,
                                                             torch.Generator().manual_seed(0))
-    fixed = SpeculativeJacobi(window=16).generate(model, torch.zeros(2, dtype=torch.long), 256, sampling,
+    fixed = SpeculativeJacobi(window=16, adapt=False).generate(model, torch.zeros(2, dtype=torch.long), 256, sampling,
                                                   torch.Generator().manual_seed(0))
     drafts = out.stats.drafts_per_forward
     assert drafts.count(15) > 0.85 * len(drafts)  # the rest: probes of the next narrower window
@@ -158,6 +158,8 @@ def test_default_widths_are_powers_of_two_windows():
 
 
 def test_options_and_errors():
+    assert SpeculativeJacobi().adapt is True and make_decoder("lookup").adapt is True  # on by default
+    assert make_decoder("sjd", adapt=False).adapt is False
     assert resolve_adaptive(False) is None and resolve_adaptive(None) is None
     assert resolve_adaptive(True) == AdaptiveWindow()
     assert resolve_adaptive(0.2) == AdaptiveWindow(token_cost=0.2)
