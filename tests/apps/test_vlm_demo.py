@@ -345,7 +345,7 @@ def ask(page, text: str, files=(), method: str = "draft", chat: str = "chat") ->
         page.locator("#message img").first.wait_for()  # the upload's preview
     page.locator("#message textarea").fill(text)
     page.locator("#message textarea").press("Enter")
-    expect(page.locator("#stats")).to_contain_text(method)
+    expect(page.locator("#stats")).to_contain_text(method, timeout=60_000)  # a loaded CI box is slow
     return page.locator(f"#{chat} [data-testid=bot]").last.inner_text().strip()
 
 
