@@ -164,6 +164,6 @@ def resolve_adaptive(adapt) -> Optional[AdaptiveWindow]:
         return AdaptiveWindow()
     if isinstance(adapt, AdaptiveWindow):
         return adapt
-    if isinstance(adapt, (int, float)) and not isinstance(adapt, bool):
-        return AdaptiveWindow(token_cost=float(adapt))
-    raise ValueError(f"adapt must be true, false, a token cost (number) or an AdaptiveWindow, got {adapt!r}")
+    if isinstance(adapt, float):  # an int (adapt=0, adapt=1) would read as off / on: refused below
+        return AdaptiveWindow(token_cost=adapt)
+    raise ValueError(f"adapt must be true, false, a token cost (a decimal number such as 0.05) or an AdaptiveWindow, got {adapt!r}")

@@ -173,3 +173,6 @@ def test_options_and_errors():
         SpeculativeJacobi(adapt="often")
     with pytest.raises(ValueError, match="adapt must be"):
         PromptLookup(adapt=[1])
+    name, options = parse_decoding("sjd:adapt=1")  # on, or a cost of 1.0? ambiguous: refused
+    with pytest.raises(ValueError, match="decimal"):
+        make_decoder(name, **options)
