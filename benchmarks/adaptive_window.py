@@ -21,7 +21,8 @@ from typing import Optional
 
 import torch
 
-from mmgen.decoding import AdaptiveWindow, resolve_decoder
+from mmgen.decoding import resolve_decoder
+from mmgen.decoding.window import draft_cost
 from mmgen.sampling import IntervalGuidance, SamplingConfig
 
 METHODS = ["ar", "sjd:adapt=false", "sjd"]
@@ -103,13 +104,12 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     rows_fed = args.batch_size * (2 if sampling.uses_guidance else 1)
     ar_seconds = statistics.median(s.wall_time_s for s in runs[args.methods[0]])
     rows = []
+    beta = draft_cost(rho, rows_fed)
     for method, stats in runs.items():
         seconds = statistics.median(s.wall_time_s for s in stats)
-        chooser = AdaptiveWindow(token_cost=rho).start(15, rows_fed, args.device)
-        beta = chooser.cost[-1] - 1 if len(chooser.cost) > 1 else 0.0
         window = getattr(decoders[method], "window", 1)
         modelled = statistics.median(
-            (1 + sum(1 + beta / 15 * d for d in (s.drafts_per_forward or [window - 1] * (s.forwards - 1)))) / s.tokens
+            (1 + sum(1 + beta * d for d in (s.drafts_per_forward or [window - 1] * (s.forwards - 1)))) / s.tokens
             for s in stats)
         rows.append({
             "method": method, "token_cost": rho, "seconds": seconds, "speedup_vs_first": ar_seconds / seconds,
@@ -120,7 +120,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             "spread_seconds": [min(s.wall_time_s for s in stats), max(s.wall_time_s for s in stats)],
         })
     print(f"\n{args.model}, batch {args.batch_size}, {tokens} tokens, {args.repeats} repeats, threads {torch.get_num_threads()}; "
-          f"measured token cost rho = {rho:.3f} (16-token verify = {1 + 15 * (chooser.cost[-1] - 1) / 15:.2f}x an AR step)")
+          f"measured token cost rho = {rho:.3f} (16-token verify = {1 + 15 * beta:.2f}x an AR step)")
     print("| method | s / decode (min-max) | vs first | forwards | step compression | mean drafts | modelled AR steps / token |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -104,7 +104,7 @@ def run(case: Case) -> tuple[torch.Tensor, dict]:
     registry = {"llamagen": DECODERS, "var": SCALE_DECODERS, "mar": CONTINUOUS_DECODERS}[family]
     decoder = make_decoder(name, registry, **options)
     if hasattr(decoder, "adapt") and "adapt" not in options:
-        decoder = make_decoder(name, registry, **options, adapt=False)
+        decoder = replace(decoder, adapt=False)
     kwargs = dict(generator=torch.Generator().manual_seed(case.seed), output_type="pt")
     if family == "llamagen":
         kwargs["guidance_scale"] = None if case.guided else 1.0

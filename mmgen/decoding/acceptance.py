@@ -227,11 +227,12 @@ class RelaxedAcceptance(NeighbourhoodAcceptance):
         pi over the vocabulary only at each row's first rejection, where the loop reads the
         residual. Bit-identical to `probabilities` at those places (tested), so decodes are
         unchanged; a 16-token window computes 15 drafts' worth plus one row's target instead
-        of 15 targets (when k <= V / 4: LlamaGen's 16384 codes with k = 1000)."""
+        of 15 targets (on the CPU, when k <= V / 4: LlamaGen's 16384 codes with k = 1000)."""
         V, k = self._table().shape
-        if not self.bounded or 4 * k > V:
+        if not self.bounded or 4 * k > V or p.device.type != "cpu":
             # With k near V (a small codebook) each draft's claimers are most of the vocabulary:
-            # the lazy pass would redo the whole one, draft by draft.
+            # the lazy pass would redo the whole one, draft by draft. Off the CPU its per-draft
+            # host sums would sync the device once per draft (measured on the CPU only).
             return super().__call__(p, q, drafts, generator)
         flat_p, flat_q, x = p.reshape(-1, V), q.reshape(-1, V), drafts.reshape(-1)
         pi_x = self._target_at(flat_p, flat_q, x)

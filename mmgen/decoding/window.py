@@ -85,8 +85,13 @@ class AdaptiveWindow:
         widths = self.widths if self.widths is not None else _powers(max_draft)
         widths = sorted({min(int(w), max_draft) for w in widths} | {0})
         rho = self.token_cost if self.token_cost is not None else TOKEN_COST.get(torch.device(device).type, TOKEN_COST["cuda"])
-        beta = rho * rows_fed / (1 + rho * rows_fed)
+        beta = draft_cost(rho, rows_fed)
         return WindowChooser(self, widths, [1 + beta * d for d in widths])
+
+
+def draft_cost(token_cost: float, rows_fed: int) -> float:
+    """beta: what each draft adds to a forward, in AR steps, for `rows_fed` rows per forward."""
+    return token_cost * rows_fed / (1 + token_cost * rows_fed)
 
 
 def _powers(max_draft: int) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 
 from mmgen.decoding import AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding
 from mmgen.decoding.speculative import Stopping
-from mmgen.decoding.window import _powers, resolve_adaptive
+from mmgen.decoding.window import _powers, draft_cost, resolve_adaptive
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, SamplingConfig
@@ -95,7 +95,7 @@ def test_sampling_with_changing_draft_counts_matches_exact_distribution(enumerab
 
 def relative_cost(stats, rows_fed: int, token_cost: float, window: int = 16) -> float:
     """The decode's forwards in autoregressive steps under the policy's own cost model."""
-    beta = token_cost * rows_fed / (1 + token_cost * rows_fed)
+    beta = draft_cost(token_cost, rows_fed)
     drafts = stats.drafts_per_forward or [window - 1] * (stats.forwards - 1)
     return (1 + sum(1 + beta * d for d in drafts)) / stats.tokens  # + the prefill
 
