@@ -25,6 +25,10 @@ def register(commands, groups) -> None:
                             "Names ending in -draft/-small are companions (drafters, refiners) of the model they extend")
     image.add_argument("--max-images", type=_bounded(1, MAX_IMAGES, "--max-images"), default=4,
                        help=f"images per request, at most (default 4, up to {MAX_IMAGES})")
+    image.add_argument("--continuous-batch", type=_bounded(0, 64, "--continuous-batch"), default=0, metavar="ROWS",
+                       help="decode the images of requests that overlap in time (same model, fixed-window method such "
+                            "as ar or sjd with adapt=false, same sampling) in one continuous batch of ROWS rows; image i "
+                            "of a request then comes from seed + i. Use with --concurrency > 1 (default 0: off)")
     _serving(image, "pipelines")
     image.set_defaults(run=run_image_demo)
     register_vlm(groups["demo"])
@@ -94,6 +98,7 @@ def run_image_demo(args: argparse.Namespace) -> int:
     from mmgen.apps.image_demo import ModelCatalog, build_demo, launch_demo
 
     catalog = ModelCatalog.discover(args.model, device=args.device)
+    catalog.continuous_batch = args.continuous_batch
     demo = build_demo(catalog, max_images=args.max_images, concurrency=args.concurrency)
     print(f"mmgen demo image: models {list(catalog.main)} (companions {list(catalog.companions)}) on {args.device}")
     launch_demo(demo, host=args.host, port=args.port, share=args.share)

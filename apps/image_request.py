@@ -12,13 +12,17 @@ import inspect
 import json
 import math
 import threading
+import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+import torch
+
 from mmgen import registry
-from mmgen.decoding import DecodeStats, parse_decoding
+from mmgen.decoding import DecodeStats, Request, parse_decoding
+from mmgen.decoding.batching import check_continuous
 from mmgen.image_ar.bundled import BUNDLED_MODELS, load_class_pipeline
 from mmgen.loading import decoder_from_spec
 from mmgen.sampling import make_generator
@@ -48,7 +52,12 @@ class ModelCatalog:
     main: dict[str, str]
     companions: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
+    #: Rows of the shared continuous batch (0: off). Requests that overlap in time and ask one
+    #: model for the same fixed-window method and sampling then decode their images together,
+    #: each image from its own seed (`mmgen demo image --continuous-batch`).
+    continuous_batch: int = 0
     _pipelines: dict[str, Any] = field(default_factory=dict, repr=False)
+    _servers: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
     _loading: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -110,6 +119,24 @@ class ModelCatalog:
     def load(self, source: str) -> Any:
         """Load one model of the catalogue (a subclass loads another kind of pipeline)."""
         return load_class_pipeline(source, self.device)
+
+    def server(self, model: str, method: str, decoder: Any, sampling: dict[str, Any]) -> Optional[Any]:
+        """The shared continuous batch (a `ContinuousServer`) for `model` with this method and
+        sampling, or None when continuous batching is off or cannot run it (next-scale and
+        continuous models, adaptive windows, two-model methods): those decode alone."""
+        pipe = self.pipeline(model)
+        if not self.continuous_batch or not hasattr(pipe, "serve"):
+            return None
+        try:
+            check_continuous(decoder)
+        except ValueError:
+            return None
+        key = (model, method, tuple(sorted(sampling.items())))
+        with self._loading:
+            if key not in self._servers:
+                self._servers[key] = pipe.serve(decoder, pipe.sampling_config(**sampling), self.continuous_batch,
+                                                lock=self._locks[model])
+            return self._servers[key]
 
     @contextmanager
     def using(self, names: Sequence[str]) -> Iterator[None]:
@@ -272,17 +299,37 @@ def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4
         overrides[setting] = sampling[keyword] = _int(f"{family} steps", steps, 1, MAX_STEPS)
     named = companion_options(pipe)
     companions = [v for k, v in options.items() if k in named]
+    method = _spec_text(name, request.options)
     with catalog.using([request.model, *companions]):
         built = {k: catalog.pipeline(v) if k in named else v for k, v in options.items()}
         decoder = decoder_from_spec(name, pipe, source, catalog.device, **{**built, **overrides})
+        # Compare mode times its two runs, so it never shares a batch with other requests.
+        server = None if request.compare else catalog.server(request.model, method, decoder, sampling)
         plan = [("ar (baseline)", decoder_from_spec("ar", pipe, source, catalog.device, **overrides),
                  {**scales, "stage_models": scales.get("stage_models", ())[:1]})] if request.compare else []
-        plan.append((_spec_text(name, request.options), decoder, scales))
+        plan.append((method, decoder, scales))
         runs = []
-        for run_label, run_decoder, run_scales in plan:
+        for run_label, run_decoder, run_scales in plan if server is None else ():
             output = pipe([label] * count, decoding=run_decoder, generator=make_generator(seed, catalog.device), **sampling)
             runs.append(DemoRun(run_label, list(output.images), output.stats, **run_scales))
+    if server is not None:  # outside the model's lock, which the shared batch takes while it decodes
+        runs = [shared_run(server, f"{method} (continuous batch)", label, count, seed, pipe.device)]
     return DemoResult(runs)
+
+
+def shared_run(server: Any, run_label: str, label: int, count: int, seed: int, device: Any) -> DemoRun:
+    """Image i of the request, decoded in the shared continuous batch from seed `seed + i`;
+    the run's stats sum the images' histograms, take the slowest image's forwards and the
+    request's wall time."""
+    begun = time.perf_counter()
+    futures = [server.submit(Request(torch.tensor([label], device=device), make_generator(seed + i, device)))
+               for i in range(count)]
+    images, stats = zip(*(future.result() for future in futures))
+    width = max(len(s.accepted_histogram) for s in stats)
+    histogram = [sum(s.accepted_histogram[k] for s in stats if k < len(s.accepted_histogram)) for k in range(width)]
+    merged = DecodeStats(forwards=max(s.forwards for s in stats), tokens=max(s.tokens for s in stats), rows=count,
+                         accepted_histogram=histogram, wall_time_s=time.perf_counter() - begun)
+    return DemoRun(run_label, list(images), merged)
 
 
 def shown(value: Any, limit: int = 60) -> str:

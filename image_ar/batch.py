@@ -35,6 +35,16 @@ record carries its group (the generator's seed, class ids, member files, positio
 `mmgen generate image` command that regenerates that group and, as `command_file`, the name
 that command gives this row's image.
 
+Continuous batching (`--continuous`; LlamaGen models, fixed-window decoders: `ar`,
+`sjd:adapt=false`, `lantern:adapt=false`, ...). Groups of up to 16 x `--batch-size` rows are
+the unit of sharding and failure; within one, `--batch-size` rows decode at a time and a row
+that finishes takes the next waiting row at once (`mmgen.decoding.batching`). Every row draws
+from its own generator (seed `seed + k`) and is prefilled alone, so its image is the one
+`mmgen generate image --seed <seed + k>` makes with its class and options, whatever rows it
+shared forwards with; its record holds that command (`command`, `command_file`) and its own
+decode stats. Each image is written as soon as it is decoded, so a failure or a kill loses only
+the images still decoding.
+
 Outputs and resume. Files are written atomically, then recorded with their sha256 and the
 call's DecodeStats in a per-rank manifest part; at the end rank 0 merges the parts into
 `<out>/manifest.jsonl` (one record per image, in job order). Running the same command again
@@ -164,9 +174,10 @@ def options_of(spec: dict) -> ImageOptions:
     return ImageOptions(decoding=spec["decoding"], **given)
 
 
-def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJob], dict, list[LineError]]:
+def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = False) -> tuple[list[ImageJob], dict, list[LineError]]:
     """The valid jobs of a job file, the prepared call of each job key, and the bad lines.
-    Loads each model the file names once (on `device`), as generation will use them."""
+    Loads each model the file names once (on `device`), as generation will use them.
+    `continuous`: a job must also suit continuous batching (`--continuous`)."""
     values, errors = read_jsonl(path)
     checked, owners = [], {}
     for line, value in values:
@@ -189,6 +200,8 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
         try:
             options = options_of(spec)
             call = calls((spec["model"], options))
+            if continuous:
+                call.check_continuous()
             jobs.append(ImageJob(line, spec, call.pipe.class_index(spec["class_label"]), options))
         except ValueError as error:
             errors.append(LineError(line, str(error)))
@@ -200,16 +213,25 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[ImageJo
 # --------------------------------------------------------------------------------------------
 
 
+#: `--continuous`: this runner refills rows as they finish (`mmgen.batch.run_batch` asks).
+CONTINUOUS = True
+#: Under --continuous a group is the work unit of one rank (sharding, failure), not of one
+#: forward: this many batches of rows, so rows are refilled from a long queue.
+CONTINUOUS_GROUP_BATCHES = 16
+
+
 def run_batch(args: argparse.Namespace) -> int:
     """Check every line, plan the groups, run this rank's share, merge the manifest (rank 0).
     Exit status 0, or 1 when some group failed (its images are missing; run again)."""
-    run = start_run(args, load_jobs)
+    continuous = getattr(args, "continuous", False)
+    run = start_run(args, lambda path, device, dtype: load_jobs(path, device, dtype, continuous))
     world, device, jobs, calls, errors = run.world, run.device, run.jobs, run.calls, run.errors
     rows = [Row(job, k) for job in jobs for k in range(job.spec["count"])]
-    groups = form_groups(rows, key=lambda row: row.job.key, size=args.batch_size)
+    size = args.batch_size * (CONTINUOUS_GROUP_BATCHES if continuous else 1)
+    groups = form_groups(rows, key=lambda row: row.job.key, size=size)
     if args.dry_run:
         if world.rank == 0:
-            print(f"{len(jobs)} valid job(s), {len(rows)} image(s) in {len(groups)} group(s) of up to {args.batch_size}; "
+            print(f"{len(jobs)} valid job(s), {len(rows)} image(s) in {len(groups)} group(s) of up to {size}; "
                   f"{len(errors)} invalid line(s)")
         return 0
 
@@ -232,8 +254,24 @@ def run_batch(args: argparse.Namespace) -> int:
                                                    "group": {**group, "row": position},
                                                    "command_file": command_files[position], "stats": stats})
 
-    return run_groups(world, device, Path(args.out), jobs, groups, run_group, started=run.started, invalid_lines=len(errors),
-                      progress=not args.no_progress)
+    def run_continuous(g: int, rows: list[Row], run: GroupRun) -> None:
+        """Generate the images group `g` still lacks, `--batch-size` rows at a time, each from
+        its own seed, writing each as soon as it is decoded."""
+        call, todo = calls[rows[0].job.key], run.todo
+        model = rows[0].job.spec["model"]
+
+        def write(i: int, image, stats) -> None:
+            row = todo[i]
+            run.record(row, png_bytes(image), {
+                "index": row.index, "class_id": row.job.class_id, "seed": row.seed,
+                "command": reproduce_command([row], row.seed, args),
+                "command_file": image_file_names([row.job.class_id], model, row.seed, row.job.options, call.pipe.default_decoding)[0],
+                "stats": stats.to_dict(per_forward=False)})
+
+        call.each([row.job.class_id for row in todo], [row.seed for row in todo], device, args.batch_size, write)
+
+    return run_groups(world, device, Path(args.out), jobs, groups, run_continuous if continuous else run_group,
+                      started=run.started, invalid_lines=len(errors), progress=not args.no_progress)
 
 
 def reproduce_command(rows: list[Row], seed: int, args: argparse.Namespace) -> str:

@@ -87,6 +87,22 @@ class ImageCall:
     def __call__(self, inputs: Sequence[Union[int, str]], seed: int, device: Union[str, torch.device]):
         return self.pipe(list(inputs), decoding=self.decoder, generator=make_generator(seed, device), **self.options)
 
+    def each(self, inputs: Sequence[Union[int, str]], seeds: Sequence[int], device: Union[str, torch.device],
+             batch_size: int, on_image) -> Any:
+        """One image per input from its own seed, by continuous batching (`on_image(i, image,
+        stats)` as each is decoded): image i equals `self([inputs[i]], seeds[i], device)`."""
+        generators = [make_generator(seed, device) for seed in seeds]
+        return self.pipe(list(inputs), decoding=self.decoder, generator=generators, batch_size=batch_size,
+                         on_image=on_image, **self.options)
+
+    def check_continuous(self) -> None:
+        """ValueError unless this call can run by continuous batching (`each`)."""
+        from mmgen.decoding.batching import check_continuous
+
+        if not hasattr(self.pipe, "generate_each"):
+            raise ValueError(f"{type(self.pipe).__name__} has no continuous batching (LlamaGen models have)")
+        check_continuous(self.decoder)
+
 
 def load_image_pipeline(model, device: str, dtype: torch.dtype):
     """The pipeline a --model names (default: the bundled `emoji64`); see `mmgen.loading.load_pipeline`."""

@@ -536,6 +536,10 @@ def register(commands, groups) -> None:
     batch.add_argument("--out", required=True, help="output folder: outputs and manifest.jsonl")
     batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                        help=f"rows per pipeline call, from jobs of one model and options (default {DEFAULT_BATCH_SIZE})")
+    batch.add_argument("--continuous", action="store_true",
+                       help="image jobs of LlamaGen models with a fixed-window decoder (ar, sjd:adapt=false, ...): keep "
+                            "--batch-size rows decoding and refill each as it finishes; every image equals its seed's "
+                            "image made alone (`generate image --seed`)")
     batch.add_argument("--on-error", default="stop", choices=ON_ERROR,
                        help="invalid lines: stop before any work (default) or skip them and run the rest")
     batch.add_argument("--device", default="cpu", help="cpu (default) or cuda (under torchrun: each rank's LOCAL_RANK GPU)")
@@ -560,7 +564,10 @@ def run_batch(args) -> int:
         raise ValueError(f"{args.jobs} mixes kinds of jobs ({', '.join(sorted(kinds))}): one kind per file")
     # A file whose lines name no kind goes to the first runner, which lists every line's missing fields.
     module = runners[kinds.pop()] if kinds else next(iter(runners.values()))
-    return importlib.import_module(module).run_batch(args)
+    runner = importlib.import_module(module)
+    if getattr(args, "continuous", False) and not getattr(runner, "CONTINUOUS", False):
+        raise ValueError(f"--continuous is for image jobs; {args.jobs} holds other jobs")
+    return runner.run_batch(args)
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -130,11 +130,20 @@ class Pipeline:
             module.to(device=device, dtype=dtype)
         return self
 
-    def generator_for(self, generator: Optional[torch.Generator]) -> torch.Generator:
-        """`generator`, checked to live on the pipeline's device; a fresh one when None."""
+    def generator_for(self, generator: Union[torch.Generator, Sequence[torch.Generator], None],
+                      per_output: bool = False) -> Union[torch.Generator, list[torch.Generator]]:
+        """`generator`, checked to live on the pipeline's device; a fresh one when None. Where
+        the pipeline takes one generator per output (`per_output`, as diffusers' lists), a list
+        comes back as a list, each checked."""
         device = self.device
         if generator is None:
             return make_generator(None, device)
+        if isinstance(generator, (list, tuple)):
+            if not per_output:
+                raise ValueError(f"{type(self).__name__} takes one torch.Generator, not a list")
+            if not generator or not all(isinstance(g, torch.Generator) for g in generator):
+                raise ValueError("generator must be a torch.Generator or a non-empty list of them (one per output)")
+            return [self.generator_for(g) for g in generator]
         if generator.device.type != device.type:
             raise ValueError(f"generator is on {generator.device} but the pipeline runs on {device}: create it there")
         return generator

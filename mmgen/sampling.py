@@ -226,7 +226,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (the exponential race used
     by gpt-fast), and draws its noise from `generator`, so a seed reproduces the output.
     """
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise = torch.empty_like(probs)
+    if isinstance(generator, RowGenerators):
+        for row, g in zip(noise, generator):
+            row.exponential_(generator=g)
+    else:
+        noise.exponential_(generator=generator)
     # race(probs, noise) without a second [..., V] buffer; a draw has no gradient, so detach
     return torch.div(probs.detach(), noise, out=noise).argmax(-1)
 
@@ -239,7 +244,52 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def uniform(shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """U[0, 1) float32 draws from `generator` (acceptance tests of speculative decoders)."""
+    if isinstance(generator, RowGenerators):
+        return generator.stack(lambda g: torch.rand(shape[1:], generator=g, device=device, dtype=torch.float32))
     return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+
+
+def randint(high: int, shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Uniform integers in [0, high) from `generator` (random drafts)."""
+    if isinstance(generator, RowGenerators):
+        return generator.stack(lambda g: torch.randint(0, high, shape[1:], generator=g, device=device))
+    return torch.randint(0, high, shape, generator=generator, device=device)
+
+
+class RowGenerators:
+    """One `torch.Generator` per batch row, for continuous batching: `sample`, `uniform` and
+    `randint` draw row b's share of a [B, ...] draw from generator b alone, in the order a
+    batch-1 decode of that row would, so a row's tokens do not depend on its neighbours (nor
+    on the step at which it joined the batch). Generators may be swapped per row (`[b] = g`)."""
+
+    def __init__(self, generators):
+        self.generators = list(generators)
+        if not self.generators or not all(isinstance(g, torch.Generator) for g in self.generators):
+            raise ValueError("RowGenerators takes one torch.Generator per row")
+        devices = {torch.device(g.device) for g in self.generators}
+        if len(devices) != 1:
+            raise ValueError(f"the row generators are on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop()
+
+    def __len__(self) -> int:
+        return len(self.generators)
+
+    def __iter__(self):
+        return iter(self.generators)
+
+    def __getitem__(self, row: int) -> torch.Generator:
+        return self.generators[row]
+
+    def __setitem__(self, row: int, generator: torch.Generator) -> None:
+        self.generators[row] = generator
+
+    def select(self, rows) -> "RowGenerators":
+        """The generators of `rows` (ints), in that order."""
+        return RowGenerators([self.generators[int(b)] for b in rows])
+
+    def stack(self, draw) -> torch.Tensor:
+        """torch.stack of `draw(generator)` for every row."""
+        return torch.stack([draw(g) for g in self.generators])
 
 
 def make_generator(seed: Optional[int] = None, device: Union[str, torch.device] = "cpu") -> torch.Generator:

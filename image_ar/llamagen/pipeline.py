@@ -6,11 +6,14 @@ defaults, official checkpoint loading, the decode loop, VQ decoding).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional, Sequence, Union
+import contextlib
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from mmgen.decoding import Decoder, resolve_decoder
+from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode, split_rows
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
@@ -108,19 +111,93 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         conditions: Any,
         decoding: Union[str, Decoder],
         sampling: SamplingConfig,
-        generator: Optional[torch.Generator],
+        generator: Union[torch.Generator, Sequence[torch.Generator], None],
         output_type: str,
         official_attention: Optional[bool] = None,
+        batch_size: Optional[int] = None,
+        on_image: Optional[Callable[[int, Any, Any], None]] = None,
     ) -> ImageGenerationOutput:
-        """Decode one image per condition row with `decoding`, then run the VQ decoder."""
+        """Decode one image per condition row with `decoding`, then run the VQ decoder. With a
+        list of generators (one per row), continuous batching: see `generate_each`."""
         check_output_type(output_type)
-        model = self.token_model(official_attention)
         decoder = resolve_decoder(decoding)
-        generator = self.generator_for(generator)
+        generator = self.generator_for(generator, per_output=True)
+        if isinstance(generator, list):
+            return self.generate_each(conditions, decoder, sampling, generator, output_type, official_attention, batch_size, on_image)
+        if batch_size is not None or on_image is not None:
+            raise ValueError("batch_size and on_image come with a list of generators, one per image (continuous batching)")
+        model = self.token_model(official_attention)
         num_tokens = self.transformer.config.block_size
         with self.progress_bar(num_tokens) as bar:
             result = decoder.generate(model, conditions, num_tokens, sampling, generator, bar)
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
+
+    def generate_each(
+        self,
+        conditions: Any,
+        decoding: Union[str, Decoder],
+        sampling: SamplingConfig,
+        generators: Sequence[torch.Generator],
+        output_type: str = "pil",
+        official_attention: Optional[bool] = None,
+        batch_size: Optional[int] = None,
+        on_image: Optional[Callable[[int, Any, Any], None]] = None,
+    ) -> ImageGenerationOutput:
+        """One image per condition row, each from its own generator, by continuous batching
+        (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all)
+        and a finished row takes the next waiting one. Image i is the image a call with
+        condition row i alone and `generators[i]` makes (the decoder needs a fixed window:
+        `adapt=False`). `on_image(i, image, stats)` receives each image as soon as it is decoded,
+        with its own stats (those of a batch-1 decode); the output then holds no images (a long
+        run keeps none in memory), only tokens and the run's stats."""
+        decoder = resolve_decoder(decoding)
+        rows = split_rows(conditions)
+        if len(generators) != len(rows):
+            raise ValueError(f"{len(generators)} generators for {len(rows)} images: give one generator per image")
+        check_continuous(decoder)
+        model = self.token_model(official_attention)
+        requests = [Request(row, g) for row, g in zip(rows, self.generator_for(list(generators), per_output=True))]
+        tokens: list = [None] * len(requests)
+        images: list = [None] * len(requests)
+        with self.progress_bar(len(requests), desc="images") as bar:
+
+            def finished(result: Finished) -> None:
+                tokens[result.index] = result.tokens
+                image = self.decode_tokens(result.tokens[None], output_type)[0]
+                if on_image is not None:
+                    on_image(result.index, image, result.stats)
+                else:
+                    images[result.index] = image
+                bar.update(1)
+
+            _, stats = continuous_decode(decoder, model, requests, self.transformer.config.block_size, sampling,
+                                         len(requests) if batch_size is None else batch_size, on_finish=finished)
+        tokens = torch.stack(tokens)
+        if on_image is not None:
+            return ImageGenerationOutput([], tokens, stats)
+        if output_type == "pil":
+            return ImageGenerationOutput(images, tokens, stats)
+        return ImageGenerationOutput(torch.stack(images) if output_type == "pt" else np.stack(images), tokens, stats)
+
+    def serve(self, decoding: Union[str, Decoder], sampling: SamplingConfig, batch_size: int, output_type: str = "pil",
+              lock: Any = None, official_attention: Optional[bool] = None) -> ContinuousServer:
+        """A `ContinuousServer` for requests from many threads (a demo's queue): `submit(Request(
+        conditions_row, generator))` returns a future of `(image, stats)`, the image being the
+        one a call with that row alone and that generator makes; requests that overlap in time
+        share one continuous batch of up to `batch_size` rows. `lock` (a context manager) is
+        held while the batch decodes, to keep other users of this pipeline off it."""
+        decoder = resolve_decoder(decoding)
+        check_continuous(decoder)
+        check_output_type(output_type)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        num_tokens = self.transformer.config.block_size
+
+        def decode(queue) -> None:
+            with lock if lock is not None else contextlib.nullcontext():
+                continuous_decode(decoder, self.token_model(official_attention), queue, num_tokens, sampling, batch_size)
+
+        return ContinuousServer(decode, lambda done: (self.decode_tokens(done.tokens[None], output_type)[0], done.stats))
 
     @torch.no_grad()
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
@@ -230,10 +307,12 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
         temperature: Optional[float] = None,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
-        generator: Optional[torch.Generator] = None,
+        generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
         image_size: Optional[int] = None,
         output_type: str = "pil",
         official_attention: Optional[bool] = None,
+        batch_size: Optional[int] = None,
+        on_image: Optional[Callable[[int, Any, Any], None]] = None,
     ) -> ImageGenerationOutput:
         """Generate one image per class label.
 
@@ -247,9 +326,17 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
             cfg_interval: guide only tokens t <= cfg_interval + 1 (official semantics); -1 = all.
             temperature, top_k, top_p: applied to the guided logits; temperature 0 is greedy,
                 top_k 0 and top_p 1.0 disable those filters.
-            generator: the source of every random draw; None seeds one from OS entropy.
+            generator: the source of every random draw; None seeds one from OS entropy. A list
+                (one generator per image) decodes each image as a call with it alone would,
+                by continuous batching (`generate_each`; needs a fixed-window decoder such as
+                "sjd:adapt=false" or "ar").
             image_size: must equal the model's size if given (LlamaGen has one token grid).
             output_type: "pil", "np" (uint8 HWC) or "pt" (float [0, 1] NCHW).
+            batch_size: with a list of generators, the most images decoded at once (default
+                all); a finished image's row takes the next waiting one.
+            on_image: with a list of generators, called as `on_image(i, image, stats)` as soon
+                as image i is decoded, with its own `DecodeStats` (the output then keeps tokens
+                and the run's stats, not images).
             official_attention: run the decoding forwards' attention on SDPA's math backend,
                 as the official sampler does; None (default) does so for bfloat16/float16
                 weights only, where it makes greedy outputs match the official ones (float32
@@ -259,4 +346,4 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_interval, temperature, top_k, top_p)
         conditions = torch.tensor(labels, device=self.device)
-        return self.generate(conditions, decoding, sampling, generator, output_type, official_attention)
+        return self.generate(conditions, decoding, sampling, generator, output_type, official_attention, batch_size, on_image)

@@ -13,7 +13,7 @@ markup or unusual punctuation may tokenize differently from the official script.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5EncoderModel
@@ -137,9 +137,11 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
         temperature: Optional[float] = None,
         top_k: Optional[int] = None,
         top_p: Optional[float] = None,
-        generator: Optional[torch.Generator] = None,
+        generator: Union[torch.Generator, Sequence[torch.Generator], None] = None,
         image_size: Optional[int] = None,
         output_type: str = "pil",
+        batch_size: Optional[int] = None,
+        on_image: Optional[Callable[[int, Any, Any], None]] = None,
     ) -> ImageGenerationOutput:
         """Generate one image per prompt.
 
@@ -153,16 +155,25 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
             cfg_interval: guide only tokens t <= cfg_interval + 1 (official semantics); -1 = all.
             temperature, top_k, top_p: applied to the guided logits; temperature 0 is greedy,
                 top_k 0 and top_p 1.0 disable those filters.
-            generator: the source of every random draw; None seeds one from OS entropy.
+            generator: the source of every random draw; None seeds one from OS entropy. A list
+                (one generator per image) decodes each image as a call with it alone would,
+                by continuous batching (`generate_each`; needs a fixed-window decoder such as
+                "sjd:adapt=false" or "ar").
             image_size: must equal the model's size if given (LlamaGen has one token grid).
             output_type: "pil", "np" (uint8 HWC) or "pt" (float [0, 1] NCHW).
+            batch_size: with a list of generators, the most images decoded at once (default
+                all); a finished image's row takes the next waiting one.
+            on_image: with a list of generators, called as `on_image(i, image, stats)` as soon
+                as image i is decoded, with its own `DecodeStats` (the output then keeps tokens
+                and the run's stats, not images).
         """
         self.check_inputs(prompt, image_size)
         # Every argument is checked before the text encoder runs.
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_interval, temperature, top_k, top_p)
-        decoder, generator = resolve_decoder(decoding), self.generator_for(generator)
-        return self.generate(self.encode_prompt(prompt), decoder, sampling, generator, output_type)
+        decoder, generator = resolve_decoder(decoding), self.generator_for(generator, per_output=True)
+        return self.generate(self.encode_prompt(prompt), decoder, sampling, generator, output_type, batch_size=batch_size,
+                             on_image=on_image)
 
 
 def load_text_encoder(path_or_repo: PathLike) -> T5EncoderModel:

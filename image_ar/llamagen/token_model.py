@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -104,6 +104,39 @@ class LlamaGenTokenModel:
 
     @torch.no_grad()
     def start(self, conditions: Union[torch.Tensor, CaptionConditions], capacity: int, guidance: bool) -> DecodeState:
+        key = None
+
+        def cache_for(rows: int, length: int):
+            nonlocal key
+            weight = self.transformer.tok_embeddings.weight
+            key = (rows, length, weight.dtype, weight.device)
+            make = lambda: self.transformer.setup_cache(rows, length)
+            return make() if self._caches is None else self._caches.take(key, make)
+
+        cache, logits, n = self._prefill(conditions, guidance, capacity, cache_for)
+        state = DecodeState(cache, cache.batch_size // 2 if guidance else cache.batch_size, guidance, logits, extra=n)
+        if self._caches is not None:
+            self._caches.lend(key, cache, state)
+        return state
+
+    @torch.no_grad()
+    def restart(self, state: DecodeState, row: int, conditions: Union[torch.Tensor, CaptionConditions]) -> Logits:
+        """Continuous batching: row `row` of a live decode starts over on `conditions` (one
+        row's). The prefix is prefilled alone, into a fresh cache of the live one's size, and
+        copied over the row whole (with its unconditional twin), so the row then holds what a
+        batch-1 `start` would: the logits it returns predict the row's token 0."""
+        live = state.cache
+        cache, logits, n = self._prefill(conditions, state.guidance, live.max_length - state.extra, self.transformer.setup_cache)
+        if cache.batch_size != (2 if state.guidance else 1) or n != state.extra:
+            raise ValueError(f"restart takes one row's conditions with a {state.extra}-token prefix")
+        rows = [row, row + state.batch_size] if state.guidance else [row]
+        live.k[:, rows], live.v[:, rows] = cache.k, cache.v
+        live.lengths[rows], live.key_padding[rows] = cache.lengths, cache.key_padding
+        return logits
+
+    def _prefill(self, conditions, guidance: bool, capacity: int, cache_for) -> tuple[Any, Logits, int]:
+        """(cache, logits predicting token 0, prefix length n): the condition prefix (and with
+        `guidance` the unconditional one) fed into `cache_for(rows, n + capacity)`."""
         model = self.transformer
         conditions, mask = self._check_conditions(conditions)
         if guidance:
@@ -112,19 +145,12 @@ class LlamaGenTokenModel:
             mask = None if mask is None else torch.cat([mask, mask])
         prefix = model.embed_conditions(conditions)
         rows, n = prefix.shape[:2]
-        make = lambda: model.setup_cache(rows, n + capacity)
-        weight = model.tok_embeddings.weight
-        key = (rows, n + capacity, weight.dtype, weight.device)
-        cache = make() if self._caches is None else self._caches.take(key, make)
+        cache = cache_for(rows, n + capacity)
         if mask is not None:
             cache.key_padding[:, :n] = ~mask[:, :n]
         logits = model.forward_hidden(prefix, cache.positions(n), cache)[:, -1:]
         cache.advance(n)
-        batch = rows // 2 if guidance else rows
-        state = DecodeState(cache, batch, guidance, _split(logits, guidance), extra=n)
-        if self._caches is not None:
-            self._caches.lend(key, cache, state)
-        return state
+        return cache, _split(logits, guidance), n
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:

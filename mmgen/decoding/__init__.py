@@ -20,6 +20,7 @@ from mmgen.decoding.acceptance import (
     residual_distribution,
 )
 from mmgen.decoding.autoregressive import Autoregressive
+from mmgen.decoding.batching import Finished, Request, continuous_decode
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, Decoder
 from mmgen.decoding.block_diffusion import BlockDecodeOutput, BlockDenoising, BlockStats, CollaborativeDenoising, FlowSchedule
 from mmgen.decoding.continuous import (
@@ -169,6 +170,9 @@ def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECO
 
 
 __all__ = [
+    "Finished",
+    "Request",
+    "continuous_decode",
     "AdaptiveWindow",
     "DraftCounters",
     "StageCounters",

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from mmgen.sampling import one_hot
+from mmgen.sampling import one_hot, randint
 
 
 @dataclass
@@ -70,7 +70,7 @@ class RandomDraftInit(DraftInit):
         return tokens, torch.full((*tokens.shape, ctx.vocab_size), 1.0 / ctx.vocab_size, device=tokens.device)
 
     def propose(self, ctx):
-        return torch.randint(0, ctx.vocab_size, ctx.window.shape, generator=ctx.generator, device=ctx.window.device)
+        return randint(ctx.vocab_size, ctx.window.shape, ctx.generator, ctx.window.device)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ accepted length; the reference code advances the whole batch by the minimum.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -34,24 +34,36 @@ class JacobiProposer(Proposer):
     def __init__(self, window: int, init, laws: bool = True):
         self.num_draft, self.init, self.laws = window - 1, init, laws
 
-    def _fill(self, run: DecodeRun, window, fresh, q_carried):
-        """Initial drafts in the `fresh` slots; returns the window and the drafts' laws."""
+    def _fill(self, run: DecodeRun, window, fresh, q_carried, rows: Optional[torch.Tensor] = None):
+        """Initial drafts in the `fresh` slots of `rows` (all when None); returns the window and
+        the drafts' laws."""
         L = self.num_draft + 1
-        positions = run.pos[:, None] + torch.arange(L, device=run.device)
-        ctx = DraftContext(window, fresh, positions, run.tokens, run.vocab_size, run.generator,
-                           getattr(run.model, "row_length", None))
+        pos, tokens, generator = run.pos, run.tokens, run.generator
+        if rows is not None:  # only these rows' generators draw
+            pos, tokens, generator = pos[rows], tokens[rows], generator.select(rows.tolist())
+        positions = pos[:, None] + torch.arange(L, device=run.device)
+        ctx = DraftContext(window, fresh, positions, tokens, run.vocab_size, generator, getattr(run.model, "row_length", None))
         tokens, q_init = self.init(ctx)
         window = where_slots(fresh, tokens, window)
         return window, (where_slots(fresh[:, 1:], q_init[:, 1:], q_carried) if self.laws else None)
 
-    def start(self, run):
-        B, L = run.batch_size, self.num_draft + 1
-        newest = run.newest()
+    def _first_window(self, run: DecodeRun, rows: Optional[torch.Tensor] = None):
+        """The window after token 0 of `rows` (all when None): that token, then initial drafts."""
+        newest = run.newest() if rows is None else run.newest()[rows]
+        B, L = newest.shape[0], self.num_draft + 1
         window = torch.cat([newest, newest.new_zeros(B, L - 1, *newest.shape[2:])], 1)
         fresh = (torch.arange(L, device=run.device) > 0).expand(B, -1)
-        frame = window.shape[2:]
-        q = torch.zeros(B, L - 1, *frame, run.vocab_size, device=run.device) if self.laws else None
-        self.window, self.q = self._fill(run, window, fresh, q)
+        q = torch.zeros(B, L - 1, *window.shape[2:], run.vocab_size, device=run.device) if self.laws else None
+        return self._fill(run, window, fresh, q, rows)
+
+    def start(self, run):
+        self.window, self.q = self._first_window(run)
+
+    def restart(self, run, rows):
+        window, q = self._first_window(run, rows)
+        self.window[rows] = window
+        if self.laws:
+            self.q[rows] = q
 
     def propose(self, run):
         return self.window[:, 1:], self.q

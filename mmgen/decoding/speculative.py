@@ -32,13 +32,14 @@ K = 1 is the plain token case, bit for bit.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
-from mmgen.decoding.stats import StatsRecorder
+from mmgen.decoding.stats import DecodeStats, StatsRecorder
 from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
 from mmgen.modeling import DecodeState, TokenModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
@@ -107,6 +108,17 @@ class TokenQueueStreamer:
     def __iter__(self):
         while (item := self._queue.get(timeout=self.timeout)) is not None:
             yield item
+
+
+class RowFeed(Protocol):
+    """Continuous batching (`mmgen.decoding.batching`): the loop hands each finished row's
+    output to `finish` and asks `refill` for requests to start on free rows. A request has
+    `conditions` (one row's, as `TokenModel.start` takes them), `generator` (its own, so its
+    tokens are those of a batch-1 decode with that generator) and `max_new_tokens` (or None)."""
+
+    def refill(self, rows: list[int]) -> list[tuple[int, Any]]: ...
+
+    def finish(self, row: int, tokens: torch.Tensor, stats: Any, masked: bool) -> None: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,6 +202,14 @@ class Proposer:
         """The target's token draw from `probs` [B, n(, K), V] at generated-token `index` [B, n]."""
         return sample(probs, run.generator)
 
+    def restart(self, run: DecodeRun, rows: torch.Tensor) -> None:
+        """Continuous batching: `rows` [n] start new requests (their token 0 is in `run`);
+        reset their per-row state, drawing only from their own generators. The base proposer
+        (autoregressive) keeps none; a proposer with per-row state overrides this, and one that
+        does not cannot serve continuous batching."""
+        if type(self) is not Proposer:
+            raise NotImplementedError(f"{type(self).__name__} cannot restart rows, so it cannot serve continuous batching")
+
     def finish(self, stats) -> None:
         """Add the proposer's own counters to the stats."""
 
@@ -245,6 +265,7 @@ def speculative_decode(
     stopping: Optional[Stopping] = None,
     streamer: Optional[Streamer] = None,
     adapt: Optional[AdaptiveWindow] = None,
+    feed: Optional[RowFeed] = None,
 ) -> DecodeOutput:
     """Decode up to `num_tokens` tokens per row with `proposer` and acceptance `rule`.
 
@@ -252,6 +273,11 @@ def speculative_decode(
     left to right, and finalises the accepted prefix plus one token (resampled at the first
     rejection, the bonus sample when every draft passed), so each forward finalises 1 to k + 1
     tokens per row. Rows advance independently and finished rows idle with fixed shapes.
+
+    With a `feed` (continuous batching), `generator` is a `RowGenerators` and `conditions`
+    only size the batch: every row starts on a request from the feed (`model.restart`, a
+    batch-1 prefill), a finished row goes to `feed.finish` and takes the next request, and the
+    loop runs until no row is decoding.
     """
     check_num_tokens(num_tokens)
     k = proposer.num_draft
@@ -276,21 +302,32 @@ def speculative_decode(
 
     # Token 0 comes from the prefill.
     zero = torch.zeros(B, 1, dtype=torch.long, device=device)
-    p0 = probs(state.first_logits, zero)
-    bad = _invalid(p0)
-    tokens[:, 0] = proposer.draw(run, p0, zero)[:, 0]
     complete = getattr(model, "complete_frame", None)
-    if complete is not None:
-        tokens[:, 0] = complete_frame(complete, state, sampling, zero[:, 0], tokens[:, 0], torch.ones_like(limit), generator, zero)[0]
-    run.active = ~(_is_stop(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
-    proposer.start(run)
-    recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
     emitted = torch.ones(B, dtype=torch.long, device=device)  # tokens finalised per row
+    if feed is None:
+        p0 = probs(state.first_logits, zero)
+        bad = _invalid(p0)
+        tokens[:, 0] = proposer.draw(run, p0, zero)[:, 0]
+        if complete is not None:
+            tokens[:, 0] = complete_frame(complete, state, sampling, zero[:, 0], tokens[:, 0], torch.ones_like(limit), generator, zero)[0]
+        run.active = ~(_is_stop(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
+        proposer.start(run)
+        recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
+    else:
+        if complete is not None or type(proposer).draw is not Proposer.draw or adapt is not None:
+            raise ValueError("continuous batching needs the loop's own token draw (no frame completion, no fixed noise) "
+                             "and a fixed window (adapt=False): each row must draw what a batch-1 decode draws")
+        bad = torch.zeros(B, dtype=torch.bool, device=device)
+        rows = _RowCounters(B, k, device)  # each request's own histogram: its stats equal a batch-1 decode's
+        run.active = torch.zeros(B, dtype=torch.bool, device=device)
+        proposer.start(run)
+        admit = _Admission(feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens)
+        admit(list(range(B)))
     report = _Reporter(num_tokens, limit, progress, streamer)
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
-    synced = k > 0 or variable or streamer is not None
-    slowest = report(tokens, emitted, run.active, synced)
+    synced = k > 0 or variable or streamer is not None or feed is not None
+    slowest = report(tokens, emitted, run.active, synced) if feed is None else _rows_left(run, num_tokens)
 
     ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
     chooser = adapt.start(k, B * (2 if uses_guidance else 1), device) if adapt is not None and k > 0 else None
@@ -341,16 +378,22 @@ def speculative_decode(
         model.commit(state, step)
         recorder.record(step, active)
         run.pos = run.pos + step
-        emitted = emitted + step
+        emitted += step  # in place: `_Admission` holds this tensor
         run.active = still & (emitted < limit)
         proposer.update(run, n_acc, next_token, fresh, p, active)
         if chooser is not None:  # tokens finalised per row still decoding (one more sync)
             chooser.observe(float((step * active).sum() / active.sum().clamp_min(1)))
-        slowest = report(tokens, emitted, run.active, synced)
+        if feed is None:
+            slowest = report(tokens, emitted, run.active, synced)
+            continue
+        rows.record(step, active)
+        admit((active & ~run.active).nonzero().flatten().tolist())  # the host sync of this forward
+        slowest = _rows_left(run, num_tokens)
 
     if streamer is not None:
         streamer.end()
-    raise_if_masked(bad)
+    if feed is None:
+        raise_if_masked(bad)
     # With stop tokens, autoregressive decoding of this batch takes as many forwards as its longest row.
     stats = recorder.finish(int(emitted.max()) if variable else num_tokens, B, state.cache_bytes + proposer.cache_bytes)
     proposer.finish(stats)
@@ -362,6 +405,82 @@ def speculative_decode(
     past = torch.arange(num_tokens, device=device)[None] >= emitted[:, None]
     out = tokens[:, :num_tokens].masked_fill(_frame_index(past, K), stopping.pad_token)
     return DecodeOutput(out, stats, emitted)
+
+
+def _rows_left(run: DecodeRun, num_tokens: int) -> int:
+    """The loop's test value under continuous batching: 0 while a row decodes, else `num_tokens`."""
+    return 0 if bool(run.active.any()) else num_tokens
+
+
+class _RowCounters:
+    """Per-row histograms of finalised tokens per forward (the prefill counts one), reset when
+    a row takes a new request."""
+
+    def __init__(self, B: int, k: int, device):
+        self.histogram = torch.zeros(B, k + 2, dtype=torch.long, device=device)
+        self.started = [0.0] * B
+
+    def reset(self, row: int) -> None:
+        self.histogram[row] = 0
+        self.histogram[row, 1] = 1
+        self.started[row] = time.perf_counter()
+
+    def record(self, step: torch.Tensor, active: torch.Tensor) -> None:
+        self.histogram.scatter_add_(1, step.clamp(0, self.histogram.shape[1] - 1)[:, None], active.long()[:, None])
+
+    def stats(self, row: int, tokens: int, cache_bytes: int) -> DecodeStats:
+        histogram = self.histogram[row].tolist()
+        return DecodeStats(forwards=sum(histogram), tokens=tokens, rows=1, accepted_histogram=histogram,
+                           wall_time_s=time.perf_counter() - self.started[row], cache_bytes=cache_bytes)
+
+
+class _Admission:
+    """Continuous batching: hands finished rows to the feed and starts free rows on its next
+    requests. Row b's prefill runs alone (`model.restart`) and every draw for it comes from
+    its request's generator, in a batch-1 decode's order, so what it decodes does not depend
+    on the other rows (up to the forward's own batch invariance)."""
+
+    def __init__(self, feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens):
+        restart = getattr(model, "restart", None)
+        if restart is None:
+            raise ValueError(f"{type(model).__name__} cannot restart a row (no `restart`), so it cannot serve continuous batching")
+        self.feed, self.restart, self.state, self.run, self.proposer, self.probs = feed, restart, state, run, proposer, probs
+        self.limit, self.emitted, self.bad, self.rows = limit, emitted, bad, rows
+        self.stopping, self.stop_ids, self.num_tokens = stopping, stop_ids, num_tokens
+        self.live = [False] * run.batch_size
+
+    def __call__(self, ended: list[int]) -> None:
+        run, zero = self.run, torch.zeros(1, 1, dtype=torch.long, device=self.run.device)
+        while True:
+            for row in ended:
+                if self.live[row]:
+                    n = int(torch.minimum(self.emitted[row], self.limit[row]))  # a last window may run past the end
+                    stats = self.rows.stats(row, n, 0)
+                    self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
+                    self.live[row] = False
+            started = []
+            # Every free row asks, not only those that just ended: a feed whose requests arrive
+            # while others decode (a server's queue) has them started at the next forward.
+            free = [row for row, live in enumerate(self.live) if not live]
+            for row, request in self.feed.refill(free) if free else ():
+                p0 = self.probs(self.restart(self.state, row, request.conditions), zero)
+                run.generator[row] = request.generator
+                run.tokens[row] = 0
+                run.tokens[row, 0] = sample(p0, request.generator)[0, 0]
+                run.pos[row] = 0
+                self.emitted[row] = 1
+                self.limit[row] = self.num_tokens if request.max_new_tokens is None else min(request.max_new_tokens, self.num_tokens)
+                self.bad[row] = _invalid(p0)[0]
+                self.rows.reset(row)
+                self.live[row] = True
+                started.append(row)
+            if not started:
+                return
+            at = torch.tensor(started, device=run.device)
+            first = run.tokens[at, :1]
+            run.active[at] = ~(_is_stop(first, self.stop_ids, self.stopping)[:, 0] | (self.limit[at] <= 1))
+            self.proposer.restart(run, at)
+            ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
 
 
 def _per_codebook(sampling, K: int) -> list[SamplingConfig]:

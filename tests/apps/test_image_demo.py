@@ -97,6 +97,37 @@ def test_one_request_gives_images_and_stats(catalog):
     assert len(out.trace_rows()) == row["forwards"] and out.trace_rows()[0]["forward"] == 1
 
 
+def test_overlapping_requests_share_one_continuous_batch_and_keep_their_seeds_images():
+    """--continuous-batch: fixed-window requests from two threads decode in the shared batch,
+    image i from seed + i (the image a call with that seed alone makes); adaptive and compare
+    requests decode alone, as without it."""
+    import threading
+
+    from mmgen.sampling import make_generator
+
+    shared = ModelCatalog.discover(["emoji64"])
+    shared.continuous_batch = 4
+    results = {}
+    asks = {"a": request(method="sjd", options="adapt=false", num_images=2, seed=5),
+            "b": request(method="sjd", options="adapt=false", num_images=3, seed=9, class_name="face-smiling")}
+    threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, run_request(asks[k], shared, max_images=4)))
+               for k in asks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    pipe = shared.pipeline("emoji64")
+    for key, ask in asks.items():
+        run = results[key].method
+        assert run.label == "sjd:adapt=false (continuous batch)" and run.stats.rows == ask.num_images
+        for i, image in enumerate(run.images):
+            alone = pipe([pipe.class_index(ask.class_name)], decoding="sjd:adapt=false", generator=make_generator(ask.seed + i))
+            assert image.tobytes() == alone.images[0].tobytes()
+    assert len(shared._servers) == 1
+    assert run_request(request(num_images=1), shared).method.label == "sjd"  # adaptive: alone
+    assert run_request(request(options="adapt=false", compare=True), shared).method.label == "sjd:adapt=false"
+
+
 def test_compare_runs_autoregressive_on_the_same_seed(catalog):
     # A fixed window: on this random model the adaptive default falls back to AR steps.
     out = run_request(request(options="window=8,adapt=false", compare=True, seed=5), catalog)

@@ -313,3 +313,47 @@ def test_every_rows_seed_reaches_its_groups_generator():
     assert group_seed([Row(job(9), 0), first]) != group_seed([first, Row(job(9), 0)])  # order is part of the call
     assert group_seed([Row(job(9), 2)]) == 11  # alone: its own seed, as `generate image --seed 11`
     assert 0 <= group_seed([first, Row(job(2**63 - 2), 0)]) < 2**63
+
+
+CONTINUOUS_JOBS = [
+    {"model": "emoji64", "class_label": "cat-face", "seed": 3, "decoding": "sjd:adapt=false", "count": 3, "output": "cat"},
+    {"model": "emoji64", "class_label": 25, "seed": 40, "decoding": "sjd:adapt=false", "count": 2, "output": "mammal"},
+    {"model": "emoji64", "class_label": 4, "seed": 9, "decoding": "ar", "count": 1, "output": "concerned"},
+]
+
+
+def test_continuous_batching_gives_every_image_its_seeds_image_and_resumes(tmp_path, capsys, one_thread):
+    """--continuous: each image equals `generate image --seed <its seed>` whatever rows it shared
+    forwards with; records hold that command; a rerun after deleting an image remakes only it."""
+    jobs = write_jobs(tmp_path / "jobs.jsonl", CONTINUOUS_JOBS)
+    out = tmp_path / "out"
+    command = ["batch", str(jobs), "--out", str(out), "--batch-size", "2", "--continuous", "--no-progress"]
+    assert main(command) == 0
+    records = read_manifest(out)
+    assert [r["file"] for r in records] == ["cat_000.png", "cat_001.png", "cat_002.png", "mammal_000.png", "mammal_001.png",
+                                            "concerned_000.png"]
+    for record in records[1:4:2] + records[5:]:  # one row of each job
+        assert record["stats"]["rows"] == 1
+        argv = shlex.split(record["command"].replace("OUT", str(tmp_path / "gen")))[1:]
+        assert main([*argv, "--no-progress"]) == 0
+        assert (tmp_path / "gen" / record["command_file"]).read_bytes() == (out / record["file"]).read_bytes()
+    assert "--seed 4 " in records[1]["command"]
+    before = {r["file"]: r["sha256"] for r in records}
+    (out / "mammal_001.png").unlink()
+    capsys.readouterr()
+    assert main(command) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]
+    assert summary["total"]["outputs"] == 1
+    assert {r["file"]: r["sha256"] for r in read_manifest(out)} == before
+
+
+def test_continuous_batching_refuses_jobs_it_cannot_run_before_any_work(tmp_path, capsys):
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [
+        {"model": "emoji64", "class_label": 1, "seed": 0, "decoding": "sjd", "count": 1, "output": "a"},
+        {"model": "var-emoji64", "class_label": 1, "seed": 0, "decoding": "ar", "count": 1, "output": "b"},
+    ])
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--continuous", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "line 1: continuous batching needs a fixed draft window" in err
+    assert "line 2: VARPipeline has no continuous batching" in err
+    assert not (tmp_path / "out").exists()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgen.decoding import Autoregressive, SpeculativeJacobi
+from mmgen.decoding import Autoregressive, Request, SpeculativeJacobi
 from mmgen.hub import CheckpointError
 from mmgen.image_ar.llamagen import LlamaGenPipeline
 
@@ -113,6 +113,62 @@ def test_pickled_code_in_a_checkpoint_is_refused(pipe, tmp_path):
     torch.save({"model": pipe.vq.state_dict(), "evil": Payload()}, tmp_path / "vq.pt")
     with pytest.raises(CheckpointError, match="weights_only=True"):
         LlamaGenPipeline.from_official(tmp_path / "vq.pt", tmp_path / "vq.pt", pipe.transformer.config, pipe.vq.config)
+
+
+@pytest.mark.parametrize("output_type", ["pil", "np", "pt"])
+def test_a_list_of_generators_gives_each_image_its_own_generators_image(pipe, output_type):
+    """Continuous batching: image i equals a call with class i alone and generator i."""
+    labels, decoding = [5, 6, 1, 5, 2], "sjd:adapt=false,window=4"
+    gen = lambda i: torch.Generator().manual_seed(20 + i)
+    out = pipe(labels, decoding=decoding, generator=[gen(i) for i in range(5)], batch_size=2, output_type=output_type)
+    as_array = lambda images: np.stack([np.asarray(im) for im in images]) if output_type == "pil" else np.asarray(images)
+    for i, label in enumerate(labels):
+        alone = pipe([label], decoding=decoding, generator=gen(i), output_type=output_type)
+        assert torch.equal(out.tokens[i], alone.tokens[0])
+        assert np.array_equal(as_array(out.images)[i], as_array(alone.images)[0])
+    streamed = {}
+    kept = pipe(labels, decoding=decoding, generator=[gen(i) for i in range(5)], batch_size=2,
+                on_image=lambda i, image, stats: streamed.setdefault(i, (image, stats)))
+    assert kept.images == [] and sorted(streamed) == list(range(5)) and torch.equal(kept.tokens, out.tokens)
+    assert all(stats.rows == 1 for _, stats in streamed.values())
+
+
+def test_a_server_merges_requests_from_threads_into_one_batch(pipe):
+    """`serve`: requests submitted while the batch waits for its lock decode in one session;
+    each future holds the image its generator makes alone."""
+    import threading
+
+    lock = threading.Lock()
+    server = pipe.serve("sjd:adapt=false,window=4", pipe.sampling_config(), batch_size=2, output_type="np", lock=lock)
+    gen = lambda i: torch.Generator().manual_seed(40 + i)
+    with lock:  # the worker takes the first request and waits for the lock; the rest queue up
+        futures = [server.submit(Request(torch.tensor([label]), gen(i))) for i, label in enumerate([3, 4, 3])]
+    results = [f.result(timeout=60) for f in futures]
+    assert server.sessions == 1
+    for i, label in enumerate([3, 4, 3]):
+        alone = pipe([label], decoding="sjd:adapt=false,window=4", generator=gen(i), output_type="np")
+        assert np.array_equal(results[i][0], alone.images[0]) and results[i][1].rows == 1
+    failing = pipe.serve("ar", pipe.sampling_config(), batch_size=2)
+    with pytest.raises(IndexError):  # a decode's failure reaches its callers; the server serves on
+        failing.submit(Request(torch.tensor([10**6]), gen(0))).result(timeout=60)
+    assert failing.submit(Request(torch.tensor([3]), gen(0))).result(timeout=60)[1].rows == 1
+    with pytest.raises(ValueError, match="fixed draft window"):
+        pipe.serve("sjd", pipe.sampling_config(), batch_size=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(generator=[torch.Generator()]), "fixed draft window"),
+        (dict(decoding="ar", generator=[torch.Generator()] * 2), "2 generators for 1 images"),
+        (dict(decoding="ar", generator=[]), "non-empty list"),
+        (dict(decoding="ar", batch_size=2), "come with a list of generators"),
+        (dict(decoding="ar", generator=[torch.Generator()], batch_size=0), "batch_size must be an integer >= 1"),
+    ],
+)
+def test_bad_generator_lists_are_value_errors(pipe, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pipe([1], **kwargs)
 
 
 @pytest.mark.parametrize(

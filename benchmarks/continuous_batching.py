@@ -1,0 +1,103 @@
+"""Images per second: static batches against continuous batching, the same requests and decoder.
+
+Static batching decodes the requests in groups of `--batch-size` (one `generate` per group),
+so each group takes as many forwards as its slowest row. Continuous batching
+(`mmgen.decoding.batching`) keeps `--batch-size` rows decoding and refills a row as soon as it
+finishes; every image then equals its request decoded alone with its seed (the benchmark
+checks it for the first `--check` requests). Token decoding only (the VQ decoder costs the same
+either way). Modes run in turn within each repeat (interleaved); medians reported.
+
+    python -m benchmarks.continuous_batching --model emoji64 --requests 32 --batch-size 8 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+from mmgen.decoding import resolve_decoder
+from mmgen.decoding.batching import Request, continuous_decode
+from mmgen.sampling import make_generator
+
+from benchmarks.adaptive_window import build
+
+METHODS = ["ar", "sjd:adapt=false", "lantern:adapt=false"]
+
+
+def static(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int) -> int:
+    """Decode `labels` in groups of `batch_size`, one generator per group; returns the forwards."""
+    forwards = 0
+    for start in range(0, len(labels), batch_size):
+        group = labels[start : start + batch_size]
+        out = decoder.generate(model, group, num_tokens, sampling, make_generator(seed + start))
+        forwards += out.stats.forwards
+    return forwards
+
+
+def continuous(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int):
+    requests = [Request(label.reshape(1), make_generator(seed + i)) for i, label in enumerate(labels)]
+    return continuous_decode(decoder, model, requests, num_tokens, sampling, batch_size)
+
+
+def main(argv: Optional[list[str]] = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="emoji64", help="a bundled model or random:<LlamaGen preset>")
+    parser.add_argument("--methods", nargs="+", default=METHODS, help="fixed-window decoding specs")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per image (default: the model's)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--check", type=int, default=4, help="requests checked against a batch-1 decode")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, sampling, num_tokens, num_classes = build(args.model, args.device)
+    num_tokens = args.tokens or num_tokens
+    labels = torch.arange(args.requests, device=args.device) % num_classes
+    rows = []
+    for spec in args.methods:
+        decoder = resolve_decoder(spec)
+        times: dict[str, list[float]] = {"static": [], "continuous": []}
+        forwards = {}
+        for repeat in range(args.repeats):
+            for mode in ("static", "continuous") if repeat % 2 == 0 else ("continuous", "static"):
+                begun = time.perf_counter()
+                if mode == "static":
+                    forwards[mode] = static(decoder, model, labels, num_tokens, sampling, args.batch_size, 0)
+                else:
+                    done, stats = continuous(decoder, model, labels, num_tokens, sampling, args.batch_size, 0)
+                    forwards[mode] = stats.forwards
+                times[mode].append(time.perf_counter() - begun)
+        identical = 0
+        for i in range(min(args.check, args.requests)):
+            alone = decoder.generate(model, labels[i : i + 1], num_tokens, sampling, make_generator(i))
+            identical += bool(torch.equal(alone.tokens[0], done[i].tokens))
+        row = {"method": spec, "requests": args.requests, "batch_size": args.batch_size, "tokens": num_tokens,
+               "identical_to_alone": f"{identical}/{min(args.check, args.requests)}"}
+        for mode in ("static", "continuous"):
+            median = statistics.median(times[mode])
+            row[f"{mode}_images_per_s"] = args.requests / median
+            row[f"{mode}_forwards"] = forwards[mode]
+            row[f"{mode}_spread"] = (max(times[mode]) - min(times[mode])) / median
+        row["speedup"] = row["continuous_images_per_s"] / row["static_images_per_s"]
+        rows.append(row)
+        print(f"{spec:24s} static {row['static_images_per_s']:.2f} img/s ({forwards['static']} forwards)  "
+              f"continuous {row['continuous_images_per_s']:.2f} img/s ({forwards['continuous']} forwards)  "
+              f"x{row['speedup']:.2f}  identical to alone {row['identical_to_alone']}", flush=True)
+    print(json.dumps(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

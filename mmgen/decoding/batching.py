@@ -1,0 +1,269 @@
+"""Continuous batching: a fixed number of rows decode while requests wait, and a row that
+finishes takes the next request at once (Orca's iteration-level scheduling, Yu et al. 2022,
+OSDI; vLLM's scheduler), instead of idling until the slowest row of a static batch ends.
+
+Speculative decoders finalise a different number of tokens per row and forward, so in a
+static batch the fast rows wait for the slowest one (batch 4: step compression 1.4-1.7x
+against 2x per row). Here every row is one request with its own generator: its prefill runs
+alone (`TokenModel.restart`) and every random draw for it comes from its generator in the
+order a batch-1 decode draws (`RowGenerators`), so its tokens are those of decoding it alone
+with that generator, whichever rows it shared forwards with and whenever it joined. That holds
+as far as the model's forward is batch-invariant (a row's logits do not depend on the other
+rows): exactly so for per-row models, and for dense matmuls where the kernel does not change
+with the row count (tests/core/test_continuous_batching.py shows both).
+
+Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++) with a fixed
+window (`adapt=False`: the adaptive window picks one width for the whole batch).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from mmgen.decoding.base import check_num_tokens
+from mmgen.decoding.stats import DecodeStats
+from mmgen.decoding.window import resolve_adaptive
+from mmgen.modeling import TokenModel
+from mmgen.sampling import RowGenerators, SamplingConfig
+
+
+@dataclass
+class Request:
+    """One row's work: `conditions` as `TokenModel.start` takes a batch of one (a class id
+    tensor [1], one caption, ...), the `generator` its draws come from, and an optional token
+    budget below the decode's `num_tokens`."""
+
+    conditions: Any
+    generator: torch.Generator
+    max_new_tokens: Optional[int] = None
+
+
+@dataclass
+class Finished:
+    """A request's result: its position in the input order, its tokens [n(, K)] (n = its
+    length), its stats (as a batch-1 decode's: forwards with the prefill, histogram; wall time
+    from its admission) and whether some distribution had nothing left to sample."""
+
+    index: int
+    tokens: torch.Tensor
+    stats: DecodeStats
+    masked: bool = False
+
+
+class RequestQueue:
+    """The loop's `RowFeed` over a sequence of requests: in order; each finished one goes to
+    `on_finish`."""
+
+    def __init__(self, requests: Iterable[Request], on_finish: Callable[[Finished], None]):
+        self.requests, self.on_finish = enumerate(requests), on_finish
+        self.index: dict[int, int] = {}  # row -> the request it decodes
+        self.count = 0  # requests handed out
+        self.tokens = 0  # tokens of the finished ones
+
+    def refill(self, rows: list[int]) -> list[tuple[int, Request]]:
+        out = []
+        for row in rows:
+            nxt = next(self.requests, None)
+            if nxt is None:
+                break
+            self.index[row], request = nxt
+            self.count += 1
+            out.append((row, check_request(request)))
+        return out
+
+    def finish(self, row: int, tokens: torch.Tensor, stats: DecodeStats, masked: bool) -> None:
+        self.tokens += len(tokens)
+        self.on_finish(Finished(self.index.pop(row), tokens, stats, masked))
+
+
+class LiveQueue:
+    """A `RowFeed` filled from other threads (a server's queue): `put(request, on_finish,
+    on_error)` from anywhere; at each forward the loop takes what has arrived for its free rows,
+    never waiting for more. `fail(error)` hands an error to every request taken or waiting."""
+
+    def __init__(self):
+        self._waiting: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+        self.running: dict[int, tuple[Request, Callable, Callable]] = {}  # row -> its request and callbacks
+        self.count = 0
+        self.tokens = 0
+
+    def put(self, request: Request, on_finish: Callable[[Finished], None], on_error: Callable[[BaseException], None]) -> None:
+        check_request(request)
+        with self._ready:
+            self._waiting.append((request, on_finish, on_error))
+            self._ready.notify()
+
+    def wait(self) -> Request:
+        """Block until a request waits; return it (it stays queued)."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._waiting)
+            return self._waiting[0][0]
+
+    def refill(self, rows: list[int]) -> list[tuple[int, Request]]:
+        out = []
+        with self._ready:
+            for row in rows:
+                if not self._waiting:
+                    break
+                self.running[row] = entry = self._waiting.popleft()
+                self.count += 1
+                out.append((row, entry[0]))
+        return out
+
+    def finish(self, row: int, tokens: torch.Tensor, stats: DecodeStats, masked: bool) -> None:
+        self.tokens += len(tokens)
+        _, on_finish, _ = self.running.pop(row)
+        on_finish(Finished(self.count, tokens, stats, masked))
+
+    def fail(self, error: BaseException) -> None:
+        with self._ready:
+            failed = [*self.running.values(), *self._waiting]
+            self.running.clear()
+            self._waiting.clear()
+        for _, _, on_error in failed:
+            on_error(error)
+
+
+class ContinuousServer:
+    """Serves requests submitted from many threads as one continuous batch (a demo's shared
+    queue): `submit` returns a future; one worker thread decodes while requests run or wait
+    (`decode(queue)`, e.g. `continuous_decode` on a `LiveQueue`), and a request that arrives
+    mid-decode takes the next free row. `result(finished)` runs on the worker for each finished
+    request (an image decoder, say); the future holds what it returns."""
+
+    def __init__(self, decode: Callable[[LiveQueue], Any], result: Callable[[Finished], Any] = lambda f: f):
+        self.queue, self._decode, self._result = LiveQueue(), decode, result
+        self.sessions = 0  # decodes run: requests that overlap share one
+        threading.Thread(target=self._work, daemon=True, name="mmgen-continuous-batch").start()
+
+    def submit(self, request: Request) -> Future:
+        future: Future = Future()
+
+        def finished(done: Finished) -> None:
+            try:
+                future.set_result(self._result(done))
+            except BaseException as error:  # the result's own failure goes to its caller
+                future.set_exception(error)
+
+        self.queue.put(request, finished, future.set_exception)
+        return future
+
+    def _work(self) -> None:
+        while True:
+            self.queue.wait()
+            self.sessions += 1
+            try:
+                self._decode(self.queue)
+            except BaseException as error:  # every request of the failed decode hears of it
+                self.queue.fail(error)
+
+
+def check_continuous(decoder: Any) -> None:
+    """ValueError unless `decoder` can serve continuous batching: one of the speculative
+    loop's decoders with a fixed window (the proposer's own check runs at the first row)."""
+    from mmgen.decoding.speculative import SpeculativeDecoder
+
+    if not isinstance(decoder, SpeculativeDecoder):
+        raise ValueError(f"continuous batching runs the token decoders of the speculative loop, not {type(decoder).__name__}")
+    if resolve_adaptive(getattr(decoder, "adapt", None)) is not None:
+        raise ValueError("continuous batching needs a fixed draft window: the adaptive window picks one width for the "
+                         "whole batch, so a row's draws would depend on its neighbours; pass adapt=False (spec ':adapt=false')")
+
+
+def continuous_decode(
+    decoder: Any,
+    model: TokenModel,
+    requests: Union[Iterable[Request], "LiveQueue"],
+    num_tokens: int,
+    sampling: SamplingConfig,
+    batch_size: int,
+    on_finish: Optional[Callable[[Finished], None]] = None,
+    stopping: Any = None,
+) -> tuple[list[Finished], DecodeStats]:
+    """Decode every request with `decoder`, at most `batch_size` rows at a time, refilling a
+    row as soon as it finishes. Returns the finished requests in input order (or, with
+    `on_finish`, hands each over as it finishes and returns none; a `LiveQueue` hands each to
+    its own callback and the decode ends when no request runs or waits) and the run's stats (its
+    forwards over the whole run, prefills included; `rows` = requests; `baseline_forwards` =
+    autoregressive decoding of the same tokens in gap-free rows)."""
+    from mmgen.decoding.speculative import Proposer, speculative_decode
+
+    check_num_tokens(num_tokens)
+    check_continuous(decoder)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    done: list[Finished] = []
+    if isinstance(requests, LiveQueue):
+        queue, rows = requests, batch_size
+        head = queue.wait()
+    else:
+        requests = iter(requests)
+        first = [r for _, r in zip(range(batch_size), requests)]
+        if not first:
+            return [], DecodeStats()
+        queue, rows = RequestQueue(itertools.chain(first, requests), on_finish or done.append), len(first)
+        head = check_request(first[0])
+    count, tokens = queue.count, queue.tokens
+    # The rows' generators until their first request arrives: the proposer's set-up draws
+    # from these, never from a request's.
+    device = head.generator.device
+    generators = RowGenerators(torch.Generator(device=device).manual_seed(0) for _ in range(rows))
+    proposer, rule = decoder.roles(model, num_tokens, generators[0])
+    if type(proposer).draw is not Proposer.draw:
+        raise ValueError(f"{type(decoder).__name__} draws tokens from its own fixed noise, not from each row's generator: "
+                         "it cannot serve continuous batching")
+    if type(proposer) is not Proposer and type(proposer).restart is Proposer.restart:
+        raise ValueError(f"{type(decoder).__name__}'s proposer cannot restart rows, so it cannot serve continuous batching")
+    # The batch is sized by the first request's conditions; each row is prefilled again alone.
+    result = speculative_decode(model, _stack([head.conditions] * rows), num_tokens, sampling, generators, proposer, rule,
+                                decoder.capacity(num_tokens), stopping=stopping, feed=queue)
+    stats = result.stats
+    # Forwards: the batch's decode forwards plus one batch-1 prefill per request. The baseline
+    # is autoregressive decoding of the same tokens in rows packed without a gap (a prefill per
+    # request, then one token per row and forward), so step_compression compares like with like.
+    count, tokens = queue.count - count, queue.tokens - tokens
+    stats.forwards, stats.rows, stats.tokens = stats.forwards + count, count, num_tokens
+    stats.baseline_forwards = count + -(-(tokens - count) // max(1, min(rows, count)))
+    return sorted(done, key=lambda f: f.index), stats
+
+
+def check_request(request: Any) -> Request:
+    """`request` if it is a `Request` with its own generator and a budget >= 1 (ValueError)."""
+    if not isinstance(request, Request) or not isinstance(request.generator, torch.Generator):
+        raise ValueError("continuous_decode takes Request objects, each with its own torch.Generator")
+    budget = request.max_new_tokens
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+        raise ValueError(f"a request's max_new_tokens must be an integer >= 1 or None, got {budget!r}")
+    return request
+
+
+def _stack(conditions: list) -> Any:
+    """One batch of conditions from per-row ones: tensors concatenated on their first axis,
+    dataclasses field by field."""
+    head = conditions[0]
+    if isinstance(head, torch.Tensor):
+        return torch.cat([c.reshape(1) if c.ndim == 0 else c for c in conditions])
+    if dataclasses.is_dataclass(head):
+        return dataclasses.replace(head, **{f.name: _stack([getattr(c, f.name) for c in conditions])
+                                            for f in dataclasses.fields(head)})
+    raise ValueError(f"cannot batch conditions of type {type(head).__name__}: give tensors or dataclasses of tensors")
+
+
+def split_rows(conditions: Any) -> list:
+    """Per-row conditions (each a batch of one) from a batch: the inverse of `_stack`."""
+    if isinstance(conditions, torch.Tensor):
+        return list(conditions.split(1))
+    if dataclasses.is_dataclass(conditions):
+        parts = {f.name: split_rows(getattr(conditions, f.name)) for f in dataclasses.fields(conditions)}
+        return [dataclasses.replace(conditions, **{name: rows[i] for name, rows in parts.items()})
+                for i in range(len(next(iter(parts.values()))))]
+    raise ValueError(f"cannot split conditions of type {type(conditions).__name__} into rows: give tensors or dataclasses of tensors")

@@ -1,0 +1,150 @@
+"""Continuous batching: each request decodes what it would decode alone with its generator.
+
+Identity with batch-1 decodes is the promise (tokens and per-request stats), so it is tested
+token for token, greedy and sampled, with stop tokens and per-request budgets; the sampled law
+of continuously batched outputs is also checked against the enumerated one (chi-square).
+"""
+
+import pytest
+import torch
+
+from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, PromptLookup, SpeculativeJacobi, make_decoder
+from mmgen.decoding.batching import Request, continuous_decode
+from mmgen.decoding.speculative import Stopping
+from mmgen.image_ar.llamagen import LlamaGenTokenModel
+from mmgen.sampling import SamplingConfig, make_generator
+
+from tests.conftest import tiny_transformer
+from tests.core.test_decoding import enumerable  # noqa: F401
+from tests.core.test_speculative_loop import assert_outputs_follow, stopped_law
+
+SAMPLED = SamplingConfig(temperature=1.0, top_k=16, guidance=3.0)
+GREEDY = SamplingConfig(top_k=1, guidance=4.0)
+# A random codebook gives LANTERN its neighbours.
+MODEL = LlamaGenTokenModel(tiny_transformer(output_std=1.5), codebook=torch.randn(32, 8, generator=make_generator(0)))
+LABELS = [1, 5, 7, 2, 9, 0, 3]
+
+
+def fixed(name: str, **options):
+    return make_decoder(name, **options) if name == "ar" else make_decoder(name, adapt=False, window=8, **options)
+
+
+def solo(decoder, label: int, seed: int, sampling, stopping=None):
+    return decoder.generate(MODEL, torch.tensor([label]), 64, sampling, make_generator(seed), stopping=stopping)
+
+
+@pytest.mark.parametrize("name,sampling", [("ar", SAMPLED), ("sjd", SAMPLED), ("lantern", SAMPLED), ("gsd", SAMPLED),
+                                           ("ar", GREEDY), ("sjd", GREEDY)],
+                         ids=["ar-sampled", "sjd-sampled", "lantern-sampled", "gsd-sampled", "ar-greedy", "sjd-greedy"])
+def test_each_request_decodes_what_it_decodes_alone(name, sampling):
+    decoder = fixed(name)
+    requests = [Request(torch.tensor([label]), make_generator(10 + i)) for i, label in enumerate(LABELS)]
+    done, stats = continuous_decode(decoder, MODEL, requests, 64, sampling, batch_size=3)
+    assert [f.index for f in done] == list(range(len(LABELS)))
+    for i, label in enumerate(LABELS):
+        alone = solo(decoder, label, 10 + i, sampling)
+        assert torch.equal(done[i].tokens, alone.tokens[0]), f"request {i}"
+        # Its own stats are a batch-1 decode's: the same forwards and accepted lengths.
+        assert done[i].stats.accepted_histogram == alone.stats.accepted_histogram
+        assert done[i].stats.forwards == alone.stats.forwards and not done[i].masked
+    assert stats.rows == len(LABELS)
+
+
+def test_rows_are_refilled_as_they_finish_and_results_stream_in_finishing_order():
+    decoder = fixed("sjd")
+    seen = []
+    requests = [Request(torch.tensor([label]), make_generator(i)) for i, label in enumerate(LABELS)]
+    done, stats = continuous_decode(decoder, MODEL, requests, 64, SAMPLED, batch_size=2, on_finish=seen.append)
+    assert done == [] and sorted(f.index for f in seen) == list(range(len(LABELS)))
+    # Handed over as they finish: a short request admitted second comes out first.
+    short = [Request(torch.tensor([1]), make_generator(0)), Request(torch.tensor([2]), make_generator(1), 4)]
+    order = []
+    continuous_decode(decoder, MODEL, short, 64, SAMPLED, batch_size=2, on_finish=lambda f: order.append(f.index))
+    assert order == [1, 0]
+    # Static batches of 2 take as many decode forwards as their slower row; refilled rows fewer.
+    decode_forwards = [solo(decoder, label, i, SAMPLED).stats.forwards - 1 for i, label in enumerate(LABELS)]
+    static = sum(max(decode_forwards[k : k + 2]) for k in range(0, len(LABELS), 2))
+    assert stats.forwards - len(LABELS) < static  # the run's forwards count one prefill per request
+
+
+def test_stop_tokens_budgets_and_requests_that_end_at_their_first_token():
+    decoder = fixed("sjd")
+    stop = int(solo(decoder, 1, 0, GREEDY).tokens[0, 20])  # a token greedy decoding emits mid-image
+    stopping = Stopping(stop_tokens=[stop], pad_token=-1)
+    budgets = [64, 1, 30, None, 5, 1, 64]
+    requests = [Request(torch.tensor([label]), make_generator(i), budget) for i, (label, budget) in enumerate(zip(LABELS, budgets))]
+    done, _ = continuous_decode(decoder, MODEL, requests, 64, SAMPLED, batch_size=3, stopping=stopping)
+    for i, (label, budget) in enumerate(zip(LABELS, budgets)):
+        alone = solo(decoder, label, i, SAMPLED, Stopping(stop_tokens=[stop], max_new_tokens=budget, pad_token=-1))
+        n = int(alone.lengths[0])
+        assert len(done[i].tokens) == n and torch.equal(done[i].tokens, alone.tokens[0, :n]), f"request {i}"
+    assert [len(done[i].tokens) for i in (1, 5)] == [1, 1]
+
+
+def test_sampled_outputs_follow_the_exact_law(enumerable):  # noqa: F811
+    """Thousands of requests through 64 rows with a stop token: the chi-square of the outputs."""
+    sampling, stop, n = SamplingConfig(temperature=0.9, guidance=2.0), 2, 3000
+    law = stopped_law(enumerable, sampling, stop)
+    requests = (Request(torch.tensor([1]), make_generator(i)) for i in range(n))
+    decoder = SpeculativeJacobi(window=3, adapt=False)
+    done, _ = continuous_decode(decoder, enumerable, requests, 4, sampling, batch_size=64, stopping=Stopping([stop]))
+    lengths = torch.tensor([len(f.tokens) for f in done])
+    tokens = torch.stack([torch.cat([f.tokens, f.tokens.new_zeros(4 - len(f.tokens))]) for f in done])
+    assert_outputs_follow(type("Out", (), {"tokens": tokens, "lengths": lengths}), law)
+
+
+def test_what_cannot_be_batched_continuously_is_refused_before_any_work():
+    requests = [Request(torch.tensor([1]), make_generator(0))]
+    cases = {
+        "fixed draft window": SpeculativeJacobi(),  # adaptive by default
+        "cannot restart rows": PromptLookup(adapt=False),
+        "its own fixed noise": CoupledJacobi(),
+    }
+    cases["cannot restart rows, "] = DraftSpeculative(drafter=MODEL, num_draft=2)
+    for message, decoder in cases.items():
+        with pytest.raises(ValueError, match=message):
+            continuous_decode(decoder, MODEL, requests, 64, SAMPLED, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size"):
+        continuous_decode(Autoregressive(), MODEL, requests, 64, SAMPLED, batch_size=0)
+    with pytest.raises(ValueError, match="Request objects"):
+        continuous_decode(Autoregressive(), MODEL, [torch.tensor([1])], 64, SAMPLED, batch_size=2)
+
+    class NoRestart:
+        vocab_size = MODEL.vocab_size
+        start, forward, commit, rewind = MODEL.start, MODEL.forward, MODEL.commit, MODEL.rewind
+
+    with pytest.raises(ValueError, match="no `restart`"):
+        continuous_decode(Autoregressive(), NoRestart(), requests, 64, SAMPLED, batch_size=2)
+    assert continuous_decode(Autoregressive(), MODEL, [], 64, SAMPLED, batch_size=2)[0] == []
+
+
+def test_requests_that_arrive_while_others_decode_start_at_the_next_forward():
+    """A server's queue: the second request appears after four forwards and takes the free row
+    at once (free rows ask every forward), decoding what it decodes alone."""
+    from mmgen.decoding.speculative import speculative_decode
+    from mmgen.sampling import RowGenerators
+
+    class LateQueue:
+        def __init__(self, requests):
+            self.waiting, self.asked, self.done, self.index = list(requests), 0, {}, {}
+
+        def refill(self, rows):
+            self.asked += 1
+            if not self.waiting or (self.asked > 1 and self.asked < 5):
+                return []
+            self.index[rows[0]] = 2 - len(self.waiting)
+            return [(rows[0], self.waiting.pop(0))]
+
+        def finish(self, row, tokens, stats, masked):
+            self.done[self.index.pop(row)] = (tokens, stats)
+
+    decoder = fixed("sjd")
+    queue = LateQueue([Request(torch.tensor([1]), make_generator(0)), Request(torch.tensor([5]), make_generator(1))])
+    proposer, rule = decoder.roles(MODEL, 64, None)
+    rows = RowGenerators([torch.Generator(), torch.Generator()])
+    out = speculative_decode(MODEL, torch.tensor([1, 1]), 64, SAMPLED, rows, proposer, rule, decoder.capacity(64), feed=queue)
+    alone = [solo(decoder, label, i, SAMPLED) for i, label in enumerate([1, 5])]
+    for i in range(2):
+        assert torch.equal(queue.done[i][0], alone[i].tokens[0])
+    # The second request overlapped the first: fewer forwards than one after the other.
+    assert out.stats.forwards < sum(a.stats.forwards - 1 for a in alone)
