@@ -29,14 +29,23 @@ from benchmarks.adaptive_window import build
 METHODS = ["ar", "sjd:adapt=false", "lantern:adapt=false"]
 
 
-def static(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int) -> int:
-    """Decode `labels` in groups of `batch_size`, one generator per group; returns the forwards."""
-    forwards = 0
+def static(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int) -> tuple[int, float]:
+    """Decode `labels` in groups of `batch_size`, one generator per group; returns the forwards
+    and the rows' utilisation."""
+    forwards, busy, slots = 0, 0, 0
     for start in range(0, len(labels), batch_size):
         group = labels[start : start + batch_size]
         out = decoder.generate(model, group, num_tokens, sampling, make_generator(seed + start))
         forwards += out.stats.forwards
-    return forwards
+        busy, slots = busy + sum(out.stats.accepted_histogram) - len(group), slots + batch_size * (out.stats.forwards - 1)
+    return forwards, busy / slots
+
+
+def utilisation(stats, rows: int) -> float:
+    """Row-forwards that decoded a live request over all row-forwards of the decode forwards
+    (prefills, one per request, left out)."""
+    decode_forwards = stats.forwards - stats.rows
+    return (sum(stats.accepted_histogram)) / (rows * decode_forwards) if decode_forwards else 1.0
 
 
 def continuous(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int):
@@ -66,15 +75,15 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
     for spec in args.methods:
         decoder = resolve_decoder(spec)
         times: dict[str, list[float]] = {"static": [], "continuous": []}
-        forwards = {}
+        forwards, busy = {}, {}
         for repeat in range(args.repeats):
             for mode in ("static", "continuous") if repeat % 2 == 0 else ("continuous", "static"):
                 begun = time.perf_counter()
                 if mode == "static":
-                    forwards[mode] = static(decoder, model, labels, num_tokens, sampling, args.batch_size, 0)
+                    forwards[mode], busy[mode] = static(decoder, model, labels, num_tokens, sampling, args.batch_size, 0)
                 else:
                     done, stats = continuous(decoder, model, labels, num_tokens, sampling, args.batch_size, 0)
-                    forwards[mode] = stats.forwards
+                    forwards[mode], busy[mode] = stats.forwards, utilisation(stats, min(args.batch_size, args.requests))
                 times[mode].append(time.perf_counter() - begun)
         identical = 0
         for i in range(min(args.check, args.requests)):
@@ -86,11 +95,13 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
             median = statistics.median(times[mode])
             row[f"{mode}_images_per_s"] = args.requests / median
             row[f"{mode}_forwards"] = forwards[mode]
+            row[f"{mode}_row_utilisation"] = busy[mode]
             row[f"{mode}_spread"] = (max(times[mode]) - min(times[mode])) / median
         row["speedup"] = row["continuous_images_per_s"] / row["static_images_per_s"]
         rows.append(row)
-        print(f"{spec:24s} static {row['static_images_per_s']:.2f} img/s ({forwards['static']} forwards)  "
-              f"continuous {row['continuous_images_per_s']:.2f} img/s ({forwards['continuous']} forwards)  "
+        print(f"{spec:24s} static {row['static_images_per_s']:.2f} img/s ({forwards['static']} forwards, "
+              f"rows busy {busy['static']:.0%})  continuous {row['continuous_images_per_s']:.2f} img/s "
+              f"({forwards['continuous']} forwards, rows busy {busy['continuous']:.0%})  "
               f"x{row['speedup']:.2f}  identical to alone {row['identical_to_alone']}", flush=True)
     print(json.dumps(rows))
     if args.json:
