@@ -448,6 +448,9 @@ class _Admission:
         self.limit, self.emitted, self.bad, self.rows = limit, emitted, bad, rows
         self.stopping, self.stop_ids, self.num_tokens = stopping, stop_ids, num_tokens
         self.live = [False] * run.batch_size
+        # Idle rows still draw (shapes are fixed): from this one, never from a finished request's
+        # generator, which the caller gets back as a batch-1 decode would leave it.
+        self.idle = torch.Generator(device=run.device).manual_seed(0)
 
     def __call__(self, ended: list[int]) -> None:
         run, zero = self.run, torch.zeros(1, 1, dtype=torch.long, device=self.run.device)
@@ -458,6 +461,7 @@ class _Admission:
                     stats = self.rows.stats(row, n, 0)
                     self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
                     self.live[row] = False
+                    run.generator[row] = self.idle
             started = []
             # Every free row asks, not only those that just ended: a feed whose requests arrive
             # while others decode (a server's queue) has them started at the next forward.

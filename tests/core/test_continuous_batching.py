@@ -42,8 +42,11 @@ def test_each_request_decodes_what_it_decodes_alone(name, sampling):
     done, stats = continuous_decode(decoder, MODEL, requests, 64, sampling, batch_size=3)
     assert [f.index for f in done] == list(range(len(LABELS)))
     for i, label in enumerate(LABELS):
-        alone = solo(decoder, label, 10 + i, sampling)
+        generator = make_generator(10 + i)
+        alone = decoder.generate(MODEL, torch.tensor([label]), 64, sampling, generator)
         assert torch.equal(done[i].tokens, alone.tokens[0]), f"request {i}"
+        # Each generator is left as its batch-1 decode leaves it (idle rows draw from another).
+        assert torch.equal(requests[i].generator.get_state(), generator.get_state())
         # Its own stats are a batch-1 decode's: the same forwards and accepted lengths.
         assert done[i].stats.accepted_histogram == alone.stats.accepted_histogram
         assert done[i].stats.forwards == alone.stats.forwards and not done[i].masked
