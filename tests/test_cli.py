@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from PIL import Image
@@ -17,6 +18,17 @@ def model_dir(tmp_path_factory):
 
 def mmgen(*args):
     return subprocess.run([sys.executable, "-m", "mmgen.cli", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def mmgen_here(capsys, *args):
+    """The same command in this process, for input refused before any work (no interpreter
+    start-up per case): its exit status and output, as `mmgen` returns them."""
+    from mmgen.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
 
 
 def positions(folder):
@@ -58,10 +70,16 @@ def test_same_seed_same_files(model_dir, tmp_path):
         (["--class-labels", 1, "--decoding", "medusa"], "unknown decoding 'medusa'"),
     ],
 )
-def test_bad_input_exits_with_a_message(model_dir, tmp_path, args, message):
-    result = mmgen("generate", "image", "--model", model_dir, *args, "--out", tmp_path, "--no-progress")
+def test_bad_input_exits_with_a_message(model_dir, tmp_path, capsys, args, message):
+    result = mmgen_here(capsys, "generate", "image", "--model", model_dir, *args, "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and message in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_input_from_the_shell_is_one_line_without_a_traceback(model_dir, tmp_path):
+    result = mmgen("generate", "image", "--model", model_dir, "--class-labels", 99, "--out", tmp_path, "--no-progress")
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "mmgen: error: invalid class id 99: expected an integer in [0, 10)"]
 
 
 def test_bundled_model_is_the_default_and_class_names_work(tmp_path):
@@ -98,8 +116,8 @@ def test_generate_image_from_prompts(tmp_path, kind):
     assert wrong.returncode == 2 and "use --prompt" in wrong.stderr
 
 
-def test_prompt_on_a_class_conditional_model_is_a_clear_error(model_dir, tmp_path):
-    result = mmgen("generate", "image", "--model", model_dir, "--prompt", "a cat", "--out", tmp_path, "--no-progress")
+def test_prompt_on_a_class_conditional_model_is_a_clear_error(model_dir, tmp_path, capsys):
+    result = mmgen_here(capsys, "generate", "image", "--model", model_dir, "--prompt", "a cat", "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and "use --class-labels" in result.stderr
 
 
@@ -169,8 +187,8 @@ def test_generate_image_with_var(var_dirs, tmp_path, extra):
         (["--cfg-interval", "2"], "VARPipeline has no option(s) ['cfg_interval']"),
     ],
 )
-def test_var_bad_input_exits_with_a_message(var_dirs, tmp_path, args, message):
-    result = mmgen("generate", "image", "--model", var_dirs / "large", "--class-labels", 1, *args, "--out", tmp_path, "--no-progress")
+def test_var_bad_input_exits_with_a_message(var_dirs, tmp_path, capsys, args, message):
+    result = mmgen_here(capsys, "generate", "image", "--model", var_dirs / "large", "--class-labels", 1, *args, "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -197,16 +215,16 @@ def test_generate_image_with_mar(mar_dir, tmp_path, extra):
     assert stats["baseline_forwards"] == int(extra[extra.index("--num-iter") + 1])
 
 
-def test_mar_steps_come_from_the_spec_or_num_iter_never_both(mar_dir, tmp_path):
-    result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
-                   "--out", tmp_path, "--no-progress")
+def test_mar_steps_come_from_the_spec_or_num_iter_never_both(mar_dir, tmp_path, capsys):
+    result = mmgen_here(capsys, "generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
+                        "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["stats"]["baseline_forwards"] == 2
-    result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
+    result = mmgen_here(capsys, "generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
                    "--num-iter", "3", "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and "'ar:num_steps=2' sets num_steps=2 but --num-iter (num_iter) is 3" in result.stderr
 
 
-def test_mar_rejects_token_options(mar_dir, tmp_path):
-    result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 1, "--top-k", 5, "--out", tmp_path, "--no-progress")
+def test_mar_rejects_token_options(mar_dir, tmp_path, capsys):
+    result = mmgen_here(capsys, "generate", "image", "--model", mar_dir, "--class-labels", 1, "--top-k", 5, "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and "has no option(s) ['top_k']" in result.stderr
