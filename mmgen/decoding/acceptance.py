@@ -48,8 +48,9 @@ class AcceptanceRule:
         self, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(accepted [B, n] bool, residual [B, n, V]) with one uniform draw per draft. The loop
-        reads the residual only at each row's first rejected position, so a rule may leave the
-        others as anything that can be sampled from (LANTERN leaves p there)."""
+        reads decisions only up to each row's first rejection and the residual only there, so a
+        rule may stop deciding after it (False) and leave other residuals as anything that can
+        be sampled from (the bounded lossy rules leave p there)."""
         accept, residual = self.probabilities(p, q, drafts)
         return uniform(drafts.shape, generator, p.device) < accept, residual
 
@@ -134,6 +135,43 @@ class NeighbourhoodAcceptance(AcceptanceRule):
             pi = self.relaxed_target(p, q)
             return _ratio(pi, q, drafts), residual_distribution(pi, q)
         return self.literal(p, q, drafts)
+
+    def __call__(self, p, q, drafts, generator):
+        """The bounded rule on the CPU scores positions left to right, in chunks of 1, 2, 4, ...
+        positions, and stops at each row's first rejection: the loop reads decisions only up to
+        there and the residual only there, so later chunks are never scored (decisions past
+        the first rejection come back False, the residual elsewhere is p). Each scored position
+        is computed as `probabilities` computes it (the same bits), from the same uniform
+        draws, so decodes are unchanged; a row whose first rejection is at draft j costs at
+        most 2j + 1 positions instead of all of them. Off the CPU (a host sync per chunk) and
+        for the literal rule: every position at once."""
+        if not self.bounded or p.device.type != "cpu" or drafts.ndim != 2:
+            return super().__call__(p, q, drafts, generator)
+        u = uniform(drafts.shape, generator, p.device)
+        accepted = torch.zeros(drafts.shape, dtype=torch.bool, device=p.device)
+        residual = p.clone()
+        alive = torch.arange(drafts.shape[0], device=p.device)  # rows with no rejection yet
+        start, width, n = 0, 1, drafts.shape[1]
+        while start < n and len(alive):
+            js = slice(start, min(n, start + width))
+            ok, residual_of = self._decide(p[alive, js], q[alive, js], drafts[alive, js], u[alive, js])
+            passed = ok.long().cumprod(-1)
+            accepted[alive, js] = passed.bool()
+            first = passed.sum(-1)  # each row's first rejection in the chunk (its width if none)
+            rejected = first < ok.shape[1]
+            if bool(rejected.any()):
+                at = torch.zeros_like(ok)
+                at[rejected.nonzero().squeeze(1), first[rejected]] = True
+                residual[alive[rejected], start + first[rejected]] = residual_of(at)
+            alive, start, width = alive[~rejected], start + ok.shape[1], 2 * width
+        return accepted, residual
+
+    def _decide(self, p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor):
+        """Positions of some rows: p, q [R, m, V], drafts x [R, m], uniforms u [R, m] ->
+        (accepted [R, m], a function giving the residuals [c, V] at the c places a mask [R, m]
+        picks, in row-major order)."""
+        pi = self.relaxed_target(p, q)
+        return u < _ratio(pi, q, x), lambda at: residual_distribution(pi[at], q[at])
 
     def relaxed_target(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """pi = sum_x q(x) p_x over the whole vocabulary, [B, n, V]."""
@@ -221,33 +259,27 @@ class RelaxedAcceptance(NeighbourhoodAcceptance):
             pi[r] = pc * (1 - claimed).clamp_min(0) + qc * moved_in
         return pi
 
-    def __call__(self, p, q, drafts, generator):
-        """The bounded rule without the whole target at every position: pi at each draft (its
-        own neighbour prefix, plus the mass the drafts' reverse neighbours claim from it), then
-        pi over the vocabulary only at each row's first rejection, where the loop reads the
-        residual. Bit-identical to `probabilities` at those places (tested), so decodes are
-        unchanged; a 16-token window computes 15 drafts' worth plus one row's target instead
-        of 15 targets (on the CPU, when k <= V / 4: LlamaGen's 16384 codes with k = 1000)."""
-        V, k = self._table().shape
-        if not self.bounded or 4 * k > V or p.device.type != "cpu":
-            # With k near V (a small codebook) each draft's claimers are most of the vocabulary:
-            # the lazy pass would redo the whole one, draft by draft. Off the CPU its per-draft
-            # host sums would sync the device once per draft (measured on the CPU only).
-            return super().__call__(p, q, drafts, generator)
-        flat_p, flat_q, x = p.reshape(-1, V), q.reshape(-1, V), drafts.reshape(-1)
-        pi_x = self._target_at(flat_p, flat_q, x)
-        q_x = flat_q.gather(1, x[:, None]).squeeze(1)
-        accept = (pi_x / q_x.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0).view(drafts.shape)
-        accepted = uniform(drafts.shape, generator, p.device) < accept
-        residual = p.clone()
-        rejected = ~accepted
-        rows = rejected.any(-1).nonzero().flatten()
-        if len(rows):
-            first = rejected[rows].long().argmax(-1)
-            at_p, at_q = p[rows, first], q[rows, first]  # [m, V]
+    def _decide(self, p, q, x, u):
+        """LANTERN's bounded rule without the whole target: pi at each draft (its own neighbour
+        prefix, plus the mass its reverse neighbours claim from it), and pi over the vocabulary
+        only where a residual is asked for (each row's first rejection, the one place the loop
+        reads it). The same bits as the whole pass (tested). Used when k <= V / 4 (LlamaGen's
+        16384 codes with k = 1000): with k near V (a small codebook) each draft's claimers are
+        most of the vocabulary and the whole pass is cheaper."""
+        R, m, V = p.shape
+        if 4 * self._table().shape[1] > V:
+            return super()._decide(p, q, x, u)
+        flat_p, flat_q, flat_x = p.reshape(-1, V), q.reshape(-1, V), x.reshape(-1)
+        pi_x = self._target_at(flat_p, flat_q, flat_x).view(R, m)
+        q_x = q.gather(-1, x[..., None]).squeeze(-1)
+        ok = u < (pi_x / q_x.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0)
+
+        def residual_of(at):
+            at_p, at_q = p[at], q[at]
             pi = self._relaxed_target_on((at_p > 0) & (at_q > 0), at_p, at_q, self._table().to(p.device))
-            residual[rows, first] = residual_distribution(pi, at_q)
-        return accepted, residual
+            return residual_distribution(pi, at_q)
+
+        return ok, residual_of
 
     def _target_at(self, flat_p: torch.Tensor, flat_q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """pi(x) for one token x [R] per row of `flat_p`, `flat_q` [R, V]: p(x) (1 - claimed(x))

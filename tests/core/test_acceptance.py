@@ -301,8 +301,8 @@ def test_grouped_target_over_the_support_ranks_is_bit_identical_to_all_ranks(voc
 @pytest.mark.parametrize("vocab, k, lam, top_k", [(512, 32, None, 64), (4096, 300, None, 500), (4096, 300, 2.0, 500),
                                                   (512, 511, None, 0), (512, 100, 3.0, 0), (512, 128, None, 0)])
 def test_relaxed_draws_equal_the_whole_target_where_the_loop_reads_them(vocab, k, lam, top_k):
-    """`__call__` builds pi only at the drafts and at each row's first rejection: the same
-    accept decisions and, at the first rejection, the same residual bits as `probabilities`."""
+    """`__call__` builds pi only at the drafts up to each row's first rejection and there: the
+    same accept decisions up to it and, at it, the same residual bits as `probabilities`."""
     g = torch.Generator().manual_seed(vocab + k)
     neighbours = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(vocab)])
     rule = RelaxedAcceptance(k=k, lam=lam, neighbours=neighbours)
@@ -320,9 +320,47 @@ def test_relaxed_draws_equal_the_whole_target_where_the_loop_reads_them(vocab, k
     pi_x = rule.relaxed_target(p, q).gather(-1, drafts[..., None]).reshape(-1)
     assert torch.equal(rule._target_at(p.reshape(-1, vocab), q.reshape(-1, vocab), drafts.reshape(-1)), pi_x)
     accepted, lazy = rule(p, q, drafts, torch.Generator().manual_seed(5))
-    assert torch.equal(accepted, torch.rand(drafts.shape, generator=torch.Generator().manual_seed(5)) < accept)
+    assert_same_prefix_decisions(accepted, torch.rand(drafts.shape, generator=torch.Generator().manual_seed(5)) < accept)
     assert accepted[0].all() and (~accepted).any()
     for b in range(4):
         if not accepted[b].all():
             j = int((~accepted[b]).long().argmax())
             assert torch.equal(lazy[b, j], residual[b, j])
+
+
+def assert_same_prefix_decisions(lazy: torch.Tensor, whole: torch.Tensor) -> None:
+    """A rule that stops at each row's first rejection: the same decisions up to and at it
+    (what the loop reads), and none after it."""
+    for row_lazy, row_whole in zip(lazy, whole):
+        n = int(row_whole.long().cumprod(-1).sum())  # accepted prefix
+        assert torch.equal(row_lazy[: n + 1], row_whole[: n + 1]) and not row_lazy[n + 1 :].any()
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+def test_grouped_draws_stop_at_each_rows_first_rejection_with_the_whole_passs_bits(bounded):
+    """GSD's `__call__` scores positions left to right and stops at each row's first rejection:
+    the decisions up to it and the residual at it are those of `probabilities` (the literal
+    rule scores every position at once, as before)."""
+    from mmgen.decoding.acceptance import close_pairs
+
+    g = torch.Generator().manual_seed(11)
+    vocab = 1024
+    rule = GroupedAcceptance(distance_threshold=2.0, prob_threshold=0.5, bounded=bounded,
+                             close=close_pairs(torch.randn(vocab, 4, generator=g), 2.0))
+    logits = torch.randn(4, 6, vocab, generator=g)
+    p = logits.masked_fill(logits < logits.topk(100, -1).values[..., -1:], float("-inf")).softmax(-1)
+    q = (logits + torch.randn(4, 6, vocab, generator=g)).softmax(-1)
+    q[0] = p[0]
+    drafts = torch.multinomial(q.view(-1, vocab), 1, generator=g).view(4, 6)
+    accept, residual = rule.probabilities(p, q, drafts)
+    accepted, drawn = rule(p, q, drafts, torch.Generator().manual_seed(5))
+    whole = torch.rand(drafts.shape, generator=torch.Generator().manual_seed(5)) < accept
+    if bounded:
+        assert_same_prefix_decisions(accepted, whole)
+    else:
+        assert torch.equal(accepted, whole)
+    assert accepted[0].all() and (~accepted).any()
+    for b in range(4):
+        if not accepted[b].all():
+            j = int((~accepted[b]).long().argmax())
+            assert torch.equal(drawn[b, j], residual[b, j])
