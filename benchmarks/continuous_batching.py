@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -105,8 +106,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
               f"x{row['speedup']:.2f}  identical to alone {row['identical_to_alone']}", flush=True)
     print(json.dumps(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 
