@@ -162,7 +162,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         with self.progress_bar(len(requests), desc="images") as bar:
 
             def finished(result: Finished) -> None:
-                tokens[result.index] = result.tokens
+                tokens[result.index] = result.checked().tokens
                 image = self.decode_tokens(result.tokens[None], output_type)[0]
                 if on_image is not None:
                     on_image(result.index, image, result.stats)
@@ -197,7 +197,10 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
             with lock if lock is not None else contextlib.nullcontext():
                 continuous_decode(decoder, self.token_model(official_attention), queue, num_tokens, sampling, batch_size)
 
-        return ContinuousServer(decode, lambda done: (self.decode_tokens(done.tokens[None], output_type)[0], done.stats))
+        def result(done: Finished) -> tuple[Any, Any]:  # a masked request's error goes to its caller alone
+            return self.decode_tokens(done.checked().tokens[None], output_type)[0], done.stats
+
+        return ContinuousServer(decode, result)
 
     @torch.no_grad()
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):

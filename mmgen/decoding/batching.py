@@ -9,8 +9,8 @@ alone (`TokenModel.restart`) and every random draw for it comes from its generat
 order a batch-1 decode draws (`RowGenerators`), so its tokens are those of decoding it alone
 with that generator, whichever rows it shared forwards with and whenever it joined. That holds
 as far as the model's forward is batch-invariant (a row's logits do not depend on the other
-rows): exactly so for per-row models, and for dense matmuls where the kernel does not change
-with the row count (tests/core/test_continuous_batching.py shows both).
+rows): dense matmuls are where the kernel does not change with the row count, as on this CPU
+for the tiny and bundled LlamaGens of tests/core/test_continuous_batching.py.
 
 Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++) with a fixed
 window (`adapt=False`: the adaptive window picks one width for the whole batch).
@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from mmgen.decoding.base import check_num_tokens
+from mmgen.decoding.base import check_num_tokens, raise_if_masked
 from mmgen.decoding.stats import DecodeStats
 from mmgen.decoding.window import resolve_adaptive
 from mmgen.modeling import TokenModel
@@ -56,6 +56,11 @@ class Finished:
     tokens: torch.Tensor
     stats: DecodeStats
     masked: bool = False
+
+    def checked(self) -> "Finished":
+        """This result, or the error a batch-1 decode of it raises (AllTokensMaskedError)."""
+        raise_if_masked(torch.tensor([self.masked]))
+        return self
 
 
 class RequestQueue:

@@ -151,3 +151,15 @@ def test_requests_that_arrive_while_others_decode_start_at_the_next_forward():
         assert torch.equal(queue.done[i][0], alone[i].tokens[0])
     # The second request overlapped the first: fewer forwards than one after the other.
     assert out.stats.forwards < sum(a.stats.forwards - 1 for a in alone)
+
+
+def test_a_request_with_nothing_to_sample_raises_what_its_batch_one_decode_raises():
+    """The loop flags such a request (`Finished.masked`); pipelines raise for it through `checked()`."""
+    from mmgen.decoding import DecodeStats
+    from mmgen.decoding.batching import Finished
+    from mmgen.sampling import AllTokensMaskedError
+
+    clean = Finished(0, torch.zeros(3, dtype=torch.long), DecodeStats())
+    assert clean.checked() is clean
+    with pytest.raises(AllTokensMaskedError, match="every token was masked"):
+        Finished(1, torch.zeros(3, dtype=torch.long), DecodeStats(), masked=True).checked()
