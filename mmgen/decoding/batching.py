@@ -97,7 +97,7 @@ class LiveQueue:
     def __init__(self):
         self._waiting: collections.deque = collections.deque()
         self._ready = threading.Condition()
-        self.running: dict[int, tuple[Request, Callable, Callable]] = {}  # row -> its request and callbacks
+        self.running: dict[int, tuple[int, Callable, Callable]] = {}  # row -> its arrival index and callbacks
         self.count = 0
         self.tokens = 0
 
@@ -119,15 +119,16 @@ class LiveQueue:
             for row in rows:
                 if not self._waiting:
                     break
-                self.running[row] = entry = self._waiting.popleft()
+                request, on_finish, on_error = self._waiting.popleft()
+                self.running[row] = (self.count, on_finish, on_error)  # its place in arrival order
                 self.count += 1
-                out.append((row, entry[0]))
+                out.append((row, request))
         return out
 
     def finish(self, row: int, tokens: torch.Tensor, stats: DecodeStats, masked: bool) -> None:
         self.tokens += len(tokens)
-        _, on_finish, _ = self.running.pop(row)
-        on_finish(Finished(self.count, tokens, stats, masked))
+        index, on_finish, _ = self.running.pop(row)
+        on_finish(Finished(index, tokens, stats, masked))
 
     def fail(self, error: BaseException) -> None:
         with self._ready:
@@ -200,7 +201,7 @@ def continuous_decode(
     its own callback and the decode ends when no request runs or waits) and the run's stats (its
     forwards over the whole run, prefills included; `rows` = requests; `baseline_forwards` =
     autoregressive decoding of the same tokens in gap-free rows)."""
-    from mmgen.decoding.speculative import Proposer, speculative_decode
+    from mmgen.decoding.speculative import speculative_decode
 
     check_num_tokens(num_tokens)
     check_continuous(decoder)
@@ -222,12 +223,7 @@ def continuous_decode(
     # from these, never from a request's.
     device = head.generator.device
     generators = RowGenerators(torch.Generator(device=device).manual_seed(0) for _ in range(rows))
-    proposer, rule = decoder.roles(model, num_tokens, generators[0])
-    if type(proposer).draw is not Proposer.draw:
-        raise ValueError(f"{type(decoder).__name__} draws tokens from its own fixed noise, not from each row's generator: "
-                         "it cannot serve continuous batching")
-    if type(proposer) is not Proposer and type(proposer).restart is Proposer.restart:
-        raise ValueError(f"{type(decoder).__name__}'s proposer cannot restart rows, so it cannot serve continuous batching")
+    proposer, rule = decoder.roles(model, num_tokens, generators[0])  # speculative_decode checks them first
     # The batch is sized by the first request's conditions; each row is prefilled again alone.
     result = speculative_decode(model, _stack([head.conditions] * rows), num_tokens, sampling, generators, proposer, rule,
                                 decoder.capacity(num_tokens), stopping=stopping, feed=queue)

@@ -206,9 +206,7 @@ class Proposer:
         """Continuous batching: `rows` [n] start new requests (their token 0 is in `run`);
         reset their per-row state, drawing only from their own generators. The base proposer
         (autoregressive) keeps none; a proposer with per-row state overrides this, and one that
-        does not cannot serve continuous batching."""
-        if type(self) is not Proposer:
-            raise NotImplementedError(f"{type(self).__name__} cannot restart rows, so it cannot serve continuous batching")
+        does not cannot serve continuous batching (the loop checks before any work)."""
 
     def finish(self, stats) -> None:
         """Add the proposer's own counters to the stats."""
@@ -280,6 +278,8 @@ def speculative_decode(
     loop runs until no row is decoding.
     """
     check_num_tokens(num_tokens)
+    if feed is not None:
+        _check_feed(model, proposer, adapt)
     k = proposer.num_draft
     K = int(getattr(model, "num_codebooks", 1))
     sampling = _per_codebook(sampling, K)
@@ -314,9 +314,6 @@ def speculative_decode(
         proposer.start(run)
         recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
     else:
-        if complete is not None or type(proposer).draw is not Proposer.draw or adapt is not None:
-            raise ValueError("continuous batching needs the loop's own token draw (no frame completion, no fixed noise) "
-                             "and a fixed window (adapt=False): each row must draw what a batch-1 decode draws")
         bad = torch.zeros(B, dtype=torch.bool, device=device)
         rows = _RowCounters(B, k, device)  # each request's own histogram: its stats equal a batch-1 decode's
         run.active = torch.zeros(B, dtype=torch.bool, device=device)
@@ -327,7 +324,7 @@ def speculative_decode(
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
     synced = k > 0 or variable or streamer is not None or feed is not None
-    slowest = report(tokens, emitted, run.active, synced) if feed is None else _rows_left(run, num_tokens)
+    slowest = report(tokens, emitted, run.active, synced) if feed is None else admit.left(num_tokens)
 
     ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
     chooser = adapt.start(k, B * (2 if uses_guidance else 1), device) if adapt is not None and k > 0 else None
@@ -388,7 +385,7 @@ def speculative_decode(
             continue
         rows.record(step, active)
         admit((active & ~run.active).nonzero().flatten().tolist())  # the host sync of this forward
-        slowest = _rows_left(run, num_tokens)
+        slowest = admit.left(num_tokens)
 
     if streamer is not None:
         streamer.end()
@@ -407,9 +404,22 @@ def speculative_decode(
     return DecodeOutput(out, stats, emitted)
 
 
-def _rows_left(run: DecodeRun, num_tokens: int) -> int:
-    """The loop's test value under continuous batching: 0 while a row decodes, else `num_tokens`."""
-    return 0 if bool(run.active.any()) else num_tokens
+def _check_feed(model: TokenModel, proposer: Proposer, adapt: Optional[AdaptiveWindow]) -> None:
+    """What continuous batching needs, checked before any work (ValueError): each row must draw
+    what a batch-1 decode of it draws, and start over on a new request."""
+    name = type(proposer).__name__
+    if getattr(model, "restart", None) is None:
+        raise ValueError(f"{type(model).__name__} cannot restart a row (no `restart`), so it cannot serve continuous batching")
+    if getattr(model, "complete_frame", None) is not None:
+        raise ValueError(f"{type(model).__name__} completes frames itself, which continuous batching does not drive yet")
+    if type(proposer).draw is not Proposer.draw:
+        raise ValueError(f"{name} draws tokens from its own fixed noise, not from each row's generator: "
+                         "it cannot serve continuous batching")
+    if type(proposer) is not Proposer and type(proposer).restart is Proposer.restart:
+        raise ValueError(f"{name} cannot restart rows, so it cannot serve continuous batching")
+    if adapt is not None:
+        raise ValueError("continuous batching needs a fixed draft window (adapt=False): the adaptive window picks one "
+                         "width for the whole batch, so a row's draws would depend on its neighbours")
 
 
 class _RowCounters:
@@ -428,10 +438,10 @@ class _RowCounters:
     def record(self, step: torch.Tensor, active: torch.Tensor) -> None:
         self.histogram.scatter_add_(1, step.clamp(0, self.histogram.shape[1] - 1)[:, None], active.long()[:, None])
 
-    def stats(self, row: int, tokens: int, cache_bytes: int) -> DecodeStats:
+    def stats(self, row: int, tokens: int) -> DecodeStats:
         histogram = self.histogram[row].tolist()
         return DecodeStats(forwards=sum(histogram), tokens=tokens, rows=1, accepted_histogram=histogram,
-                           wall_time_s=time.perf_counter() - self.started[row], cache_bytes=cache_bytes)
+                           wall_time_s=time.perf_counter() - self.started[row])
 
 
 class _Admission:
@@ -441,10 +451,7 @@ class _Admission:
     on the other rows (up to the forward's own batch invariance)."""
 
     def __init__(self, feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens):
-        restart = getattr(model, "restart", None)
-        if restart is None:
-            raise ValueError(f"{type(model).__name__} cannot restart a row (no `restart`), so it cannot serve continuous batching")
-        self.feed, self.restart, self.state, self.run, self.proposer, self.probs = feed, restart, state, run, proposer, probs
+        self.feed, self.restart, self.state, self.run, self.proposer, self.probs = feed, model.restart, state, run, proposer, probs
         self.limit, self.emitted, self.bad, self.rows = limit, emitted, bad, rows
         self.stopping, self.stop_ids, self.num_tokens = stopping, stop_ids, num_tokens
         self.live = [False] * run.batch_size
@@ -452,13 +459,18 @@ class _Admission:
         # generator, which the caller gets back as a batch-1 decode would leave it.
         self.idle = torch.Generator(device=run.device).manual_seed(0)
 
+    def left(self, num_tokens: int) -> int:
+        """The loop's test value: 0 while a row decodes a request, else `num_tokens` (no sync:
+        after admission a row decodes exactly when it holds a request)."""
+        return 0 if any(self.live) else num_tokens
+
     def __call__(self, ended: list[int]) -> None:
         run, zero = self.run, torch.zeros(1, 1, dtype=torch.long, device=self.run.device)
         while True:
             for row in ended:
                 if self.live[row]:
                     n = int(torch.minimum(self.emitted[row], self.limit[row]))  # a last window may run past the end
-                    stats = self.rows.stats(row, n, 0)
+                    stats = self.rows.stats(row, n)
                     self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
                     self.live[row] = False
                     run.generator[row] = self.idle
