@@ -8,9 +8,13 @@
 Each op is one function of `kernels/dispatch.py`: the Triton kernel on CUDA tensors, the twin
 (the core's own torch code) elsewhere, `backend=` or MMGEN_KERNELS to force either. Randomness
 is always the caller's (noise drawn from its torch.Generator), so both paths give the same
-tokens. Importing this package never imports triton. Not wired into the decoding loop yet.
+tokens. Importing this package never imports triton.
+
+- `step.ExactStep`: both ops as one decode step, in the torch path's draw order; the decoding
+  loop runs its plain steps (exact rule or none, one token per slot) through it on CUDA.
 """
 
-from mmgen.kernels.dispatch import BACKENDS, backend_for, exponential_noise, sample_logits, verify_exact
+from mmgen.kernels.dispatch import BACKENDS, backend_for, sample_logits, verify_exact
+from mmgen.sampling import exponential_noise  # the noise the ops take: `sample`'s own draws
 
 __all__ = ["BACKENDS", "backend_for", "exponential_noise", "sample_logits", "verify_exact"]

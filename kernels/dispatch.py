@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -22,22 +22,18 @@ from mmgen.sampling import Logits
 BACKENDS = ("auto", "twin", "triton")
 
 
-def backend_for(tensor: torch.Tensor, backend: Optional[str] = None) -> str:
-    """"triton" or "twin" for an op on `tensor`: `backend`, else $MMGEN_KERNELS, else auto."""
+def backend_for(where: Union[torch.Tensor, torch.device, str], backend: Optional[str] = None) -> str:
+    """"triton" or "twin" for an op on a tensor (or device): `backend`, else $MMGEN_KERNELS,
+    else auto."""
     choice = backend or os.environ.get("MMGEN_KERNELS", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {choice!r} (argument or MMGEN_KERNELS)")
+    cuda = torch.device(where.device if isinstance(where, torch.Tensor) else where).type == "cuda"
     if choice == "auto":
-        return "triton" if tensor.is_cuda and importlib.util.find_spec("triton") is not None else "twin"
-    if choice == "triton" and not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "triton" if cuda and importlib.util.find_spec("triton") is not None else "twin"
+    if choice == "triton" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (set before triton is imported)")
     return choice
-
-
-def exponential_noise(shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Exp(1) float32 noise of `shape` from `generator`: exactly the draws `mmgen.sampling.sample`
-    makes for probabilities of that shape from the same generator state."""
-    return torch.empty(shape, device=device).exponential_(generator=generator)
 
 
 def sample_logits(logits: Logits, scale: Optional[torch.Tensor], noise: torch.Tensor, temperature: float = 1.0,

@@ -10,7 +10,8 @@ The core runs `ExactAcceptance` (ratios, and a residual for every one of the n p
 rejection. The kernel, one program per row, reads the n ratios at the drafts, finds the first
 rejection and touches the vocabulary only at that position: two passes over one row of p and
 q (O(n + V) per row instead of O(n V)), no [B, n, V] temporary; vLLM v1's rejection sampler
-does the same work in Triton. Not measured on a GPU yet.
+does the same work in Triton. The decoding loop calls it through `kernels/step.py`. Not
+measured on a GPU yet.
 
 Randomness stays with the caller: the uniforms [B, n] the rule would draw, the Exp(1) noise
 [B, n, V] `sample` would draw for the residuals (only the first rejection's row is read) and

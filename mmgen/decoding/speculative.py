@@ -38,6 +38,7 @@ from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
+from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
 from mmgen.decoding.stats import DecodeStats, StatsRecorder
 from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
@@ -328,6 +329,7 @@ def speculative_decode(
 
     ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
     chooser = adapt.start(k, B * (2 if uses_guidance else 1), device) if adapt is not None and k > 0 else None
+    kernels = _kernel_step(sampling, rule, proposer, K, complete, device)
     while slowest < num_tokens:
         active = run.active
         d = k if chooser is None else chooser.choose()  # drafts verified by this forward
@@ -339,27 +341,32 @@ def speculative_decode(
         else:
             window = run.newest()
         index = run.pos[:, None] + 1 + slots[: d + 1]  # generated-token index each slot predicts
-        p = probs(model.forward(state, window), index)
-        bad |= _invalid(p) & active
-
-        if d > 0:
-            accepted, residual = _verify(rule, p[:, :-1], q, drafts, generator, index[:, :-1], run)
+        logits = model.forward(state, window)
         every = proposer.samples_every_slot or K > 1
-        fresh = proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
+        if kernels is not None and (d == 0 or q is not None):  # the same draws, in two kernel launches
+            p, fresh, n_acc, next_token = kernels(logits, index, drafts if d > 0 else None, q if d > 0 else None, generator, every)
+        else:
+            p = probs(logits, index)
+            if d > 0:
+                accepted, residual = _verify(rule, p[:, :-1], q, drafts, generator, index[:, :-1], run)
+            fresh = proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
+            if d > 0:
+                resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
+                n_acc, next_token, known = _finalise(accepted, resampled, fresh, drafts, K)
+                if complete is not None:
+                    next_token = complete_frame(complete, state, sampling, n_acc, next_token, known, generator,
+                                                index.gather(1, n_acc[:, None]))[0]
+            else:  # autoregressive: the newest token's sample
+                n_acc, next_token = no_drafts, fresh[:, -1]
+                if complete is not None:
+                    next_token = complete_frame(complete, state, sampling, no_drafts, next_token, ones, generator, index)[0]
+        bad |= _invalid(p) & active
         # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
         if d > 0:
-            resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
-            n_acc, next_token, known = _finalise(accepted, resampled, fresh, drafts, K)
-            if complete is not None:
-                next_token = complete_frame(complete, state, sampling, n_acc, next_token, known, generator,
-                                            index.gather(1, n_acc[:, None]))[0]
             written = torch.cat([window, fresh[:, -1:]], 1)
             written = written.scatter(1, _frame_index((n_acc + 1)[:, None], K), next_token[:, None])
             step = n_acc + 1
-        else:  # autoregressive: [newest, its sample], one token per row
-            n_acc, next_token = no_drafts, fresh[:, -1]
-            if complete is not None:
-                next_token = complete_frame(complete, state, sampling, no_drafts, next_token, ones, generator, index)[0]
+        else:
             written, step = torch.cat([window, next_token[:, None]], 1), ones
         tokens.scatter_(1, _frame_index(run.pos[:, None] + slots[: d + 2], K), written)
         still = active
@@ -497,6 +504,23 @@ class _Admission:
             run.active[at] = ~(_is_stop(first, self.stop_ids, self.stopping)[:, 0] | (self.limit[at] <= 1))
             self.proposer.restart(run, at)
             ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
+
+
+def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: int, complete, device):
+    """The fused kernels' step (`mmgen.kernels.step.ExactStep`) where the dispatch picks Triton
+    (CUDA) and the step is one it covers: one token per slot, the exact rule or none
+    (autoregressive), the target's own draws, no frame completion. None: the torch path."""
+    if K > 1 or complete is not None or type(proposer).draw is not Proposer.draw:
+        return None
+    if rule is not None and type(rule) is not ExactAcceptance:
+        return None
+    from mmgen.kernels import backend_for  # the dispatch imports no triton until a kernel runs
+
+    if backend_for(device) != "triton":
+        return None
+    from mmgen.kernels.step import ExactStep
+
+    return ExactStep(sampling[0])
 
 
 def _per_codebook(sampling, K: int) -> list[SamplingConfig]:

@@ -241,3 +241,76 @@ def test_verify_window_sizes_and_strided_p(n):
 def test_verify_150k_vocabulary():
     case = verify_case(3, 4, 150_000, seed=4)
     assert_same_verify(case, block=65536 if INTERPRET else None)
+
+
+# --------------------------------------------------------------------------------------------
+# The decoding loop: its kernel step (mmgen.kernels.step) decodes what its torch path decodes
+# --------------------------------------------------------------------------------------------
+
+from mmgen.decoding import DraftSpeculative, make_decoder  # noqa: E402
+from mmgen.decoding.batching import Request, continuous_decode  # noqa: E402
+from mmgen.image_ar.llamagen import LlamaGenTokenModel  # noqa: E402
+from mmgen.kernels import sampling as sampling_kernels, verify as verify_kernels  # noqa: E402
+from mmgen.sampling import SamplingConfig, make_generator  # noqa: E402
+
+from tests.conftest import tiny_transformer  # noqa: E402
+
+MODEL = LlamaGenTokenModel(tiny_transformer(output_std=1.5).to(DEVICE))
+DRAFTER = LlamaGenTokenModel(tiny_transformer(output_std=0.3).to(DEVICE))  # a flatter head: some drafts pass
+# No top-k in the loop cases: its 32 counting passes per row are slow under the interpreter, and
+# the sampling cases above check it.
+LOOP_SAMPLING = {"sampled": SamplingConfig(temperature=0.9, guidance=3.0), "greedy": SamplingConfig(temperature=0.0, guidance=4.0)}
+LOOP_DECODERS = {
+    "ar": lambda: make_decoder("ar"),
+    "sjd": lambda: make_decoder("sjd", window=6, adapt=False),
+    "sjd-adaptive": lambda: make_decoder("sjd", window=6),
+    "draft-model": lambda: DraftSpeculative(DRAFTER, num_draft=3),  # samples only the bonus slot
+}
+
+
+def decode_both(monkeypatch, run):
+    """(torch path's output, kernel step's output, kernel launches) of `run()`, from the same seeds."""
+    monkeypatch.setenv("MMGEN_KERNELS", "twin")
+    twin = run()
+    launches = []
+    for module, name in [(sampling_kernels, "_sample_kernel"), (verify_kernels, "_verify_kernel")]:
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, _Counted(kernel, name, launches))
+    monkeypatch.setenv("MMGEN_KERNELS", "triton")
+    return twin, run(), launches
+
+
+class _Counted:
+    def __init__(self, kernel, name, launches):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("sampling", list(LOOP_SAMPLING))
+@pytest.mark.parametrize("name", list(LOOP_DECODERS))
+def test_the_loop_decodes_the_same_tokens_with_its_kernel_step(monkeypatch, name, sampling):
+    decoder, config = LOOP_DECODERS[name](), LOOP_SAMPLING[sampling]
+    labels = torch.tensor([1, 5], device=DEVICE)
+    run = lambda: decoder.generate(MODEL, labels, 16, config, make_generator(3, DEVICE))
+    twin, kernel, launches = decode_both(monkeypatch, run)
+    assert torch.equal(kernel.tokens, twin.tokens)
+    assert kernel.stats.accepted_histogram == twin.stats.accepted_histogram and kernel.stats.forwards == twin.stats.forwards
+    # Every decode forward ran the sampling kernel (the prefill's token 0 is the torch path's),
+    # and every forward with drafts the verify kernel.
+    assert launches.count("_sample_kernel") == twin.stats.forwards - 1
+    assert ("_verify_kernel" in launches) == (name != "ar")
+    histogram = twin.stats.accepted_histogram
+    assert name == "ar" or (histogram[1] > 0 and sum(histogram[2:]) > 0), "the case should reject and accept drafts"
+
+
+def test_continuous_batching_with_the_kernel_step(monkeypatch):
+    decoder = make_decoder("sjd", window=6, adapt=False)
+    config = LOOP_SAMPLING["sampled"]
+    requests = lambda: [Request(torch.tensor([label], device=DEVICE), make_generator(10 + i, DEVICE)) for i, label in enumerate([1, 5, 7])]
+    run = lambda: continuous_decode(decoder, MODEL, requests(), 16, config, batch_size=2)[0]
+    twin, kernel, launches = decode_both(monkeypatch, run)
+    assert [f.index for f in kernel] == [f.index for f in twin]
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(kernel, twin)) and "_verify_kernel" in launches
