@@ -14,7 +14,7 @@ tokens. Importing this package never imports triton.
   loop runs its plain steps (exact rule or none, one token per slot) through it on CUDA.
 """
 
-from mmgen.kernels.dispatch import BACKENDS, backend_for, sample_logits, verify_exact
+from mmgen.kernels.dispatch import BACKENDS, backend_for, relaxed_target, sample_logits, verify_exact
 from mmgen.sampling import exponential_noise  # the noise the ops take: `sample`'s own draws
 
-__all__ = ["BACKENDS", "backend_for", "exponential_noise", "sample_logits", "verify_exact"]
+__all__ = ["BACKENDS", "backend_for", "exponential_noise", "relaxed_target", "sample_logits", "verify_exact"]

@@ -63,3 +63,20 @@ def verify_exact(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniform
     if backend_for(p, backend) == "triton":
         return verify.verify_exact_triton(p, q, drafts, uniforms, noise, bonus)
     return verify.verify_exact_twin(p, q, drafts, uniforms, noise, bonus)
+
+
+
+def relaxed_target(rule, p: torch.Tensor, q: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
+    """A bounded lossy rule's relaxed target pi [..., V] for target laws p and draft laws q
+    [..., V] (`NeighbourhoodAcceptance.relaxed_target`; the rule is the exact verify against
+    pi): GSD's groups in one kernel where the dispatch picks Triton and the rule has its
+    close-pair bitset (vocabularies up to 16384), the rule's own torch code otherwise (the
+    twin; LANTERN has no kernel yet)."""
+    from mmgen.decoding.acceptance import GroupedAcceptance
+
+    bitset = type(rule) is GroupedAcceptance and rule.close is not None and rule.close.bits is not None
+    if bitset and backend_for(p, backend) == "triton":
+        from mmgen.kernels import grouped
+
+        return grouped.grouped_target_triton(rule, p, q)
+    return rule.relaxed_target(p, q)

@@ -1,6 +1,8 @@
 """A decode step's token work in two kernel launches: the target's probabilities and samples
 (`sample_logits`), then the exact verify and the token after the accepted prefix
-(`verify_exact`).
+(`verify_exact`). A bounded lossy rule (GSD, LANTERN) is the exact verify against its relaxed
+target pi, built in between (`relaxed_target`: GSD's groups in a third kernel, LANTERN's in
+the rule's torch code).
 
 The torch path of `speculative_decode` does this as a chain: guidance, temperature, filters
 and softmax over [B, n, V] (`SamplingConfig.probs`), the exact rule's ratios and a residual
@@ -21,17 +23,20 @@ from typing import Optional
 
 import torch
 
-from mmgen.kernels.dispatch import sample_logits, verify_exact
+from mmgen.kernels.dispatch import relaxed_target, sample_logits, verify_exact
 from mmgen.sampling import Logits, SamplingConfig, exponential_noise, uniform
 
 
 class ExactStep:
-    """One forward's sampling and exact verify for one-token slots: (p [B, n, V], fresh
-    tokens [B, n] or [B, 1] (`every`), accepted prefix n_acc [B], the token after it [B]),
-    what the loop's torch path computes from the same logits and generator state."""
+    """One forward's sampling and verify for one-token slots: (p [B, n, V], fresh tokens
+    [B, n] or [B, 1] (`every`), accepted prefix n_acc [B], the token after it [B]), what the
+    loop's torch path computes from the same logits and generator state. `rule`: None or the
+    exact rule (verify against p), or a bounded lossy rule (verify against its relaxed target
+    pi, which is that rule: `NeighbourhoodAcceptance.probabilities`)."""
 
-    def __init__(self, sampling: SamplingConfig, backend: Optional[str] = None):
+    def __init__(self, sampling: SamplingConfig, rule=None, backend: Optional[str] = None):
         self.sampling = sampling
+        self.relaxed = rule if getattr(rule, "lossy", False) else None
         self.backend = backend
 
     def __call__(self, logits: Logits, index: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[torch.Tensor],
@@ -48,5 +53,6 @@ class ExactStep:
         if d == 0:
             return p, fresh, torch.zeros(B, dtype=torch.long, device=device), fresh[:, -1]
         residual_noise = exponential_noise((B, d, V), generator, device)
-        n_acc, token = verify_exact(p[:, :-1], q, drafts, uniforms, residual_noise, fresh[:, -1], backend=self.backend)
+        target = p[:, :-1] if self.relaxed is None else relaxed_target(self.relaxed, p[:, :-1], q, backend=self.backend)
+        n_acc, token = verify_exact(target, q, drafts, uniforms, residual_noise, fresh[:, -1], backend=self.backend)
         return p, fresh if every else fresh[:, -1:], n_acc, token

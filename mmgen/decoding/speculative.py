@@ -38,7 +38,7 @@ from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
-from mmgen.decoding.acceptance import ExactAcceptance
+from mmgen.decoding.acceptance import ExactAcceptance, NeighbourhoodAcceptance
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
 from mmgen.decoding.stats import DecodeStats, StatsRecorder
 from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
@@ -508,11 +508,13 @@ class _Admission:
 
 def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: int, complete, device):
     """The fused kernels' step (`mmgen.kernels.step.ExactStep`) where the dispatch picks Triton
-    (CUDA) and the step is one it covers: one token per slot, the exact rule or none
-    (autoregressive), the target's own draws, no frame completion. None: the torch path."""
+    (CUDA) and the step is one it covers: one token per slot, the exact rule, a bounded lossy
+    rule (the exact rule against its relaxed target) or none (autoregressive), the target's own
+    draws, no frame completion. None: the torch path."""
     if K > 1 or complete is not None or type(proposer).draw is not Proposer.draw:
         return None
-    if rule is not None and type(rule) is not ExactAcceptance:
+    bounded = isinstance(rule, NeighbourhoodAcceptance) and rule.bounded
+    if rule is not None and type(rule) is not ExactAcceptance and not bounded:
         return None
     from mmgen.kernels import backend_for  # the dispatch imports no triton until a kernel runs
 
@@ -520,7 +522,7 @@ def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: in
         return None
     from mmgen.kernels.step import ExactStep
 
-    return ExactStep(sampling[0])
+    return ExactStep(sampling[0], rule)
 
 
 def _per_codebook(sampling, K: int) -> list[SamplingConfig]:

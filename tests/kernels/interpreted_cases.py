@@ -250,12 +250,15 @@ def test_verify_150k_vocabulary():
 from mmgen.decoding import DraftSpeculative, make_decoder  # noqa: E402
 from mmgen.decoding.batching import Request, continuous_decode  # noqa: E402
 from mmgen.image_ar.llamagen import LlamaGenTokenModel  # noqa: E402
-from mmgen.kernels import sampling as sampling_kernels, verify as verify_kernels  # noqa: E402
+from mmgen.kernels import grouped as grouped_kernels, sampling as sampling_kernels, verify as verify_kernels  # noqa: E402
 from mmgen.sampling import SamplingConfig, make_generator  # noqa: E402
 
 from tests.conftest import tiny_transformer  # noqa: E402
 
 MODEL = LlamaGenTokenModel(tiny_transformer(output_std=1.5).to(DEVICE))
+# Flatter laws, where the lossy rules move mass; a random codebook gives LANTERN its neighbours
+# (GSD groups by the token embeddings).
+FLAT = LlamaGenTokenModel(tiny_transformer(output_std=0.5).to(DEVICE), codebook=torch.randn(32, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE))
 DRAFTER = LlamaGenTokenModel(tiny_transformer(output_std=0.3).to(DEVICE))  # a flatter head: some drafts pass
 # No top-k in the loop cases: its 32 counting passes per row are slow under the interpreter, and
 # the sampling cases above check it.
@@ -266,6 +269,11 @@ LOOP_DECODERS = {
     "sjd-adaptive": lambda: make_decoder("sjd", window=6),
     "draft-model": lambda: DraftSpeculative(DRAFTER, num_draft=3),  # samples only the bonus slot
 }
+LOSSY_DECODERS = {  # on FLAT; thresholds at which groups and neighbourhoods form
+    "gsd": lambda: make_decoder("gsd", window=6, adapt=False, prob_threshold=0.3, distance_threshold=60.0),
+    "lantern": lambda: make_decoder("lantern", window=6, adapt=False, k=8, delta=0.3),
+    "lantern++": lambda: make_decoder("lantern++", window=6, adapt=False, k=8, lam=4.0),
+}
 
 
 def decode_both(monkeypatch, run):
@@ -273,7 +281,7 @@ def decode_both(monkeypatch, run):
     monkeypatch.setenv("MMGEN_KERNELS", "twin")
     twin = run()
     launches = []
-    for module, name in [(sampling_kernels, "_sample_kernel"), (verify_kernels, "_verify_kernel")]:
+    for module, name in [(sampling_kernels, "_sample_kernel"), (verify_kernels, "_verify_kernel"), (grouped_kernels, "_grouped_kernel")]:
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, _Counted(kernel, name, launches))
     monkeypatch.setenv("MMGEN_KERNELS", "triton")
@@ -314,3 +322,56 @@ def test_continuous_batching_with_the_kernel_step(monkeypatch):
     twin, kernel, launches = decode_both(monkeypatch, run)
     assert [f.index for f in kernel] == [f.index for f in twin]
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(kernel, twin)) and "_verify_kernel" in launches
+
+
+# --------------------------------------------------------------------------------------------
+# GSD's relaxed target
+# --------------------------------------------------------------------------------------------
+
+from mmgen.decoding import GroupedAcceptance  # noqa: E402
+from mmgen.decoding.acceptance import close_pairs  # noqa: E402
+from mmgen.kernels import relaxed_target  # noqa: E402
+from mmgen.kernels.grouped import grouped_target_triton  # noqa: E402
+
+
+def grouped_case(rows, V, seed, top_k=0):
+    """A bound GSD rule whose groups are plentiful (2-d embeddings: many close pairs) and laws
+    p, q [rows, V] with near-equal probabilities (flat logits), top-k zeros in both."""
+    g = torch.Generator().manual_seed(seed)
+    rule = GroupedAcceptance(prob_threshold=0.002 if V > 100 else 0.5, close=close_pairs(torch.randn(V, 2, generator=g), 0.5 if V > 100 else 4.0))
+    logits = torch.randn(2, rows, V, generator=g) * 0.5
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[..., -1:], float("-inf"))
+    p, q = logits.softmax(-1).to(DEVICE)
+    return rule, p, q
+
+
+@pytest.mark.parametrize("V,top_k,block", [(300, 0, None), (300, 40, 128), (1000, 100, None), (5, 0, None)],
+                         ids=["V300", "V300-top-k-blocks-of-128", "V1000-top-k", "V5-window-past-the-vocabulary"])
+def test_grouped_target_matches_twin_bit_for_bit(V, top_k, block):
+    rule, p, q = grouped_case(6, V, seed=V + top_k, top_k=top_k)
+    twin = relaxed_target(rule, p, q, backend="twin")
+    kernel = grouped_target_triton(rule, p, q, block=block)
+    assert torch.equal(kernel, twin)
+    assert not torch.equal(twin, p), "the case should move mass"
+
+
+def test_grouped_target_keeps_leading_axes():
+    rule, p, q = grouped_case(6, 300, seed=1)
+    p, q = p.view(2, 3, 300), q.view(2, 3, 300)
+    assert torch.equal(relaxed_target(rule, p, q, backend="triton"), relaxed_target(rule, p, q, backend="twin"))
+
+
+@pytest.mark.parametrize("name", list(LOSSY_DECODERS))
+def test_lossy_rules_decode_the_same_tokens_with_the_kernel_step(monkeypatch, name):
+    """GSD, LANTERN and LANTERN++ (bounded) through the kernel step: the exact verify against
+    the relaxed target (GSD's from its kernel, bit for bit; LANTERN's from its torch code).
+    Sampled only: greedy laws are one-hot, and a one-hot law moves no mass."""
+    decoder, config = LOSSY_DECODERS[name](), LOOP_SAMPLING["sampled"]
+    labels = torch.tensor([1, 5], device=DEVICE)
+    run = lambda: decoder.generate(FLAT, labels, 16, config, make_generator(3, DEVICE))
+    twin, kernel, launches = decode_both(monkeypatch, run)
+    assert torch.equal(kernel.tokens, twin.tokens) and kernel.stats.accepted_histogram == twin.stats.accepted_histogram
+    assert "_verify_kernel" in launches and ("_grouped_kernel" in launches) == (name == "gsd")
+    sjd = make_decoder("sjd", window=6, adapt=False).generate(FLAT, labels, 16, config, make_generator(3, DEVICE))
+    assert sjd.stats.accepted_histogram != twin.stats.accepted_histogram, "the rule should move mass: not SJD's decode"

@@ -94,7 +94,7 @@ def test_dispatch_choice(monkeypatch):
 
 def test_kernels_compile_for_a_gpu():
     """The interpreter runs Python, not Triton's compiler: a kernel can pass it and still not
-    lower (an int32 literal overflow did). Compile both kernels to an sm_90 cubin with triton's
+    lower (an int32 literal overflow did). Compile the kernels to an sm_90 cubin with triton's
     own ptxas, which needs no GPU, and check that nothing fused a multiply-add into guidance."""
     code = """
 import triton
@@ -102,6 +102,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mmgen.kernels.sampling import _sample_kernel
 from mmgen.kernels.verify import _verify_kernel
+from mmgen.kernels.grouped import _grouped_kernel
 
 def build(kernel, types, constants):
     signature = {**types, **{name: "constexpr" for name in constants}}
@@ -116,6 +117,9 @@ for greedy in (False, True):
 types = dict(p="*fp32", q="*fp32", drafts="*i64", uniforms="*fp32", noise="*fp32", bonus="*i64", n_acc="*i64", token="*i64",
              **{name: "i32" for name in ["n", "V", "sp_b", "sp_n", "sq_b", "sq_n", "se_b", "se_n"]})
 assert build(_verify_kernel, types, dict(BLOCK_N=16, BLOCK=2048)).asm["cubin"]
+types = dict(sorted_p="*fp32", sorted_idx="*i64", q="*fp32", bits="*u8", out="*fp32", V="i32", threshold="fp32")
+compiled = build(_grouped_kernel, types, dict(REACH=7, BLOCK=1024))
+assert compiled.asm["cubin"] and "fma.rn.f32" not in compiled.asm["ptx"]  # pi = p (1 - claimed) + q moved_in, unfused
 print("ok")
 """
     result = run("-c", code)
