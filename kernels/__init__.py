@@ -10,8 +10,12 @@ Each op is one function of `kernels/dispatch.py`: the Triton kernel on CUDA tens
 is always the caller's (noise drawn from its torch.Generator), so both paths give the same
 tokens. Importing this package never imports triton.
 
-- `step.ExactStep`: both ops as one decode step, in the torch path's draw order; the decoding
-  loop runs its plain steps (exact rule or none, one token per slot) through it on CUDA.
+- `relaxed_target`: a bounded lossy rule's relaxed target pi, against which the rule is the
+  exact verify: GSD's rank groups in one kernel (`kernels/grouped.py`, the twin's bits),
+  LANTERN's codebook neighbourhoods in two (`kernels/relaxed.py`, to float32 rounding).
+- `step.ExactStep`: these ops as one decode step, in the torch path's draw order; the decoding
+  loop runs its one-token-per-slot steps (no rule, the exact rule, bounded GSD / LANTERN /
+  LANTERN++) through it on CUDA.
 """
 
 from mmgen.kernels.dispatch import BACKENDS, backend_for, relaxed_target, sample_logits, verify_exact

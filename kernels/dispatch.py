@@ -69,14 +69,18 @@ def verify_exact(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniform
 def relaxed_target(rule, p: torch.Tensor, q: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
     """A bounded lossy rule's relaxed target pi [..., V] for target laws p and draft laws q
     [..., V] (`NeighbourhoodAcceptance.relaxed_target`; the rule is the exact verify against
-    pi): GSD's groups in one kernel where the dispatch picks Triton and the rule has its
-    close-pair bitset (vocabularies up to 16384), the rule's own torch code otherwise (the
-    twin; LANTERN has no kernel yet)."""
-    from mmgen.decoding.acceptance import GroupedAcceptance
+    pi). Where the dispatch picks Triton: GSD's groups in one kernel (with the rule's close-pair
+    bitset: vocabularies up to 16384), LANTERN's neighbourhoods in two. The twin, and every
+    other case, is the rule's own torch code."""
+    from mmgen.decoding.acceptance import GroupedAcceptance, RelaxedAcceptance
 
-    bitset = type(rule) is GroupedAcceptance and rule.close is not None and rule.close.bits is not None
-    if bitset and backend_for(p, backend) == "triton":
-        from mmgen.kernels import grouped
+    if backend_for(p, backend) == "triton":
+        if type(rule) is GroupedAcceptance and rule.close is not None and rule.close.bits is not None:
+            from mmgen.kernels import grouped
 
-        return grouped.grouped_target_triton(rule, p, q)
+            return grouped.grouped_target_triton(rule, p, q)
+        if type(rule) is RelaxedAcceptance and rule.neighbours is not None:
+            from mmgen.kernels import relaxed
+
+            return relaxed.relaxed_target_triton(rule, p, q)
     return rule.relaxed_target(p, q)

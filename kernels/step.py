@@ -1,8 +1,8 @@
 """A decode step's token work in two kernel launches: the target's probabilities and samples
 (`sample_logits`), then the exact verify and the token after the accepted prefix
 (`verify_exact`). A bounded lossy rule (GSD, LANTERN) is the exact verify against its relaxed
-target pi, built in between (`relaxed_target`: GSD's groups in a third kernel, LANTERN's in
-the rule's torch code).
+target pi, built in between (`relaxed_target`: GSD's groups in one more kernel, LANTERN's
+neighbourhoods in two).
 
 The torch path of `speculative_decode` does this as a chain: guidance, temperature, filters
 and softmax over [B, n, V] (`SamplingConfig.probs`), the exact rule's ratios and a residual

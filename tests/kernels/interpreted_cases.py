@@ -250,7 +250,7 @@ def test_verify_150k_vocabulary():
 from mmgen.decoding import DraftSpeculative, make_decoder  # noqa: E402
 from mmgen.decoding.batching import Request, continuous_decode  # noqa: E402
 from mmgen.image_ar.llamagen import LlamaGenTokenModel  # noqa: E402
-from mmgen.kernels import grouped as grouped_kernels, sampling as sampling_kernels, verify as verify_kernels  # noqa: E402
+from mmgen.kernels import grouped as grouped_kernels, relaxed as relaxed_kernels, sampling as sampling_kernels, verify as verify_kernels  # noqa: E402,E501
 from mmgen.sampling import SamplingConfig, make_generator  # noqa: E402
 
 from tests.conftest import tiny_transformer  # noqa: E402
@@ -281,7 +281,8 @@ def decode_both(monkeypatch, run):
     monkeypatch.setenv("MMGEN_KERNELS", "twin")
     twin = run()
     launches = []
-    for module, name in [(sampling_kernels, "_sample_kernel"), (verify_kernels, "_verify_kernel"), (grouped_kernels, "_grouped_kernel")]:
+    for module, name in [(sampling_kernels, "_sample_kernel"), (verify_kernels, "_verify_kernel"), (grouped_kernels, "_grouped_kernel"),
+                         (relaxed_kernels, "_prefix_kernel"), (relaxed_kernels, "_target_kernel")]:
         kernel = getattr(module, name)
         monkeypatch.setattr(module, name, _Counted(kernel, name, launches))
     monkeypatch.setenv("MMGEN_KERNELS", "triton")
@@ -365,13 +366,46 @@ def test_grouped_target_keeps_leading_axes():
 @pytest.mark.parametrize("name", list(LOSSY_DECODERS))
 def test_lossy_rules_decode_the_same_tokens_with_the_kernel_step(monkeypatch, name):
     """GSD, LANTERN and LANTERN++ (bounded) through the kernel step: the exact verify against
-    the relaxed target (GSD's from its kernel, bit for bit; LANTERN's from its torch code).
+    the relaxed target from its kernels (GSD's bit for bit, LANTERN's to float32 rounding).
     Sampled only: greedy laws are one-hot, and a one-hot law moves no mass."""
     decoder, config = LOSSY_DECODERS[name](), LOOP_SAMPLING["sampled"]
-    labels = torch.tensor([1, 5], device=DEVICE)
+    labels = torch.tensor([1], device=DEVICE)  # one row: the interpreter runs a program per row and block
     run = lambda: decoder.generate(FLAT, labels, 16, config, make_generator(3, DEVICE))
     twin, kernel, launches = decode_both(monkeypatch, run)
     assert torch.equal(kernel.tokens, twin.tokens) and kernel.stats.accepted_histogram == twin.stats.accepted_histogram
     assert "_verify_kernel" in launches and ("_grouped_kernel" in launches) == (name == "gsd")
+    assert ("_target_kernel" in launches) == name.startswith("lantern")
     sjd = make_decoder("sjd", window=6, adapt=False).generate(FLAT, labels, 16, config, make_generator(3, DEVICE))
-    assert sjd.stats.accepted_histogram != twin.stats.accepted_histogram, "the rule should move mass: not SJD's decode"
+    assert not torch.equal(sjd.tokens, twin.tokens), "the rule should move mass: not SJD's decode"
+
+
+# --------------------------------------------------------------------------------------------
+# LANTERN's relaxed target
+# --------------------------------------------------------------------------------------------
+
+from mmgen.decoding import RelaxedAcceptance  # noqa: E402
+from mmgen.decoding.acceptance import nearest_neighbours  # noqa: E402
+from mmgen.kernels.relaxed import relaxed_target_triton  # noqa: E402
+
+
+def relaxed_case(rows, V, k, seed, top_k=0, lam=None, delta=0.1):
+    g = torch.Generator().manual_seed(seed)
+    rule = RelaxedAcceptance(k=k, delta=delta, lam=lam, neighbours=nearest_neighbours(torch.randn(V, 4, generator=g), k))
+    logits = torch.randn(2, rows, V, generator=g) * 1.5
+    if top_k:
+        logits = logits.masked_fill(logits < logits.topk(top_k, -1).values[..., -1:], float("-inf"))
+    p, q = logits.softmax(-1).to(DEVICE)
+    return rule, p, q
+
+
+@pytest.mark.parametrize("V,k,top_k,lam,block", [(300, 20, 0, None, None), (300, 70, 40, None, 64), (600, 60, 150, None, None),
+                                                 (300, 20, 0, 2.0, None), (7, 6, 0, None, None)],
+                         ids=["V300-k20", "V300-k70-top-k-blocks-of-64", "V600-k60-top-k", "lantern++", "k-is-V-1"])
+def test_relaxed_target_matches_twin(V, k, top_k, lam, block):
+    rule, p, q = relaxed_case(3, V, k, seed=V + k + top_k, top_k=top_k, lam=lam)
+    twin = relaxed_target(rule, p, q, backend="twin")
+    kernel = relaxed_target_triton(rule, p, q, block=block)
+    torch.testing.assert_close(kernel, twin, rtol=1e-5, atol=1e-8)
+    assert torch.equal(kernel > 0, twin > 0)
+    assert (twin - p).abs().sum() > 0.01, "the case should move mass"
+    assert torch.allclose(kernel.sum(-1), torch.ones(3, device=DEVICE), atol=1e-5)  # pi is a law

@@ -103,6 +103,7 @@ from triton.compiler import ASTSource
 from mmgen.kernels.sampling import _sample_kernel
 from mmgen.kernels.verify import _verify_kernel
 from mmgen.kernels.grouped import _grouped_kernel
+from mmgen.kernels.relaxed import _prefix_kernel, _target_kernel
 
 def build(kernel, types, constants):
     signature = {**types, **{name: "constexpr" for name in constants}}
@@ -120,6 +121,12 @@ assert build(_verify_kernel, types, dict(BLOCK_N=16, BLOCK=2048)).asm["cubin"]
 types = dict(sorted_p="*fp32", sorted_idx="*i64", q="*fp32", bits="*u8", out="*fp32", V="i32", threshold="fp32")
 compiled = build(_grouped_kernel, types, dict(REACH=7, BLOCK=1024))
 assert compiled.asm["cubin"] and "fma.rn.f32" not in compiled.asm["ptx"]  # pi = p (1 - claimed) + q moved_in, unfused
+types = dict(p="*fp32", q="*fp32", neighbours="*i32", prefix="*i32", moved_in="*fp32", V="i32", k="i32", budget="fp32")
+for lam in (False, True):
+    assert build(_prefix_kernel, types, dict(LAM=lam, BLOCK=128, BLOCK_K=64)).asm["cubin"]
+types = dict(p="*fp32", q="*fp32", starts="*i64", claimers="*i32", ranks="*i32", prefix="*i32", moved_in="*fp32", out="*fp32", V="i32")
+compiled = build(_target_kernel, types, dict(BLOCK=128))
+assert compiled.asm["cubin"] and "fma.rn.f32" not in compiled.asm["ptx"]
 print("ok")
 """
     result = run("-c", code)
