@@ -258,6 +258,34 @@ def measure(case: Case, modes: list[str], window: int, device: torch.device, rep
     return rows
 
 
+def token_work(vocab: int, window: int, device: torch.device, repeats: int, warmup: int) -> list[dict]:
+    """Milliseconds of a step's token work after the forward, at LlamaGen's sampling (CFG 4,
+    top-k 2000, or V if smaller) over `vocab` tokens, batch 1: guidance, filters, softmax and the draws of an AR
+    step (width 1), plus the exact verify of a `window`-token step. "torch" is the loop's torch
+    path (the kernels' twins are its code); "kernels" the Triton kernel step, where the dispatch
+    picks it (CUDA)."""
+    from mmgen.kernels import backend_for
+    from mmgen.kernels.step import ExactStep
+    from mmgen.sampling import Logits, SamplingConfig, make_generator
+
+    sampling = SamplingConfig(temperature=1.0, top_k=min(2000, vocab), guidance=4.0)
+    backends = ["twin"] + (["triton"] if backend_for(device) == "triton" else [])
+    steps = {}
+    for width in (1, window):
+        logits = Logits(*(torch.randn(1, width, vocab, device=device) * 3 for _ in range(2)))
+        index = torch.arange(width, device=device)[None] + 100
+        drafts = torch.randint(0, vocab, (1, width - 1), device=device)
+        q = torch.randn(1, width - 1, vocab, device=device).softmax(-1)
+        for backend in backends:
+            step = ExactStep(sampling, backend=backend)
+            generator = make_generator(0, device)
+            steps[(backend, width)] = Step(lambda step=step, logits=logits, index=index, drafts=drafts, q=q, generator=generator:
+                                           step(logits, index, drafts if width > 1 else None, q, generator, True))
+    times = time_steps(steps, device, repeats, warmup)
+    return [{"backend": "torch" if backend == "twin" else "kernels", "width": width, "vocab": vocab,
+             "ms": 1e3 * statistics.median(t), "ms_range": [1e3 * min(t), 1e3 * max(t)]} for (backend, width), t in times.items()]
+
+
 # --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
@@ -275,6 +303,13 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['step_weight_bytes'] / 2**20:.1f} MiB | "
                      f"{r['floor_ms']:.3g} ms | {r['mode']} | {fmt(r['ar_ms'], '.2f', ' ms')} | {fmt(r['ar_over_floor'], '.2f', 'x')} | "
                      f"{fmt(r['verify_ms'], '.2f', ' ms')} | {fmt(r['verify_over_ar'], '.2f', 'x')} |")
+    if report.get("token_work"):
+        V = report["token_work"][0]["vocab"]
+        lines += ["", f"Token work after each forward (LlamaGen's sampling: CFG 4, top-k {min(2000, V)}; exact verify), "
+                  f"V = {V}:", "", f"| path | AR step | {w}-token verify step |", "|---|---|---|"]
+        by = {(r["backend"], r["width"]): r["ms"] for r in report["token_work"]}
+        for backend in dict.fromkeys(r["backend"] for r in report["token_work"]):
+            lines.append(f"| {backend} | {by[(backend, 1)]:.3f} ms | {by[(backend, w)]:.3f} ms |")
     notes = "".join(f"\n- {n}" for n in report["notes"])
     return head + "\n".join(lines) + ("\n" + notes if notes else "") + "\n"
 
@@ -296,6 +331,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first (compilation, CUDA graph capture)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
+    parser.add_argument("--no-token-work", dest="token_work", action="store_false",
+                        help="skip the token work rows (sampling and verify after the forward, torch and kernels)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -321,6 +358,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         case = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if args.token_work:
+        vocab = 512 if args.preset == "tiny" and args.models is None else 16384
+        report["token_work"] = token_work(vocab, args.window, device, args.repeats, args.warmup)
     report["markdown"] = markdown(report)
     print(report["markdown"])
     if args.json:

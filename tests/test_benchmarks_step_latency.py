@@ -20,7 +20,11 @@ def test_tiny_preset_reports_every_family(tmp_path, capsys):
         assert r["verify_over_ar"] == pytest.approx(r["verify_ms"] / r["ar_ms"])
     assert report["bandwidth_source"] == "measured copy" and report["bandwidth_gbps"] > 0
     assert json.loads((tmp_path / "step.json").read_text())["rows"] == report["rows"]
+    # The token work after the forward: the torch path here (the kernels where the dispatch picks them).
+    assert sorted((r["backend"], r["width"]) for r in report["token_work"]) == [("torch", 1), ("torch", 16)]
+    assert all(r["ms"] > 0 and r["vocab"] == 512 for r in report["token_work"])
     out = capsys.readouterr().out
+    assert "Token work after each forward" in out and "| torch |" in out
     assert "| llamagen-tiny |" in out and "| 16-token verify |" in out and "var-tiny: next-scale" in out
 
 
