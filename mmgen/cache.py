@@ -181,6 +181,33 @@ class SlotKVCache:
         self.crop(p + (int(used.max()) + 1 if used.numel() else 0))
         self.maybe_compact(int(num_generated.max()))
 
+    def restart_row(self, row: int, fresh: "SlotKVCache") -> int:
+        """Continuous batching: row `row` starts over on `fresh`, a batch-1 cache holding only
+        a prompt (a prefill run alone). Its slots go to the right end of the prompt region, the
+        rest of the row is masked; when the prompt is longer than the region, the region first
+        grows on the left by masked slots for every row. Returns that growth: every row's
+        `positions` moved by it (their slots did), which an adapter adding its own offsets to
+        them subtracts again. Attention sees the row exactly the prompt `fresh` holds."""
+        self.crop(self.length - self.pending)
+        self.pending = 0
+        grow = max(0, fresh.prompt_length - self.prompt_length)
+        for mine, theirs in zip(self.kv.layers, fresh.kv.layers):
+            for name in ("keys", "values"):
+                t, new = getattr(mine, name), getattr(theirs, name)
+                if grow:
+                    t = torch.cat([t.new_zeros(*t.shape[:2], grow, t.shape[-1]), t], dim=2)
+                    setattr(mine, name, t)
+                t[row] = 0
+                t[row, :, self.prompt_length + grow - new.shape[2] : self.prompt_length + grow] = new[0]
+        if grow:
+            self.mask = torch.cat([self.mask.new_zeros(self.mask.shape[0], grow), self.mask], dim=1)
+            self.prompt_length += grow
+            self.positions = self.positions + grow
+        self.mask[row] = False
+        self.mask[row, self.prompt_length - fresh.length : self.prompt_length] = fresh.mask[0]
+        self.positions[row] = self.prompt_length
+        return grow
+
     def evict(self, drop: torch.Tensor) -> None:
         """Hide the slots where `drop` [R, S] is True from their rows, for every later query.
         Positions are unchanged: evicted tokens keep their place in each row's sequence."""

@@ -62,8 +62,13 @@ class VLMTokenModel:
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
         kv = DynamicCache(config=self.model.config.get_text_config())
         mrope = callable(getattr(self.model.model, "get_rope_index", None))
-        if not mrope:
-            inputs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        # M-RoPE models place image and video tokens in 3-D themselves; without them the prompt's
+        # positions are the text's on all three axes (rope_deltas 0), as transformers' generate
+        # does, and the model's own cached rope_deltas (from an earlier prompt) must not be read.
+        spatial = mrope and any(inputs.get(k) is not None for k in ("image_grid_thw", "video_grid_thw"))
+        if not spatial:
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+            inputs["position_ids"] = positions.unsqueeze(0).expand(3, -1, -1) if mrope else positions
         policy = None if self.dropping is None or self.dropping.identity else self.dropping
         prefill = Prefill(policy, self.model, self.trunk, ids, mask) if policy is not None else None
         if prefill is None:
@@ -77,7 +82,7 @@ class VLMTokenModel:
         cache = SlotKVCache(kv, kept_mask, prompt_length=slots, compact_ratio=self.compact_ratio)
         # Decode positions stay those of the unpruned prompt: slot + (S - S'), plus M-RoPE's deltas.
         offset = torch.full((ids.shape[0], 1), ids.shape[1] - slots, dtype=torch.long, device=mask.device)
-        if mrope:
+        if spatial:
             offset = offset + self.model.model.rope_deltas.to(offset.device)  # [B, 1]: 3-D position minus slot
         extra = _Extra(offset, mrope, prefill)
         if prefill is not None:
@@ -113,6 +118,25 @@ class VLMTokenModel:
             self.last_report.evicted_tokens = drop.sum(1).tolist()
             extra.evict = False
         return Logits(self.model.lm_head(hidden).float())
+
+    def restart(self, state: DecodeState, row: int, conditions: Mapping[str, torch.Tensor]) -> Logits:
+        """Continuous batching: row `row` of a live decode starts over on one row's processor
+        inputs. The prompt is prefilled alone (`start`) and its cache placed in the row
+        (`SlotKVCache.restart_row`), with the row's decode positions those of the prompt alone;
+        returns the logits predicting its token 0."""
+        if self.dropping is not None and not self.dropping.identity:
+            raise ValueError("continuous batching does not run visual token dropping (each row's prefill would prune "
+                             "its own prompt); decode such requests in static batches")
+        fresh = self.start(conditions, 0, False)
+        if fresh.batch_size != 1:
+            raise ValueError(f"restart takes one row's inputs, got {fresh.batch_size} rows")
+        extra, solo = state.extra, fresh.extra
+        grow = state.cache.restart_row(row, fresh.cache)
+        extra.offset -= grow
+        # Alone, the row's next position is fresh's prompt length plus its offset; here its slots
+        # count from the live prompt region's length.
+        extra.offset[row] = solo.offset[0] + fresh.cache.prompt_length - state.cache.prompt_length
+        return fresh.first_logits
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.commit(accepted)

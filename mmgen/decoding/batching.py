@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Union
@@ -249,14 +250,16 @@ def check_request(request: Any) -> Request:
 
 def _stack(conditions: list) -> Any:
     """One batch of conditions from per-row ones: tensors concatenated on their first axis,
-    dataclasses field by field."""
+    dataclasses field by field, mappings (a processor's inputs) key by key."""
     head = conditions[0]
     if isinstance(head, torch.Tensor):
         return torch.cat([c.reshape(1) if c.ndim == 0 else c for c in conditions])
     if dataclasses.is_dataclass(head):
         return dataclasses.replace(head, **{f.name: _stack([getattr(c, f.name) for c in conditions])
                                             for f in dataclasses.fields(head)})
-    raise ValueError(f"cannot batch conditions of type {type(head).__name__}: give tensors or dataclasses of tensors")
+    if isinstance(head, Mapping):
+        return {key: _stack([c[key] for c in conditions]) for key in head}
+    raise ValueError(f"cannot batch conditions of type {type(head).__name__}: give tensors, dataclasses or mappings of tensors")
 
 
 def split_rows(conditions: Any) -> list:

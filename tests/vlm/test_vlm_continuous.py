@@ -1,0 +1,67 @@
+"""Continuous batching of VLM requests: each request's answer is what it decodes alone.
+
+Requests differ in prompt length and images (none, one); a row that finishes takes the next
+request, whose prompt is prefilled alone and placed in the row (`VLMTokenModel.restart`,
+`SlotKVCache.restart_row`), growing the batch's prompt region when it is the longest yet.
+"""
+
+import pytest
+import torch
+
+from mmgen.cache import SlotKVCache
+from mmgen.decoding import make_decoder
+from mmgen.decoding.batching import Request, continuous_decode
+from mmgen.decoding.speculative import Stopping
+from mmgen.sampling import SamplingConfig, make_generator
+
+from tests.vlm.test_vlm_pipeline import BUILDERS, PROMPTS, images
+
+# Short prompts first, so later requests grow the prompt region.
+QUESTIONS = [(PROMPTS[0], None), (PROMPTS[2], 0), (PROMPTS[1], None), (PROMPTS[0], 1), (PROMPTS[1], 2), (PROMPTS[2], None)]
+
+
+def requests_for(pipe, seed: int, budgets=None):
+    pictures = images(3)
+    inputs = [pipe.prepare_inputs(q, None if i is None else pictures[i]) for q, i in QUESTIONS]
+    budgets = budgets or [None] * len(inputs)
+    return [Request(x, make_generator(seed + k), budget) for k, (x, budget) in enumerate(zip(inputs, budgets))]
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("name,temperature", [("ar", 0.0), ("ar", 1.0), ("sjd", 1.0), ("sjd", 0.0)],
+                         ids=["ar-greedy", "ar-sampled", "sjd-sampled", "sjd-greedy"])
+def test_each_request_answers_what_it_answers_alone(family, name, temperature, monkeypatch):
+    pipe = BUILDERS[family]()
+    placed = []  # (prompt region growth, the request's prompt slots, the region after) per restart
+    restart_row = SlotKVCache.restart_row
+
+    def spy(cache, row, fresh):
+        grow = restart_row(cache, row, fresh)
+        placed.append((grow, fresh.prompt_length, cache.prompt_length))
+        return grow
+
+    monkeypatch.setattr(SlotKVCache, "restart_row", spy)
+    decoder = make_decoder(name) if name == "ar" else make_decoder(name, window=4, adapt=False)
+    sampling = SamplingConfig(temperature=temperature)
+    stopping = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=12, pad_token=pipe.pad_token_id)
+    budgets = [None, 5, None, None, 3, None]
+    requests = requests_for(pipe, 10, budgets)
+    done, stats = continuous_decode(decoder, pipe.token_model(), requests, 12, sampling, batch_size=2, stopping=stopping)
+    assert [f.index for f in done] == list(range(len(requests))) and stats.rows == len(requests)
+    for k, request in enumerate(requests_for(pipe, 10, budgets)):
+        alone = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=budgets[k] or 12, pad_token=pipe.pad_token_id)
+        solo = decoder.generate(pipe.token_model(), request.conditions, 12, sampling, request.generator, stopping=alone)
+        n = int(solo.lengths[0])
+        assert done[k].tokens.tolist() == solo.tokens[0, :n].tolist(), f"request {k}"
+        assert done[k].stats.forwards == solo.stats.forwards
+    assert any(len(f.tokens) > 1 for f in done)
+    # Some requests grew the prompt region, others sat in a region longer than their prompt.
+    assert any(grow > 0 for grow, _, _ in placed) and any(slots < region for _, slots, region in placed)
+
+
+def test_dropping_is_refused_at_the_first_row():
+    pipe = BUILDERS["llava"]()
+    requests = requests_for(pipe, 0)
+    with pytest.raises(ValueError, match="does not run visual token dropping"):
+        continuous_decode(make_decoder("ar"), pipe.token_model(dropping="fastv:layer=1,keep_ratio=0.5"), requests, 4,
+                          SamplingConfig(), batch_size=2)
