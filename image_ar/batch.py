@@ -80,8 +80,8 @@ from typing import Any
 
 import torch
 
-from mmgen.batch import (FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output, form_groups, group_seed,
-                         model_memo, read_jsonl, run_groups, start_run)
+from mmgen.batch import (CONTINUOUS_GROUP_BATCHES, FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output,
+                         form_groups, group_seed, model_memo, read_jsonl, run_groups, start_run)
 from mmgen.cli import check_seed
 
 from mmgen.image_ar.generation import (
@@ -215,9 +215,6 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = Fa
 
 #: `--continuous`: this runner refills rows as they finish (`mmgen.batch.run_batch` asks).
 CONTINUOUS = True
-#: Under --continuous a group is the work unit of one rank (sharding, failure), not of one
-#: forward: this many batches of rows, so rows are refilled from a long queue.
-CONTINUOUS_GROUP_BATCHES = 16
 
 
 def run_batch(args: argparse.Namespace) -> int:

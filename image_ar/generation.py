@@ -101,7 +101,7 @@ class ImageCall:
 
         if not hasattr(self.pipe, "generate_each"):
             raise ValueError(f"{type(self.pipe).__name__} has no continuous batching (LlamaGen models have)")
-        check_continuous(self.decoder)
+        check_continuous(self.decoder, self.pipe.token_model())
 
 
 def load_image_pipeline(model, device: str, dtype: torch.dtype):

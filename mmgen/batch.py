@@ -537,9 +537,9 @@ def register(commands, groups) -> None:
     batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                        help=f"rows per pipeline call, from jobs of one model and options (default {DEFAULT_BATCH_SIZE})")
     batch.add_argument("--continuous", action="store_true",
-                       help="image jobs of LlamaGen models with a fixed-window decoder (ar, sjd:adapt=false, ...): keep "
-                            "--batch-size rows decoding and refill each as it finishes; every image equals its seed's "
-                            "image made alone (`generate image --seed`)")
+                       help="image jobs of LlamaGen models and text jobs, with a fixed-window decoder (ar, "
+                            "sjd:adapt=false, ...): keep --batch-size rows decoding and refill each as it finishes; "
+                            "every output equals its job run alone with its seed (`generate image/text --seed`)")
     batch.add_argument("--on-error", default="stop", choices=ON_ERROR,
                        help="invalid lines: stop before any work (default) or skip them and run the rest")
     batch.add_argument("--device", default="cpu", help="cpu (default) or cuda (under torchrun: each rank's LOCAL_RANK GPU)")
@@ -566,7 +566,7 @@ def run_batch(args) -> int:
     module = runners[kinds.pop()] if kinds else next(iter(runners.values()))
     runner = importlib.import_module(module)
     if getattr(args, "continuous", False) and not getattr(runner, "CONTINUOUS", False):
-        raise ValueError(f"--continuous is for image jobs; {args.jobs} holds other jobs")
+        raise ValueError(f"--continuous is for image and text jobs; {args.jobs} holds other jobs")
     return runner.run_batch(args)
 
 
@@ -690,21 +690,42 @@ def load_file_jobs(path: Path, check_fields: Callable[[Any], dict], make_job: Ca
     return jobs, calls.loaded(), errors
 
 
+#: `--continuous`: a group is the work unit of one rank (sharding, failure), not of one forward:
+#: this many batches of rows, so rows are refilled from a long queue.
+CONTINUOUS_GROUP_BATCHES = 16
+
+
 def run_file_batch(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tuple[list, dict, list]],
                    encode: Callable[[Any, int, FileJob, dict], tuple[bytes, dict]], unit: str = "files",
-                   bar_unit: str = "file") -> int:
+                   bar_unit: str = "file", encode_each: Optional[Callable[[Any, FileJob], tuple[bytes, dict]]] = None) -> int:
     """A file-per-job batch command: check every line (`start_run`), group jobs of one key in file
     order into calls of up to --batch-size (one generator seeded by `group_seed` of their seeds),
     run this rank's share and write each file the group still lacks: `encode(output, row, job,
     where)` -> (the file's bytes, the manifest record's fields), `where` being the row's group,
-    seed and place. Exit status 0, or 1 when some group failed (its files are missing; run again)."""
+    seed and place. Exit status 0, or 1 when some group failed (its files are missing; run again).
+
+    With --continuous (runners with `encode_each`): groups of up to --batch-size x
+    `CONTINUOUS_GROUP_BATCHES` jobs, each decoded from its own seed by its call's `each(jobs,
+    device, batch_size, on_result)`, which keeps --batch-size rows decoding and hands over each
+    job's result as it ends: `encode_each(result, job)` makes its file then."""
     run = start_run(args, load_jobs)
-    groups = form_groups(run.jobs, key=lambda job: job.key, size=args.batch_size)
+    continuous = getattr(args, "continuous", False)
+    size = args.batch_size * (CONTINUOUS_GROUP_BATCHES if continuous else 1)
+    groups = form_groups(run.jobs, key=lambda job: job.key, size=size)
     if args.dry_run:
         if run.world.rank == 0:
-            print(f"{len(run.jobs)} valid job(s) in {len(groups)} group(s) of up to {args.batch_size}; "
+            print(f"{len(run.jobs)} valid job(s) in {len(groups)} group(s) of up to {size}; "
                   f"{len(run.errors)} invalid line(s)")
         return 0
+
+    def run_each(g: int, group: list[FileJob], progress: GroupRun) -> None:
+        todo = progress.todo
+
+        def write(i: int, result: Any) -> None:
+            data, fields = encode_each(result, todo[i])
+            progress.record(todo[i], data, {"seed": todo[i].fields["seed"], **fields})
+
+        run.calls[group[0].key].each(todo, run.device, args.batch_size, write)
 
     def run_group(g: int, group: list[FileJob], progress: GroupRun) -> None:
         seed = group_seed([job.fields["seed"] for job in group])
@@ -716,8 +737,9 @@ def run_file_batch(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tupl
                 data, fields = encode(output, row, job, where)
                 progress.record(job, data, {"group": where, **fields})
 
-    return run_groups(run.world, run.device, Path(args.out), run.jobs, groups, run_group, started=run.started,
-                      invalid_lines=len(run.errors), unit=unit, bar_unit=bar_unit, progress=not args.no_progress)
+    return run_groups(run.world, run.device, Path(args.out), run.jobs, groups, run_each if continuous else run_group,
+                      started=run.started, invalid_lines=len(run.errors), unit=unit, bar_unit=bar_unit,
+                      progress=not args.no_progress)
 
 
 def run_groups(world: World, device: str, out: Path, jobs: Sequence[Any], groups: list[list[Any]],

@@ -21,6 +21,13 @@ Groups and seeds: jobs of one model and options are packed in file order into ca
 `--batch-size` rows with one generator seeded from their seeds (`mmgen.batch.group_seed`: a
 lone row keeps its own seed, so `--batch-size 1` equals `mmgen generate text --seed`).
 Greedy answers (temperature 0, the default) do not depend on the batch (left padding; tested).
+
+Continuous batching (`--continuous`; fixed-window decoders: `ar`, `sjd:adapt=false`, `draft`,
+...; no token dropping): `--batch-size` rows keep decoding, and a row whose answer ends takes
+the next job of its group (up to 16 x `--batch-size` jobs of one model and options), prefilled
+alone. Every answer, sampled ones included, is the one its job gives alone with its own seed
+(`mmgen generate text --seed`), whatever it shared forwards with; its file holds that seed and
+its own stats.
 Each answer file holds the prompt, the text, the token ids, the decoder's stats and the group;
 files are written atomically and recorded in the manifest, so a killed run resumes without
 losing or duplicating answers (`mmgen.batch`).
@@ -87,21 +94,43 @@ class TextCall:
     def __call__(self, jobs: list[TextJob], seed: int, device: str):
         from mmgen.sampling import make_generator
 
-        images = [list(job.images) for job in jobs]
-        if not any(images):
-            images = None
-        elif len(jobs) == 1:  # one prompt takes its image list itself
-            images = images[0]
-        return self.pipe([job.fields["prompt"] for job in jobs], images, generator=make_generator(seed, device), **self.options)
+        return self.pipe([job.fields["prompt"] for job in jobs], _images(jobs), generator=make_generator(seed, device),
+                         **self.options)
+
+    def each(self, jobs: list[TextJob], device: str, batch_size: int, on_result) -> None:
+        """`--continuous`: every job from its own seed, `batch_size` rows at a time; on_result(i,
+        (text, token ids, stats)) as job i's answer ends."""
+        from mmgen.sampling import make_generator
+
+        options = {name: self.options[name] for name in ("max_new_tokens", "decoding", "temperature", "top_k", "top_p")}
+        self.pipe.answer_each([job.fields["prompt"] for job in jobs], _images(jobs),
+                              [make_generator(job.fields["seed"], device) for job in jobs], batch_size,
+                              lambda i, text, ids, stats: on_result(i, (text, ids, stats)), **options)
 
 
-def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> TextCall:
-    """The decoder and options of a job key, every spec checked (ValueError) before any work."""
+def _images(jobs: list[TextJob]) -> Any:
+    """The pipeline's `images` argument for these jobs: None without any, one prompt's list for
+    one job, else one list per job."""
+    images = [list(job.images) for job in jobs]
+    if not any(images):
+        return None
+    return images[0] if len(jobs) == 1 else images
+
+
+def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype, continuous: bool = False) -> TextCall:
+    """The decoder and options of a job key, every spec checked (ValueError) before any work;
+    `continuous`: the job must also suit `--continuous`."""
+    from mmgen.decoding.batching import check_continuous
     from mmgen.loading import decoder_from_spec
 
     if pipe.conditions != "prompt" or not hasattr(pipe, "stream"):
         raise ValueError(f"model {fields['model']!r} holds a {type(pipe).__name__}, not a vision-language model")
     decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
+    if continuous:
+        check_continuous(decoder, pipe.token_model())
+        if fields["dropping"] is not None or fields["draft_dropping"] is not None:
+            raise ValueError("--continuous decodes without token dropping (each row's prefill runs alone): drop the "
+                             "dropping fields or run without --continuous")
     options = dict(max_new_tokens=fields["max_new_tokens"], decoding=decoder, temperature=fields["temperature"],
                    top_k=fields["top_k"], top_p=fields["top_p"],
                    dropping=dropping_from_flags(fields["dropping"], fields["keep_ratio"]),
@@ -109,8 +138,9 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> TextCal
     return TextCall(pipe, options)
 
 
-def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[TextJob], dict, list[LineError]]:
-    """The valid jobs, the prepared call of each job key, and the bad lines (each model loads once)."""
+def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = False) -> tuple[list[TextJob], dict, list[LineError]]:
+    """The valid jobs, the prepared call of each job key, and the bad lines (each model loads once);
+    `continuous`: every job must also suit `--continuous`."""
     import transformers
 
     from mmgen.loading import load_pipeline
@@ -124,19 +154,34 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[TextJob
     def check_inputs(job: TextJob, call: TextCall) -> None:
         call.pipe.prepare_inputs(job.fields["prompt"], list(job.images) or None)  # conversations and placeholders
 
-    return load_file_jobs(path, check_fields, make_job, lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype),
-                          check_inputs)
+    return load_file_jobs(path, check_fields, make_job,
+                          lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype, continuous), check_inputs)
+
+
+#: `--continuous`: this runner refills rows as they finish (`mmgen.batch.run_batch` asks).
+CONTINUOUS = True
 
 
 def run_batch(args: argparse.Namespace) -> int:
     """Check every line, group, run this rank's share, merge the manifest (rank 0). Exit status
     0, or 1 when some group failed (its answers are missing; run again)."""
+    continuous = getattr(args, "continuous", False)
 
     def encode(output, row: int, job: TextJob, where: dict) -> tuple[bytes, dict]:
-        stats = output.stats.to_dict(per_forward=False)
         n = int(output.lengths[row])
-        answer = {"prompt": job.fields["prompt"], "text": output.texts[row], "token_ids": output.token_ids[row, :n].tolist(),
-                  "model": job.fields["model"], "decoding": job.fields["decoding"], "stats": stats, "group": where}
-        return (json.dumps(answer, ensure_ascii=False, indent=1) + "\n").encode(), {}
+        return answer_file(job, output.texts[row], output.token_ids[row, :n], output.stats, group=where), {}
 
-    return run_file_batch(args, load_jobs, encode, unit="answers", bar_unit="answer")
+    def encode_each(result, job: TextJob) -> tuple[bytes, dict]:
+        text, token_ids, stats = result
+        return answer_file(job, text, token_ids, stats, seed=job.fields["seed"]), {}
+
+    return run_file_batch(args, lambda path, device, dtype: load_jobs(path, device, dtype, continuous), encode,
+                          unit="answers", bar_unit="answer", encode_each=encode_each)
+
+
+def answer_file(job: TextJob, text: str, token_ids: torch.Tensor, stats, **where) -> bytes:
+    """An answer's JSON file: prompt, text, token ids, model, decoding, the decoder's stats, and
+    where it was decoded (`group`, or under --continuous its own `seed`)."""
+    answer = {"prompt": job.fields["prompt"], "text": text, "token_ids": token_ids.tolist(), "model": job.fields["model"],
+              "decoding": job.fields["decoding"], "stats": stats.to_dict(per_forward=False), **where}
+    return (json.dumps(answer, ensure_ascii=False, indent=1) + "\n").encode()

@@ -13,11 +13,12 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import torch
 
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer, resolve_decoder
+from mmgen.decoding.batching import Finished, Request, check_continuous, continuous_decode
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -115,18 +116,7 @@ class VLMPipeline(Pipeline):
         conversation in transformers' chat format (a list of {"role", "content"} messages whose
         `{"type": "image"}` entries take the row's images in order), ending with a user turn.
         """
-        prompts = [prompts] if _is_prompt(prompts) else list(prompts)
-        if not prompts or not all(_is_prompt(p) for p in prompts):
-            raise ValueError("prompts must be one non-empty string or chat conversation, or a list of them")
-        as_list = lambda x: list(x) if isinstance(x, (list, tuple)) else [x]
-        if images is None:
-            per_row = [[] for _ in prompts]
-        elif len(prompts) == 1:
-            per_row = [as_list(images)]
-        else:
-            if not isinstance(images, (list, tuple)) or len(images) != len(prompts):
-                raise ValueError(f"{len(prompts)} prompts need a list of {len(prompts)} images (or image lists)")
-            per_row = [as_list(i) for i in images]
+        prompts, per_row = _rows(prompts, images)
         texts = [self.processor.apply_chat_template(_conversation(prompt, len(row)), add_generation_prompt=True)
                  for prompt, row in zip(prompts, per_row)]
         # Nested per prompt: processors that count images per row (Idefics3) need it, the others flatten it.
@@ -243,6 +233,60 @@ class VLMPipeline(Pipeline):
         draft_report = drafter.last.last_report if isinstance(drafter, PrunedView) and drafter.last is not None else None
         return VLMOutput(texts, result.tokens, lengths, result.stats, ttft, rate, model.last_report, draft_report)
 
+    @torch.no_grad()
+    def answer_each(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        images: Any = None,
+        generators: Sequence[torch.Generator] = (),
+        batch_size: Optional[int] = None,
+        on_answer: Optional[Callable[[int, str, torch.Tensor, DecodeStats], None]] = None,
+        max_new_tokens: int = 64,
+        decoding: Union[str, Decoder] = "ar",
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_token_ids: Optional[Sequence[int]] = None,
+    ) -> VLMOutput:
+        """Each prompt answered from its own generator by continuous batching
+        (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all), and
+        a row whose answer ends takes the next prompt, prefilled alone. Answer i is the one a
+        call with prompt i alone (and its images) and `generators[i]` gives (the decoder needs a
+        fixed window: `adapt=False`; no token dropping). `on_answer(i, text, token_ids, stats)`
+        receives each answer as it ends, with its own stats (a batch-1 decode's). The output's
+        stats are the run's."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        decoder = resolve_decoder(decoding)
+        check_continuous(decoder)
+        prompts, per_row = _rows(prompts, images)
+        if len(generators) != len(prompts):
+            raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts: give one generator per prompt")
+        generators = self.generator_for(list(generators), per_output=True)
+        inputs = [self.prepare_inputs(prompt, row or None) for prompt, row in zip(prompts, per_row)]
+        for x in inputs:
+            self.check_context(x, max_new_tokens)
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        stops = self.eos_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        stopping = Stopping(stop_tokens=stops, max_new_tokens=max_new_tokens, pad_token=self.pad_token_id)
+        answers: list = [None] * len(prompts)
+
+        def finished(done: Finished) -> None:
+            tokens = done.checked().tokens
+            text = self.processor.tokenizer.decode(tokens.tolist(), skip_special_tokens=True).strip()
+            answers[done.index] = (text, tokens)
+            if on_answer is not None:
+                on_answer(done.index, text, tokens, done.stats)
+
+        requests = [Request(x, g) for x, g in zip(inputs, generators)]
+        _, stats = continuous_decode(decoder, self.token_model(), requests, max_new_tokens, sampling,
+                                     batch_size or len(requests), on_finish=finished, stopping=stopping)
+        lengths = torch.tensor([len(tokens) for _, tokens in answers], device=self.device)
+        token_ids = torch.full((len(answers), max_new_tokens), self.pad_token_id, dtype=torch.long, device=self.device)
+        for row, (_, tokens) in enumerate(answers):
+            token_ids[row, : len(tokens)] = tokens
+        return VLMOutput([text for text, _ in answers], token_ids, lengths, stats)
+
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any = None,
                **kwargs) -> Generator[tuple[int, str], None, VLMOutput]:
         """(row, text piece) pairs as tokens commit; the pieces of a row concatenate to its text
@@ -271,6 +315,21 @@ class VLMPipeline(Pipeline):
         if "error" in outcome:
             raise outcome["error"]
         return outcome["output"]
+
+
+def _rows(prompts: Union[Prompt, Sequence[Prompt]], images: Any) -> tuple[list, list[list]]:
+    """(prompts, each one's list of images) from a call's arguments, checked (ValueError)."""
+    prompts = [prompts] if _is_prompt(prompts) else list(prompts)
+    if not prompts or not all(_is_prompt(p) for p in prompts):
+        raise ValueError("prompts must be one non-empty string or chat conversation, or a list of them")
+    as_list = lambda x: list(x) if isinstance(x, (list, tuple)) else [x]
+    if images is None:
+        return prompts, [[] for _ in prompts]
+    if len(prompts) == 1:
+        return prompts, [as_list(images)]
+    if not isinstance(images, (list, tuple)) or len(images) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts need a list of {len(prompts)} images (or image lists)")
+    return prompts, [as_list(i) for i in images]
 
 
 def _is_prompt(value: Any) -> bool:

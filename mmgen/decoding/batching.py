@@ -174,16 +174,21 @@ class ContinuousServer:
                 self.queue.fail(error)
 
 
-def check_continuous(decoder: Any) -> None:
+def check_continuous(decoder: Any, model: Optional[TokenModel] = None) -> None:
     """ValueError unless `decoder` can serve continuous batching: one of the speculative
-    loop's decoders with a fixed window (the proposer's own check runs at the first row)."""
-    from mmgen.decoding.speculative import SpeculativeDecoder
+    loop's decoders with a fixed window; with `model`, also its proposer on that model (rows
+    that restart, draws from each row's generator) and the model's `restart`, as the loop
+    checks at its start (a job file's lines are checked so, before any work)."""
+    from mmgen.decoding.speculative import SpeculativeDecoder, _check_feed
 
     if not isinstance(decoder, SpeculativeDecoder):
         raise ValueError(f"continuous batching runs the token decoders of the speculative loop, not {type(decoder).__name__}")
     if resolve_adaptive(getattr(decoder, "adapt", None)) is not None:
         raise ValueError("continuous batching needs a fixed draft window: the adaptive window picks one width for the "
                          "whole batch, so a row's draws would depend on its neighbours; pass adapt=False (spec ':adapt=false')")
+    if model is not None:
+        proposer, _ = decoder.roles(model, 2, torch.Generator(device="cpu"))
+        _check_feed(model, proposer, None)
 
 
 def continuous_decode(

@@ -85,3 +85,45 @@ def test_bad_text_jobs_are_listed_before_any_work(root, tmp_path, capsys):
                                                            "count": 1, "output": "img"}])
     assert main(["batch", str(mixed), "--out", str(tmp_path / "out")]) == 2
     assert "mixes kinds of jobs (class_label, prompt): one kind per file" in capsys.readouterr().err
+
+
+def test_continuous_answers_equal_each_job_alone_with_its_seed_and_resume(root, tmp_path, capsys):
+    from mmgen.sampling import make_generator
+
+    model = str(root / "llava")
+    jobs = [{"model": model, "prompt": PROMPTS[k % 3], "images": [str(root / f"img{k % 3}.png")] if k % 2 else [],
+             "output": f"s{k}", "max_new_tokens": 6 + k, "seed": 100 + k, "temperature": 1.0, "decoding": "sjd:adapt=false,window=4"}
+            for k in range(5)]
+    path = write_jobs(tmp_path / "jobs.jsonl", jobs)
+    out = tmp_path / "out"
+    assert main(["batch", str(path), "--out", str(out), "--batch-size", "2", "--continuous", "--no-progress"]) == 0
+    pipe = tiny_llava(0)
+    for k, job in enumerate(jobs):  # sampled, yet each is its job alone with its own seed
+        alone = pipe(job["prompt"], images(3)[k % 3] if k % 2 else None, max_new_tokens=job["max_new_tokens"], temperature=1.0,
+                     decoding="sjd:adapt=false,window=4", generator=make_generator(job["seed"]))
+        answer = json.loads((out / f"s{k}.json").read_text())
+        assert answer["token_ids"] == alone.token_ids[0, : alone.lengths[0]].tolist() and answer["text"] == alone.texts[0]
+        assert answer["seed"] == job["seed"] and answer["stats"]["forwards"] == alone.stats.forwards
+    capsys.readouterr()
+    (out / "s3.json").unlink()
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.json")}
+    assert main(["batch", str(path), "--out", str(out), "--batch-size", "2", "--continuous", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]
+    assert summary["total"]["outputs"] == 1 and json.loads((out / "s3.json").read_text())["seed"] == 103
+    assert all((out / name).stat().st_mtime_ns == t for name, t in before.items())
+
+
+def test_continuous_refuses_jobs_it_cannot_run_before_any_work(root, tmp_path, capsys):
+    model, draft = str(root / "llava"), str(root / "llava-draft")
+    bad = [{"model": model, "prompt": PROMPTS[0], "output": "a", "decoding": "sjd"},
+           {"model": model, "prompt": PROMPTS[0], "output": "b", "decoding": f"draft:drafter={draft}"},
+           {"model": model, "prompt": PROMPTS[0], "output": "c", "dropping": "fastv"},
+           {"model": model, "prompt": PROMPTS[0], "output": "d"}]
+    jobs = write_jobs(tmp_path / "bad.jsonl", bad)
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--continuous"]) == 2
+    err = capsys.readouterr().err
+    for line, message in [(1, "continuous batching needs a fixed draft window"), (2, "DraftModelProposer cannot restart rows"),
+                          (3, "--continuous decodes without token dropping")]:
+        assert f"line {line}: {message}" in err, err
+    assert "line 4" not in err
+    assert not (tmp_path / "out").exists()

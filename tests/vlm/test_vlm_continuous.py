@@ -65,3 +65,37 @@ def test_dropping_is_refused_at_the_first_row():
     with pytest.raises(ValueError, match="does not run visual token dropping"):
         continuous_decode(make_decoder("ar"), pipe.token_model(dropping="fastv:layer=1,keep_ratio=0.5"), requests, 4,
                           SamplingConfig(), batch_size=2)
+
+
+def test_the_pipeline_answers_each_prompt_as_alone_and_hands_answers_over_as_they_end():
+    pipe = BUILDERS["llava"]()
+    pictures = images(3)
+    prompts = [q for q, _ in QUESTIONS]
+    per_prompt = [[] if i is None else [pictures[i]] for _, i in QUESTIONS]
+    seen = []
+    out = pipe.answer_each(prompts, per_prompt, [make_generator(20 + k) for k in range(len(prompts))], batch_size=2,
+                           on_answer=lambda i, text, ids, stats: seen.append((i, text, ids.tolist(), stats.forwards)),
+                           max_new_tokens=10, decoding="sjd:adapt=false,window=4", temperature=1.0)
+    assert sorted(i for i, *_ in seen) == list(range(len(prompts)))
+    for k, (prompt, pics) in enumerate(zip(prompts, per_prompt)):
+        alone = pipe(prompt, pics or None, max_new_tokens=10, decoding="sjd:adapt=false,window=4", temperature=1.0,
+                     generator=make_generator(20 + k))
+        n = int(alone.lengths[0])
+        assert out.texts[k] == alone.texts[0] and int(out.lengths[k]) == n
+        assert torch.equal(out.token_ids[k], alone.token_ids[0])  # padded alike after the answer
+        i, text, ids, forwards = next(s for s in seen if s[0] == k)
+        assert text == alone.texts[0] and ids == alone.token_ids[0, :n].tolist() and forwards == alone.stats.forwards
+    assert out.stats.rows == len(prompts)
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(decoding="sjd"), "fixed draft window"),
+    (dict(generators=[make_generator(0)]), "1 generators for 2 prompts"),
+    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+])
+def test_bad_continuous_calls_are_clear_errors(options, message):
+    pipe = BUILDERS["llava"]()
+    args = dict(generators=[make_generator(0), make_generator(1)], **{k: v for k, v in options.items() if k != "generators"})
+    args["generators"] = options.get("generators", args["generators"])
+    with pytest.raises(ValueError, match=message):
+        pipe.answer_each([PROMPTS[0], PROMPTS[1]], None, **args)
