@@ -386,7 +386,7 @@ are batched calls summed over the {e['questions'] // EVAL_BATCH + bool(e['questi
 A toy for offline tests and demos of image-aware drafting: it knows 64x64 emoji and these four
 questions only. It almost never gets a held-out emoji's whole name (it answers with a training
 name of the same look, e.g. "woman, woman, medium skin tone, medium skin tone" for "detective:
-medium skin tone"), sometimes adds a word to "yes" ("yes face"), and is undertrained (2 CPU cores
+medium skin tone"), and is undertrained (2 CPU cores
 shared with other jobs, under an hour): its training loss was still falling.
 
 ## Reproduce

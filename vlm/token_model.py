@@ -4,8 +4,8 @@ The prefill runs the whole model once, so transformers itself merges the image f
 the prompt; every later forward runs only its language model on token embeddings. The cache is
 the core's `SlotKVCache` over a transformers `DynamicCache` (the Janus adapter's layout), so rows
 advance by their own accepted counts and speculative decoders can rewind. Positions follow
-transformers' `generate`: prompt tokens at `cumsum(attention_mask) - 1`, new tokens at their
-slot. Models with multimodal rotary positions (Qwen2-VL / Qwen2.5-VL M-RoPE: a
+transformers' `generate`: prompt tokens at `cumsum(attention_mask) - 1`, new tokens right after
+their row's own prompt (its slot minus the row's left padding). Models with multimodal rotary positions (Qwen2-VL / Qwen2.5-VL M-RoPE: a
 `get_rope_index`) compute the prompt's 3-D positions themselves in the prefill; each new token
 then sits at its slot plus the row's `rope_deltas` on all three axes, as in transformers. Greedy
 output equals `model.generate(do_sample=False)` token for token (tested for both kinds).
@@ -80,10 +80,14 @@ class VLMTokenModel:
             prefill.finish(kv)
             slots, kept_mask = prefill.valid.shape[1], prefill.valid.long()
         cache = SlotKVCache(kv, kept_mask, prompt_length=slots, compact_ratio=self.compact_ratio)
-        # Decode positions stay those of the unpruned prompt: slot + (S - S'), plus M-RoPE's deltas.
-        offset = torch.full((ids.shape[0], 1), ids.shape[1] - slots, dtype=torch.long, device=mask.device)
+        # A row's first new token follows its unpruned prompt: at its count of prompt tokens
+        # (left padding not counted, as the prefill's positions and transformers' generate), the
+        # cache's slots starting at `slots` for every row. M-RoPE's rope_deltas say the same for
+        # prompts placed in 3-D (the padded length S plus delta is the row's next position).
         if spatial:
-            offset = offset + self.model.model.rope_deltas.to(offset.device)  # [B, 1]: 3-D position minus slot
+            offset = (ids.shape[1] - slots) + self.model.model.rope_deltas.to(mask.device).long()  # [B, 1]
+        else:
+            offset = mask.long().sum(1, keepdim=True) - slots
         extra = _Extra(offset, mrope, prefill)
         if prefill is not None:
             self.last_report = prefill.report()

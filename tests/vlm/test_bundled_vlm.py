@@ -83,3 +83,27 @@ def test_drafting_with_the_drafter_equals_greedy(pair, subset):
     draft = target(prompts, imgs, max_new_tokens=32, decoding=make_decoder("draft", drafter=drafter, num_draft=4))
     assert torch.equal(draft.token_ids, ar.token_ids) and torch.equal(draft.lengths, ar.lengths)
     assert draft.stats.draft_forwards > 0 and draft.stats.forwards < ar.stats.forwards
+
+
+def test_batched_greedy_answers_equal_each_question_alone_and_generate(pair, subset):
+    """Left-padded rows decode at their own prompt's positions: the trained model's batched
+    answers are its answers alone and transformers' `generate`'s (the tiny random test models
+    barely depend on positions; this one does: a padded row's answer changed when its new
+    tokens sat at padded slot positions)."""
+    from PIL import Image
+
+    pipe = pair[0]
+    records, images = subset
+    rows = records[:6]
+    questions, pictures = [r["question"] for r in rows], [[Image.fromarray(images[r["index"]])] for r in rows]
+    inputs = pipe.prepare_inputs(questions, pictures)
+    assert len(set(inputs["attention_mask"].sum(1).tolist())) > 1  # rows of several lengths: some padded
+    batched = pipe(questions, pictures, max_new_tokens=16)
+    assert batched.texts == [pipe(q, p, max_new_tokens=16).texts[0] for q, p in zip(questions, pictures)]
+    reference = pipe.model.generate(**inputs, max_new_tokens=16, do_sample=False, pad_token_id=pipe.pad_token_id)
+    texts = [pipe.processor.tokenizer.decode(r, skip_special_tokens=True).strip() for r in reference[:, inputs["input_ids"].shape[1]:]]
+    assert batched.texts == texts
+    # Pruned prompts too: new tokens follow each row's unpruned prompt.
+    pruned = pipe(questions, pictures, max_new_tokens=16, dropping="fastv:layer=2,keep_ratio=0.5")
+    assert pruned.texts == [pipe(q, p, max_new_tokens=16, dropping="fastv:layer=2,keep_ratio=0.5").texts[0]
+                            for q, p in zip(questions, pictures)]

@@ -155,17 +155,19 @@ def test_greedy_equals_transformers_generate(pipe, rows):
 
 
 def test_text_only_prompts_on_mrope_models_take_the_texts_positions():
-    """Without images an M-RoPE model's positions are the text's on all three axes (offset 0),
-    as in transformers' generate. Before, a text-only first prompt crashed (the model had no
-    rope_deltas yet) and a later one took the rope_deltas an image prompt had left."""
+    """Without images an M-RoPE model's positions are the text's on all three axes, as in
+    transformers' generate: a row's new tokens follow its own prompt (slot minus its left
+    padding). Before, a text-only first prompt crashed (the model had no rope_deltas yet) and a
+    later one took the rope_deltas an image prompt had left."""
     pipe = tiny_qwen()
     model, text = pipe.token_model(), pipe.prepare_inputs(PROMPTS[:2], None)
+    own = text["attention_mask"].sum(1, keepdim=True) - text["input_ids"].shape[1]  # minus each row's padding
     first = model.start(text, 0, False)
-    assert (first.extra.offset == 0).all()
+    assert torch.equal(first.extra.offset, own) and int(own.min()) < 0
     model.start(pipe.prepare_inputs(PROMPTS[0], images(1)[0]), 0, False)
     assert int(pipe.model.model.rope_deltas[0, 0]) != 0  # what an image prompt leaves on the model
     again = model.start(text, 0, False)
-    assert (again.extra.offset == 0).all() and torch.equal(again.first_logits.cond, first.first_logits.cond)
+    assert torch.equal(again.extra.offset, own) and torch.equal(again.first_logits.cond, first.first_logits.cond)
     out = pipe(PROMPTS[:2], None, max_new_tokens=8, stop_token_ids=[])
     assert torch.equal(out.token_ids, transformers_greedy(pipe, PROMPTS[:2], None, 8, eos=[]))
 
