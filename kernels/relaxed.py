@@ -31,14 +31,7 @@ from typing import Optional
 import torch
 
 from mmgen.decoding.acceptance import _cached, _int32
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the twin works without triton; the dispatch never picks the kernel then
-    triton = tl = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+from mmgen.kernels._triton import jit as _jit, tl, triton
 
 
 def relaxed_target_triton(rule, p: torch.Tensor, q: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:

@@ -32,15 +32,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from mmgen.kernels._triton import jit as _jit, tl, triton
 from mmgen.sampling import Logits, apply_guidance, logits_to_probs, race
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the twin works without triton; the dispatch never picks the kernel then
-    triton = tl = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 def sample_logits_twin(logits: Logits, scale: Optional[torch.Tensor], noise: torch.Tensor, temperature: float = 1.0,

@@ -32,15 +32,8 @@ import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.speculative import _finalise
+from mmgen.kernels._triton import jit as _jit, tl, triton
 from mmgen.sampling import race
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the twin works without triton; the dispatch never picks the kernel then
-    triton = tl = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 def verify_exact_twin(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor,
