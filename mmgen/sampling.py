@@ -226,15 +226,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     argmax(p / E) with E ~ Exp(1) i.i.d. is an exact sample from p (the exponential race used
     by gpt-fast), and draws its noise from `generator`, so a seed reproduces the output.
     """
-    noise = exponential_noise(probs.shape, generator, probs.device)
+    noise = exponential_noise(probs.shape, generator, probs.device, probs.dtype)
     # race(probs, noise) without a second [..., V] buffer; a draw has no gradient, so detach
     return torch.div(probs.detach(), noise, out=noise).argmax(-1)
 
 
-def exponential_noise(shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Exp(1) float32 noise of `shape`: the draws `sample` makes for probabilities of that
-    shape from the same generator state (row b from generator b under `RowGenerators`)."""
-    noise = torch.empty(shape, device=device)
+def exponential_noise(shape: tuple, generator: torch.Generator, device: torch.device,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Exp(1) noise of `shape`: the draws `sample` makes for probabilities of that shape and
+    dtype from the same generator state (row b from generator b under `RowGenerators`)."""
+    noise = torch.empty(shape, device=device, dtype=dtype)
     if isinstance(generator, RowGenerators):
         for row, g in zip(noise, generator):
             row.exponential_(generator=g)

@@ -22,12 +22,13 @@ Groups and seeds: jobs of one model and options are packed in file order into ca
 lone row keeps its own seed, so `--batch-size 1` equals `mmgen generate text --seed`).
 Greedy answers (temperature 0, the default) do not depend on the batch (left padding; tested).
 
-Continuous batching (`--continuous`; fixed-window decoders: `ar`, `sjd:adapt=false`, `draft`,
-...; no token dropping): `--batch-size` rows keep decoding, and a row whose answer ends takes
-the next job of its group (up to 16 x `--batch-size` jobs of one model and options), prefilled
-alone. Every answer, sampled ones included, is the one its job gives alone with its own seed
-(`mmgen generate text --seed`), whatever it shared forwards with; its file holds that seed and
-its own stats.
+Continuous batching (`--continuous`; fixed-window decoders such as `ar` and `sjd:adapt=false`,
+not draft models; no token dropping): `--batch-size` rows keep decoding, and a row whose answer
+ends takes the next job of its group (up to 16 x `--batch-size` jobs of one model and options),
+prefilled alone. Every answer, sampled ones included, is the one its job gives alone with its
+own seed (`mmgen generate text --seed`), whatever it shared forwards with; its file holds that
+seed and its own stats. Jobs it cannot run are listed with the other bad lines before any work.
+
 Each answer file holds the prompt, the text, the token ids, the decoder's stats and the group;
 files are written atomically and recorded in the manifest, so a killed run resumes without
 losing or duplicating answers (`mmgen.batch`).

@@ -5,10 +5,13 @@ the prompt; every later forward runs only its language model on token embeddings
 the core's `SlotKVCache` over a transformers `DynamicCache` (the Janus adapter's layout), so rows
 advance by their own accepted counts and speculative decoders can rewind. Positions follow
 transformers' `generate`: prompt tokens at `cumsum(attention_mask) - 1`, new tokens right after
-their row's own prompt (its slot minus the row's left padding). Models with multimodal rotary positions (Qwen2-VL / Qwen2.5-VL M-RoPE: a
-`get_rope_index`) compute the prompt's 3-D positions themselves in the prefill; each new token
-then sits at its slot plus the row's `rope_deltas` on all three axes, as in transformers. Greedy
-output equals `model.generate(do_sample=False)` token for token (tested for both kinds).
+their row's own prompt (its slot minus the row's left padding). Models with multimodal rotary
+positions (Qwen2-VL / Qwen2.5-VL M-RoPE: a `get_rope_index`) compute an image prompt's 3-D
+positions themselves in the prefill; each new token then sits at its slot plus the row's
+`rope_deltas` on all three axes, as in transformers (a text-only prompt is the text's positions
+on all three axes). Greedy output equals `model.generate(do_sample=False)` token for token at
+any batch size (tested for both kinds, and on the trained `emoji-vlm`). `restart` starts one
+row over on a new prompt (continuous batching).
 
 With a `dropping` policy (`mmgen.vlm.dropping`: FastV, VisionZip, MustDrop) the prefill runs
 with that policy's hooks; the cache then holds only the kept prompt slots, while decode
