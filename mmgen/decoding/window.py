@@ -47,19 +47,26 @@ class AdaptiveWindow:
 
     `token_cost`: rho above, None for the device's default (`TOKEN_COST`). `widths`: the draft
     counts it may choose (None: 0, 1, 3, 7, ... up to the decoder's own, so a compiled step
-    meets few shapes); it starts at the widest. `dwell`: forwards measured before a width is
-    judged (Jacobi's first forwards have no carried drafts, and its gains come in bursts).
+    meets few shapes). `start_cost`: it starts at the widest width whose forward costs at most
+    this many AR steps with nothing accepted (the first forwards are all a short decode has: a
+    4-token answer never amortises a 16-token window), and grows one width each time a forward
+    finalises at least half of its drafts, until the widest or until a width does not pay (on a
+    GPU, where a draft costs next to nothing, it starts at the widest; where one draft costs
+    more, it starts with autoregressive steps and probes a 2-token window after `dwell`).
+    `dwell`: forwards measured before a width is judged (Jacobi's first forwards have no
+    carried drafts, and its gains come in bursts).
     `probe_every`: forwards at the chosen width before a probe of a neighbouring width (the
     wait doubles after each probe that did not pay).
     `decay`: weight of older forwards in a width's running figure. A width that pays less than
     autoregressive steps gives way to the next narrower one, or straight to autoregressive
     steps when it finalised fewer than 1 + `barren` tokens per forward. Worst case (nothing
-    accepted): `dwell` forwards at the widest window, then `dwell`-forward probes of a 2-token
-    window after 32, 64, 128, ... autoregressive steps.
+    accepted): `dwell` forwards at the starting width (at most `start_cost` AR steps each), then
+    `dwell`-forward probes of a 2-token window after 32, 64, 128, ... autoregressive steps.
     """
 
     token_cost: Optional[float] = None
     widths: Optional[tuple[int, ...]] = None
+    start_cost: float = 1.1
     dwell: int = 6
     probe_every: int = 32
     decay: float = 0.95
@@ -72,6 +79,8 @@ class AdaptiveWindow:
             raise ValueError(f"decay must be in [0, 1), got {self.decay!r}")
         if not (math.isfinite(self.barren) and self.barren >= 0):
             raise ValueError(f"barren must be a finite number >= 0, got {self.barren!r}")
+        if not (math.isfinite(self.start_cost) and self.start_cost >= 1):
+            raise ValueError(f"start_cost must be a number >= 1 (AR steps), got {self.start_cost!r}")
         for name in ("dwell", "probe_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -111,12 +120,16 @@ class WindowChooser:
 
     def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float]):
         self.policy, self.widths, self.cost = policy, widths, cost
-        self.home = len(widths) - 1  # the width decoding runs at; it starts at the widest
+        # The width decoding runs at: it starts at the widest one within `start_cost` and grows
+        # while forwards accept half their drafts (`growing`). Where even one draft costs more,
+        # it starts with autoregressive steps and probes one draft after `dwell` of them.
+        self.home = [level for level, c in enumerate(cost) if c <= policy.start_cost][-1]
+        self.growing = self.home < len(widths) - 1
         self.level = self.home  # this forward's
         self.sums, self.forwards, self.measured = [0.0, 0.0], 0.0, 0  # decayed (tokens, cost, forwards) at home
         self.trial: Optional[list] = None  # [level, forwards left, tokens, cost] while probing
-        self.since_probe, self.upward = 0, False
         self.interval = policy.probe_every  # doubles after each probe that did not pay
+        self.since_probe, self.upward = (self.interval - policy.dwell if self.home == 0 else 0), False
         self.chosen: list[int] = []
 
     def value(self) -> float:
@@ -148,6 +161,11 @@ class WindowChooser:
         self.since_probe += 1
         if self.home == 0:
             return
+        if self.growing and tokens >= 1 + self.widths[self.home] / 2:  # half the drafts passed: widen
+            self.home += 1
+            self.growing = self.home < len(self.widths) - 1
+            self.sums, self.forwards, self.measured, self.since_probe = [0.0, 0.0], 0.0, 0, 0
+            return
         keep = self.policy.decay
         self.sums = [keep * self.sums[0] + tokens, keep * self.sums[1] + cost]
         self.forwards = keep * self.forwards + 1
@@ -157,6 +175,7 @@ class WindowChooser:
             # to them at once; otherwise try the next narrower window first.
             barren = self.sums[0] / self.forwards < 1 + self.policy.barren
             self.home = 0 if barren else self.home - 1
+            self.growing = False
             self.sums, self.forwards, self.measured, self.since_probe = [0.0, 0.0], 0.0, 0, 0
 
 

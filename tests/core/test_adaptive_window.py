@@ -14,7 +14,7 @@ import torch
 
 from mmgen.decoding import AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding
 from mmgen.decoding.speculative import Stopping
-from mmgen.decoding.window import _powers, draft_cost, resolve_adaptive
+from mmgen.decoding.window import TOKEN_COST, _powers, draft_cost, resolve_adaptive
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, SamplingConfig
@@ -114,6 +114,32 @@ def test_nothing_accepted_falls_back_to_ar_within_ten_percent():
     assert out.stats.drafts_per_forward.count(0) > 0.8 * len(out.stats.drafts_per_forward)
 
 
+@pytest.mark.parametrize("length", [3, 5, 12])
+def test_short_decodes_with_nothing_accepted_stay_within_ten_percent_of_ar(length):
+    """A short answer (a VLM's "yes", a name: a stop token long before the budget) is all
+    start: its few forwards must not run at the widest window. Batch 1 without guidance at the
+    CPU's default token cost, as a VLM decodes."""
+    model = LlamaGenTokenModel(tiny_transformer(vocab_size=4096, block_size=64, output_std=0.5))
+    sampling = SamplingConfig(temperature=1.0)
+    decode = lambda policy: SpeculativeJacobi(window=16, adapt=policy).generate(
+        model, torch.tensor([1]), 48, sampling, torch.Generator().manual_seed(0), stopping=Stopping(max_new_tokens=length))
+    token_cost = TOKEN_COST["cpu"]
+    assert relative_cost(decode(True).stats, 1, token_cost) < 1.1
+    # Starting at the widest window (as before `start_cost`) costs every forward of it.
+    assert relative_cost(decode(AdaptiveWindow(start_cost=100.0)).stats, 1, token_cost) > 1.1
+
+
+def test_where_one_draft_costs_too_much_it_starts_autoregressive_and_probes_soon():
+    policy = AdaptiveWindow(token_cost=0.2)  # one draft: 1.17 AR steps at batch 1
+    chooser = policy.start(15, 1, "cpu")
+    assert [chooser.choose() for _ in range(policy.dwell)] == [0] * policy.dwell  # a short decode: AR steps only
+    model = ContextFree()  # everything accepted: the probe pays, and the window grows
+    out = SpeculativeJacobi(window=16, adapt=policy).generate(model, torch.zeros(1, dtype=torch.long), 256,
+                                                              SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    drafts = out.stats.drafts_per_forward
+    assert drafts[:policy.dwell] == [0] * policy.dwell and drafts.count(15) > 0.5 * len(drafts)
+
+
 class ContextFree:
     """Next-token logits that ignore the context: Jacobi's carried drafts are exact draws from
     the target's own law, so every draft after the first forward is accepted."""
@@ -147,7 +173,11 @@ def test_everything_accepted_keeps_the_whole_window():
     fixed = SpeculativeJacobi(window=16, adapt=False).generate(model, torch.zeros(2, dtype=torch.long), 256, sampling,
                                                   torch.Generator().manual_seed(0))
     drafts = out.stats.drafts_per_forward
-    assert drafts.count(15) > 0.85 * len(drafts)  # the rest: probes of the next narrower window
+    # It starts narrow and widens as forwards accept (two forwards a width: Jacobi's first
+    # forward at a wider width has no carried drafts beyond the old one), then stays widest.
+    assert drafts[0] < 15 and drafts.index(15) <= 8 and drafts[: drafts.index(15)] == sorted(drafts[: drafts.index(15)])
+    rest = drafts[drafts.index(15):]
+    assert rest.count(15) > 0.85 * len(rest)  # the others: probes of the next narrower window
     assert relative_cost(out.stats, 2, 0.05) < 1.05 * relative_cost(fixed.stats, 2, 0.05)
 
 
