@@ -251,7 +251,7 @@ def test_frames_sampling_matches_exact_distribution(name):
     sampling = [SamplingConfig(temperature=t) for t in (1.0, 0.8, 1.2, 1.0)]
     seqs, joint = exact_frame_joint(model, 1, 2, sampling)
     n = 8000
-    decoder = Autoregressive() if name == "ar" else SpeculativeJacobi(window=2)
+    decoder = Autoregressive() if name == "ar" else SpeculativeJacobi(window=2, adapt=False)  # 8000 rows: fixed
     out = decoder.generate(model, torch.full((n,), 1), 2, sampling, torch.Generator().manual_seed(0))
     if name == "sjd":
         # A random frame of 4 codebooks passes whole about 1 time in 16; the rest exercise the
