@@ -196,8 +196,7 @@ class VLMPipeline(Pipeline):
             draft_dropping: dropping for the drafter of a draft decoder only (SpecVLM): the
                 target still verifies on the full image, so decoding stays exact.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        _check_budget(max_new_tokens)
         policy, draft_policy = make_dropping(dropping), make_dropping(draft_dropping)
         decoder = resolve_decoder(decoding)
         if draft_policy is not None:
@@ -215,9 +214,7 @@ class VLMPipeline(Pipeline):
             self.check_companion(drafter, self.companions["draft"])
         inputs = self.prepare_inputs(prompts, images)
         self.check_context(inputs, max_new_tokens)
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-        stops = self.eos_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
-        stopping = Stopping(stop_tokens=stops, max_new_tokens=max_new_tokens, pad_token=self.pad_token_id)
+        sampling, stopping = self._sampling(max_new_tokens, temperature, top_k, top_p, stop_token_ids)
         model = self.token_model(dropping=policy)
         begin = time.perf_counter()
         result = decoder.generate(model, inputs, max_new_tokens, sampling, self.generator_for(generator),
@@ -255,8 +252,7 @@ class VLMPipeline(Pipeline):
         fixed window: `adapt=False`; no token dropping). `on_answer(i, text, token_ids, stats)`
         receives each answer as it ends, with its own stats (a batch-1 decode's). The output's
         stats are the run's."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        _check_budget(max_new_tokens)
         decoder = resolve_decoder(decoding)
         check_continuous(decoder)
         prompts, per_row = _rows(prompts, images)
@@ -266,9 +262,7 @@ class VLMPipeline(Pipeline):
         inputs = [self.prepare_inputs(prompt, row or None) for prompt, row in zip(prompts, per_row)]
         for x in inputs:
             self.check_context(x, max_new_tokens)
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-        stops = self.eos_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
-        stopping = Stopping(stop_tokens=stops, max_new_tokens=max_new_tokens, pad_token=self.pad_token_id)
+        sampling, stopping = self._sampling(max_new_tokens, temperature, top_k, top_p, stop_token_ids)
         answers: list = [None] * len(prompts)
 
         def finished(done: Finished) -> None:
@@ -286,6 +280,13 @@ class VLMPipeline(Pipeline):
         for row, (_, tokens) in enumerate(answers):
             token_ids[row, : len(tokens)] = tokens
         return VLMOutput([text for text, _ in answers], token_ids, lengths, stats)
+
+    def _sampling(self, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                  stop_token_ids: Optional[Sequence[int]]) -> tuple[SamplingConfig, Stopping]:
+        """A call's sampling and its stopping: `stop_token_ids`, default the model's eos token(s)."""
+        stops = self.eos_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
+        return (SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+                Stopping(stop_tokens=stops, max_new_tokens=max_new_tokens, pad_token=self.pad_token_id))
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any = None,
                **kwargs) -> Generator[tuple[int, str], None, VLMOutput]:
@@ -315,6 +316,11 @@ class VLMPipeline(Pipeline):
         if "error" in outcome:
             raise outcome["error"]
         return outcome["output"]
+
+
+def _check_budget(max_new_tokens: Any) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 
 
 def _rows(prompts: Union[Prompt, Sequence[Prompt]], images: Any) -> tuple[list, list[list]]:
