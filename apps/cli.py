@@ -25,10 +25,9 @@ def register(commands, groups) -> None:
                             "Names ending in -draft/-small are companions (drafters, refiners) of the model they extend")
     image.add_argument("--max-images", type=_bounded(1, MAX_IMAGES, "--max-images"), default=4,
                        help=f"images per request, at most (default 4, up to {MAX_IMAGES})")
-    image.add_argument("--continuous-batch", type=_bounded(0, 64, "--continuous-batch"), default=0, metavar="ROWS",
-                       help="decode the images of requests that overlap in time (same model, fixed-window method such "
-                            "as ar or sjd with adapt=false, same sampling) in one continuous batch of ROWS rows; image i "
-                            "of a request then comes from seed + i. Use with --concurrency > 1 (default 0: off)")
+    _continuous_batch(image, "the images of requests that overlap in time (same model, fixed-window method such as ar or "
+                             "sjd with adapt=false, same sampling) in one continuous batch of ROWS rows; image i of a "
+                             "request then comes from seed + i")
     _serving(image, "pipelines")
     image.set_defaults(run=run_image_demo)
     register_vlm(groups["demo"])
@@ -46,6 +45,9 @@ def register_vlm(demos) -> None:
                      help=f"images per conversation, at most (default 4, up to {vlm_request.MAX_IMAGES})")
     vlm.add_argument("--max-new-tokens", type=_bounded(1, vlm_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
                      help=f"the answer-length slider's maximum (default 128, up to {vlm_request.MAX_NEW_TOKENS})")
+    _continuous_batch(vlm, "the answers of requests that overlap in time (same model, fixed-window method such as ar, "
+                           "same temperature; no compare mode or token dropping) in one continuous batch of ROWS rows, "
+                           "each answer the one its request gives alone")
     _serving(vlm)
     vlm.set_defaults(run=run_vlm_demo)
 
@@ -61,6 +63,9 @@ def register_speech(demos) -> None:
                         default=speech_request.DEFAULT_MAX_NEW_FRAMES,
                         help=f"the frame-budget slider's maximum (default {speech_request.DEFAULT_MAX_NEW_FRAMES}, "
                              f"up to {speech_request.MAX_NEW_FRAMES}; a model's own context bounds it too)")
+    _continuous_batch(speech, "the speech of requests that overlap in time (same Dia model, fixed-window method such as ar, "
+                              "same sampling; no compare mode) in one continuous batch of ROWS rows, each output the one "
+                              "its request gives alone")
     _serving(speech)
     speech.set_defaults(run=run_speech_demo)
 
@@ -78,6 +83,11 @@ def register_video(demos) -> None:
                             f"up to {video_request.MAX_FRAMES})")
     _serving(video)
     video.set_defaults(run=run_video_demo)
+
+
+def _continuous_batch(demo, what: str) -> None:
+    demo.add_argument("--continuous-batch", type=_bounded(0, 64, "--continuous-batch"), default=0, metavar="ROWS",
+                      help=f"decode {what}. Use with --concurrency > 1 (default 0: off)")
 
 
 def _serving(demo, models: str = "models") -> None:
@@ -110,6 +120,7 @@ def run_vlm_demo(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     catalog = vlm_request.VLMCatalog.discover(args.model, device=args.device)  # bad names fail before gradio loads
+    catalog.continuous_batch = args.continuous_batch
     from mmgen.apps.vlm_demo import build_demo, launch_demo
 
     demo = build_demo(catalog, max_images=args.max_images, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency)
@@ -123,6 +134,7 @@ def run_speech_demo(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     catalog = speech_request.SpeechCatalog.discover(args.model, device=args.device)  # bad folders fail before gradio loads
+    catalog.continuous_batch = args.continuous_batch
     from mmgen.apps.speech_demo import build_demo, launch_demo
 
     demo = build_demo(catalog, max_new_frames=args.max_new_frames, concurrency=args.concurrency)

@@ -120,22 +120,23 @@ class ModelCatalog:
         """Load one model of the catalogue (a subclass loads another kind of pipeline)."""
         return load_class_pipeline(source, self.device)
 
-    def server(self, model: str, method: str, decoder: Any, sampling: dict[str, Any]) -> Optional[Any]:
-        """The shared continuous batch (a `ContinuousServer`) for `model` with this method and
-        sampling, or None when continuous batching is off or cannot run it (next-scale and
-        continuous models, adaptive windows, two-model methods): those decode alone."""
+    def server(self, model: str, method: str, decoder: Any, **options: Any) -> Optional[Any]:
+        """The shared continuous batch of `model` for this method and options (its pipeline's
+        `serve(decoder, batch_size=..., lock=..., **options)`: sampling, budget caps), or None when
+        continuous batching is off or cannot run it (next-scale and continuous models, adaptive
+        windows, two-model methods, models that cannot restart a row): those decode alone."""
         pipe = self.pipeline(model)
         if not self.continuous_batch or not hasattr(pipe, "serve"):
             return None
         try:
-            check_continuous(decoder)
+            check_continuous(decoder)  # the decoder first: a pipeline of continuous latents has no token model
+            check_continuous(decoder, pipe.token_model())
         except ValueError:
             return None
-        key = (model, method, tuple(sorted(sampling.items())))
+        key = (model, method, repr(sorted(options.items())))
         with self._loading:
             if key not in self._servers:
-                self._servers[key] = pipe.serve(decoder, pipe.sampling_config(**sampling), self.continuous_batch,
-                                                lock=self._locks[model])
+                self._servers[key] = pipe.serve(decoder, batch_size=self.continuous_batch, lock=self._locks[model], **options)
             return self._servers[key]
 
     @contextmanager
@@ -304,7 +305,8 @@ def run_request(request: DemoRequest, catalog: ModelCatalog, max_images: int = 4
         built = {k: catalog.pipeline(v) if k in named else v for k, v in options.items()}
         decoder = decoder_from_spec(name, pipe, source, catalog.device, **{**built, **overrides})
         # Compare mode times its two runs, so it never shares a batch with other requests.
-        server = None if request.compare else catalog.server(request.model, method, decoder, sampling)
+        shares = not request.compare and hasattr(pipe, "serve")  # MAR and VAR pipelines decode alone
+        server = catalog.server(request.model, method, decoder, sampling=pipe.sampling_config(**sampling)) if shares else None
         plan = [("ar (baseline)", decoder_from_spec("ar", pipe, source, catalog.device, **overrides),
                  {**scales, "stage_models": scales.get("stage_models", ())[:1]})] if request.compare else []
         plan.append((method, decoder, scales))

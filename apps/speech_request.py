@@ -271,7 +271,18 @@ def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
     plan = [(BASELINE_LABEL, "ar")] if request.compare else []
     plan.append((request.method, request.method))
     runs = []
-    with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, DRAFT_SUFFIX)])]):
+    # Compare mode times its two runs, so it never shares a batch with other requests.
+    shared = None if request.compare else catalog.server(
+        request.model, request.method, _decoder(request.method, pipe, catalog, request.model), max_new_frames=limit, **sampling)
+    if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
+        label = f"{request.method} (continuous batch)"
+        audio, frames, stats = yield from _streamed_shared(shared, pipe.sampling_rate, label, text, voice, voice_text,
+                                                           make_generator(seed, catalog.device), budget)
+        seconds = audio.numel() / pipe.sampling_rate
+        runs.append(SpeechRun(label, audio.float().numpy(), pipe.sampling_rate, len(frames), stats, stats.wall_time_s,
+                              stats.wall_time_s / seconds if seconds else 0.0))
+        plan = []
+    with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, DRAFT_SUFFIX)])] if plan else []):
         decoders = [_decoder(method, pipe, catalog, request.model) for _, method in plan]  # all checked before any run
         for index, ((label, _), decoder) in enumerate(zip(plan, decoders)):
             call = dict(voice=voice, voice_text=voice_text, max_new_frames=budget, decoding=decoder,
@@ -302,6 +313,19 @@ def _streamed(pipe: Any, text: str, call: dict, index: int, label: str):
         except Exception:  # the run is abandoned: its error has no one to go to
             pass
         raise
+
+
+def _streamed_shared(server: Any, rate: int, label: str, text: str, *args: Any):
+    """Yield `Progress` per waveform chunk of a request in the shared batch (`TTSServer.stream`);
+    return its (audio, frames, stats)."""
+    stream, samples = server.stream(text, *args), 0
+    while True:
+        try:
+            chunk = next(stream)
+        except StopIteration as end:
+            return end.value
+        samples += chunk.numel()
+        yield Progress(0, label, chunk.float().numpy(), rate, samples / rate)
 
 
 def _text(text: Any) -> str:

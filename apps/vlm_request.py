@@ -230,7 +230,18 @@ def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 
     plan = [(BASELINE_LABEL, "ar", None)] if request.compare else []
     plan.append((label, request.method, dropping))
     runs = []
-    with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, "-draft")])]):
+    # Compare mode times its two runs and dropping prunes each prefill, so neither shares a batch.
+    cap = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
+    shared = None if request.compare or dropping else catalog.server(
+        request.model, request.method, _decoder(request.method, pipe, catalog, request.model), max_new_tokens=cap,
+        temperature=temperature)
+    if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
+        run_label = f"{label} (continuous batch)"
+        text, tokens, stats = yield from _streamed_shared(shared, prompt, all_images or None,
+                                                          make_generator(seed, catalog.device), budget, run_label)
+        runs.append(ChatRun(run_label, text, len(tokens), stats))
+        plan = []
+    with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, "-draft")])] if plan else []):
         for index, (run_label, method, policy) in enumerate(plan):
             call = dict(max_new_tokens=budget, decoding=_decoder(method, pipe, catalog, request.model),
                         temperature=temperature, generator=make_generator(seed, catalog.device))
@@ -252,6 +263,19 @@ def _streamed(pipe: Any, prompt: Any, images: Any, call: dict, index: int, label
             return end.value
         text += piece
         yield Progress(index, label, text)
+
+
+def _streamed_shared(server: Any, prompt: Any, images: Any, generator: Any, budget: int, label: str):
+    """Yield `Progress` as the answer grows in the shared batch (`VLMServer.stream`); return its
+    (text, token ids, stats)."""
+    text, stream = "", server.stream(prompt, images, generator, budget)
+    while True:
+        try:
+            piece = next(stream)
+        except StopIteration as end:
+            return end.value
+        text += piece
+        yield Progress(0, label, text)
 
 
 def _tokens_kept(output: Any) -> Optional[str]:

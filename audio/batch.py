@@ -17,7 +17,10 @@ readable, models load, decoding specs valid); `--on-error` as for image jobs.
 
 Jobs of one model and options (and all with or all without a voice) are packed in file order
 into calls of up to `--batch-size` rows, with one generator seeded from their seeds
-(`mmgen.batch.group_seed`). Files are written atomically and recorded in the manifest with the
+(`mmgen.batch.group_seed`). With `--continuous` (Dia models, a fixed-window decoder: `ar`,
+`sjd:adapt=false`, ...) `--batch-size` rows keep decoding and each row takes the next job as its
+speech ends; every file then equals its job run alone with its seed (`mmgen generate speech
+--seed`), and its record holds that seed. Files are written atomically and recorded in the manifest with the
 decoder's stats and the group, so a killed run resumes without losing or duplicating files.
 """
 
@@ -80,13 +83,30 @@ class SpeechCall:
     def __call__(self, jobs: list[SpeechJob], seed: int, device: str):
         from mmgen.sampling import make_generator
 
-        voices = [None if job.voice is None else (job.voice.numpy(), self.pipe.sampling_rate) for job in jobs]
-        return self.pipe([job.fields["text"] for job in jobs], voice=voices, voice_text=[job.fields["voice_text"] for job in jobs],
-                         generator=make_generator(seed, device), **self.options)
+        return self.pipe([job.fields["text"] for job in jobs], voice=_voices(jobs, self.pipe),
+                         voice_text=[job.fields["voice_text"] for job in jobs], generator=make_generator(seed, device),
+                         **self.options)
+
+    def each(self, jobs: list[SpeechJob], device: str, batch_size: int, on_result) -> None:
+        """`--continuous`: every job from its own seed, `batch_size` rows at a time; on_result(i,
+        (audio, frames, stats, sampling rate)) as job i's speech ends."""
+        from mmgen.sampling import make_generator
+
+        self.pipe.speak_each([job.fields["text"] for job in jobs], _voices(jobs, self.pipe),
+                             [job.fields["voice_text"] for job in jobs],
+                             [make_generator(job.fields["seed"], device) for job in jobs], batch_size,
+                             lambda i, audio, frames, stats: on_result(i, (audio, frames, stats, self.pipe.sampling_rate)),
+                             **self.options)
 
 
-def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> SpeechCall:
-    """The decoder and options of a job key, every spec checked (ValueError) before any work."""
+def _voices(jobs: list[SpeechJob], pipe) -> list:
+    return [None if job.voice is None else (job.voice.numpy(), pipe.sampling_rate) for job in jobs]
+
+
+def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype, continuous: bool = False) -> SpeechCall:
+    """The decoder and options of a job key, every spec checked (ValueError) before any work;
+    `continuous`: the job must also suit `--continuous`."""
+    from mmgen.decoding.batching import check_continuous
     from mmgen.loading import decoder_from_spec
 
     from mmgen.audio.pipeline import TTSPipeline
@@ -94,12 +114,15 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> SpeechC
     if not isinstance(pipe, TTSPipeline):
         raise ValueError(f"model {fields['model']!r} holds a {type(pipe).__name__}, not a text-to-speech model")
     decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
+    if continuous:
+        check_continuous(decoder, pipe.token_model())
     options = {k: fields[k] for k in ("max_new_frames", "temperature", "top_k", "top_p", "guidance_scale")}
     return SpeechCall(pipe, dict(options, decoding=decoder))
 
 
-def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[SpeechJob], dict, list[LineError]]:
-    """The valid jobs, the prepared call of each job key, and the bad lines (each model loads once)."""
+def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = False) -> tuple[list[SpeechJob], dict, list[LineError]]:
+    """The valid jobs, the prepared call of each job key, and the bad lines (each model loads once);
+    `continuous`: every job must also suit `--continuous`."""
     import transformers
 
     from mmgen.loading import load_pipeline
@@ -116,18 +139,31 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[SpeechJ
         f = job.fields  # text length and context checked here
         call.pipe.prepare(f["text"], voice, f["voice_text"], f["max_new_frames"], f["guidance_scale"])
 
-    return load_file_jobs(path, check_fields, make_job, lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype),
-                          check_inputs)
+    return load_file_jobs(path, check_fields, make_job,
+                          lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype, continuous), check_inputs)
+
+
+#: `--continuous`: this runner refills rows as they finish (`mmgen.batch.run_batch` asks).
+CONTINUOUS = True
 
 
 def run_batch(args: argparse.Namespace) -> int:
     """Check every line, group, run this rank's share, merge the manifest (rank 0). Exit status
     0, or 1 when some group failed (its files are missing; run again)."""
+    continuous = getattr(args, "continuous", False)
 
     def encode(output, row: int, job: SpeechJob, where: dict) -> tuple[bytes, dict]:
-        stats = output.stats.to_dict(per_forward=False)
-        record = {"frames": int(output.lengths[row]), "seconds": output.audio[row].numel() / output.sampling_rate,
-                  "stats": stats}
-        return wav_bytes(output.audio[row], output.sampling_rate), record
+        return speech_file(output.audio[row], int(output.lengths[row]), output.sampling_rate, output.stats)
 
-    return run_file_batch(args, load_jobs, encode)
+    def encode_each(result, job: SpeechJob) -> tuple[bytes, dict]:
+        audio, frames, stats, rate = result
+        return speech_file(audio, len(frames), rate, stats)
+
+    return run_file_batch(args, lambda path, device, dtype: load_jobs(path, device, dtype, continuous), encode,
+                          encode_each=encode_each)
+
+
+def speech_file(audio: torch.Tensor, frames: int, rate: int, stats) -> tuple[bytes, dict]:
+    """A job's WAV bytes and its manifest record's fields."""
+    record = {"frames": frames, "seconds": audio.numel() / rate, "stats": stats.to_dict(per_forward=False)}
+    return wav_bytes(audio, rate), record

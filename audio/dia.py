@@ -98,7 +98,9 @@ class DiaTokenModel:
         if budget_end < 0:
             raise ValueError(f"max_new_frames must exceed the largest delay ({int(delay.max())}), got {c.max_new_frames}")
         extra = _Run(kv, encoded, mask, template[:, valid:], c.guidance_scale if c.guided else None, c.guidance_top_k,
-                     budget_end, delay, torch.full((B, capacity + 1, self.num_codebooks), self.pad, dtype=torch.long, device=device))
+                     torch.full((B,), budget_end, dtype=torch.long, device=device), delay,
+                     torch.full((B, capacity + 1, self.num_codebooks), self.pad, dtype=torch.long, device=device),
+                     torch.zeros(rows, dtype=torch.long, device=device))
         self._set_generated(extra, torch.zeros(B, dtype=torch.long, device=device))
         # Prefill: positions are slot indices (Dia's own arange), left padding masked.
         prompt_mask = dmask[:, :valid].repeat(rows // B, 1)
@@ -111,9 +113,59 @@ class DiaTokenModel:
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
-        hidden = self._decode(state, tokens, *state.cache.open(tokens.shape[1]))
+        mask, positions = state.cache.open(tokens.shape[1])
+        hidden = self._decode(state, tokens, mask, positions + state.extra.offset[:, None])
         state.extra.fed = tokens
         return self._logits(state, hidden, tokens)
+
+    @torch.no_grad()
+    def restart(self, state: DecodeState, row: int, conditions: DiaConditions) -> Logits:
+        """Continuous batching: row `row` of a live decode starts over on one row's conditions.
+        Text and template are prefilled alone (`start`); the decoder cache goes to the row's
+        cache rows (`SlotKVCache.restart_row`, both halves under guidance) with the positions
+        of the prompt alone, and its encoder states and cross-attention keys to the same rows,
+        right padded and masked as a static batch pads shorter texts (the encoder axis grows
+        for every row when this text is longer). Returns the logits predicting its frame 0."""
+        run: _Run = state.extra
+        fresh = self.start(conditions, run.history.shape[1] - 1, False)
+        solo: _Run = fresh.extra
+        if fresh.batch_size != 1:
+            raise ValueError(f"restart takes one row's conditions, got {fresh.batch_size} rows")
+        if (solo.guidance_scale, solo.guidance_top_k) != (run.guidance_scale, run.guidance_top_k):
+            raise ValueError("a continuous batch runs one guidance setting: every request needs the batch's guidance scale and top-k")
+        B = state.batch_size
+        rows = [row, row + B] if run.guidance_scale is not None else [row]
+        for i, r in enumerate(rows):
+            run.offset -= state.cache.restart_row(r, fresh.cache, i)
+        # Alone, the row's next position is its prompt length; here its slots count from the
+        # live prompt region's.
+        run.offset[rows] = fresh.cache.prompt_length - state.cache.prompt_length
+        self._place_encoder(run, solo, rows)
+        run.template[row], run.budget_end[row], run.history[row] = solo.template[0], solo.budget_end[0], self.pad
+        self._set_generated(run, run.generated.index_fill(0, torch.tensor([row], device=run.generated.device), 0))
+        return fresh.first_logits
+
+    @staticmethod
+    def _place_encoder(run: "_Run", solo: "_Run", rows: list) -> None:
+        """A request's encoder states, mask and cross-attention keys/values (rows i of `solo`)
+        into `rows` of the live decode, zero padded and masked on the right."""
+        grow = solo.encoded.shape[1] - run.encoded.shape[1]
+        if grow > 0:
+            run.encoded = torch.cat([run.encoded, run.encoded.new_zeros(run.encoded.shape[0], grow, run.encoded.shape[2])], 1)
+            run.encoder_mask = torch.cat([run.encoder_mask, run.encoder_mask.new_zeros(run.encoder_mask.shape[0], grow)], 1)
+        n = solo.encoded.shape[1]
+        for i, r in enumerate(rows):
+            run.encoded[r], run.encoder_mask[r] = 0, 0
+            run.encoded[r, :n], run.encoder_mask[r, :n] = solo.encoded[i], solo.encoder_mask[i]
+        for mine, theirs in zip(run.kv.cross_attention_cache.layers, solo.kv.cross_attention_cache.layers):
+            for name in ("keys", "values"):
+                t, new = getattr(mine, name), getattr(theirs, name)
+                if grow > 0:
+                    t = torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], 2)
+                    setattr(mine, name, t)
+                for i, r in enumerate(rows):
+                    t[r] = 0
+                    t[r, :, :n] = new[i]
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         run: _Run = state.extra
@@ -179,7 +231,7 @@ class DiaTokenModel:
             seen = torch.where(fed_eos[..., 0], run.generated[:, None] + steps, NEVER).cummin(1).values
             first_eos = torch.minimum(run.first_eos[:, None], seen)
             closed = run.closed[:, None] | fed_eos.long().cummax(1).values.bool()
-        end = torch.minimum(first_eos, torch.where(eos_top, index, NEVER)).clamp_max(run.budget_end)
+        end = torch.minimum(torch.minimum(first_eos, torch.where(eos_top, index, NEVER)), run.budget_end[:, None])
         forced = torch.full((B, n, C), -1, dtype=torch.long, device=cond.device)
         forced = torch.where(index[..., None] == end[..., None] + run.delay, self.eos, forced)
         forced = torch.where(closed, self.pad, forced)
@@ -194,15 +246,17 @@ class DiaTokenModel:
 
 class _Run:
     """Per-decode state: the cross-attention inputs, Dia's guidance, the undecoded part of the
-    template [B, T, C], and the frame history the processors read: `history` [B, capacity, C]
-    the fed frames, of which `generated` [B] are committed, `first_eos` [B] codebook 0's EOS
-    frame among them (NEVER), `closed` [B, C] the codebooks that have emitted EOS; `fed` the
-    last forward's frames."""
+    template [B, T, C], each row's last frame before its budget forces the end (`budget_end`
+    [B]), and the frame history the processors read: `history` [B, capacity, C] the fed
+    frames, of which `generated` [B] are committed, `first_eos` [B] codebook 0's EOS frame
+    among them (NEVER), `closed` [B, C] the codebooks that have emitted EOS; `fed` the last
+    forward's frames; `offset` [R] added to each cache row's slot positions (continuous
+    batching: a restarted row decodes at its own prompt's positions)."""
 
-    def __init__(self, kv, encoded, encoder_mask, template, guidance_scale, guidance_top_k, budget_end, delay, history):
+    def __init__(self, kv, encoded, encoder_mask, template, guidance_scale, guidance_top_k, budget_end, delay, history, offset):
         self.kv, self.encoded, self.encoder_mask, self.template = kv, encoded, encoder_mask, template
         self.guidance_scale, self.guidance_top_k, self.budget_end, self.delay = guidance_scale, guidance_top_k, budget_end, delay
-        self.history = history
+        self.history, self.offset = history, offset
         self.generated = self.first_eos = self.closed = None
         self.fed: Optional[torch.Tensor] = None
 

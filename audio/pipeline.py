@@ -11,17 +11,20 @@ frames back into codec codes; the codec (`Codec`) turns codes into audio, stream
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import torch
 
 from mmgen.decoding import DecodeStats, Decoder, resolve_decoder
+from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -223,11 +226,100 @@ class TTSPipeline(Pipeline):
         result = decoder.generate(self.token_model(), conditions, budget, sampling, self.generator_for(generator),
                                   stopping=stopping, streamer=streamer)
         decode_s = time.perf_counter() - begin
-        codes = [self.family.codes(row[:n])[0] for row, n in zip(result.tokens, result.lengths.tolist())]
-        audio = [self.codec.decode(c) if c.shape[1] else torch.zeros(0) for c in codes]
+        codes, audio = zip(*(self._speech(row[:n]) for row, n in zip(result.tokens, result.lengths.tolist())))
+        codes, audio = list(codes), list(audio)
         longest = max(a.numel() for a in audio) / self.sampling_rate
         return TTSOutput(audio, self.sampling_rate, codes, result.tokens, result.lengths, result.stats, decode_s,
                          decode_s / longest if longest else 0.0)
+
+    @torch.no_grad()
+    def speak_each(
+        self,
+        text: Union[str, Sequence[str]],
+        voice: Any = None,
+        voice_text: Union[str, Sequence[str], None] = None,
+        generators: Sequence[torch.Generator] = (),
+        batch_size: Optional[int] = None,
+        on_audio: Optional[Callable[[int, torch.Tensor, torch.Tensor, DecodeStats], None]] = None,
+        max_new_frames: Optional[int] = None,
+        decoding: Union[str, Decoder] = "ar",
+        temperature: Optional[float] = None,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        guidance_scale: Optional[float] = None,
+    ) -> TTSOutput:
+        """Each text spoken from its own generator by continuous batching
+        (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all), and
+        a row whose speech ends takes the next text, prefilled alone. Output i is the one a call
+        with text i alone (and its voice) and `generators[i]` gives (the decoder needs a fixed
+        window, `adapt=False`; models that complete frames themselves, as CSM, are refused).
+        `on_audio(i, audio, frames, stats)` receives each row's waveform as its speech ends, with
+        its frames [n, C] and its own stats (a batch-1 decode's). The output's stats are the run's;
+        `decode_s` leaves out the codec decoding of finished rows, as `__call__`'s does."""
+        decoder = resolve_decoder(decoding)
+        check_continuous(decoder, self.token_model())
+        texts = [text] if isinstance(text, str) else list(text)
+        if len(generators) != len(texts):
+            raise ValueError(f"{len(generators)} generators for {len(texts)} texts: give one generator per text")
+        generators = self.generator_for(list(generators), per_output=True)
+        voices, voice_texts = _per_row(voice, len(texts), "voice"), _per_row(voice_text, len(texts), "voice_text")
+        prepared = [self.prepare(t, v, vt, max_new_frames, guidance_scale) for t, v, vt in zip(texts, voices, voice_texts)]
+        budget = prepared[0][1]
+        sampling, stopping = self.sampling(temperature, top_k, top_p), self.family.stopping(budget)
+        rows: list = [None] * len(texts)
+        codec_s = 0.0
+
+        def finished(done: Finished) -> None:
+            nonlocal codec_s
+            frames, begin = done.checked().tokens, time.perf_counter()
+            codes, audio = self._speech(frames)
+            codec_s += time.perf_counter() - begin
+            rows[done.index] = (frames, codes, audio)
+            if on_audio is not None:
+                on_audio(done.index, audio, frames, done.stats)
+
+        begin = time.perf_counter()
+        requests = [Request(conditions, g) for (conditions, _), g in zip(prepared, generators)]
+        _, stats = continuous_decode(decoder, self.token_model(), requests, budget, sampling, batch_size or len(requests),
+                                     on_finish=finished, stopping=stopping)
+        decode_s = time.perf_counter() - begin - codec_s
+        lengths = torch.tensor([len(frames) for frames, _, _ in rows])
+        frames = torch.full((len(rows), int(lengths.max()), *rows[0][0].shape[1:]), stopping.pad_token, dtype=torch.long)
+        for i, (row, _, _) in enumerate(rows):
+            frames[i, : len(row)] = row
+        audio = [a for _, _, a in rows]
+        longest = max(a.numel() for a in audio) / self.sampling_rate
+        return TTSOutput(audio, self.sampling_rate, [c for _, c, _ in rows], frames.to(self.device), lengths.to(self.device),
+                         stats, decode_s, decode_s / longest if longest else 0.0)
+
+    def serve(self, decoding: Union[str, Decoder], batch_size: int, max_new_frames: Optional[int] = None,
+              temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+              guidance_scale: Optional[float] = None, lock: Any = None) -> "TTSServer":
+        """A shared continuous batch for texts from many threads (a demo's queue): requests that
+        overlap in time decode together in up to `batch_size` rows, each output the one a call
+        with its text alone, its voice, its generator and its frame budget gives (a fixed-window
+        decoder; Dia; one sampling and guidance for all). `max_new_frames` caps every request
+        (default the model's context); a request may ask for fewer. (A call narrows its window
+        to a budget below it; such a request decodes as its text alone at the cap's window.)
+        `lock` (a context manager) is held while the batch decodes."""
+        decoder = resolve_decoder(decoding)
+        check_continuous(decoder, self.token_model())
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        cap = self.family.default_max_frames() if max_new_frames is None else max_new_frames
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"max_new_frames must be an integer >= 1, got {max_new_frames!r}")
+        sampling, stopping = self.sampling(temperature, top_k, top_p), self.family.stopping(cap)
+
+        def decode(queue) -> None:
+            with lock if lock is not None else contextlib.nullcontext():
+                continuous_decode(decoder, self.token_model(), queue, cap, sampling, batch_size, stopping=stopping)
+
+        def result(done: Finished) -> tuple[torch.Tensor, torch.Tensor, DecodeStats]:
+            frames = done.checked().tokens
+            return self._speech(frames)[1], frames, done.stats
+
+        return TTSServer(self, ContinuousServer(decode, result), cap, guidance_scale)
 
     def stream(self, text: Union[str, Sequence[str]], window: StreamWindow = StreamWindow(),
                **kwargs) -> Generator[tuple[int, torch.Tensor], None, TTSOutput]:
@@ -280,9 +372,58 @@ class TTSPipeline(Pipeline):
                     yield row, tail
         return outcome["output"]
 
+    def _speech(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codec codes [C, T], waveform) of one row's generated frames [n, C]."""
+        codes = self.family.codes(frames)[0]
+        return codes, (self.codec.decode(codes) if codes.shape[1] else torch.zeros(0))
+
     def _row_audio(self, window: StreamWindow) -> "FrameAudio":
         """One row's streaming decoder: frames in, waveform chunks out."""
         return FrameAudio(self.family, self.codec, window)
+
+
+class TTSServer:
+    """`TTSPipeline.serve`'s shared batch: `submit` a text (checked here, in the caller's thread)
+    for a future of `(audio, frames, stats)`, or `stream` it for its waveform chunks."""
+
+    def __init__(self, pipe: TTSPipeline, server: ContinuousServer, max_new_frames: int, guidance_scale: Optional[float]):
+        self.pipe, self.server, self.max_new_frames, self.guidance_scale = pipe, server, max_new_frames, guidance_scale
+
+    def submit(self, text: str, voice: Any = None, voice_text: Optional[str] = None, generator: Optional[torch.Generator] = None,
+               max_new_frames: Optional[int] = None, streamer: Any = None) -> Future:
+        """Speak `text` (optionally continuing `voice`) from `generator` in the shared batch, in at
+        most `max_new_frames` frames (default the server's cap); `streamer` receives its frames
+        as they commit."""
+        budget = self.max_new_frames if max_new_frames is None else max_new_frames
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= self.max_new_frames:
+            raise ValueError(f"max_new_frames must be an integer in [1, {self.max_new_frames}] (the server's cap), got {budget!r}")
+        if not isinstance(text, str):
+            raise ValueError("submit takes one text; submit each text of a list on its own")
+        conditions, _ = self.pipe.prepare(text, voice, voice_text, budget, self.guidance_scale)
+        return self.server.submit(Request(conditions, self.pipe.generator_for(generator), budget, streamer))
+
+    def stream(self, text: str, voice: Any = None, voice_text: Optional[str] = None, generator: Optional[torch.Generator] = None,
+               max_new_frames: Optional[int] = None, window: StreamWindow = StreamWindow(),
+               ) -> Generator[torch.Tensor, None, tuple[torch.Tensor, torch.Tensor, DecodeStats]]:
+        """Waveform chunks as the frames commit (they concatenate to the audio exactly with the
+        default window, as `TTSPipeline.stream`'s); the generator's return value is the submitted
+        future's result."""
+        from mmgen.decoding import TokenQueueStreamer
+
+        queue = TokenQueueStreamer(timeout=600)
+        future = self.submit(text, voice, voice_text, generator, max_new_frames, queue)
+        future.add_done_callback(lambda f: f.exception() is not None and queue.end())  # a failed decode ends the stream
+        audio, ended = self.pipe._row_audio(window), False
+        for _, frames in queue:
+            if not ended:
+                chunk, ended = audio.push(frames)
+                if chunk.numel():
+                    yield chunk
+        if not ended:  # cut by its budget without an end frame
+            tail = audio.flush()
+            if tail.numel():
+                yield tail
+        return future.result()
 
 
 class FrameAudio:

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -52,6 +53,37 @@ def utilisation(stats, rows: int) -> float:
 def continuous(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int):
     requests = [Request(label.reshape(1), make_generator(seed + i)) for i, label in enumerate(labels)]
     return continuous_decode(decoder, model, requests, num_tokens, sampling, batch_size)
+
+
+def compare_modes(methods: list[str], static: Callable, continuous: Callable, count: int, batch_size: int, repeats: int,
+                  unit: str, same: Callable = operator.eq) -> list[dict]:
+    """A pipeline's static calls against its continuous batching (`VLMPipeline.answer_each`,
+    `TTSPipeline.speak_each`) for each method, the two modes in turn within each repeat:
+    `static(method)` and `continuous(method)` each decode all `count` requests and return (the
+    outputs, forwards, tokens). A row per method: `unit` per second (medians) and their range,
+    forwards, and how many outputs `same` finds equal in both modes."""
+    seconds: dict = {}
+    results: dict = {}
+    for repeat in range(repeats):
+        for method in methods:
+            modes = (("static", static), ("continuous", continuous))
+            for mode, run in modes if repeat % 2 == 0 else modes[::-1]:
+                start = time.perf_counter()
+                results[(method, mode)] = run(method)
+                seconds.setdefault((method, mode), []).append(time.perf_counter() - start)
+    rows = []
+    for method in methods:
+        (st, sf, stok), (ct, cf, ctok) = results[(method, "static")], results[(method, "continuous")]
+        s, c = statistics.median(seconds[(method, "static")]), statistics.median(seconds[(method, "continuous")])
+        rows.append({
+            "method": method, unit: count, "batch_size": batch_size, "tokens": ctok,
+            f"static_{unit}_per_s": count / s, f"continuous_{unit}_per_s": count / c, "continuous_over_static": s / c,
+            "static_s_range": [min(seconds[(method, "static")]), max(seconds[(method, "static")])],
+            "continuous_s_range": [min(seconds[(method, "continuous")]), max(seconds[(method, "continuous")])],
+            "static_forwards": sf, "continuous_forwards": cf,
+            f"{unit}_equal_static": f"{sum(bool(same(a, b)) for a, b in zip(st, ct))}/{count}", "same_tokens": stok == ctok,
+        })
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:

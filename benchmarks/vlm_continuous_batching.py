@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from mmgen.sampling import make_generator
+
+from benchmarks.continuous_batching import compare_modes
 
 METHODS = ["ar", "sjd:adapt=false"]
 
@@ -67,26 +67,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                                max_new_tokens=args.max_new_tokens, decoding=method)
         return out.texts, out.stats.forwards, int(out.lengths.sum())
 
-    seconds: dict = {}
-    results: dict = {}
-    for _ in range(args.repeats):
-        for method in args.methods:
-            for mode, run in (("static", static), ("continuous", continuous)):
-                start = time.perf_counter()
-                results[(method, mode)] = run(method)
-                seconds.setdefault((method, mode), []).append(time.perf_counter() - start)
-    rows = []
-    for method in args.methods:
-        (st, sf, stok), (ct, cf, ctok) = results[(method, "static")], results[(method, "continuous")]
-        s, c = statistics.median(seconds[(method, "static")]), statistics.median(seconds[(method, "continuous")])
-        rows.append({
-            "method": method, "questions": n, "batch_size": B, "tokens": ctok,
-            "static_answers_per_s": n / s, "continuous_answers_per_s": n / c, "continuous_over_static": s / c,
-            "static_s_range": [min(seconds[(method, "static")]), max(seconds[(method, "static")])],
-            "continuous_s_range": [min(seconds[(method, "continuous")]), max(seconds[(method, "continuous")])],
-            "static_forwards": sf, "continuous_forwards": cf,
-            "answers_equal_static": f"{sum(a == b for a, b in zip(st, ct))}/{n}", "same_tokens": stok == ctok,
-        })
+    rows = compare_modes(args.methods, static, continuous, n, B, args.repeats, "answers")
     print(json.dumps(rows, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(rows) + "\n")

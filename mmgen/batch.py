@@ -537,9 +537,10 @@ def register(commands, groups) -> None:
     batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                        help=f"rows per pipeline call, from jobs of one model and options (default {DEFAULT_BATCH_SIZE})")
     batch.add_argument("--continuous", action="store_true",
-                       help="image jobs of LlamaGen models and text jobs, with a fixed-window decoder (ar, "
-                            "sjd:adapt=false, ...): keep --batch-size rows decoding and refill each as it finishes; "
-                            "every output equals its job run alone with its seed (`generate image/text --seed`)")
+                       help="image jobs of LlamaGen models, text jobs and speech jobs of Dia models, with a "
+                            "fixed-window decoder (ar, sjd:adapt=false, ...): keep --batch-size rows decoding and refill "
+                            "each as it finishes; every output equals its job run alone with its seed "
+                            "(`generate image/text/speech --seed`)")
     batch.add_argument("--on-error", default="stop", choices=ON_ERROR,
                        help="invalid lines: stop before any work (default) or skip them and run the rest")
     batch.add_argument("--device", default="cpu", help="cpu (default) or cuda (under torchrun: each rank's LOCAL_RANK GPU)")
@@ -566,7 +567,7 @@ def run_batch(args) -> int:
     module = runners[kinds.pop()] if kinds else next(iter(runners.values()))
     runner = importlib.import_module(module)
     if getattr(args, "continuous", False) and not getattr(runner, "CONTINUOUS", False):
-        raise ValueError(f"--continuous is for image and text jobs; {args.jobs} holds other jobs")
+        raise ValueError(f"--continuous is for image, text and speech jobs; {args.jobs} holds other jobs")
     return runner.run_batch(args)
 
 

@@ -181,11 +181,11 @@ class SlotKVCache:
         self.crop(p + (int(used.max()) + 1 if used.numel() else 0))
         self.maybe_compact(int(num_generated.max()))
 
-    def restart_row(self, row: int, fresh: "SlotKVCache") -> int:
-        """Continuous batching: row `row` starts over on `fresh`, a batch-1 cache holding only
-        a prompt (a prefill run alone). Its slots go to the right end of the prompt region, the
-        rest of the row is masked; when the prompt is longer than the region, the region first
-        grows on the left by masked slots for every row. Returns that growth: every row's
+    def restart_row(self, row: int, fresh: "SlotKVCache", fresh_row: int = 0) -> int:
+        """Continuous batching: row `row` starts over on row `fresh_row` of `fresh`, a cache
+        holding only a prompt (a prefill run alone; two rows under guidance). Its slots go to
+        the right end of the prompt region, the rest of the row is masked; when the prompt is
+        longer than the region, the region first grows on the left by masked slots for every row. Returns that growth: every row's
         `positions` moved by it (their slots did), which an adapter adding its own offsets to
         them subtracts again. Attention sees the row exactly the prompt `fresh` holds."""
         self.crop(self.length - self.pending)
@@ -198,13 +198,13 @@ class SlotKVCache:
                     t = torch.cat([t.new_zeros(*t.shape[:2], grow, t.shape[-1]), t], dim=2)
                     setattr(mine, name, t)
                 t[row] = 0
-                t[row, :, self.prompt_length + grow - new.shape[2] : self.prompt_length + grow] = new[0]
+                t[row, :, self.prompt_length + grow - new.shape[2] : self.prompt_length + grow] = new[fresh_row]
         if grow:
             self.mask = torch.cat([self.mask.new_zeros(self.mask.shape[0], grow), self.mask], dim=1)
             self.prompt_length += grow
             self.positions = self.positions + grow
         self.mask[row] = False
-        self.mask[row, self.prompt_length - fresh.length : self.prompt_length] = fresh.mask[0]
+        self.mask[row, self.prompt_length - fresh.length : self.prompt_length] = fresh.mask[fresh_row]
         self.positions[row] = self.prompt_length
         return grow
 

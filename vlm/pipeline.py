@@ -8,17 +8,19 @@ streaming. Families served so far: LLaVA, Qwen2-VL / Qwen2.5-VL and Idefics3 (`V
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import torch
 
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer, resolve_decoder
-from mmgen.decoding.batching import Finished, Request, check_continuous, continuous_decode
+from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -304,18 +306,85 @@ class VLMPipeline(Pipeline):
 
         worker = threading.Thread(target=run, daemon=True)
         worker.start()
-        ids: dict[int, list[int]] = {}
-        shown: dict[int, str] = {}
-        for row, tokens in queue:
-            ids.setdefault(row, []).extend(tokens.tolist())
-            text = self.processor.tokenizer.decode(ids[row], skip_special_tokens=True).strip()
-            if text != shown.get(row, ""):
-                yield row, text[len(shown.get(row, "")):]
-                shown[row] = text
+        yield from text_pieces(self.processor.tokenizer, queue)
         worker.join()
         if "error" in outcome:
             raise outcome["error"]
         return outcome["output"]
+
+    def serve(self, decoding: Union[str, Decoder], batch_size: int, max_new_tokens: int = 64, temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0, stop_token_ids: Optional[Sequence[int]] = None,
+              lock: Any = None) -> "VLMServer":
+        """A shared continuous batch for prompts from many threads (a demo's queue): requests that
+        overlap in time decode together in up to `batch_size` rows, each answer the one a call
+        with its prompt alone, its generator and its budget gives (a fixed-window decoder, no
+        token dropping; one sampling for all). `max_new_tokens` caps every answer; a request may
+        ask for fewer. (A call narrows its window to a budget below it; such a request decodes
+        as its prompt alone at the cap, stopped at its budget.) `lock` (a context manager) is
+        held while the batch decodes."""
+        _check_budget(max_new_tokens)
+        decoder = resolve_decoder(decoding)
+        check_continuous(decoder, self.token_model())
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        sampling, stopping = self._sampling(max_new_tokens, temperature, top_k, top_p, stop_token_ids)
+
+        def decode(queue) -> None:
+            with lock if lock is not None else contextlib.nullcontext():
+                continuous_decode(decoder, self.token_model(), queue, max_new_tokens, sampling, batch_size, stopping=stopping)
+
+        def result(done: Finished) -> tuple[str, torch.Tensor, DecodeStats]:  # a masked request's error goes to its caller
+            tokens = done.checked().tokens
+            return self.processor.tokenizer.decode(tokens.tolist(), skip_special_tokens=True).strip(), tokens, done.stats
+
+        return VLMServer(self, ContinuousServer(decode, result), max_new_tokens)
+
+
+class VLMServer:
+    """`VLMPipeline.serve`'s shared batch: `submit` a prompt (checked here, in the caller's
+    thread) for a future of `(text, token ids, stats)`, or `stream` it for its text pieces."""
+
+    def __init__(self, pipe: VLMPipeline, server: ContinuousServer, max_new_tokens: int):
+        self.pipe, self.server, self.max_new_tokens = pipe, server, max_new_tokens
+
+    def submit(self, prompt: Prompt, images: Any = None, generator: Optional[torch.Generator] = None,
+               max_new_tokens: Optional[int] = None, streamer: Any = None) -> Future:
+        """Answer `prompt` about `images` from `generator` in the shared batch; at most
+        `max_new_tokens` (default the server's cap); `streamer` receives its tokens as they commit."""
+        budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
+        _check_budget(budget)
+        if budget > self.max_new_tokens:
+            raise ValueError(f"max_new_tokens {budget} exceeds the server's cap of {self.max_new_tokens}")
+        prompts, per_row = _rows(prompt, images)
+        if len(prompts) != 1:
+            raise ValueError("submit takes one prompt; submit each prompt of a list on its own")
+        inputs = self.pipe.prepare_inputs(prompts[0], per_row[0] or None)
+        self.pipe.check_context(inputs, budget)
+        return self.server.submit(Request(inputs, self.pipe.generator_for(generator), budget, streamer))
+
+    def stream(self, prompt: Prompt, images: Any = None, generator: Optional[torch.Generator] = None,
+               max_new_tokens: Optional[int] = None) -> Generator[str, None, tuple[str, torch.Tensor, DecodeStats]]:
+        """Text pieces of the answer as its tokens commit (they concatenate to its text); the
+        generator's return value is the submitted future's result."""
+        queue = TokenQueueStreamer(timeout=600)
+        future = self.submit(prompt, images, generator, max_new_tokens, queue)
+        future.add_done_callback(lambda f: f.exception() is not None and queue.end())  # a failed decode ends the stream
+        for _, piece in text_pieces(self.pipe.processor.tokenizer, queue):
+            yield piece
+        return future.result()
+
+
+def text_pieces(tokenizer: Any, queue: TokenQueueStreamer) -> Generator[tuple[int, str], None, None]:
+    """(row, text piece) from a token streamer's (row, tokens) pairs: each row's decoded text
+    grows by its piece (special tokens skipped; a piece appears once its tokens decode)."""
+    ids: dict[int, list[int]] = {}
+    shown: dict[int, str] = {}
+    for row, tokens in queue:
+        ids.setdefault(row, []).extend(tokens.tolist())
+        text = tokenizer.decode(ids[row], skip_special_tokens=True).strip()
+        if text != shown.get(row, ""):
+            yield row, text[len(shown.get(row, "")):]
+            shown[row] = text
 
 
 def _check_budget(max_new_tokens: Any) -> None:

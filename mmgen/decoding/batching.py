@@ -39,12 +39,15 @@ from mmgen.sampling import RowGenerators, SamplingConfig
 @dataclass
 class Request:
     """One row's work: `conditions` as `TokenModel.start` takes a batch of one (a class id
-    tensor [1], one caption, ...), the `generator` its draws come from, and an optional token
-    budget below the decode's `num_tokens`."""
+    tensor [1], one caption, ...), the `generator` its draws come from, an optional token
+    budget below the decode's `num_tokens`, and an optional `streamer` (a core `Streamer`)
+    that receives the request's new tokens as they commit (`put([tokens])`, as row 0 of a
+    batch-1 decode) and `end()` once they are all out, before its result is handed over."""
 
     conditions: Any
     generator: torch.Generator
     max_new_tokens: Optional[int] = None
+    streamer: Any = None
 
 
 @dataclass
@@ -255,7 +258,8 @@ def check_request(request: Any) -> Request:
 
 def _stack(conditions: list) -> Any:
     """One batch of conditions from per-row ones: tensors concatenated on their first axis,
-    dataclasses field by field, mappings (a processor's inputs) key by key."""
+    dataclasses field by field, mappings (a processor's inputs) key by key; other values (a
+    budget, a guidance scale) must be equal in every row."""
     head = conditions[0]
     if isinstance(head, torch.Tensor):
         return torch.cat([c.reshape(1) if c.ndim == 0 else c for c in conditions])
@@ -264,6 +268,8 @@ def _stack(conditions: list) -> Any:
                                             for f in dataclasses.fields(head)})
     if isinstance(head, Mapping):
         return {key: _stack([c[key] for c in conditions]) for key in head}
+    if isinstance(head, (int, float, str, type(None))) and all(c == head for c in conditions):
+        return head
     raise ValueError(f"cannot batch conditions of type {type(head).__name__}: give tensors, dataclasses or mappings of tensors")
 
 

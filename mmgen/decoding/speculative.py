@@ -462,6 +462,8 @@ class _Admission:
         self.limit, self.emitted, self.bad, self.rows = limit, emitted, bad, rows
         self.stopping, self.stop_ids, self.num_tokens = stopping, stop_ids, num_tokens
         self.live = [False] * run.batch_size
+        self.streamers: list = [None] * run.batch_size  # each live request's own streamer
+        self.streamed = [0] * run.batch_size  # tokens each has been handed
         # Idle rows still draw (shapes are fixed): from this one, never from a finished request's
         # generator, which the caller gets back as a batch-1 decode would leave it.
         self.idle = torch.Generator(device=run.device).manual_seed(0)
@@ -474,10 +476,14 @@ class _Admission:
     def __call__(self, ended: list[int]) -> None:
         run, zero = self.run, torch.zeros(1, 1, dtype=torch.long, device=self.run.device)
         while True:
+            self.stream()
             for row in ended:
                 if self.live[row]:
                     n = int(torch.minimum(self.emitted[row], self.limit[row]))  # a last window may run past the end
                     stats = self.rows.stats(row, n)
+                    if self.streamers[row] is not None:
+                        self.streamers[row].end()
+                        self.streamers[row] = None
                     self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
                     self.live[row] = False
                     run.generator[row] = self.idle
@@ -496,14 +502,26 @@ class _Admission:
                 self.bad[row] = _invalid(p0)[0]
                 self.rows.reset(row)
                 self.live[row] = True
+                self.streamers[row], self.streamed[row] = request.streamer, 0
                 started.append(row)
-            if not started:
+            if not started:  # (the rows started before this pass had their token 0 streamed at its top)
                 return
             at = torch.tensor(started, device=run.device)
             first = run.tokens[at, :1]
             run.active[at] = ~(_is_stop(first, self.stop_ids, self.stopping)[:, 0] | (self.limit[at] <= 1))
             self.proposer.restart(run, at)
             ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
+
+    def stream(self) -> None:
+        """Hand each live request with a streamer the tokens committed since its last call (one
+        host read, only while such a request runs)."""
+        if not any(s is not None for s in self.streamers):
+            return
+        ends = torch.minimum(self.emitted, self.limit).tolist()
+        for row, streamer in enumerate(self.streamers):
+            if streamer is not None and ends[row] > self.streamed[row]:
+                streamer.put([self.run.tokens[row, self.streamed[row] : ends[row]].clone()])
+                self.streamed[row] = ends[row]
 
 
 def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: int, complete, device):

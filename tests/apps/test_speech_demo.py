@@ -25,6 +25,7 @@ import soundfile
 
 from mmgen.apps import speech_request
 from mmgen.apps.speech_request import SpeechCatalog, SpeechRequest, methods, run_request, stream_request
+from mmgen.sampling import make_generator
 
 from tests.apps import test_image_demo as image_demo_tests
 from tests.apps.test_image_demo import pick, served
@@ -33,6 +34,7 @@ from tests.apps.test_image_demo import pick, served
 #: names then read as uses, not as redefinitions of unused imports).
 artifacts, browser, page = image_demo_tests.artifacts, image_demo_tests.browser, image_demo_tests.page
 from tests.audio.tiny import RATE, tiny_dia
+from tests.streams import drain, in_threads
 
 READY = "#generate"  # the page fixture waits for it
 ARTIFACTS = "speech_demo"
@@ -128,20 +130,39 @@ def test_sampling_is_reproducible_from_the_seed(catalog):
 
 
 def test_audio_streams_in_chunks_that_make_up_each_run(catalog):
-    events = stream_request(speak(method="draft", compare=True, max_new_frames=60), catalog)
-    seen = []
-    while True:
-        try:
-            seen.append(next(events))
-        except StopIteration as done:
-            result = done.value
-            break
+    seen, result = drain(stream_request(speak(method="draft", compare=True, max_new_frames=60), catalog))
     for index, run in enumerate(result.runs):
         chunks = [p.chunk for p in seen if p.index == index]
         assert len(chunks) > 1 and {p.label for p in seen if p.index == index} == {run.label}
         np.testing.assert_allclose(np.concatenate(chunks), run.audio, atol=1e-6, rtol=0)  # float rounding only
         assert [p for p in seen if p.index == index][-1].seconds == pytest.approx(run.seconds)
     assert [p.index for p in seen] == sorted(p.index for p in seen)  # the baseline first, then the method
+
+
+def test_overlapping_requests_share_one_continuous_batch_and_speak_as_alone(folders):
+    """--continuous-batch: fixed-window requests from threads decode in the shared batch, each
+    streamed and equal to the request alone (sampled, from its seed, its own frame budget);
+    adaptive and compare requests speak alone, as without it."""
+    shared = SpeechCatalog.discover([str(folders[0])])
+    shared.continuous_batch = 2
+    asks = {k: speak(method="ar", temperature=1.0, top_k=8, seed=k, max_new_frames=20 + 5 * k) for k in range(3)}
+    seen, results = {}, {}
+
+    def ask(k):
+        events, results[k] = drain(stream_request(asks[k], shared))
+        seen[k] = [event.chunk for event in events]
+
+    in_threads(ask, asks)
+    pipe = shared.pipeline("tiny-tts")
+    for k, request in asks.items():
+        run = results[k].method
+        alone = pipe(TEXT, max_new_frames=request.max_new_frames, temperature=1.0, top_k=8, generator=make_generator(k))
+        assert run.label == "ar (continuous batch)" and np.array_equal(run.audio, alone.audio[0].numpy())
+        assert run.frames == int(alone.lengths[0]) and run.stats.forwards == alone.stats.forwards
+        np.testing.assert_allclose(np.concatenate(seen[k]), run.audio, atol=1e-6, rtol=0)  # streamed, float rounding only
+    assert len(shared._servers) == 1
+    assert run_request(speak(method="sjd"), shared).method.label == "sjd"  # adaptive window: alone
+    assert run_request(speak(method="ar", compare=True), shared).method.label == "ar"
 
 
 def test_a_stream_closed_early_frees_the_model_after_its_decoder_ends(catalog):

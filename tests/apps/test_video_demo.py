@@ -26,6 +26,7 @@ from mmgen.apps.video_request import (VideoCatalog, VideoRequest, default_length
 
 from tests.apps import test_image_demo as image_demo_tests
 from tests.apps.test_image_demo import pick, served
+from tests.streams import drain
 from tests.video.tiny import tiny_video_pipeline
 
 #: The image demo's browser fixtures, shared (bound by assignment: function arguments of these
@@ -55,15 +56,6 @@ def catalog(folders):
 
 def video(**changes) -> VideoRequest:
     return VideoRequest(**{"model": "tiny-video", "prompt": PROMPT, "num_frames": 13, **changes})
-
-
-def drain(events) -> tuple[list, object]:
-    seen = []
-    while True:
-        try:
-            seen.append(next(events))
-        except StopIteration as done:
-            return seen, done.value
 
 
 def direct(catalog, seed: int = 0, **call):

@@ -23,9 +23,11 @@ from PIL import Image
 from mmgen.apps import vlm_request
 from mmgen.apps.vlm_request import ChatRequest, VLMCatalog, methods, run_request, stream_request
 from mmgen.decoding import DECODERS
+from mmgen.sampling import make_generator
 from mmgen.vlm import pipeline as vlm_pipeline
 
 from tests.apps.test_image_demo import artifacts, browser, page, pick, served  # noqa: F401 - shared browser fixtures
+from tests.streams import drain, in_threads
 from tests.vlm.test_vlm_pipeline import images, tiny_llava
 
 READY = "#message textarea"  # the page fixture waits for it
@@ -126,19 +128,41 @@ def test_sampling_is_reproducible_from_the_seed(catalog):
 
 
 def test_the_answer_streams_as_tokens_commit(catalog):
-    events = stream_request(chat(method="draft", compare=True), catalog)
-    seen = []
-    while True:
-        try:
-            seen.append(next(events))
-        except StopIteration as done:
-            result = done.value
-            break
+    seen, result = drain(stream_request(chat(method="draft", compare=True), catalog))
     for index, run in enumerate(result.runs):
         texts = [p.text for p in seen if p.index == index]
         assert len(texts) > 1 and texts[-1] == run.text  # several updates, ending at the answer
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # each one extends the last
     assert [p.index for p in seen] == sorted(p.index for p in seen)  # the baseline first, then the method
+
+
+def test_overlapping_chats_share_one_continuous_batch_and_answer_as_alone(folders):
+    """--continuous-batch: fixed-window requests from threads decode in the shared batch, each
+    answer streamed and equal to the request alone (sampled, from its seed); adaptive, compare
+    and dropping requests answer alone, as without it."""
+    shared = VLMCatalog.discover([str(f) for f in folders])
+    shared.continuous_batch = 2
+    for name in shared.names:
+        shared.pipeline(name).eos_token_ids = []
+    asks = {k: chat(method="ar", temperature=1.0, seed=k, max_new_tokens=6 + 2 * k, images=images(1 + k % 2)) for k in range(3)}
+    seen, results = {}, {}
+
+    def ask(k):
+        events, results[k] = drain(stream_request(asks[k], shared, max_new_tokens=16))
+        seen[k] = [event.text for event in events]
+
+    in_threads(ask, asks)
+    pipe = shared.pipeline("tiny-vlm")
+    for k, request in asks.items():
+        run = results[k].method
+        alone = pipe(QUESTION, list(request.images), max_new_tokens=request.max_new_tokens, temperature=1.0,
+                     generator=make_generator(request.seed))
+        assert run.label == "ar (continuous batch)" and run.text == alone.texts[0] and run.tokens == request.max_new_tokens
+        assert run.stats.forwards == alone.stats.forwards and seen[k][-1] == run.text
+    assert len(shared._servers) == 1
+    alone_label = lambda **c: run_request(chat(**c), shared, max_new_tokens=16).method.label
+    assert alone_label(method="sjd") == "sjd"  # adaptive window: alone
+    assert alone_label(method="ar", compare=True) == "ar" and alone_label(method="ar", dropping="fastv", keep_ratio=1.0) == "ar · fastv:keep_ratio=1"
 
 
 def test_multi_turn_sends_the_conversation_so_far(catalog):

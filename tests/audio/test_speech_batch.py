@@ -59,3 +59,46 @@ def test_bad_lines_are_reported_before_any_work(root, tmp_path, capsys):
     assert main(["batch", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) != 0
     err = capsys.readouterr().err
     assert "line 1" in err and "line 2" in err and "line 3" in err and not (tmp_path / "out" / "ok.wav").exists()
+
+
+def test_continuous_speech_equals_each_job_alone_with_its_seed_and_resumes(root, tmp_path, capsys):
+    from mmgen.sampling import make_generator
+
+    model = str(root / "dia")
+    jobs = [{"model": model, "text": TEXTS[k % 3], "output": f"s{k}", "max_new_frames": 24, "seed": 50 + k, "temperature": 1.0,
+             "top_k": 20, "decoding": "sjd:window=4,adapt=false"} for k in range(5)]
+    path = write_jobs(tmp_path / "jobs.jsonl", jobs)
+    out = tmp_path / "out"
+    assert main(["batch", str(path), "--out", str(out), "--batch-size", "2", "--continuous", "--no-progress"]) == 0
+    pipe = tiny_dia(0, eos_boost=2.0)
+    records = {r["file"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}
+    for k, job in enumerate(jobs):  # sampled, yet each is its job alone with its own seed
+        alone = pipe(job["text"], max_new_frames=24, temperature=1.0, top_k=20, decoding="sjd:window=4,adapt=false",
+                     generator=make_generator(job["seed"]))
+        audio, rate = soundfile.read(out / f"s{k}.wav", dtype="float32")
+        expected = alone.audio[0].clamp(-1, 1).numpy()
+        assert rate == RATE and audio.shape == expected.shape and abs(audio - expected).max() <= 1 / 32767 + 1e-6
+        record = records[f"s{k}.wav"]
+        assert record["seed"] == job["seed"] and record["frames"] == int(alone.lengths[0])
+        assert record["stats"]["forwards"] == alone.stats.forwards
+    capsys.readouterr()
+    (out / "s3.wav").unlink()  # a run killed before this file: the next run makes only it
+    before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.wav")}
+    assert main(["batch", str(path), "--out", str(out), "--batch-size", "2", "--continuous", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]
+    assert summary["total"]["outputs"] == 1 and (out / "s3.wav").is_file()
+    assert all((out / name).stat().st_mtime_ns == t for name, t in before.items())
+
+
+def test_continuous_refuses_speech_jobs_it_cannot_run_before_any_work(root, tmp_path, capsys):
+    model = str(root / "dia")
+    jobs = write_jobs(tmp_path / "bad.jsonl", [
+        {"model": model, "text": "[S1] Hi.", "output": "a", "decoding": "sjd"},
+        {"model": model, "text": "[S1] Hi.", "output": "b", "decoding": f"draft:drafter={model}"},
+        {"model": model, "text": "[S1] Hi.", "output": "c"},
+    ])
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--continuous"]) == 2
+    err = capsys.readouterr().err
+    assert "line 1: continuous batching needs a fixed draft window" in err, err
+    assert "line 2: DraftModelProposer cannot restart rows" in err, err
+    assert "line 3" not in err and not (tmp_path / "out").exists()

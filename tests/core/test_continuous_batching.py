@@ -89,6 +89,35 @@ def test_stop_tokens_budgets_and_requests_that_end_at_their_first_token():
     assert [len(done[i].tokens) for i in (1, 5)] == [1, 1]
 
 
+def test_each_requests_streamer_gets_its_tokens_as_they_commit_and_ends_before_its_result():
+    decoder = fixed("sjd")
+    events: list = []
+
+    class Recorder:
+        def __init__(self, index):
+            self.index = index
+
+        def put(self, rows):
+            (tokens,) = rows
+            events.append(("put", self.index, tokens.tolist()))
+
+        def end(self):
+            events.append(("end", self.index))
+
+    budgets = [64, 1, 30, None, 5]  # request 1 ends at its first token
+    requests = [Request(torch.tensor([label]), make_generator(i), budget, Recorder(i))
+                for i, (label, budget) in enumerate(zip(LABELS, budgets))]
+    done, _ = continuous_decode(decoder, MODEL, requests, 64, SAMPLED, batch_size=2,
+                                on_finish=lambda f: events.append(("finish", f.index, f.tokens.tolist())))
+    for i in range(len(requests)):
+        mine = [e for e in events if e[1] == i]
+        streamed = [t for kind, _, *rest in mine if kind == "put" for t in rest[0]]
+        assert [e[0] for e in mine][-2:] == ["end", "finish"] and sum(e[0] == "end" for e in mine) == 1
+        assert streamed == mine[-1][2] and len(streamed) == (budgets[i] or 64)
+        puts = [e for e in mine if e[0] == "put"]
+        assert all(len(e[2]) >= 1 for e in puts) and (len(puts) > 1 or budgets[i] == 1)  # as they commit, not at the end
+
+
 def test_sampled_outputs_follow_the_exact_law(enumerable):  # noqa: F811
     """Thousands of requests through 64 rows with a stop token: the chi-square of the outputs."""
     sampling, stop, n = SamplingConfig(temperature=0.9, guidance=2.0), 2, 3000

@@ -14,6 +14,7 @@ from mmgen.decoding.batching import Request, continuous_decode
 from mmgen.decoding.speculative import Stopping
 from mmgen.sampling import SamplingConfig, make_generator
 
+from tests.streams import drain, in_threads
 from tests.vlm.test_vlm_pipeline import BUILDERS, PROMPTS, images
 
 # Short prompts first, so later requests grow the prompt region.
@@ -99,3 +100,67 @@ def test_bad_continuous_calls_are_clear_errors(options, message):
     args["generators"] = options.get("generators", args["generators"])
     with pytest.raises(ValueError, match=message):
         pipe.answer_each([PROMPTS[0], PROMPTS[1]], None, **args)
+
+
+def test_a_served_batch_answers_each_request_as_alone_and_streams_it():
+    """`VLMPipeline.serve`: prompts submitted from threads share one continuous batch; each
+    answer (sampled, its own budget) is the one its prompt gives alone with its generator, and
+    its streamed pieces concatenate to it."""
+    from mmgen.decoding import TokenQueueStreamer
+    from mmgen.vlm.pipeline import text_pieces
+
+    pipe = BUILDERS["llava"]()
+    pictures = images(3)
+    server = pipe.serve("sjd:adapt=false,window=4", batch_size=2, max_new_tokens=10, temperature=1.0)
+    budgets = [10, 4, 7, 10, 3, 9]  # 3: below the window (see the last check)
+    futures, queues = [], []
+    for k, (question, i) in enumerate(QUESTIONS):
+        queue = TokenQueueStreamer(timeout=120)
+        queues.append(queue)
+        futures.append(server.submit(question, None if i is None else pictures[i], make_generator(30 + k), budgets[k], queue))
+    streamed = {}
+
+    def read(k):
+        streamed[k] = "".join(piece for _, piece in text_pieces(pipe.processor.tokenizer, queues[k]))
+
+    in_threads(read, range(len(QUESTIONS)))
+    for k, (question, i) in enumerate(QUESTIONS):
+        text, tokens, stats = futures[k].result(timeout=120)
+        assert streamed[k] == text
+        if budgets[k] < 4:
+            continue
+        alone = pipe(question, None if i is None else pictures[i], max_new_tokens=budgets[k], decoding="sjd:adapt=false,window=4",
+                     temperature=1.0, generator=make_generator(30 + k))
+        n = int(alone.lengths[0])
+        assert text == alone.texts[0] and tokens.tolist() == alone.token_ids[0, :n].tolist() and stats.forwards == alone.stats.forwards
+    # A budget below the window: a call would narrow its window to the budget, so the request
+    # decodes as its prompt alone at the server's cap, stopped at its budget.
+    decoder, request = make_decoder("sjd", window=4, adapt=False), requests_for(pipe, 30)[4]
+    stopping = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=3, pad_token=pipe.pad_token_id)
+    solo = decoder.generate(pipe.token_model(), request.conditions, 10, SamplingConfig(temperature=1.0), request.generator,
+                            stopping=stopping)
+    assert futures[4].result()[1].tolist() == solo.tokens[0, : int(solo.lengths[0])].tolist()
+    chunks, (text, _, _) = drain(server.stream(PROMPTS[1], None, make_generator(3), 5))
+    assert "".join(chunks) == text == pipe(PROMPTS[1], max_new_tokens=5, decoding="sjd:adapt=false,window=4", temperature=1.0,
+                                            generator=make_generator(3)).texts[0]
+
+
+def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream(monkeypatch):
+    from mmgen.vlm.token_model import VLMTokenModel
+
+    pipe = BUILDERS["llava"]()
+    with pytest.raises(ValueError, match="fixed draft window"):
+        pipe.serve("sjd", batch_size=2)
+    server = pipe.serve("ar", batch_size=2, max_new_tokens=6)
+    with pytest.raises(ValueError, match="exceeds the server's cap of 6"):
+        server.submit(PROMPTS[0], max_new_tokens=7)
+    with pytest.raises(ValueError, match="submit takes one prompt"):
+        server.submit([PROMPTS[0], PROMPTS[1]])
+
+    def broken(self, state, row, conditions):
+        raise RuntimeError("the prefill broke")
+
+    monkeypatch.setattr(VLMTokenModel, "restart", broken)
+    with pytest.raises(RuntimeError, match="the prefill broke"):  # not a wait for the stream's timeout
+        for _ in server.stream(PROMPTS[0], generator=make_generator(0)):
+            pass
