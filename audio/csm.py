@@ -90,6 +90,22 @@ class CsmTokenModel:
         state.extra.hidden = hidden
         return self._logits(self.model.lm_head(hidden), hidden, tokens[:, 1:])
 
+    @torch.no_grad()
+    def restart(self, state: DecodeState, row: int, conditions: CsmConditions) -> Logits:
+        """Continuous batching: row `row` of a live decode starts over on one row's conditions.
+        The prompt is prefilled alone (`start`) and its cache placed in the row
+        (`SlotKVCache.restart_row`) with the positions of the prompt alone; its last hidden state
+        goes to slot 0 of the row, where `complete_frame` reads it for frame 0. Returns the
+        logits predicting its frame 0."""
+        fresh = self.start(conditions, 0, False)
+        if fresh.batch_size != 1:
+            raise ValueError(f"restart takes one row's conditions, got {fresh.batch_size} rows")
+        run, solo = state.extra, fresh.extra
+        run.offset -= state.cache.restart_row(row, fresh.cache)
+        run.offset[row] = solo.offset[0] + fresh.cache.prompt_length - state.cache.prompt_length
+        run.hidden[row, 0] = solo.hidden[0, 0]
+        return fresh.first_logits
+
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.commit(accepted)
 

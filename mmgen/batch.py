@@ -537,7 +537,7 @@ def register(commands, groups) -> None:
     batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                        help=f"rows per pipeline call, from jobs of one model and options (default {DEFAULT_BATCH_SIZE})")
     batch.add_argument("--continuous", action="store_true",
-                       help="image jobs of LlamaGen models, text jobs and speech jobs of Dia models, with a "
+                       help="image jobs of LlamaGen models, text jobs and speech jobs (Dia, CSM), with a "
                             "fixed-window decoder (ar, sjd:adapt=false, ...): keep --batch-size rows decoding and refill "
                             "each as it finishes; every output equals its job run alone with its seed "
                             "(`generate image/text/speech --seed`)")

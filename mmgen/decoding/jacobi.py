@@ -57,10 +57,15 @@ class JacobiProposer(Proposer):
         return self._fill(run, window, fresh, q, rows)
 
     def start(self, run):
-        self.window, self.q = self._first_window(run)
-        self.stale = False
+        # The first window is drawn at the first forward that drafts: right after token 0 when
+        # that is the first forward (the same draws as building it here), never when an
+        # adaptive window starts with autoregressive steps (a short decode may never draft).
+        self.window = self.q = None
+        self.stale = True
 
     def restart(self, run, rows):
+        if self.stale:  # the first propose builds every row's window, these rows' included
+            return
         window, q = self._first_window(run, rows)
         self.window[rows] = window
         if self.laws:
@@ -74,7 +79,7 @@ class JacobiProposer(Proposer):
 
     def update(self, run, n_acc, next_token, fresh, p, active):
         B, L, fed = run.batch_size, self.num_draft + 1, fresh.shape[1]
-        if fed == 1 and L > 1:
+        if fed == 1:
             # An autoregressive step (`AdaptiveWindow` at 0 drafts) reads no draft: the window
             # is rebuilt when drafting resumes instead of carried over every step (its upkeep,
             # [L, K, V] laws and redrawn drafts, cost tiny models 14% of a step).

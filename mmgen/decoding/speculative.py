@@ -43,7 +43,7 @@ from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_token
 from mmgen.decoding.stats import DecodeStats, StatsRecorder
 from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
 from mmgen.modeling import DecodeState, TokenModel
-from mmgen.sampling import SamplingConfig, invalid_rows, sample
+from mmgen.sampling import RowGenerators, SamplingConfig, invalid_rows, sample
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,8 +385,8 @@ def speculative_decode(
         emitted += step  # in place: `_Admission` holds this tensor
         run.active = still & (emitted < limit)
         proposer.update(run, n_acc, next_token, fresh, p, active)
-        if chooser is not None:  # tokens finalised per row still decoding (one more sync)
-            chooser.observe(float((step * active).sum() / active.sum().clamp_min(1)))
+        if chooser is not None:  # tokens finalised per row still decoding (one more sync, while it measures)
+            chooser.observe(float((step * active).sum() / active.sum().clamp_min(1)) if chooser.measuring else None)
         if feed is None:
             slowest = report(tokens, emitted, run.active, synced)
             continue
@@ -417,8 +417,6 @@ def _check_feed(model: TokenModel, proposer: Proposer, adapt: Optional[AdaptiveW
     name = type(proposer).__name__
     if getattr(model, "restart", None) is None:
         raise ValueError(f"{type(model).__name__} cannot restart a row (no `restart`), so it cannot serve continuous batching")
-    if getattr(model, "complete_frame", None) is not None:
-        raise ValueError(f"{type(model).__name__} completes frames itself, which continuous batching does not drive yet")
     if type(proposer).draw is not Proposer.draw:
         raise ValueError(f"{name} draws tokens from its own fixed noise, not from each row's generator: "
                          "it cannot serve continuous batching")
@@ -459,6 +457,7 @@ class _Admission:
 
     def __init__(self, feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens):
         self.feed, self.restart, self.state, self.run, self.proposer, self.probs = feed, model.restart, state, run, proposer, probs
+        self.complete = getattr(model, "complete_frame", None)
         self.limit, self.emitted, self.bad, self.rows = limit, emitted, bad, rows
         self.stopping, self.stop_ids, self.num_tokens = stopping, stop_ids, num_tokens
         self.live = [False] * run.batch_size
@@ -496,6 +495,8 @@ class _Admission:
                 run.generator[row] = request.generator
                 run.tokens[row] = 0
                 run.tokens[row, 0] = sample(p0, request.generator)[0, 0]
+                if self.complete is not None:
+                    run.tokens[row, 0] = self.completed(row, run.tokens[row, 0])
                 run.pos[row] = 0
                 self.emitted[row] = 1
                 self.limit[row] = self.num_tokens if request.max_new_tokens is None else min(request.max_new_tokens, self.num_tokens)
@@ -511,6 +512,21 @@ class _Admission:
             run.active[at] = ~(_is_stop(first, self.stop_ids, self.stopping)[:, 0] | (self.limit[at] <= 1))
             self.proposer.restart(run, at)
             ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
+
+    def completed(self, row: int, frame: torch.Tensor) -> torch.Tensor:
+        """Frame 0 [K] of the request starting on `row`, its later codebooks sampled by the
+        model (`complete_frame`, from the row's prefill state that `restart` left at slot 0).
+        The other rows know their whole frame and draw from the idle generator, so only this
+        request's generator draws, as in its batch-1 decode."""
+        run, K = self.run, self.run.num_codebooks
+        frames = run.tokens[:, 0].clone()
+        frames[row] = frame
+        known = torch.full((run.batch_size,), K, dtype=torch.long, device=run.device)
+        known[row] = 1
+        generators = RowGenerators([self.idle] * run.batch_size)
+        generators[row] = run.generator[row]
+        zero = torch.zeros(run.batch_size, dtype=torch.long, device=run.device)
+        return complete_frame(self.complete, self.state, run.per_codebook, zero, frames, known, generators, zero[:, None])[0][row]
 
     def stream(self) -> None:
         """Hand each live request with a streamer the tokens committed since its last call (one

@@ -145,7 +145,15 @@ class WindowChooser:
         self.chosen.append(self.widths[self.level])
         return self.chosen[-1]
 
-    def observe(self, tokens: float) -> None:
+    @property
+    def measuring(self) -> bool:
+        """Whether `observe` reads the tokens of this forward: not while it runs autoregressive
+        steps between probes, which it only counts (the loop then skips that host read)."""
+        return self.trial is not None or self.home != 0
+
+    def observe(self, tokens: Optional[float]) -> None:
+        """After a forward: the mean tokens each active row finalised (None where not
+        `measuring`)."""
         cost = self.cost[self.level]
         if self.trial is not None:  # a probe, judged once it has run `dwell` forwards
             self.trial[1:] = [self.trial[1] - 1, self.trial[2] + tokens, self.trial[3] + cost]

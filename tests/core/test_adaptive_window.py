@@ -36,6 +36,8 @@ class CyclingWindow(AdaptiveWindow):
 
 
 class _Cycle:
+    measuring = True  # `WindowChooser`'s interface: it reads every forward's tokens (and ignores them)
+
     def __init__(self, cycle):
         self.cycle, self.chosen = cycle, []
 

@@ -1,5 +1,5 @@
-"""Continuous batching of Dia speech requests: each text's frames and audio are what it decodes
-alone with its generator.
+"""Continuous batching of speech requests (Dia, and CSM at the end): each text's frames and
+audio are what it decodes alone with its generator.
 
 Texts differ in length (a longer text grows the batch's encoder axis mid-run) and in voice
 prompts (a longer prompt grows the decoder cache's prompt region); a row whose speech ends takes
@@ -62,6 +62,30 @@ def test_each_text_speaks_what_it_speaks_alone(pipe, decoding, temperature, guid
         assert len(set(lengths)) > 1
 
 
+@pytest.mark.parametrize("decoding,temperature", [("ar", 0.0), ("ar", 1.0), ("sjd:window=4,adapt=false", 0.0),
+                                                  ("sjd:window=4,adapt=false", 1.0)])
+def test_csm_speaks_each_text_as_alone_its_depth_decoder_drawing_from_the_rows_generator(decoding, temperature):
+    """CSM completes each frame with its depth decoder (`complete_frame`): a restarted row's
+    frame 0 is completed from its own prefill state, drawing from its request's generator only
+    (the other rows draw from the idle one), and every later completion draws row by row."""
+    csm = tiny_csm(0, eos_boost=3.0)  # rows end on their own, at different frames
+    texts = [t.removeprefix("[S1] ") for t in TEXTS]
+    g = torch.Generator().manual_seed(0)
+    voice = ((0.3 * torch.randn(16 * 6, generator=g)).numpy(), RATE)  # 6 frames of the tiny Mimi
+    voices, voice_texts = [None, None, voice, None, None, None], [None, None, "Hi.", None, None, None]
+    options = dict(max_new_frames=40, decoding=decoding, temperature=temperature, top_k=20)
+    out = csm.speak_each(texts, voices, voice_texts, generators(5), batch_size=2, **options)
+    lengths = []
+    for i, text in enumerate(texts):
+        alone = csm(text, voices[i], voice_texts[i], generator=torch.Generator().manual_seed(5 + i), **options)
+        n = int(alone.lengths[0])
+        lengths.append(n)
+        assert int(out.lengths[i]) == n and torch.equal(out.frames[i, :n], alone.frames[0, :n]), f"text {i}"
+        assert torch.equal(out.audio[i], alone.audio[0])
+    if not temperature:
+        assert len(set(lengths)) > 1  # rows ended at different frames, so rows were refilled mid-run
+
+
 def test_restart_grows_the_encoder_axis_and_the_prompt_region(pipe, monkeypatch):
     """The first two requests are short texts without voices; later ones are longer (the encoder
     axis grows for every row) and voiced (the decoder's prompt region grows)."""
@@ -103,8 +127,6 @@ def test_bad_calls_are_refused_before_any_work(pipe, monkeypatch):
         pipe.speak_each(TEXTS[:2], generators=generators(0, 1))
     with pytest.raises(ValueError, match="max_new_frames"):
         pipe.speak_each(TEXTS[:2], generators=generators(0, 2), max_new_frames=0)
-    with pytest.raises(ValueError, match="CsmTokenModel cannot restart a row"):
-        tiny_csm(0).speak_each(TEXTS[:2], generators=generators(0, 2))
 
 
 def test_a_served_batch_speaks_each_request_as_alone_and_streams_it(pipe):
@@ -129,8 +151,6 @@ def test_a_served_batch_speaks_each_request_as_alone_and_streams_it(pipe):
 def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream(pipe, monkeypatch):
     with pytest.raises(ValueError, match="fixed draft window"):
         pipe.serve("sjd", batch_size=2)
-    with pytest.raises(ValueError, match="CsmTokenModel cannot restart a row"):
-        tiny_csm(0).serve("ar", batch_size=2)
     server = pipe.serve("ar", batch_size=2, max_new_frames=20)
     with pytest.raises(ValueError, match=r"max_new_frames must be an integer in \[1, 20\]"):
         server.submit(TEXTS[0], max_new_frames=21)
