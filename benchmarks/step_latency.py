@@ -24,9 +24,11 @@ classifier-free guidance where the model uses it (2 rows), the cache half full:
   after 128 committed frames; eager only (its cache is transformers' growing `DynamicCache`,
   which does not compile to static shapes).
 
-Not timed here: VLMs (their step is the language model behind the same transformers adapter
-path as Dia's, on a `DynamicCache`; a real-size random VLM, a 3-7B language model, needs a
-GPU), CSM (its forward scores codebook 0 only: the depth decoder's 31 sequential steps per
+- Qwen2.5-VL-3B (`qwen2.5-vl-3b`, the VLM adapter `VLMTokenModel`): 1 and 16 tokens after a
+  128-token text prompt; eager only (transformers' `DynamicCache`). Its floor leaves out the
+  vision tower (run at the prefill). 3.75B parameters: a GPU's size (7.5 GB in bfloat16).
+
+Not timed here: CSM (its forward scores codebook 0 only: the depth decoder's 31 sequential steps per
 frame run outside it, so one forward is not one frame's cost) and block-diffusion video (no
 token step: `benchmarks/video_decoding.py --wan-size` times its blocks).
 
@@ -59,7 +61,7 @@ GPU_BANDWIDTH = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), 
 #: The goals this benchmark checks.
 AR_OVER_FLOOR_GOAL, VERIFY_OVER_AR_GOAL = 1.3, 1.2
 MODES = ("eager", "compiled")
-TINY = ("llamagen-tiny", "var-tiny", "dia-tiny")
+TINY = ("llamagen-tiny", "var-tiny", "dia-tiny", "vlm-tiny")
 
 
 @dataclass
@@ -84,9 +86,12 @@ class Case:
 
 
 def weight_bytes(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
-    """Bytes of the parameters a step reads: all but those of embedding tables and of `skip`."""
-    skipped = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) or m in skip for p in m.parameters()}
-    return sum(p.nbytes for p in module.parameters() if id(p) not in skipped)
+    """Bytes of the parameters a step reads: all but those only embedding tables and `skip`
+    hold (a table tied to an output head is read whole by the head, so it counts)."""
+    skipped = {id(m) for s in skip for m in s.modules()}
+    read = {id(p) for m in module.modules() if not isinstance(m, nn.Embedding) and id(m) not in skipped
+            for p in m.parameters(recurse=False)}
+    return sum(p.nbytes for p in module.parameters() if id(p) in read)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,8 +181,54 @@ def dia(name: str, device: torch.device, dtype: torch.dtype, window: int, contex
     return Case(name, params, step_bytes, ("eager",), step, [f"{name}: {context} frames committed before the timed step"])
 
 
+#: Qwen2.5-VL-3B-Instruct's dimensions (its config.json): the language model a step runs, and
+#: the vision tower that runs only at the prefill.
+QWEN2_5_VL_3B = dict(
+    text_config=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                     num_key_value_heads=2, vocab_size=151936, rope_theta=1e6, max_position_embeddings=128000,
+                     tie_word_embeddings=True, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31]),
+    tie_word_embeddings=True,
+)
+
+
+def vlm(name: str, device: torch.device, dtype: torch.dtype, window: int, context: int = 128) -> Case:
+    """A Qwen2.5-VL through `VLMTokenModel` (the transformers adapter every VLM decodes through):
+    1 and 16 tokens after a `context`-token text prompt (the image's tokens cost the prefill,
+    not a step)."""
+    from mmgen.vlm.token_model import VLMTokenModel
+
+    torch.manual_seed(0)
+    if name == "vlm-tiny":
+        from tests.vlm.test_vlm_pipeline import tiny_qwen
+
+        model = tiny_qwen(0).model.to(device, dtype)
+    else:
+        from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        with torch.device(device):
+            model = Qwen2_5_VLForConditionalGeneration._from_config(Qwen2_5_VLConfig(**QWEN2_5_VL_3B), dtype=dtype).eval()
+    token_model = VLMTokenModel(model)
+    vocab = token_model.vocab_size
+    ids = torch.randint(0, vocab, (1, context), device=device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def step(mode: str, width: int) -> Step:
+        with torch.no_grad():
+            state = token_model.start(inputs, context + 2 * window + 64, False)
+        tokens = torch.randint(0, vocab, (1, width), device=device)
+        return Step(lambda: token_model.forward(state, tokens))
+
+    params = sum(p.numel() for p in model.parameters())
+    step_bytes = weight_bytes(model, skip=(model.model.visual,))
+    return Case(name, params, step_bytes, ("eager",), step, [f"{name}: a {context}-token text prompt before the timed step"])
+
+
 BUILDERS = {"GPT-B": llamagen, "GPT-L": llamagen, "GPT-XL": llamagen, "llamagen-tiny": llamagen,
-            "var-d16": var, "var-d30": var, "var-tiny": var, "dia": dia, "dia-tiny": dia}
+            "var-d16": var, "var-d30": var, "var-tiny": var, "dia": dia, "dia-tiny": dia,
+            "qwen2.5-vl-3b": vlm, "vlm-tiny": vlm}
 
 
 # --------------------------------------------------------------------------------------------

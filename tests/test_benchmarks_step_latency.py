@@ -42,3 +42,20 @@ def test_floor_reads_every_weight_but_embedding_tables():
     assert weight_bytes(model) == 4 * (8 * 4 + 4 * 4 + 4)
     assert weight_bytes(model, skip=(model[2],)) == 4 * 8 * 4
     assert bandwidth(torch.device("cpu"), 3350.0) == (3.35e12, "--bandwidth")
+
+
+def test_a_table_tied_to_the_output_head_is_read_by_every_step():
+    embed, head = nn.Embedding(100, 8), nn.Linear(8, 100, bias=False)
+    head.weight = embed.weight  # tied, as Qwen2.5-VL-3B's: the head reads all of it every step
+    assert weight_bytes(nn.ModuleDict({"embed": embed, "head": head})) == 4 * 100 * 8
+
+
+def test_the_vlm_case_has_qwen2_5_vl_3b_dimensions():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from benchmarks.step_latency import QWEN2_5_VL_3B
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = Qwen2_5_VLForConditionalGeneration._from_config(Qwen2_5_VLConfig(**QWEN2_5_VL_3B), dtype=torch.bfloat16)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 3.75  # the published 3B model's count
+    assert 5.7 < weight_bytes(model, skip=(model.model.visual,)) / 2**30 < 5.8  # language model and tied head, bf16
