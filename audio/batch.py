@@ -121,7 +121,8 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype, continuous
     return SpeechCall(pipe, dict(options, decoding=decoder))
 
 
-def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = False) -> tuple[list[SpeechJob], dict, list[LineError]]:
+def load_jobs(path: Path, device: str, dtype: torch.dtype,
+              continuous: bool = False) -> tuple[list[SpeechJob], dict, list[LineError]]:
     """The valid jobs, the prepared call of each job key, and the bad lines (each model loads once);
     `continuous`: every job must also suit `--continuous`."""
     import transformers

@@ -132,7 +132,8 @@ class DiaTokenModel:
         if fresh.batch_size != 1:
             raise ValueError(f"restart takes one row's conditions, got {fresh.batch_size} rows")
         if (solo.guidance_scale, solo.guidance_top_k) != (run.guidance_scale, run.guidance_top_k):
-            raise ValueError("a continuous batch runs one guidance setting: every request needs the batch's guidance scale and top-k")
+            raise ValueError("a continuous batch runs one guidance setting: every request needs the batch's guidance "
+                             "scale and top-k")
         B = state.batch_size
         rows = [row, row + B] if run.guidance_scale is not None else [row]
         for i, r in enumerate(rows):

@@ -252,9 +252,10 @@ class TTSPipeline(Pipeline):
         (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all), and
         a row whose speech ends takes the next text, prefilled alone. Output i is the one a call
         with text i alone (and its voice) and `generators[i]` gives (the decoder needs a fixed
-        window, `adapt=False`). `on_audio(i, audio, frames, stats)` receives each row's waveform as its speech ends, with
-        its frames [n, C] and its own stats (a batch-1 decode's). The output's stats are the run's;
-        `decode_s` leaves out the codec decoding of finished rows, as `__call__`'s does."""
+        window, `adapt=False`). `on_audio(i, audio, frames, stats)` receives each row's waveform
+        as its speech ends, with its frames [n, C] and its own stats (a batch-1 decode's). The
+        output's stats are the run's; `decode_s` leaves out the codec decoding of finished rows,
+        as `__call__`'s does."""
         decoder = resolve_decoder(decoding)
         check_continuous(decoder, self.token_model())
         texts = [text] if isinstance(text, str) else list(text)
@@ -395,7 +396,8 @@ class TTSServer:
         as they commit."""
         budget = self.max_new_frames if max_new_frames is None else max_new_frames
         if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= self.max_new_frames:
-            raise ValueError(f"max_new_frames must be an integer in [1, {self.max_new_frames}] (the server's cap), got {budget!r}")
+            raise ValueError(f"max_new_frames must be an integer in [1, {self.max_new_frames}] (the server's cap), "
+                             f"got {budget!r}")
         if not isinstance(text, str):
             raise ValueError("submit takes one text; submit each text of a list on its own")
         conditions, _ = self.pipe.prepare(text, voice, voice_text, budget, self.guidance_scale)
