@@ -259,6 +259,8 @@ class TTSPipeline(Pipeline):
         decoder = resolve_decoder(decoding)
         check_continuous(decoder, self.token_model())
         texts = [text] if isinstance(text, str) else list(text)
+        if not texts:
+            raise ValueError("text must be a non-empty string or a list of them")
         if len(generators) != len(texts):
             raise ValueError(f"{len(generators)} generators for {len(texts)} texts: give one generator per text")
         generators = self.generator_for(list(generators), per_output=True)

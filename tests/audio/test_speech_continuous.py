@@ -125,6 +125,8 @@ def test_bad_calls_are_refused_before_any_work(pipe, monkeypatch):
         pipe.speak_each(TEXTS[:2], generators=generators(0, 2), decoding="sjd")
     with pytest.raises(ValueError, match="one generator per text"):
         pipe.speak_each(TEXTS[:2], generators=generators(0, 1))
+    with pytest.raises(ValueError, match="a non-empty string or a list of them"):
+        pipe.speak_each([], generators=[])
     with pytest.raises(ValueError, match="max_new_frames"):
         pipe.speak_each(TEXTS[:2], generators=generators(0, 2), max_new_frames=0)
 
