@@ -55,6 +55,15 @@ def continuous(decoder, model, labels, num_tokens, sampling, batch_size: int, se
     return continuous_decode(decoder, model, requests, num_tokens, sampling, batch_size)
 
 
+def pipeline_arguments(parser: argparse.ArgumentParser, methods: list[str]) -> None:
+    """The options of a pipeline's static-against-continuous benchmark (`compare_modes`)."""
+    parser.add_argument("--methods", nargs="+", default=methods, help="fixed-window decoding specs")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+
+
 def compare_modes(methods: list[str], static: Callable, continuous: Callable, count: int, batch_size: int, repeats: int,
                   unit: str, same: Callable = operator.eq) -> list[dict]:
     """A pipeline's static calls against its continuous batching (`VLMPipeline.answer_each`,
@@ -83,6 +92,7 @@ def compare_modes(methods: list[str], static: Callable, continuous: Callable, co
             "static_forwards": sf, "continuous_forwards": cf,
             f"{unit}_equal_static": f"{sum(bool(same(a, b)) for a, b in zip(st, ct))}/{count}", "same_tokens": stok == ctok,
         })
+    print(json.dumps(rows, indent=1))
     return rows
 
 

@@ -27,7 +27,7 @@ import torch
 
 from mmgen.sampling import make_generator
 
-from benchmarks.continuous_batching import compare_modes
+from benchmarks.continuous_batching import compare_modes, pipeline_arguments
 
 METHODS = ["ar", "sjd:adapt=false"]
 
@@ -42,14 +42,10 @@ def held_out_texts(count: int) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="speech-tts")
-    parser.add_argument("--methods", nargs="+", default=METHODS, help="fixed-window decoding specs")
     parser.add_argument("--texts", type=int, default=32)
-    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-frames", type=int, default=200)
     parser.add_argument("--sampled", action="store_true", help="sample as the model's generation config says")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    pipeline_arguments(parser, METHODS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,7 +70,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         return [row[:length] for row, length in zip(out.frames, out.lengths.tolist())], out.stats.forwards, int(out.lengths.sum())
 
     rows = compare_modes(args.methods, static, continuous, n, B, args.repeats, "utterances", same=torch.equal)
-    print(json.dumps(rows, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(rows) + "\n")
     return rows

@@ -22,7 +22,7 @@ import torch
 
 from mmgen.sampling import make_generator
 
-from benchmarks.continuous_batching import compare_modes
+from benchmarks.continuous_batching import compare_modes, pipeline_arguments
 
 METHODS = ["ar", "sjd:adapt=false"]
 
@@ -30,13 +30,9 @@ METHODS = ["ar", "sjd:adapt=false"]
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="emoji-vlm")
-    parser.add_argument("--methods", nargs="+", default=METHODS, help="fixed-window decoding specs")
     parser.add_argument("--questions", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--json", default=None, help="also write the rows here")
+    pipeline_arguments(parser, METHODS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,7 +64,6 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         return out.texts, out.stats.forwards, int(out.lengths.sum())
 
     rows = compare_modes(args.methods, static, continuous, n, B, args.repeats, "answers")
-    print(json.dumps(rows, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(rows) + "\n")
     return rows
