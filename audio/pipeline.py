@@ -11,7 +11,6 @@ frames back into codec codes; the codec (`Codec`) turns codes into audio, stream
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -24,6 +23,7 @@ from typing import Any, Callable, Generator, Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import DecodeStats, Decoder, resolve_decoder
+from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
@@ -306,22 +306,19 @@ class TTSPipeline(Pipeline):
         `lock` (a context manager) is held while the batch decodes."""
         decoder = resolve_decoder(decoding)
         check_continuous(decoder, self.token_model())
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size, 1)
         cap = self.family.default_max_frames() if max_new_frames is None else max_new_frames
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ValueError(f"max_new_frames must be an integer >= 1, got {max_new_frames!r}")
+        check_int("max_new_frames", cap, 1)
         sampling, stopping = self.sampling(temperature, top_k, top_p), self.family.stopping(cap)
 
         def decode(queue) -> None:
-            with lock if lock is not None else contextlib.nullcontext():
-                continuous_decode(decoder, self.token_model(), queue, cap, sampling, batch_size, stopping=stopping)
+            continuous_decode(decoder, self.token_model(), queue, cap, sampling, batch_size, stopping=stopping)
 
         def result(done: Finished) -> tuple[torch.Tensor, torch.Tensor, DecodeStats]:
             frames = done.checked().tokens
             return self._speech(frames)[1], frames, done.stats
 
-        return TTSServer(self, ContinuousServer(decode, result), cap, guidance_scale)
+        return TTSServer(self, ContinuousServer(decode, result, lock), cap, guidance_scale)
 
     def stream(self, text: Union[str, Sequence[str]], window: StreamWindow = StreamWindow(),
                **kwargs) -> Generator[tuple[int, torch.Tensor], None, TTSOutput]:
@@ -414,8 +411,7 @@ class TTSServer:
         from mmgen.decoding import TokenQueueStreamer
 
         queue = TokenQueueStreamer(timeout=600)
-        future = self.submit(text, voice, voice_text, generator, max_new_frames, queue)
-        future.add_done_callback(lambda f: f.exception() is not None and queue.end())  # a failed decode ends the stream
+        future = self.submit(text, voice, voice_text, generator, max_new_frames, queue)  # a failed decode ends the queue
         audio, ended = self.pipe._row_audio(window), False
         for _, frames in queue:
             if not ended:

@@ -8,7 +8,6 @@ streaming. Families served so far: LLaVA, Qwen2-VL / Qwen2.5-VL and Idefics3 (`V
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -20,6 +19,7 @@ from typing import Any, Callable, Generator, Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer, resolve_decoder
+from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
@@ -325,19 +325,17 @@ class VLMPipeline(Pipeline):
         _check_budget(max_new_tokens)
         decoder = resolve_decoder(decoding)
         check_continuous(decoder, self.token_model())
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size, 1)
         sampling, stopping = self._sampling(max_new_tokens, temperature, top_k, top_p, stop_token_ids)
 
         def decode(queue) -> None:
-            with lock if lock is not None else contextlib.nullcontext():
-                continuous_decode(decoder, self.token_model(), queue, max_new_tokens, sampling, batch_size, stopping=stopping)
+            continuous_decode(decoder, self.token_model(), queue, max_new_tokens, sampling, batch_size, stopping=stopping)
 
         def result(done: Finished) -> tuple[str, torch.Tensor, DecodeStats]:  # a masked request's error goes to its caller
             tokens = done.checked().tokens
             return self.processor.tokenizer.decode(tokens.tolist(), skip_special_tokens=True).strip(), tokens, done.stats
 
-        return VLMServer(self, ContinuousServer(decode, result), max_new_tokens)
+        return VLMServer(self, ContinuousServer(decode, result, lock), max_new_tokens)
 
 
 class VLMServer:
@@ -367,8 +365,7 @@ class VLMServer:
         """Text pieces of the answer as its tokens commit (they concatenate to its text); the
         generator's return value is the submitted future's result."""
         queue = TokenQueueStreamer(timeout=600)
-        future = self.submit(prompt, images, generator, max_new_tokens, queue)
-        future.add_done_callback(lambda f: f.exception() is not None and queue.end())  # a failed decode ends the stream
+        future = self.submit(prompt, images, generator, max_new_tokens, queue)  # a failed decode ends the queue
         for _, piece in text_pieces(self.pipe.processor.tokenizer, queue):
             yield piece
         return future.result()

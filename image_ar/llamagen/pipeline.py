@@ -6,13 +6,13 @@ defaults, official checkpoint loading, the decode loop, VQ decoding).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from mmgen.decoding import Decoder, resolve_decoder
+from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode, split_rows
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.pipeline import Companion, Pipeline
@@ -189,18 +189,16 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         decoder = resolve_decoder(decoding)
         check_continuous(decoder)
         check_output_type(output_type)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size, 1)
         num_tokens = self.transformer.config.block_size
 
         def decode(queue) -> None:
-            with lock if lock is not None else contextlib.nullcontext():
-                continuous_decode(decoder, self.token_model(official_attention), queue, num_tokens, sampling, batch_size)
+            continuous_decode(decoder, self.token_model(official_attention), queue, num_tokens, sampling, batch_size)
 
         def result(done: Finished) -> tuple[Any, Any]:  # a masked request's error goes to its caller alone
             return self.decode_tokens(done.checked().tokens[None], output_type)[0], done.stats
 
-        return ContinuousServer(decode, result)
+        return ContinuousServer(decode, result, lock)
 
     @torch.no_grad()
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):

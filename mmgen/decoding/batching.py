@@ -19,6 +19,7 @@ window (`adapt=False`: the adaptive window picks one width for the whole batch).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -29,7 +30,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from mmgen.decoding.base import check_num_tokens, raise_if_masked
+from mmgen.decoding.base import check_int, check_num_tokens, raise_if_masked
 from mmgen.decoding.stats import DecodeStats
 from mmgen.decoding.window import resolve_adaptive
 from mmgen.modeling import TokenModel
@@ -148,10 +149,14 @@ class ContinuousServer:
     queue): `submit` returns a future; one worker thread decodes while requests run or wait
     (`decode(queue)`, e.g. `continuous_decode` on a `LiveQueue`), and a request that arrives
     mid-decode takes the next free row. `result(finished)` runs on the worker for each finished
-    request (an image decoder, say); the future holds what it returns."""
+    request (an image decoder, say); the future holds what it returns. `lock` (a context
+    manager) is held while a decode runs, to keep the pipeline's other users off the model. A
+    request's `streamer` is ended when its future fails, so a reader never waits on it."""
 
-    def __init__(self, decode: Callable[[LiveQueue], Any], result: Callable[[Finished], Any] = lambda f: f):
+    def __init__(self, decode: Callable[[LiveQueue], Any], result: Callable[[Finished], Any] = lambda f: f,
+                 lock: Any = None):
         self.queue, self._decode, self._result = LiveQueue(), decode, result
+        self._lock = lock if lock is not None else contextlib.nullcontext()
         self.sessions = 0  # decodes run: requests that overlap share one
         threading.Thread(target=self._work, daemon=True, name="mmgen-continuous-batch").start()
 
@@ -165,6 +170,8 @@ class ContinuousServer:
                 future.set_exception(error)
 
         self.queue.put(request, finished, future.set_exception)
+        if request.streamer is not None:
+            future.add_done_callback(lambda f: f.exception() is not None and request.streamer.end())
         return future
 
     def _work(self) -> None:
@@ -172,7 +179,8 @@ class ContinuousServer:
             self.queue.wait()
             self.sessions += 1
             try:
-                self._decode(self.queue)
+                with self._lock:
+                    self._decode(self.queue)
             except BaseException as error:  # every request of the failed decode hears of it
                 self.queue.fail(error)
 
@@ -214,8 +222,7 @@ def continuous_decode(
 
     check_num_tokens(num_tokens)
     check_continuous(decoder)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    check_int("batch_size", batch_size, 1)
     done: list[Finished] = []
     if isinstance(requests, LiveQueue):
         queue, rows = requests, batch_size
