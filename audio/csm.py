@@ -28,6 +28,7 @@ import torch
 
 from mmgen.cache import SlotKVCache
 from mmgen.decoding import Stopping
+from mmgen.decoding.window import model_window_cost
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, sample
 
@@ -52,6 +53,7 @@ class CsmTokenModel:
         self.num_codebooks = model.config.num_codebooks
         self.vocab_size = model.config.vocab_size
         self.compact_ratio = compact_ratio
+        self.window_cost = model_window_cost(model)
 
     def codebook_embeddings(self) -> torch.Tensor:
         """Each codebook's input embedding of each code [K, V, hidden] (grouped acceptance)."""

@@ -31,6 +31,7 @@ import torch
 
 from mmgen.cache import SlotKVCache
 from mmgen.decoding import Stopping
+from mmgen.decoding.window import model_window_cost
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
 
@@ -70,6 +71,7 @@ class DiaTokenModel:
         self.eos, self.pad, self.bos = dec.eos_token_id, dec.pad_token_id, dec.bos_token_id
         self.delay = torch.tensor(list(model.config.delay_pattern), dtype=torch.long)
         self.compact_ratio = compact_ratio
+        self.window_cost = model_window_cost(model)
 
     def codebook_embeddings(self) -> torch.Tensor:
         """Each codebook's input embedding of each token [C, V, hidden] (grouped acceptance)."""

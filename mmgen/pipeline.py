@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from mmgen.decoding.window import parse_window_cost
 from mmgen.files import write_atomic
 from mmgen.hub import CheckpointError, load_state_dict, load_strict, resolve_path, save_safetensors
 from mmgen.sampling import make_generator
@@ -75,6 +76,9 @@ class Pipeline:
     compilable: ClassVar[bool] = False
     #: Set by `compile()`: later calls run their decode steps compiled.
     compile_steps: bool = False
+    #: The model's measured forward costs by window width (`mmgen.decoding.window.WindowCost`),
+    #: saved in model_index.json's config; token models that decode speculatively carry it.
+    window_cost: Optional[dict] = None
 
     @classmethod
     def decoders(cls) -> dict[str, Any]:
@@ -196,7 +200,7 @@ class Pipeline:
         index = {
             "_class_name": type(self).__name__,
             "components": {name: type(m).__name__ for name, m in self.components.items()},
-            "config": self.pipeline_config(),
+            "config": {**self.pipeline_config(), **({"window_cost": self.window_cost} if self.window_cost else {})},
             "shared": shared,
         }
         _write_json(path / MODEL_INDEX, index)
@@ -234,7 +238,10 @@ class Pipeline:
             module = module_cls(config)
             load_strict(module, load_state_dict(folder / WEIGHTS_NAME), source=str(folder / WEIGHTS_NAME))
             components[name] = module
-        pipe = cls(**components, **cls.config_from_index(index.get("config", {})))
+        config = dict(index.get("config", {}))
+        window_cost = parse_window_cost(config.pop("window_cost", None), f"{index_path} window_cost")
+        pipe = cls(**components, **cls.config_from_index(config))
+        pipe.window_cost = window_cost
         return pipe.to(device, dtype) if (device is not None or dtype is not None) else pipe
 
     @classmethod

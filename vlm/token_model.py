@@ -27,6 +27,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from mmgen.cache import SlotKVCache
+from mmgen.decoding.window import model_window_cost
 from mmgen.hooks import hooks_attached
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
@@ -49,6 +50,7 @@ class VLMTokenModel:
         self.prefill_done_at = 0.0  # perf_counter() when it ended
         self.vocab_size = model.lm_head.out_features
         self.trunk = text_trunk(model)
+        self.window_cost = model_window_cost(model)
 
     def token_embeddings(self) -> torch.Tensor:
         """The language model's input embedding of each token [V, hidden] (grouped acceptance)."""

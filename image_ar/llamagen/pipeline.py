@@ -81,15 +81,18 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         attention setting, device and dtype), so its graphs and pooled caches are reused."""
         codebook = self.vq.quantize.codebook()
         if not self.compile_steps:
-            return LlamaGenTokenModel(self.transformer, codebook=codebook, official_attention=official_attention)
-        weight = self.transformer.tok_embeddings.weight
-        key = (official_attention, weight.device, weight.dtype)
-        if key not in self._compiled_token_models:
-            # Models of another device or dtype hold pooled caches nothing will read again.
-            self._compiled_token_models = {k: m for k, m in self._compiled_token_models.items() if k[1:] == key[1:]}
-            self._compiled_token_models[key] = LlamaGenTokenModel(
-                self.transformer, codebook=codebook, official_attention=official_attention, compile=True)
-        return self._compiled_token_models[key]
+            model = LlamaGenTokenModel(self.transformer, codebook=codebook, official_attention=official_attention)
+        else:
+            weight = self.transformer.tok_embeddings.weight
+            key = (official_attention, weight.device, weight.dtype)
+            if key not in self._compiled_token_models:
+                # Models of another device or dtype hold pooled caches nothing will read again.
+                self._compiled_token_models = {k: m for k, m in self._compiled_token_models.items() if k[1:] == key[1:]}
+                self._compiled_token_models[key] = LlamaGenTokenModel(
+                    self.transformer, codebook=codebook, official_attention=official_attention, compile=True)
+            model = self._compiled_token_models[key]
+        model.window_cost = self.window_cost  # the adaptive window's measured costs (`Pipeline.window_cost`)
+        return model
 
     def sampling_config(
         self,

@@ -328,7 +328,9 @@ def speculative_decode(
     slowest = report(tokens, emitted, run.active, synced) if feed is None else admit.left(num_tokens)
 
     ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
-    chooser = adapt.start(k, B * (2 if uses_guidance else 1), device) if adapt is not None and k > 0 else None
+    chooser = None
+    if adapt is not None and k > 0:  # a model's measured window costs are for batch 1
+        chooser = adapt.start(k, B * (2 if uses_guidance else 1), device, getattr(model, "window_cost", None) if B == 1 else None)
     kernels = _kernel_step(sampling, rule, proposer, K, complete, device)
     while slowest < num_tokens:
         active = run.active

@@ -22,13 +22,19 @@ for R rows fed (both halves of a guided batch), where `token_cost` rho is one fe
 compute relative to one pass over the weights (a small step is a per-weight part plus a
 per-token part). An autoregressive step is worth exactly 1 token per unit, which is what the
 fallback compares against.
+
+A linear cost misses what small models show on a CPU: a forward of two tokens per row can cost
+20-30% more than one (the BLAS leaves its matrix-vector kernels), and a few tokens can cost less
+than one (LlamaGen emoji64: 0.96x at 2 and 4 tokens). A model can carry its measured curve, a
+`window_cost` (window width -> forward time relative to width 1, per device type and CPU thread
+count, measured at batch 1 by `benchmarks/window_cost.py`); batch-1 decodes there use it instead.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -39,6 +45,11 @@ import torch
 #: of an AR step at batch 1 (memory-bound). Pass a measured figure for your model and machine
 #: (`adapt=0.05` in a spec, or `AdaptiveWindow(token_cost=...)`).
 TOKEN_COST = {"cpu": 0.02, "cuda": 0.002}
+
+#: A model's measured forward costs by device type ("cuda", "cpu", or "cpu:N" for N torch threads,
+#: which the CPU's curve depends on): window width (tokens per row per forward) -> forward time
+#: relative to width 1, at batch 1 with the model's own guidance.
+WindowCost = Mapping[str, Mapping[int, float]]
 
 
 @dataclass(frozen=True)
@@ -88,12 +99,17 @@ class AdaptiveWindow:
         if self.widths is not None and (not self.widths or any(int(w) != w or w < 0 for w in self.widths)):
             raise ValueError(f"widths must be draft counts >= 0, got {self.widths!r}")
 
-    def start(self, max_draft: int, rows_fed: int, device) -> "WindowChooser":
+    def start(self, max_draft: int, rows_fed: int, device, window_cost: Optional[WindowCost] = None) -> "WindowChooser":
         """The chooser of one decode: at most `max_draft` drafts, `rows_fed` rows per forward
-        (2 x batch with guidance)."""
+        (2 x batch with guidance). `window_cost`: the model's measured curve, for a batch-1
+        decode (None otherwise); it applies on its device type unless `token_cost` is set."""
         widths = self.widths if self.widths is not None else _powers(max_draft)
         widths = sorted({min(int(w), max_draft) for w in widths} | {0})
-        rho = self.token_cost if self.token_cost is not None else TOKEN_COST.get(torch.device(device).type, TOKEN_COST["cuda"])
+        kind = torch.device(device).type
+        curve = measured_curve(window_cost, kind) if self.token_cost is None else None
+        if curve is not None:
+            return WindowChooser(self, widths, [interpolate_cost(curve, d + 1) for d in widths])
+        rho = self.token_cost if self.token_cost is not None else TOKEN_COST.get(kind, TOKEN_COST["cuda"])
         beta = draft_cost(rho, rows_fed)
         return WindowChooser(self, widths, [1 + beta * d for d in widths])
 
@@ -101,6 +117,57 @@ class AdaptiveWindow:
 def draft_cost(token_cost: float, rows_fed: int) -> float:
     """beta: what each draft adds to a forward, in AR steps, for `rows_fed` rows per forward."""
     return token_cost * rows_fed / (1 + token_cost * rows_fed)
+
+
+def measured_curve(window_cost: Optional[WindowCost], kind: str) -> Optional[Mapping[int, float]]:
+    """The curve of `window_cost` for this device type: on a CPU the one measured at torch's
+    thread count ("cpu:2"), else a "cpu" one; None without one."""
+    window_cost = window_cost or {}
+    if kind == "cpu" and f"cpu:{torch.get_num_threads()}" in window_cost:
+        return window_cost[f"cpu:{torch.get_num_threads()}"]
+    return window_cost.get(kind)
+
+
+def interpolate_cost(curve: Mapping[int, float], width: int) -> float:
+    """A forward's cost at `width` tokens per row, in AR steps, from a measured curve: linear
+    between its widths, along its last segment beyond them."""
+    points = sorted(curve.items())
+    for (w0, c0), (w1, c1) in zip(points, points[1:]):
+        if width <= w1 or (w1, c1) == points[-1]:
+            return (c0 + (c1 - c0) * (width - w0) / (w1 - w0)) / curve[1]
+    return points[0][1] / curve[1]  # a curve of width 1 alone: every width costs one step
+
+
+def parse_window_cost(raw: Any, source: str) -> Optional[dict[str, dict[int, float]]]:
+    """A `window_cost` read from a model's config (JSON: string keys), checked; None for None.
+    ValueError (one line, naming `source`) for anything but device type -> {width: cost} with
+    width 1 among the widths and every cost a positive number."""
+    if raw is None:
+        return None
+    problem = ValueError(f"{source}: window cost must map device types to {{window width: relative cost}} with width 1, got {raw!r}")
+    if not isinstance(raw, Mapping) or not raw:
+        raise problem
+    parsed = {}
+    for kind, curve in raw.items():
+        try:
+            parsed[str(kind)] = {int(w): float(c) for w, c in curve.items()}
+        except (AttributeError, TypeError, ValueError):
+            raise problem from None
+        values = parsed[str(kind)]
+        if 1 not in values or any(w < 1 for w in values) or not all(math.isfinite(c) and c > 0 for c in values.values()):
+            raise problem
+    return parsed
+
+
+#: The key of a transformers model's config that carries its `window_cost` (transformers keeps
+#: unknown keys through `from_pretrained` / `save_pretrained`).
+WINDOW_COST_KEY = "mmgen_window_cost"
+
+
+def model_window_cost(model: Any) -> Optional[dict[str, dict[int, float]]]:
+    """The `window_cost` a transformers model's config carries under `WINDOW_COST_KEY`, checked
+    (None without one)."""
+    return parse_window_cost(getattr(model.config, WINDOW_COST_KEY, None), f"{type(model).__name__} config {WINDOW_COST_KEY}")
 
 
 def _powers(max_draft: int) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 
 from mmgen.decoding import AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding
 from mmgen.decoding.speculative import Stopping
-from mmgen.decoding.window import TOKEN_COST, _powers, draft_cost, resolve_adaptive
+from mmgen.decoding.window import TOKEN_COST, _powers, draft_cost, interpolate_cost, parse_window_cost, resolve_adaptive
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, SamplingConfig
@@ -31,7 +31,7 @@ class CyclingWindow(AdaptiveWindow):
 
     cycle: tuple = (1, 0, 2, 2, 0, 1)
 
-    def start(self, max_draft, rows_fed, device):
+    def start(self, max_draft, rows_fed, device, window_cost=None):
         return _Cycle([min(d, max_draft) for d in self.cycle])
 
 
@@ -208,3 +208,54 @@ def test_options_and_errors():
     name, options = parse_decoding("sjd:adapt=1")  # on, or a cost of 1.0? ambiguous: refused
     with pytest.raises(ValueError, match="decimal"):
         make_decoder(name, **options)
+
+
+# A small model's measured curve on a CPU: one more token per row costs a third of a step (the
+# BLAS leaves its matrix-vector kernels), more tokens little more. The linear model at the CPU's
+# default token cost would start at a 4-token window.
+STEEP = {1: 1.0, 2: 1.33, 4: 1.4, 8: 1.47, 16: 1.62}
+
+
+def test_measured_window_cost_is_interpolated():
+    assert [interpolate_cost(STEEP, w) for w in (1, 2, 4, 16)] == [1.0, 1.33, 1.4, 1.62]
+    assert interpolate_cost(STEEP, 3) == pytest.approx(1.365)
+    assert interpolate_cost(STEEP, 32) == pytest.approx(1.62 + 0.15 / 8 * 16)  # along the last segment
+    assert interpolate_cost({1: 2.0, 4: 3.0}, 4) == 1.5  # relative to width 1
+    assert interpolate_cost({1: 1.0}, 8) == 1.0
+
+
+def test_a_measured_curve_replaces_the_linear_model_on_its_device_and_thread_count():
+    threads = torch.get_num_threads()
+    linear = AdaptiveWindow().start(15, 1, "cpu")
+    assert linear.widths[linear.home] == 3  # the CPU default: a 4-token window costs 1.06 steps
+    for key in (f"cpu:{threads}", "cpu"):
+        chooser = AdaptiveWindow().start(15, 1, "cpu", {key: STEEP})
+        assert chooser.cost == [interpolate_cost(STEEP, d + 1) for d in (0, 1, 3, 7, 15)]
+        assert chooser.home == 0  # one draft costs 1.33 steps: it starts with AR steps
+    for other in ({f"cpu:{threads + 1}": STEEP}, {"cuda": STEEP}):  # measured elsewhere: not used
+        assert AdaptiveWindow().start(15, 1, "cpu", other).cost == linear.cost
+    assert AdaptiveWindow(token_cost=0.02).start(15, 1, "cpu", {"cpu": STEEP}).cost == linear.cost  # a given cost wins
+
+
+class Measured(ContextFree):
+    """ContextFree with a curve on which drafting never pays."""
+
+    window_cost = {"cpu": {1: 1.0, 2: 3.0, 16: 20.0}}
+
+
+def test_the_loop_reads_the_models_curve_at_batch_one_only():
+    sampling = SamplingConfig(temperature=1.0)
+    decode = lambda rows: SpeculativeJacobi(window=16, adapt=True).generate(
+        Measured(), torch.zeros(rows, dtype=torch.long), 48, sampling, torch.Generator().manual_seed(0), stopping=Stopping(max_new_tokens=6))
+    assert decode(1).stats.drafts_per_forward == [0] * 5  # 6 tokens: AR steps before any probe
+    linear = AdaptiveWindow().start(15, 2, "cpu")
+    assert decode(2).stats.drafts_per_forward[0] == linear.widths[linear.home] > 0  # a batch of 2: the linear model's start
+
+
+def test_window_cost_errors():
+    assert parse_window_cost(None, "x") is None
+    assert parse_window_cost({"cpu:2": {"1": 1, "4": "1.5"}}, "x") == {"cpu:2": {1: 1.0, 4: 1.5}}
+    for bad in [{}, [1], {"cpu": {"2": 1.0}}, {"cpu": {"1": 0.0}}, {"cpu": {"1": float("nan")}}, {"cpu": {"one": 1.0}},
+                {"cpu": {"0": 1.0, "1": 1.0}}, {"cpu": 3}]:
+        with pytest.raises(ValueError, match="config.json: window cost must map"):
+            parse_window_cost(bad, "config.json")

@@ -53,6 +53,16 @@ def test_the_pair_loads_and_shares_one_tokenizer_and_processor(pair):
     assert sum(p.numel() for p in drafter.model.parameters()) < sum(p.numel() for p in target.model.parameters()) / 3
 
 
+def test_the_target_carries_its_measured_window_cost(pair):
+    """`benchmarks/window_cost.py --write` measured the target's forward cost by window width on
+    the project's box (one forward of two tokens costs a third more than one: the adaptive
+    window starts with AR steps on it); its token models carry the curve."""
+    curves = pair[0].token_model().window_cost
+    assert set(curves) == {"cpu:1", "cpu:2"}
+    assert all(curve[1] == 1.0 and curve[2] > 1.1 for curve in curves.values())
+    assert pair[1].token_model().window_cost is None  # the drafter drafts; it is never the adaptive target
+
+
 def test_greedy_answers_reproduce_the_model_card(pair, subset):
     records, images = subset
     card = card_subset_table()

@@ -1,0 +1,185 @@
+"""A model's forward cost by window width, measured in whole decodes: the `window_cost` curve the
+adaptive window reads instead of its linear cost model (`mmgen.decoding.window`).
+
+    python -m benchmarks.window_cost --model emoji-vlm [--inputs 16] [--repeats 3] [--threads 1] [--write]
+
+Decodes held-out inputs at batch 1 with AR (width 1) and fixed Jacobi windows of 2, 4, 8 and 16
+tokens (methods interleaved per input, order rotated per repeat, the first repeat dropped as a
+warm-up) and times every decoding forward of the token model, so each width is measured where
+decoding runs it (the cache as full as it is then, the model's own guidance). The curve is each
+width's median forward time over width 1's. `--write` stores it, for this device type (on a CPU: and thread count), in the
+model folder: under `mmgen_window_cost` in a transformers model's config.json (VLM, TTS), under
+`window_cost` in an mmgen pipeline's model_index.json (LlamaGen). Inputs: a VLM's held-out
+questions (`vlm/assets/emoji-vlm-eval.jsonl` and their emoji), the speech corpus's held-out texts,
+or class ids spread over a class-conditional model's classes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from mmgen.decoding.window import WINDOW_COST_KEY
+from mmgen.files import write_atomic
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+@contextlib.contextmanager
+def timed_forwards(model_class: type, times: dict[int, list[float]]) -> Iterator[None]:
+    """Times every `forward` of `model_class`'s token models into `times[window width]`."""
+    forward = model_class.forward
+
+    def timed(self, state, tokens):
+        start = time.perf_counter()
+        logits = forward(self, state, tokens)
+        times[tokens.shape[1]].append(time.perf_counter() - start)
+        return logits
+
+    model_class.forward = timed
+    try:
+        yield
+    finally:
+        model_class.forward = forward
+
+
+def decode_calls(pipe: Any, count: int) -> list[Callable[[str], Any]]:
+    """`count` batch-1 calls of `pipe` on held-out inputs, each taking a decoding spec."""
+    from mmgen.audio.pipeline import TTSPipeline
+    from mmgen.vlm.pipeline import VLMPipeline
+
+    if isinstance(pipe, VLMPipeline):
+        from PIL import Image
+
+        from benchmarks.train_vlm import load_eval
+        from mmgen import vlm
+
+        records, images = load_eval(Path(vlm.__file__).parent / "assets")
+        return [lambda spec, r=r: pipe(r["question"], Image.fromarray(images[r["index"]]), decoding=spec, max_new_tokens=32)
+                for r in records[:count]]
+    if isinstance(pipe, TTSPipeline):
+        from benchmarks.tts_continuous_batching import held_out_texts
+
+        return [lambda spec, i=i, text=text: pipe(text, decoding=spec, max_new_frames=64, generator=torch.Generator().manual_seed(i))
+                for i, text in enumerate(held_out_texts(count))]
+    classes = pipe.num_classes
+    return [lambda spec, i=i: pipe([i * classes // count], decoding=spec, generator=torch.Generator().manual_seed(i))
+            for i in range(count)]
+
+
+def measure(pipe: Any, inputs: int, repeats: int) -> dict[int, list[float]]:
+    """Forward times by window width over `repeats` rounds of every input decoded at each width."""
+    calls = decode_calls(pipe, inputs)
+    specs = ["ar"] + [f"sjd:adapt=false,window={w}" for w in WIDTHS[1:]]
+    times: dict[int, list[float]] = defaultdict(list)
+    warm_up: dict[int, list[float]] = defaultdict(list)
+    with contextlib.suppress(AttributeError):
+        pipe.set_progress_bar_config(disable=True)
+    model_class = type(pipe.token_model())
+    for r in range(repeats + 1):
+        for call in calls:
+            with timed_forwards(model_class, times if r else warm_up):
+                for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
+                    call(spec)
+    return times
+
+
+def use_window_cost(pipe: Any, window_cost: Optional[dict]) -> None:
+    """Make `pipe`'s later token models carry `window_cost` (None: the linear cost model)."""
+    if hasattr(pipe, "model") and hasattr(pipe.model, "config"):  # a transformers model: its config
+        setattr(pipe.model.config, WINDOW_COST_KEY, window_cost)
+    else:
+        pipe.window_cost = window_cost
+
+
+def compare(pipe: Any, inputs: int, repeats: int, window_cost: dict) -> dict[str, list[float]]:
+    """Seconds per generated token over a round of the inputs: AR, and the adaptive window with
+    the linear cost model and with `window_cost` (interleaved, order rotated per repeat, the first
+    round dropped). Per token, since sampled outputs (speech) differ in length between methods."""
+    calls = decode_calls(pipe, inputs)
+    modes = {"ar": ("ar", None), "sjd, linear cost": ("sjd", None), "sjd, measured cost": ("sjd", window_cost)}
+    per_token: dict[str, list[float]] = {m: [] for m in modes}
+    names = list(modes)
+    for r in range(repeats + 1):
+        for name in names[r % 3:] + names[: r % 3]:
+            spec, cost = modes[name]
+            use_window_cost(pipe, cost)
+            start, tokens = time.perf_counter(), 0
+            for call in calls:
+                tokens += call(spec).stats.tokens
+            if r:
+                per_token[name].append((time.perf_counter() - start) / tokens)
+    use_window_cost(pipe, None)
+    return per_token
+
+
+def write_curve(folder: Path, device_type: str, curve: dict[int, float]) -> Path:
+    """Store `curve` for `device_type` in the model folder (see the module docstring)."""
+    index = folder / "model_index.json"
+    path, key = (index, "window_cost") if index.is_file() else (folder / "config.json", WINDOW_COST_KEY)
+    data = json.loads(path.read_text())
+    section = data.setdefault("config", {}) if path == index else data
+    section.setdefault(key, {})[device_type] = {str(w): c for w, c in sorted(curve.items())}
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=path == index) + "\n").encode())
+    return path
+
+
+@torch.no_grad()
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="emoji-vlm", help="a bundled model or a model folder")
+    parser.add_argument("--inputs", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--write", action="store_true", help="store the curve in the model folder")
+    parser.add_argument("--compare", type=int, default=0, metavar="REPEATS",
+                        help="then time whole decodes: AR and the adaptive window with either cost, interleaved")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from mmgen.loading import load_pipeline, resolve_model
+
+    pipe = load_pipeline(args.model, args.device, torch.float32)
+    times = measure(pipe, args.inputs, args.repeats)
+    base = statistics.median(times[1])
+    curve = {w: round(statistics.median(times[w]) / base, 3) for w in WIDTHS if times.get(w)}
+    print(f"{args.model} on {args.device}, {torch.get_num_threads()} threads, {args.inputs} inputs x {args.repeats} repeats")
+    print("| window | forwards timed | ms per forward (IQR) | vs width 1 |")
+    print("|---|---|---|---|")
+    for w in curve:
+        q = statistics.quantiles(times[w], n=4)
+        print(f"| {w} | {len(times[w])} | {statistics.median(times[w]) * 1e3:.2f} ({q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}) | {curve[w]:.3f} |")
+    result = {"model": args.model, "device": args.device, "threads": torch.get_num_threads(), "curve": curve,
+              "forwards": {w: len(times[w]) for w in curve}}
+    if args.compare:
+        kind = torch.device(args.device).type
+        per_token = compare(pipe, args.inputs, args.compare, {f"cpu:{torch.get_num_threads()}" if kind == "cpu" else kind: curve})
+        ar = statistics.median(per_token["ar"])
+        print(f"\nwhole decodes of the {args.inputs} inputs, medians of {args.compare} (min-max)")
+        print("| method | ms per token | vs AR |")
+        print("|---|---|---|")
+        for name, values in per_token.items():
+            print(f"| {name} | {statistics.median(values) * 1e3:.2f} ({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f}) "
+                  f"| {ar / statistics.median(values):.2f}x |")
+        result["seconds_per_token"] = per_token
+    if args.write:
+        kind = torch.device(args.device).type
+        kind = f"cpu:{torch.get_num_threads()}" if kind == "cpu" else kind  # a CPU's curve depends on its threads
+        print(f"wrote {write_curve(Path(resolve_model(args.model)), kind, curve)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
