@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from mmgen.cache import SlotKVCache
+from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
 from mmgen.decoding.window import model_window_cost
 from mmgen.modeling import DecodeState
@@ -73,7 +73,7 @@ class CsmTokenModel:
             extra = dict(input_values=conditions.input_values.to(device, self.model.dtype),
                          input_values_cutoffs=conditions.input_values_cutoffs.to(device))
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True,
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **transformers_cache(kv), use_cache=True,
                          output_hidden_states=True, logits_to_keep=1, **extra)
         cache = SlotKVCache(kv, mask, prompt_length=ids.shape[1], compact_ratio=self.compact_ratio)
         # Generated frames sit at slot positions shifted back by each row's left padding.
@@ -88,7 +88,7 @@ class CsmTokenModel:
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
         mask, positions = state.cache.open(tokens.shape[1])
         hidden = self.model.backbone_model(input_ids=tokens, attention_mask=mask, position_ids=positions + state.extra.offset,
-                                           past_key_values=state.cache.kv, use_cache=True).last_hidden_state
+                                           **transformers_cache(state.cache.kv), use_cache=True).last_hidden_state
         state.extra.hidden = hidden
         return self._logits(self.model.lm_head(hidden), hidden, tokens[:, 1:])
 
@@ -130,7 +130,7 @@ class CsmTokenModel:
         laws = torch.zeros(*frame.shape, self.vocab_size, device=frame.device)
         x = torch.stack([torch.zeros_like(frame[:, 0]), frame[:, 0]], 1)
         for k in range(1, self.num_codebooks):
-            logits = depth(input_ids=x, backbone_last_hidden_state=hidden if k == 1 else None, past_key_values=cache,
+            logits = depth(input_ids=x, backbone_last_hidden_state=hidden if k == 1 else None, **transformers_cache(cache),
                            use_cache=True, logits_to_keep=1).logits[:, -1:]
             p = probs(Logits(logits.float()), k)  # [B, 1, V]
             drawn = sample(p, generator)[:, 0]

@@ -29,7 +29,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mmgen.cache import SlotKVCache
+from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
 from mmgen.decoding.window import model_window_cost
 from mmgen.modeling import DecodeState
@@ -197,7 +197,7 @@ class DiaTokenModel:
         x = tokens.repeat(rows // tokens.shape[0], 1, 1)
         out = self.model.model.decoder(
             input_ids=x, position_ids=positions, attention_mask=mask, encoder_hidden_states=run.encoded,
-            encoder_attention_mask=run.encoder_mask, past_key_values=run.kv, use_cache=True,
+            encoder_attention_mask=run.encoder_mask, **transformers_cache(run.kv), use_cache=True,
         )
         return out.last_hidden_state
 

@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import torch
 
-from mmgen.cache import SlotKVCache
+from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.modeling import CausalContinuousState, HeadSample
 
 #: Snapshots of the conv states kept per row: a rewind may go this many latents back.
@@ -119,7 +119,7 @@ class VibeVoiceLatentModel:
     def _backbone(self, cache: SlotKVCache, embeds: torch.Tensor, offset: Any) -> torch.Tensor:
         mask, positions = cache.open(embeds.shape[1])
         return self.model.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions + offset,
-                                               past_key_values=cache.kv, use_cache=True).last_hidden_state
+                                               **transformers_cache(cache.kv), use_cache=True).last_hidden_state
 
     @torch.no_grad()
     def start(self, conditions: VibeVoiceConditions, capacity: int, guidance: bool) -> CausalContinuousState:
@@ -135,14 +135,14 @@ class VibeVoiceLatentModel:
                          padding_mask=conditions.padding_mask.to(device), sample=False)
         kv = DynamicCache(config=self.model.config.get_text_config())
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = vv(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True,
+        hidden = vv(input_ids=ids, attention_mask=mask, position_ids=positions, **transformers_cache(kv), use_cache=True,
                     **extra).last_hidden_state[:, -1:]
         cache = SlotKVCache(kv, mask, prompt_length=ids.shape[1])
         negative = None
         if guidance:  # the unconditional branch: the audio-start token alone
             nkv = DynamicCache(config=self.model.config.get_text_config())
             bos = torch.full((B, 1), self.model.config.audio_bos_token_id, device=device)
-            first = vv.language_model(input_ids=bos, past_key_values=nkv, use_cache=True).last_hidden_state
+            first = vv.language_model(input_ids=bos, **transformers_cache(nkv), use_cache=True).last_hidden_state
             negative = (SlotKVCache(nkv, torch.ones(B, 1, dtype=torch.bool, device=device), prompt_length=1), first)
         big = torch.iinfo(torch.long).max
         length = torch.where(self._continues(hidden)[:, 0], big, 0)

@@ -13,6 +13,7 @@ step of fixed width can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -258,6 +259,20 @@ class SlotKVCache:
                 setattr(layer, name, torch.cat([t[:, :, :p], t[:, :, p:].gather(2, index)], dim=2))
         slots = torch.arange(width, device=kept.device)
         self.mask = torch.cat([self.mask[:, :p], slots >= width - counts], dim=1)
+
+
+def transformers_cache(store: Any) -> dict[str, Any]:
+    """The keyword that hands a transformers model its cache: `cache` from transformers 5.24 on
+    (which deprecates `past_key_values` and drops it in 5.40), `past_key_values` before."""
+    return {_cache_keyword(): store}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword() -> str:
+    import transformers
+
+    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
+    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
 
 
 @dataclass(frozen=True)

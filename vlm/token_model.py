@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from mmgen.cache import SlotKVCache
+from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding.window import model_window_cost
 from mmgen.hooks import hooks_attached
 from mmgen.modeling import DecodeState
@@ -77,11 +77,11 @@ class VLMTokenModel:
         policy = None if self.dropping is None or self.dropping.identity else self.dropping
         prefill = Prefill(policy, self.model, self.trunk, ids, mask) if policy is not None else None
         if prefill is None:
-            out = self.model(**inputs, past_key_values=kv, use_cache=True, logits_to_keep=1)
+            out = self.model(**inputs, **transformers_cache(kv), use_cache=True, logits_to_keep=1)
             slots, kept_mask = ids.shape[1], mask
         else:
             with prefill.hooks():
-                out = self.model(**inputs, past_key_values=kv, use_cache=True, logits_to_keep=1)
+                out = self.model(**inputs, **transformers_cache(kv), use_cache=True, logits_to_keep=1)
             prefill.finish(kv)
             slots, kept_mask = prefill.valid.shape[1], prefill.valid.long()
         cache = SlotKVCache(kv, kept_mask, prompt_length=slots, compact_ratio=self.compact_ratio)
@@ -111,7 +111,7 @@ class VLMTokenModel:
             positions = positions.unsqueeze(0).expand(3, -1, -1)
         embeds = self.model.get_input_embeddings()(tokens)
         run = lambda: self.trunk(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=state.cache.kv, use_cache=True
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **transformers_cache(state.cache.kv), use_cache=True
         ).last_hidden_state
         if not extra.evict:
             hidden = run()

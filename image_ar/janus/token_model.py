@@ -18,7 +18,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from mmgen.cache import SlotKVCache
+from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.modeling import DecodeState, normalised_rows
 from mmgen.sampling import Logits
 
@@ -139,7 +139,7 @@ class JanusTokenModel:
     # ---------------------------------------------------------------- helpers
     def _trunk(self, embeds: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
         out = self.model.model.language_model(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=kv, use_cache=True
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **transformers_cache(kv), use_cache=True
         )
         return out.last_hidden_state
 

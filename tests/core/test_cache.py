@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from mmgen.cache import StaticKVCache
@@ -132,3 +133,20 @@ def test_slot_cache_eviction_and_recent_window():
     cache.keep(CachePolicy.parse("sink:2,window:4"))
     assert cache.mask[0].nonzero().flatten().tolist() == [0, 1, 6, 7, 8, 9]
     assert cache.mask[1].nonzero().flatten().tolist() == [0, 1, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("version, keyword", [("5.23.0", "past_key_values"), ("5.24.0", "cache"), ("5.40.0.dev0", "cache"),
+                                              ("6.1.2", "cache")])
+def test_transformers_models_get_their_cache_under_their_versions_keyword(monkeypatch, version, keyword):
+    """transformers 5.24 renamed every model's `past_key_values` argument to `cache` (the old name
+    warns, and goes in 5.40): adapters pass `**transformers_cache(store)`."""
+    import transformers
+
+    from mmgen.cache import _cache_keyword, transformers_cache
+
+    monkeypatch.setattr(transformers, "__version__", version)
+    _cache_keyword.cache_clear()
+    try:
+        assert transformers_cache("store") == {keyword: "store"}
+    finally:
+        _cache_keyword.cache_clear()
