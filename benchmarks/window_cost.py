@@ -70,6 +70,8 @@ def decode_calls(pipe: Any, count: int) -> list[Callable[[str], Any]]:
 
         return [lambda spec, i=i, text=text: pipe(text, decoding=spec, max_new_frames=64, generator=torch.Generator().manual_seed(i))
                 for i, text in enumerate(held_out_texts(count))]
+    if not hasattr(pipe, "num_classes"):
+        raise SystemExit(f"window_cost.py decodes VLM, TTS and class-conditional pipelines, not a {type(pipe).__name__}")
     classes = pipe.num_classes
     return [lambda spec, i=i: pipe([i * classes // count], decoding=spec, generator=torch.Generator().manual_seed(i))
             for i in range(count)]

@@ -19,6 +19,7 @@ from typing import Mapping, Optional
 import torch
 
 from mmgen.cache import SlotKVCache, transformers_cache
+from mmgen.decoding.window import model_window_cost
 from mmgen.modeling import DecodeState, normalised_rows
 from mmgen.sampling import Logits
 
@@ -75,6 +76,7 @@ class JanusTokenModel:
                 "generation_config has none: pass pad_token_id= and boi_token_id= (the processor's tokenizer knows them)"
             )
         self._token_embeddings: Optional[torch.Tensor] = None
+        self.window_cost = model_window_cost(model)
 
     # ---------------------------------------------------------------- per-token tables
     @torch.no_grad()
