@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mmgen.decoding.window import WINDOW_COST_KEY
+from mmgen.decoding.window import WINDOW_COST_KEY, window_cost_key
 from mmgen.files import write_atomic
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -123,13 +123,13 @@ def compare(pipe: Any, inputs: int, repeats: int, window_cost: dict) -> dict[str
     return per_token
 
 
-def write_curve(folder: Path, device_type: str, curve: dict[int, float]) -> Path:
-    """Store `curve` for `device_type` in the model folder (see the module docstring)."""
+def write_curve(folder: Path, key: str, curve: dict[int, float]) -> Path:
+    """Store `curve` under `key` (`window_cost_key`) in the model folder (see the module docstring)."""
     index = folder / "model_index.json"
-    path, key = (index, "window_cost") if index.is_file() else (folder / "config.json", WINDOW_COST_KEY)
+    path, name = (index, "window_cost") if index.is_file() else (folder / "config.json", WINDOW_COST_KEY)
     data = json.loads(path.read_text())
     section = data.setdefault("config", {}) if path == index else data
-    section.setdefault(key, {})[device_type] = {str(w): c for w, c in sorted(curve.items())}
+    section.setdefault(name, {})[key] = {str(w): c for w, c in sorted(curve.items())}
     write_atomic(path, (json.dumps(data, indent=2, sort_keys=path == index) + "\n").encode())
     return path
 
@@ -161,11 +161,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for w in curve:
         q = statistics.quantiles(times[w], n=4)
         print(f"| {w} | {len(times[w])} | {statistics.median(times[w]) * 1e3:.2f} ({q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}) | {curve[w]:.3f} |")
+    key = window_cost_key(torch.device(args.device).type)
     result = {"model": args.model, "device": args.device, "threads": torch.get_num_threads(), "curve": curve,
               "forwards": {w: len(times[w]) for w in curve}}
     if args.compare:
-        kind = torch.device(args.device).type
-        per_token = compare(pipe, args.inputs, args.compare, {f"cpu:{torch.get_num_threads()}" if kind == "cpu" else kind: curve})
+        per_token = compare(pipe, args.inputs, args.compare, {key: curve})
         ar = statistics.median(per_token["ar"])
         print(f"\nwhole decodes of the {args.inputs} inputs, medians of {args.compare} (min-max)")
         print("| method | ms per token | vs AR |")
@@ -175,9 +175,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"| {ar / statistics.median(values):.2f}x |")
         result["seconds_per_token"] = per_token
     if args.write:
-        kind = torch.device(args.device).type
-        kind = f"cpu:{torch.get_num_threads()}" if kind == "cpu" else kind  # a CPU's curve depends on its threads
-        print(f"wrote {write_curve(Path(resolve_model(args.model)), kind, curve)}")
+        print(f"wrote {write_curve(Path(resolve_model(args.model)), key, curve)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -119,13 +119,17 @@ def draft_cost(token_cost: float, rows_fed: int) -> float:
     return token_cost * rows_fed / (1 + token_cost * rows_fed)
 
 
+def window_cost_key(kind: str) -> str:
+    """The `window_cost` key of a curve measured now on this device type: a CPU's curve depends
+    on torch's thread count ("cpu:2")."""
+    return f"cpu:{torch.get_num_threads()}" if kind == "cpu" else kind
+
+
 def measured_curve(window_cost: Optional[WindowCost], kind: str) -> Optional[Mapping[int, float]]:
-    """The curve of `window_cost` for this device type: on a CPU the one measured at torch's
-    thread count ("cpu:2"), else a "cpu" one; None without one."""
+    """The curve of `window_cost` for this device type (on a CPU the one measured at torch's
+    thread count, else a "cpu" one); None without one."""
     window_cost = window_cost or {}
-    if kind == "cpu" and f"cpu:{torch.get_num_threads()}" in window_cost:
-        return window_cost[f"cpu:{torch.get_num_threads()}"]
-    return window_cost.get(kind)
+    return window_cost.get(window_cost_key(kind), window_cost.get(kind))
 
 
 def interpolate_cost(curve: Mapping[int, float], width: int) -> float:
