@@ -7,9 +7,10 @@ Decodes held-out inputs at batch 1 with AR (width 1) and fixed Jacobi windows of
 tokens (methods interleaved per input, order rotated per repeat, the first repeat dropped as a
 warm-up) and times every decoding forward of the token model, so each width is measured where
 decoding runs it (the cache as full as it is then, the model's own guidance). The curve is each
-width's median forward time over width 1's. `--write` stores it, for this device type (on a CPU: and thread count), in the
-model folder: under `mmgen_window_cost` in a transformers model's config.json (VLM, TTS), under
-`window_cost` in an mmgen pipeline's model_index.json (LlamaGen). Inputs: a VLM's held-out
+width's median forward time over width 1's. `--write` stores it under this device type (on a
+CPU, with torch's thread count: "cpu:2") in the model folder: under `mmgen_window_cost` in a
+transformers model's config.json (VLM, TTS), under `window_cost` in an mmgen pipeline's
+model_index.json (LlamaGen). `--compare N` then times whole decodes (see `compare`). Inputs: a VLM's held-out
 questions (`vlm/assets/emoji-vlm-eval.jsonl` and their emoji), the speech corpus's held-out texts,
 or class ids spread over a class-conditional model's classes.
 """

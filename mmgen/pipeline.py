@@ -77,7 +77,7 @@ class Pipeline:
     #: Set by `compile()`: later calls run their decode steps compiled.
     compile_steps: bool = False
     #: The model's measured forward costs by window width (`mmgen.decoding.window.WindowCost`),
-    #: saved in model_index.json's config; token models that decode speculatively carry it.
+    #: saved in model_index.json's config; a subclass's `token_model()` hands it on (LlamaGen).
     window_cost: Optional[dict] = None
 
     @classmethod

@@ -136,10 +136,12 @@ def interpolate_cost(curve: Mapping[int, float], width: int) -> float:
     """A forward's cost at `width` tokens per row, in AR steps, from a measured curve: linear
     between its widths, along its last segment beyond them."""
     points = sorted(curve.items())
+    if len(points) == 1:  # width 1 alone: every width costs one step
+        return 1.0
     for (w0, c0), (w1, c1) in zip(points, points[1:]):
-        if width <= w1 or (w1, c1) == points[-1]:
-            return (c0 + (c1 - c0) * (width - w0) / (w1 - w0)) / curve[1]
-    return points[0][1] / curve[1]  # a curve of width 1 alone: every width costs one step
+        if width <= w1:
+            break  # else it ends on the last segment, which extends past the last width
+    return (c0 + (c1 - c0) * (width - w0) / (w1 - w0)) / curve[1]
 
 
 def parse_window_cost(raw: Any, source: str) -> Optional[dict[str, dict[int, float]]]:
