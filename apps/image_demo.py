@@ -19,7 +19,6 @@ still plain text, and the quoted value still reads as the literal it is.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -46,6 +45,7 @@ from mmgen.apps.image_request import (  # noqa: E402
     run_request,
 )
 from mmgen.image_ar.bundled import BUNDLED_MODELS  # noqa: E402
+from mmgen.hub import read_json  # noqa: E402
 
 __all__ = ["DemoRequest", "DemoResult", "ModelCatalog", "build_demo", "launch_demo", "run_request"]
 
@@ -215,7 +215,7 @@ def _config_vocab_sizes(catalog: ModelCatalog) -> list[int]:
     for source in catalog.main.values():
         path = Path(BUNDLED_MODELS.get(source, source)) / "transformer" / "config.json"
         try:
-            config = json.loads(path.read_text())
+            config = read_json(path)
         except (OSError, ValueError):
             continue
         size = config.get("vocab_size") if isinstance(config, dict) else None

@@ -9,7 +9,6 @@ own limits are no protection: Gradio's HTTP API takes any value.
 from __future__ import annotations
 
 import inspect
-import json
 import math
 import threading
 import time
@@ -23,6 +22,7 @@ import torch
 from mmgen import registry
 from mmgen.decoding import DecodeStats, Request, parse_decoding
 from mmgen.decoding.batching import check_continuous
+from mmgen.hub import read_json
 from mmgen.image_ar.bundled import BUNDLED_MODELS, load_class_pipeline
 from mmgen.loading import decoder_from_spec
 from mmgen.sampling import make_generator
@@ -157,7 +157,7 @@ def _checked_entry(entry: str) -> str:
     if not index.is_file():
         raise ValueError(f"--model {entry!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
                          "nor a pipeline folder with a model_index.json")
-    kind = json.loads(index.read_text()).get("_class_name")
+    kind = read_json(index).get("_class_name")
     try:
         conditions = registry.pipeline_class(kind).conditions
     except ValueError:

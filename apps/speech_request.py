@@ -15,7 +15,6 @@ a second model.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import numpy as np
 
 from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE, ModelCatalog, _float, _int, shown
 from mmgen.decoding import DecodeStats
+from mmgen.hub import read_json
 from mmgen.sampling import make_generator
 
 DRAFT_SUFFIX = "-draft"
@@ -86,7 +86,7 @@ class SpeechCatalog(ModelCatalog):
 
 def _is_speech_folder(folder: Path) -> bool:
     try:
-        return json.loads((Path(folder) / "config.json").read_text()).get("model_type") in SPEECH_MODEL_TYPES
+        return read_json(Path(folder) / "config.json").get("model_type") in SPEECH_MODEL_TYPES
     except (OSError, ValueError, AttributeError):
         return False
 

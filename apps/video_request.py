@@ -15,7 +15,6 @@ denoising (the large model takes the first denoising steps of each block, the sm
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
@@ -27,6 +26,7 @@ import numpy as np
 
 from mmgen import registry
 from mmgen.apps.image_request import MAX_SEED, ModelCatalog, _float, _int, shown
+from mmgen.hub import read_json
 from mmgen.sampling import make_generator
 
 #: The bundled model the demo serves when given none (its small model comes along).
@@ -80,7 +80,7 @@ class VideoCatalog(ModelCatalog):
 
 def _is_video_folder(folder: Any) -> bool:
     try:
-        return json.loads((Path(folder) / "model_index.json").read_text()).get("_class_name") == PIPELINE_CLASS
+        return read_json(Path(folder) / "model_index.json").get("_class_name") == PIPELINE_CLASS
     except (OSError, ValueError, AttributeError):
         return False
 

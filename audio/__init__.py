@@ -16,3 +16,10 @@ MODEL_TYPES = {"dia": "TTSPipeline", "csm": "TTSPipeline", "vibevoice": "LatentT
 BUNDLED_MODELS = {"speech-tts": "assets/speech-tts", "speech-tts-draft": "assets/speech-tts-draft"}
 #: `mmgen batch` job files whose jobs carry a `text` run here (speech).
 BATCH_JOBS = {"text": "mmgen.audio.batch"}
+
+
+def __getattr__(name: str):
+    # `from mmgen.audio import TTSPipeline`: the pipeline's module loads on first use, not with this package.
+    from mmgen.registry import listed_pipeline
+
+    return listed_pipeline(__name__, name)

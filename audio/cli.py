@@ -14,12 +14,10 @@ playable, growing WAV) and renames it to OUT at the end. An existing OUT is an e
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from pathlib import Path
 
-from mmgen.cli import DTYPES, check_output_file, seed_arg
+from mmgen.cli import DTYPES, add_json_flag, check_output_file, report, seed_arg
 
 #: The bundled model `mmgen generate speech` speaks with when given none.
 DEFAULT_MODEL = "speech-tts"
@@ -52,6 +50,7 @@ def register(commands, groups) -> None:
     speech.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
     speech.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
     speech.add_argument("--stream", action="store_true", help="write OUT.partial as audio is decoded, then rename it")
+    add_json_flag(speech)
     speech.set_defaults(run=generate_speech)
 
 
@@ -64,6 +63,9 @@ def generate_speech(args: argparse.Namespace) -> int:
     from mmgen.sampling import make_generator
 
     out = check_output_file(args.out, ".wav", args.overwrite)
+    partial = out.with_name(out.name + ".partial")
+    if args.stream and (partial.exists() or partial.is_symlink()):  # never written through, nor replaced unasked
+        raise ValueError(f"{partial} exists (left by an interrupted --stream run?): remove it, or stream to another --out")
     if args.max_new_frames is not None and args.max_new_frames < 1:
         raise ValueError(f"--max-new-frames must be >= 1, got {args.max_new_frames}")
     if not args.text.strip():
@@ -102,9 +104,10 @@ def generate_speech(args: argparse.Namespace) -> int:
         output = pipe(args.text, **call)
         write_wav(out, output.audio[0], output.sampling_rate)
     seconds = output.audio[0].numel() / output.sampling_rate
-    print(json.dumps({"out": str(out), "seconds": round(seconds, 3), "frames": int(output.lengths[0]),
-                      "decode_s": round(output.decode_s, 3), "real_time_factor": round(output.real_time_factor, 3),
-                      "stats": output.stats.to_dict()}), file=sys.stderr)
+    report(args, [f"wrote {out} ({seconds:.2f} s of speech, {int(output.lengths[0])} frames)", output.stats.summary()],
+           {"out": str(out), "seconds": round(seconds, 3), "frames": int(output.lengths[0]),
+            "decode_s": round(output.decode_s, 3), "real_time_factor": round(output.real_time_factor, 3),
+            "stats": output.stats.to_dict()})
     return 0
 
 

@@ -212,7 +212,8 @@ class DiaTokenModel:
             guided = cond + (cond - uncond) * run.guidance_scale
             if run.guidance_top_k is not None:
                 keep = torch.zeros_like(cond, dtype=torch.bool)
-                keep.scatter_(-1, guided.topk(run.guidance_top_k, dim=-1).indices, True)
+                # A k at or above the vocabulary keeps every code (as the sampler's top-k does).
+                keep.scatter_(-1, guided.topk(min(run.guidance_top_k, V), dim=-1).indices, True)
                 cond = cond.masked_fill(~keep, float("-inf"))
             else:
                 cond = guided

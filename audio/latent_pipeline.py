@@ -55,8 +55,9 @@ class LatentTTSPipeline(TTSPipeline):
         from transformers import AutoProcessor, VibeVoiceForConditionalGeneration
 
         source = os.fspath(repo_or_path)
+        kwargs.setdefault("trust_remote_code", False)  # never the folder's own code (`auto_map`)
         model = VibeVoiceForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
-        pipe = cls(model.eval(), AutoProcessor.from_pretrained(source))
+        pipe = cls(model.eval(), AutoProcessor.from_pretrained(source, trust_remote_code=False))
         return pipe.to(device) if device is not None else pipe
 
     def save_pretrained(self, path: Union[str, os.PathLike]) -> None:

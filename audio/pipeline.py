@@ -11,8 +11,8 @@ frames back into codec codes; the codec (`Codec`) turns codes into audio, stream
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -25,6 +25,7 @@ import torch
 from mmgen.decoding import DecodeStats, Decoder, resolve_decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
+from mmgen.hub import read_json
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -34,6 +35,8 @@ from mmgen.audio.waveform import read_audio
 
 #: Longest text accepted, in characters (Dia reads bytes; long texts are split by callers).
 MAX_TEXT_CHARS = 2000
+#: Dia's speaker tags ("[S1]"), which are not speech.
+SPEAKER_TAG = re.compile(r"\[S\d+\]")
 #: transformers' `generate` top-k when a generation config leaves it unset (Dia also takes it as
 #: its guidance filter's k).
 GENERATE_TOP_K = 50
@@ -95,18 +98,21 @@ class TTSPipeline(Pipeline):
         from transformers import AutoConfig
 
         source = os.fspath(repo_or_path)
-        config = AutoConfig.from_pretrained(source)
+        # Never a folder's own code (transformers' `auto_map`): the Auto classes would ask on a
+        # terminal, and a "y" would run it. The caller may pass trust_remote_code in `kwargs`.
+        kwargs.setdefault("trust_remote_code", False)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
         if config.model_type == "dia":
             from transformers import DacModel, DiaForConditionalGeneration, DiaTokenizer
 
             model = DiaForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
             tokenizer = DiaTokenizer()  # byte-level: no files
-            codec = DacModel.from_pretrained(_codec_source(source), dtype=torch_dtype)
+            codec = DacModel.from_pretrained(_codec_source(source), dtype=torch_dtype, trust_remote_code=False)
         elif config.model_type == "csm":
             from transformers import AutoTokenizer, CsmForConditionalGeneration
 
             model = CsmForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
             codec = model.codec_model
         elif config.model_type == "vibevoice":
             from mmgen.audio.latent_pipeline import LatentTTSPipeline
@@ -167,6 +173,9 @@ class TTSPipeline(Pipeline):
         long = [len(t) for t in texts if len(t) > MAX_TEXT_CHARS]
         if long:
             raise ValueError(f"a text of {long[0]} characters is too long (at most {MAX_TEXT_CHARS}); split it")
+        silent = [t for t in texts if not any(c.isalnum() for c in SPEAKER_TAG.sub("", t))]
+        if silent:  # the model would talk until the budget: nothing tells it where speech ends
+            raise ValueError(f"text {silent[0][:40]!r} has nothing to speak: no letters or digits")
         voices = _per_row(voice, len(texts), "voice")
         voice_texts = _per_row(voice_text, len(texts), "voice_text")
         if any(v is None and vt is not None for v, vt in zip(voices, voice_texts)):
@@ -456,7 +465,7 @@ def _codec_source(source: str) -> str:
     from transformers.utils import cached_file
 
     config = cached_file(source, "processor_config.json", _raise_exceptions_for_missing_entries=False)
-    named = json.loads(Path(config).read_text()).get("audio_tokenizer", {}).get("audio_tokenizer_name_or_path") if config else None
+    named = read_json(config).get("audio_tokenizer", {}).get("audio_tokenizer_name_or_path") if config else None
     if not named:
         raise ValueError(f"{source}: no codec: neither a {CODEC_FOLDER}/ folder nor an audio tokenizer in processor_config.json")
     return named

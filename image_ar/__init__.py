@@ -29,3 +29,10 @@ BUNDLED_MODELS = {
 }
 #: `mmgen batch` job files whose jobs name a `class_label` run here.
 BATCH_JOBS = {"class_label": "mmgen.image_ar.batch"}
+
+
+def __getattr__(name: str):
+    # `from mmgen.image_ar import LlamaGenPipeline`: the pipeline's module loads on first use, not with this package.
+    from mmgen.registry import listed_pipeline
+
+    return listed_pipeline(__name__, name)

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder
 from mmgen.files import write_atomic
+from mmgen.hub import read_json
 from mmgen.metrics import token_nll
 from mmgen.sampling import SamplingConfig
 
@@ -274,7 +275,7 @@ def bench_family(args) -> str:
     kinds = set()
     for name in args.models:
         index = Path(resolve_model(name)) / "model_index.json"
-        class_name = json.loads(index.read_text()).get("_class_name") if index.is_file() else "LlamaGenPipeline"
+        class_name = read_json(index).get("_class_name") if index.exists() else "LlamaGenPipeline"
         kinds.add({"scale": "var", "continuous": "mar"}.get(registry.pipeline_class(class_name).decoder_family, "token"))
     if len(kinds) > 1:
         raise ValueError(f"benchmark one kind of model per run (token, VAR or MAR), got {sorted(kinds)}")

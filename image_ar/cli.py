@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-from mmgen.cli import DTYPES, seed_arg
+from mmgen.cli import DTYPES, add_json_flag, report, seed_arg
 from mmgen.files import write_atomic
 
 from mmgen.image_ar import bench
@@ -66,6 +65,7 @@ def register(commands, groups) -> None:
     image.add_argument("--overwrite", action="store_true", help="replace existing files of the same names (default: "
                        "an existing file is an error, before any work)")
     image.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_json_flag(image)
     image.set_defaults(run=generate_image)
 
     llamagen = groups["convert"].add_parser("llamagen", help="official LlamaGen c2i or t2i GPT + VQ .pt files")
@@ -137,9 +137,8 @@ def generate_image(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for path, image in zip(paths, output.images):
         write_atomic(path, png_bytes(image))
-        print(f"wrote {path}")
-    print(output.stats.summary())
-    print(json.dumps({"stats": output.stats.to_dict()}))
+    report(args, [*(f"wrote {path}" for path in paths), output.stats.summary()],
+           {"files": [str(path) for path in paths], "stats": output.stats.to_dict()})
     return 0
 
 

@@ -155,31 +155,36 @@ def image_file_names(inputs: Sequence[Union[int, str]], model: Union[str, os.Pat
     decoding spec and any other option, e.g. `000_class7_emoji64_seed0_sjd.png` or
     `001_class3_var-emoji64_seed2_code-draft_steps=4_pruning=5=0.5.png`, so that runs with other
     seeds, decoders, options or models do not collide. Settings longer than 60 characters are
-    cut and end in a hash of the whole."""
+    cut and end in a hash of the whole, and so do settings that name a path or hold characters a
+    file name cannot (only the spec's ':' and ',' become '-'), so that no two settings share a
+    name: `lantern++` keeps its '+'s."""
     spec = default_decoding if options.decoding is None else options.decoding
     flags = [flag.removeprefix("--") for flag in replace(options, decoding=None).flags()]
-    settings = _file_slug("_".join([spec, *flags]))
-    if len(settings) > 60:
-        settings = settings[:51] + "-" + hashlib.sha256("_".join([spec, *flags]).encode()).hexdigest()[:8]
+    text = "_".join([spec, *flags])
+    settings = _file_slug(text, keep="+")
+    if len(settings) > 60 or settings != re.sub(r"[:,]", "-", text):
+        digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+        settings = settings[:51] + "-" + digest
     run = f"{_file_slug(Path(os.fspath(model)).name) or 'model'}_seed{seed}_{settings}"
     labels = [(_file_slug(str(x).lower())[:40] or "prompt") if prompts else f"class{x}" for x in inputs]
     return [f"{i:03d}_{label}_{run}.png" for i, label in enumerate(labels)]
 
 
-def _file_slug(text: str) -> str:
-    """`text` with every run of characters outside [A-Za-z0-9._=-] as one '-' (safe in file names)."""
-    return re.sub(r"[^A-Za-z0-9._=-]+", "-", text).strip("-.")
+def _file_slug(text: str, keep: str = "") -> str:
+    """`text` with every run of characters outside [A-Za-z0-9._=-] (and `keep`) as one '-' (safe
+    in file names)."""
+    return re.sub(rf"[^A-Za-z0-9._={re.escape(keep)}-]+", "-", text).strip("-.")
 
 
 def check_targets(paths: Sequence[Path], overwrite: bool) -> None:
     """Refuse to replace existing files unless `overwrite` (before any work)."""
     existing = [p for p in paths if p.exists() or p.is_symlink()]
+    folders = [p for p in existing if p.is_dir()]
+    if folders:  # first: --overwrite cannot help
+        raise IsADirectoryError(f"{folders[0]} is a folder; an image would replace it: move it, or choose another --out")
     if existing and not overwrite:
         more = f" and {len(existing) - 1} more" if len(existing) > 1 else ""
         raise FileExistsError(f"{existing[0]}{more} already exist(s): pass --overwrite to replace, or choose another --out")
-    folders = [p for p in existing if p.is_dir()]
-    if folders:
-        raise IsADirectoryError(f"{folders[0]} is a folder; an image would replace it")
 
 
 def parse_pruning(spec: Optional[str], layers: Optional[Sequence[int]]):

@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import torch
 
-from mmgen.hub import load_state_dict, load_strict, save_safetensors
+from mmgen.hub import load_state_dict, load_strict, read_json, save_safetensors
 from mmgen.metrics import feature_statistics, frechet_distance
 
 
@@ -51,7 +51,7 @@ class ImageQualityProxies:
     @classmethod
     def from_pretrained(cls, folder: Union[str, os.PathLike]) -> "ImageQualityProxies":
         folder = Path(folder)
-        config = ClassifierConfig(**json.loads((folder / "config.json").read_text()))
+        config = ClassifierConfig(**read_json(folder / "config.json"))
         model = build_classifier(config)
         load_strict(model, load_state_dict(folder / "model.safetensors"), source=str(folder))
         reference = load_state_dict(folder / "reference_statistics.safetensors")

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from mmgen.files import fsync_dir, remove_stale_temp_files, sha256_file, write_atomic
+from mmgen.files import fsync_dir, open_append, remove_stale_temp_files, sha256_file, write_atomic
 
 MANIFEST = "manifest.jsonl"
 DEFAULT_BATCH_SIZE = 8
@@ -207,8 +207,8 @@ class ManifestWriter:
 
     def __init__(self, folder: PathLike, rank: int):
         self.path = part_path(folder, rank)
-        _drop_partial_tail(self.path)
-        self._file = open(self.path, "ab")
+        self._file = open_append(self.path)  # never through a link planted in the folder
+        _drop_partial_tail(self._file)
         fsync_dir(self.path.parent)
 
     def append(self, record: dict) -> None:
@@ -226,14 +226,12 @@ class ManifestWriter:
         self.close()
 
 
-def _drop_partial_tail(path: Path) -> None:
-    if not path.is_file():
-        return
-    data = path.read_bytes()
+def _drop_partial_tail(file) -> None:
+    file.seek(0)
+    data = file.read()
     if data and not data.endswith(b"\n"):
-        with open(path, "r+b") as file:
-            file.truncate(data.rfind(b"\n") + 1)
-            os.fsync(file.fileno())
+        file.truncate(data.rfind(b"\n") + 1)
+        os.fsync(file.fileno())
 
 
 def read_records(folder: PathLike) -> list[dict]:
@@ -623,11 +621,23 @@ def start_run(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tuple[lis
     device, dtype = world.device(args.device), getattr(torch, args.dtype)
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_out_folder(Path(args.out), world.rank)
     jobs, calls, errors = load_jobs(Path(args.jobs), device, dtype)
     check_lines(errors, args.on_error, args.jobs, quiet=world.rank > 0)
     if not jobs:
         raise ValueError(f"{args.jobs} has no job to run")
     return RunStart(started, world, device, jobs, calls, errors)
+
+
+def check_out_folder(out: Path, rank: int) -> None:
+    """ValueError, before any work, for an --out that is not a folder or whose manifest part
+    for this rank is a link or not a regular file (the writer refuses those too)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    part = part_path(out, rank)
+    if part.is_symlink() or (part.exists() and not part.is_file()):
+        raise ValueError(f"{part} is {'a symbolic link' if part.is_symlink() else 'not a regular file'}; "
+                         "mmgen batch writes its manifest parts itself: remove it")
 
 
 @dataclass(frozen=True, eq=False)

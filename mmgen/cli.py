@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import shlex
 import sys
@@ -65,11 +66,32 @@ def check_output_file(path: str, suffix: str, overwrite: bool, flag: str = "--ou
     out = Path(path)
     if out.suffix.lower() != suffix:
         raise ValueError(f"{flag} must name a {suffix} file, got {path}")
-    if out.is_dir() or (out.exists() and not overwrite):
+    if out.is_dir():  # --overwrite cannot help: a file never replaces a folder
+        raise ValueError(f"{flag} {path} is a folder: name a {suffix} file (e.g. {out / ('out' + suffix)})")
+    if out.exists() and not overwrite:
         raise ValueError(f"{flag} {path} exists; pass --overwrite to replace it")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise ValueError(f"{flag} {path}: folder {out.parent} does not exist or is not writable")
     return out
+
+
+def add_json_flag(parser: argparse.ArgumentParser) -> None:
+    """`--json`, the same on every `mmgen generate` subcommand (see `report`)."""
+    parser.add_argument("--json", action="store_true",
+                        help="print the run's record (files written, statistics) as one JSON line on stdout, and "
+                             "nothing else there (default: stdout is for people, the record goes to stderr)")
+
+
+def report(args: argparse.Namespace, lines: Sequence[str], record: dict) -> None:
+    """The one output rule of `mmgen generate`: stdout is for people (what was written, a
+    summary; for text, the answer), the machine record one JSON line on stderr; with `--json`
+    the record alone goes to stdout."""
+    if getattr(args, "json", False):
+        print(json.dumps(record))
+        return
+    for line in lines:
+        print(line)
+    print(json.dumps(record), file=sys.stderr)
 
 
 def check_device(device: Any) -> "torch.device":

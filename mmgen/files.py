@@ -5,11 +5,13 @@ outputs, manifests, pipeline folders and benchmark reports."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import os
 import secrets
+import stat
 from pathlib import Path
-from typing import Union
+from typing import BinaryIO, Union
 
 PathLike = Union[str, os.PathLike]
 TEMP_SUFFIX = ".mmgen-tmp"
@@ -33,6 +35,25 @@ def write_atomic(path: PathLike, data: bytes) -> str:
         raise
     fsync_dir(path.parent)
     return hashlib.sha256(data).hexdigest()
+
+
+def open_append(path: PathLike) -> BinaryIO:
+    """`path` opened to read and append (created if missing), never through a symbolic link and
+    only as a regular file: a link or a FIFO planted where mmgen keeps its own file would
+    otherwise send its writes elsewhere (OSError naming the problem)."""
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    if Path(path).is_symlink():  # also where O_NOFOLLOW does not exist
+        raise OSError(f"{path} is a symbolic link; mmgen writes this file itself: remove the link")
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # a link planted after the check
+            raise OSError(f"{path} is a symbolic link; mmgen writes this file itself: remove the link") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file; mmgen writes this file itself: remove it")
+    return os.fdopen(fd, "r+b")
 
 
 def fsync_dir(folder: Path) -> None:

@@ -8,8 +8,10 @@ missing, unexpected and mis-shaped key.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
@@ -20,6 +22,8 @@ from mmgen.files import write_atomic
 
 PathLike = Union[str, os.PathLike]
 
+#: The largest config file (config.json, model_index.json, ...) mmgen reads.
+MAX_JSON_BYTES = 16 << 20
 #: Where official training scripts nest the weights, in the order they are tried.
 NESTED_KEYS = ("model", "module", "state_dict", "model_ema", "generator_ema")
 #: Metadata classes that training checkpoints pickle beside the weights and that
@@ -82,6 +86,47 @@ def resolve_path(path_or_repo: PathLike, filename: Optional[str] = None) -> Path
             f"could not fetch {repo!r}{' / ' + filename if filename else ''} from the Hugging Face Hub ({hint}): "
             f"{type(error).__name__}: {error}. Download it while online, or pass a local path."
         ) from error
+
+
+def read_json(path: PathLike, limit: int = MAX_JSON_BYTES) -> dict:
+    """A JSON object from a config file (config.json, model_index.json, ...), read only if it is
+    a regular file of at most `limit` bytes: a folder's files are not trusted, and /dev/zero, a
+    FIFO or a huge file would otherwise be read until memory runs out, or forever. A symbolic
+    link to a regular file is fine (the Hub cache is made of them). CheckpointError otherwise."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO's open must not wait for a writer
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointError(f"{path} is not a regular file")
+        if info.st_size > limit:
+            raise CheckpointError(f"{path} is {info.st_size} bytes; a config file is at most {limit}")
+        data = file.read(limit + 1)
+    try:
+        value = json.loads(data)
+    except ValueError as error:  # also bad UTF-8
+        raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def tensor_shapes(path: PathLike) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in a `.safetensors` file, from its header alone (nothing is
+    allocated): what a model built from a config is checked against before it is built."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            return {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
+    except Exception as error:
+        raise CheckpointError(f"{path} is not a readable safetensors file: {error}") from error
 
 
 def load_state_dict(path: PathLike, key: Optional[str] = None) -> dict[str, torch.Tensor]:
@@ -168,22 +213,25 @@ def load_strict(
     """
     patterns = [re.compile(p) for p in ignore]
     state_dict = {k: v for k, v in state_dict.items() if not any(p.fullmatch(k) for p in patterns)}
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    shapes = sorted(
-        f"{k}: checkpoint {tuple(state_dict[k].shape)} vs model {tuple(expected[k].shape)}"
-        for k in set(expected) & set(state_dict)
-        if state_dict[k].shape != expected[k].shape
-    )
-    if missing or unexpected or shapes:
+    check_shapes(module, {k: tuple(v.shape) for k, v in state_dict.items()}, source)
+    module.load_state_dict(state_dict, strict=True)
+
+
+def check_shapes(module: nn.Module, shapes: Mapping[str, tuple[int, ...]], source: str = "checkpoint") -> None:
+    """CheckpointError listing every missing, unexpected and mis-shaped key of a checkpoint's
+    tensor `shapes` against `module`'s state dict (which may live on the meta device)."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    mismatched = sorted(f"{k}: checkpoint {shapes[k]} vs model {expected[k]}"
+                        for k in set(expected) & set(shapes) if tuple(shapes[k]) != expected[k])
+    if missing or unexpected or mismatched:
         raise CheckpointError(
             f"{source} does not match {type(module).__name__}:"
             + _listing("missing keys", missing)
             + _listing("unexpected keys", unexpected)
-            + _listing("shape mismatches", shapes)
+            + _listing("shape mismatches", mismatched)
         )
-    module.load_state_dict(state_dict, strict=True)
 
 
 def _listing(title: str, items: Iterable[str], limit: int = 25) -> str:

@@ -11,7 +11,6 @@ needs (a drafter, a refiner) the same way.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 from pathlib import Path
 from typing import Union
@@ -19,7 +18,7 @@ from typing import Union
 import torch
 
 from mmgen import registry
-from mmgen.hub import CheckpointError, local_path, resolve_path
+from mmgen.hub import CheckpointError, local_path, read_json, resolve_path
 from mmgen.pipeline import MODEL_INDEX, Pipeline
 
 PathLike = Union[str, os.PathLike]
@@ -50,13 +49,16 @@ def pipeline_class_of(name_or_path: PathLike) -> type:
             index = resolve_path(source, MODEL_INDEX)
         except OSError:
             config = resolve_path(source, "config.json")  # offline / missing: a clear OSError
-    if index is not None and index.is_file():
+    if index is not None and index.exists():  # read_json refuses anything but a small regular file
         try:
-            return registry.pipeline_class(json.loads(index.read_text()).get("_class_name"))
+            return registry.pipeline_class(read_json(index).get("_class_name"))
         except ValueError as error:
             raise CheckpointError(f"{name_or_path}: {error}") from None
-    model_type = json.loads(config.read_text()).get("model_type") if config is not None and config.is_file() else None
+    model_type = read_json(config).get("model_type") if config is not None and config.exists() else None
     cls = registry.pipeline_for_model_type(model_type) if model_type else None
+    if cls is None and model_type:
+        raise CheckpointError(f"{name_or_path}: model_type {model_type!r} (its config.json) is not one mmgen opens "
+                              f"({', '.join(registry.model_types())})")
     if cls is None:
         raise CheckpointError(f"{name_or_path} is not a pipeline folder: it has no {MODEL_INDEX} (an mmgen pipeline) "
                               f"and no config.json of a model_type mmgen opens ({', '.join(registry.model_types())})")

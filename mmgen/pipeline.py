@@ -30,7 +30,9 @@ from tqdm.auto import tqdm
 
 from mmgen.decoding.window import parse_window_cost
 from mmgen.files import write_atomic
-from mmgen.hub import CheckpointError, load_state_dict, load_strict, resolve_path, save_safetensors
+from mmgen.hub import (
+    CheckpointError, check_shapes, load_state_dict, load_strict, read_json, resolve_path, save_safetensors, tensor_shapes,
+)
 from mmgen.sampling import make_generator
 
 MODEL_INDEX = "model_index.json"
@@ -215,9 +217,9 @@ class Pipeline:
         """Load a folder written by `save_pretrained` (a local path or a Hugging Face repo id)."""
         root = resolve_path(path_or_repo)
         index_path = root / MODEL_INDEX
-        if not index_path.is_file():
+        if not index_path.exists():  # anything else there, read_json refuses unless a small regular file
             raise CheckpointError(f"{root} is not an mmgen pipeline folder: {MODEL_INDEX} is missing")
-        index = json.loads(index_path.read_text())
+        index = read_json(index_path)
         if index.get("_class_name") != cls.__name__:
             raise CheckpointError(f"{root} holds a {index.get('_class_name')!r}, not a {cls.__name__}")
         components = {}
@@ -227,17 +229,18 @@ class Pipeline:
             if config_cls is None:  # its own format; the loader (e.g. AutoTokenizer) picks the class
                 if not folder.is_dir():
                     raise CheckpointError(f"{root}: component folder {name!r} is missing")
-                component = module_cls.from_pretrained(str(folder))
+                # transformers' loaders never run a folder's own code (`auto_map`); diffusers'
+                # model classes have none to run.
+                remote = {"trust_remote_code": False} if module_cls.__module__.startswith("transformers") else {}
+                component = module_cls.from_pretrained(str(folder), **remote)
                 if type(component).__name__ != saved_cls:
                     raise CheckpointError(f"{root}: component {name!r} loaded as {type(component).__name__}, saved as {saved_cls!r}")
                 components[name] = component
                 continue
             if saved_cls != module_cls.__name__:
                 raise CheckpointError(f"{root}: component {name!r} is {saved_cls!r}, expected {module_cls.__name__}")
-            config = config_cls.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-            module = module_cls(config)
-            load_strict(module, load_state_dict(folder / WEIGHTS_NAME), source=str(folder / WEIGHTS_NAME))
-            components[name] = module
+            config = config_cls.from_dict(read_json(folder / CONFIG_NAME))
+            components[name] = _build_checked(module_cls, config, folder / WEIGHTS_NAME)
         config = dict(index.get("config", {}))
         window_cost = parse_window_cost(config.pop("window_cost", None), f"{index_path} window_cost")
         pipe = cls(**components, **cls.config_from_index(config))
@@ -250,12 +253,26 @@ class Pipeline:
         return dict(config)
 
 
+def _build_checked(module_cls: type, config: Any, weights: Path) -> nn.Module:
+    """`module_cls(config)` with `weights` loaded strictly, allocated only once the weight file
+    is known to hold exactly the tensors the config asks for: the module is first built on the
+    meta device and checked against the file's header, so a config cannot make mmgen allocate
+    what the weights do not back (a config of dim 98304 with no weights stops here, small)."""
+    shapes = tensor_shapes(weights)
+    with torch.device("meta"):
+        skeleton = module_cls(config)
+    check_shapes(skeleton, shapes, source=str(weights))
+    module = module_cls(config)
+    load_strict(module, load_state_dict(weights), source=str(weights))
+    return module
+
+
 def _check_shared(root: Path, name: str, reference: str) -> Path:
     """The folder a shared component points to; it must be a sibling pipeline's component
     (a folder its model_index.json lists, whatever format the component saves in)."""
     target = (root / reference).resolve()
     index = target.parent / MODEL_INDEX
-    listed = index.is_file() and target.name in json.loads(index.read_text()).get("components", {})
+    listed = index.is_file() and target.name in read_json(index).get("components", {})
     if target.parent.parent != root.resolve().parent or not (listed and target.is_dir()):
         raise CheckpointError(f"{root}: shared component {name!r} -> {reference!r} is not a component folder of a sibling pipeline")
     return target

@@ -96,6 +96,16 @@ def pipeline_class(name: str) -> type:
     raise ValueError(f"unknown pipeline class {name!r}; mmgen has {pipeline_names()}")
 
 
+def listed_pipeline(package: str, name: str) -> type:
+    """The pipeline class `name` that modality `package` lists, for that package's module
+    `__getattr__` (`from mmgen.audio import TTSPipeline` imports the pipeline's module, and its
+    heavy dependencies, on first use only); AttributeError for any other name."""
+    index = vars(importlib.import_module(package))  # not getattr: that would come back here
+    if name in index.get("PIPELINE_MODULES", {}) or name in index.get("PIPELINE_ALIASES", {}):
+        return pipeline_class(name)
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+
 def model_types() -> list[str]:
     """Every transformers `model_type` a registered or listed pipeline opens."""
     types = set(MODEL_TYPE_PIPELINES)

@@ -143,7 +143,8 @@ class SamplingConfig:
     """How logits become probabilities: CFG schedule, then temperature, top-k and top-p.
 
     temperature == 0 means greedy (a one-hot distribution on the argmax); top_k == 0 and
-    top_p == 1 disable those filters. Probabilities are always float32.
+    top_p == 1 disable those filters, and so does a top_k at or above the vocabulary (it keeps
+    every token). Probabilities are always float32.
     """
 
     temperature: float = 1.0

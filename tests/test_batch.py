@@ -117,6 +117,34 @@ def test_records_never_point_outside_the_folder(tmp_path):
     assert verified_records(tmp_path / "out", read_records(tmp_path / "out")) == {}
 
 
+def test_manifest_parts_are_never_written_through_a_link_or_into_a_fifo(tmp_path):
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "victim.txt"
+    target.write_bytes(b"the user's file")
+    os.symlink(target, part_path(tmp_path / "out", 0))
+    with pytest.raises(OSError, match="is a symbolic link"):
+        ManifestWriter(tmp_path / "out", 0)
+    os.mkfifo(part_path(tmp_path / "out", 1))
+    with pytest.raises(OSError, match="not a regular file"):  # and it does not hang
+        ManifestWriter(tmp_path / "out", 1)
+    assert target.read_bytes() == b"the user's file"
+
+
+def test_batch_refuses_a_planted_manifest_link_before_any_work(tmp_path, capsys):
+    from mmgen.cli import main
+
+    (tmp_path / "out").mkdir()
+    target = tmp_path / "victim.txt"
+    target.write_bytes(b"the user's file")
+    os.symlink(target, part_path(tmp_path / "out", 0))
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"model": "emoji64", "class_label": 1, "output": "a"}) + "\n")
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "manifest.rank0.jsonl is a symbolic link" in err, err
+    assert target.read_bytes() == b"the user's file" and os.listdir(tmp_path / "out") == ["manifest.rank0.jsonl"]
+
+
 def test_merge_reads_every_world_size_keeps_one_verified_record_per_file_and_sorts(tmp_path):
     # A first run with 3 ranks was killed; rank 2 had written "3.png" with other bytes since replaced.
     with ManifestWriter(tmp_path, 2) as manifest:

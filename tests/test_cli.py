@@ -45,7 +45,7 @@ def test_generate_image_writes_pngs_and_prints_stats(model_dir, tmp_path, decodi
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == [f"000_class3_tiny-llamagen_seed4_{slug}.png", f"001_class8_tiny-llamagen_seed4_{slug}.png"]
     assert Image.open(tmp_path / files[0]).size == (8, 8)
-    stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
+    stats = json.loads(result.stderr.strip().splitlines()[-1])["stats"]
     assert stats["tokens"] == 16 and stats["rows"] == 2 and stats["forwards"] >= 1
     assert "mean_accepted_length=" in result.stdout and "wall_time=" in result.stdout
 
@@ -173,7 +173,7 @@ def test_generate_image_with_var(var_dirs, tmp_path, extra):
     result = mmgen("generate", "image", "--model", var_dirs / "large", "--class-labels", 3, 8, *extra, "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
     assert positions(tmp_path) == ["000_class3", "001_class8"]
-    stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
+    stats = json.loads(result.stderr.strip().splitlines()[-1])["stats"]
     assert stats["tokens"] == 30 and stats["stage_forwards"] == ([2, 2] if "code" in " ".join(extra) else [4])
 
 
@@ -210,7 +210,7 @@ def test_generate_image_with_mar(mar_dir, tmp_path, extra):
     result = mmgen("generate", "image", "--model", mar_dir, "--class-labels", 3, 8, *extra, "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
     assert positions(tmp_path) == ["000_class3", "001_class8"]
-    stats = json.loads(result.stdout.strip().splitlines()[-1])["stats"]
+    stats = json.loads(result.stderr.strip().splitlines()[-1])["stats"]
     assert stats["rows"] == 2 and (stats["drafted"] > 0) == ("cspd" in " ".join(extra))
     assert stats["baseline_forwards"] == int(extra[extra.index("--num-iter") + 1])
 
@@ -219,7 +219,7 @@ def test_mar_steps_come_from_the_spec_or_num_iter_never_both(mar_dir, tmp_path, 
     result = mmgen_here(capsys, "generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
                         "--out", tmp_path, "--no-progress")
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1])["stats"]["baseline_forwards"] == 2
+    assert json.loads(result.stderr.strip().splitlines()[-1])["stats"]["baseline_forwards"] == 2
     result = mmgen_here(capsys, "generate", "image", "--model", mar_dir, "--class-labels", 1, "--decoding", "ar:num_steps=2",
                    "--num-iter", "3", "--out", tmp_path, "--no-progress")
     assert result.returncode == 2 and "'ar:num_steps=2' sets num_steps=2 but --num-iter (num_iter) is 3" in result.stderr

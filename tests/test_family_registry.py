@@ -154,12 +154,12 @@ def test_generate_runs_the_family_with_its_default_and_its_companion(toy_family,
     out = tmp_path / "out"
     assert main(["generate", "image", "--model", str(folder), "--class-labels", "a", "2", "--out", str(out), "--no-progress"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["000_class0_toy_seed0_sjd.png", "001_class2_toy_seed0_sjd.png"]
-    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])["stats"]
     assert stats["rows"] == 2 and stats["tokens"] == 16  # tokens per row
     # the companion role: "draft" finds `<model>-draft` beside a bundled model only; a folder is named
     assert main(["generate", "image", "--model", str(folder), "--class-labels", "1", "--decoding", f"draft:drafter={drafter}",
                  "--out", str(out), "--no-progress"]) == 0
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]["draft_forwards"] > 0
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["stats"]["draft_forwards"] > 0
     assert main(["generate", "image", "--model", str(folder), "--class-labels", "1", "--decoding", "draft",
                  "--out", str(out), "--no-progress"]) == 2
     assert "decoding 'draft' needs a toy drafter" in capsys.readouterr().err

@@ -53,6 +53,7 @@ def one_error_line(capsys) -> str:
 
 def test_generate_never_overwrites_without_overwrite(model_dir, tmp_path, capsys):
     assert generate(model_dir, tmp_path, "--seed", 3) == 0
+    capsys.readouterr()  # the run's record (stderr)
     (path,) = tmp_path.iterdir()
     assert path.name == "000_class1_tiny_seed3_sjd.png"
     path.write_bytes(b"the user's own file")
@@ -63,6 +64,14 @@ def test_generate_never_overwrites_without_overwrite(model_dir, tmp_path, capsys
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_folder_where_an_image_goes_is_named_as_the_problem(model_dir, tmp_path, capsys):
+    (tmp_path / "000_class1_tiny_seed0_sjd.png").mkdir()
+    for extra in ([], ["--overwrite"]):  # --overwrite cannot help: say so both times
+        assert generate(model_dir, tmp_path, *extra) == 2
+        line = one_error_line(capsys)
+        assert "000_class1_tiny_seed0_sjd.png is a folder" in line and "pass --overwrite" not in line, line
+
+
 def test_other_seeds_decoders_and_options_get_other_names(model_dir, tmp_path):
     for extra in ([], ["--seed", 4], ["--decoding", "ar"], ["--decoding", "sjd-8"], ["--temperature", "0.5"],
                   ["--decoding", "lantern:delta=0.2,window=8"]):
@@ -70,6 +79,57 @@ def test_other_seeds_decoders_and_options_get_other_names(model_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "000_class1_tiny_seed0_ar.png", "000_class1_tiny_seed0_lantern-delta=0.2-window=8.png", "000_class1_tiny_seed0_sjd-8.png",
         "000_class1_tiny_seed0_sjd.png", "000_class1_tiny_seed0_sjd_temperature=0.5.png", "000_class1_tiny_seed4_sjd.png"]
+
+
+def test_every_decoder_and_option_gets_its_own_name():
+    """Specs that differ only in characters a file name drops still get different names
+    (`lantern++` is not `lantern`; a drafter's path is not another one's); plain specs keep their
+    readable names."""
+    from mmgen.image_ar.generation import ImageOptions, image_file_names
+
+    specs = ["lantern", "lantern++", "lantern++:delta=0.2", "lantern:delta=0.2", "draft:drafter=./a/b",
+             "draft:drafter=./a-b", "draft:drafter=a b", "sjd-8", "sjd:window=8"]
+    names = [image_file_names([0], "m", 1, ImageOptions(decoding=spec), "sjd")[0] for spec in specs]
+    assert len(set(names)) == len(specs), names
+    assert names[:2] == ["000_class0_m_seed1_lantern.png", "000_class0_m_seed1_lantern++.png"]
+    assert names[-1] == "000_class0_m_seed1_sjd-window=8.png"
+
+
+def is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def test_stdout_is_for_people_and_the_record_for_json(model_dir, tmp_path, capsys):
+    """`generate image` prints what it wrote and a summary; its JSON record goes to stderr, or,
+    with --json, alone to stdout (the rule of every `mmgen generate`)."""
+    assert generate(model_dir, tmp_path / "a") == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("wrote ") and "mean_accepted_length=" in out
+    assert not any(is_json_object(line) for line in out.splitlines()), out
+    assert json.loads(err.strip().splitlines()[-1])["stats"]["rows"] == 1
+    assert generate(model_dir, tmp_path / "b", "--json") == 0
+    out, err = capsys.readouterr()
+    (line,) = out.strip().splitlines()
+    record = json.loads(line)
+    assert record["files"] == [str(tmp_path / "b" / "000_class1_tiny_seed0_sjd.png")] and record["stats"]["rows"] == 1
+    assert err == ""
+
+
+def test_generate_text_follows_the_same_rule_with_the_answer_on_stdout(capsys):
+    argv = ["generate", "text", "--prompt", "What is this?", "--max-new-tokens", "4"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    answer = json.loads(err.strip().splitlines()[-1])["text"]
+    assert out == answer + "\n"
+    assert main([*argv, "--json"]) == 0
+    out, err = capsys.readouterr()
+    (line,) = out.strip().splitlines()
+    assert json.loads(line)["text"] == answer and err == ""
+    assert main([*argv, "--json", "--stream"]) == 2
+    assert "give one of them" in one_error_line(capsys)
 
 
 def test_long_settings_are_cut_and_hashed():
@@ -178,7 +238,7 @@ def test_mar_steps_default_to_the_models_on_the_command_line_as_for_shortcuts_in
     python = pipe([1], decoding="ar", generator=torch.Generator().manual_seed(0)).stats.baseline_forwards
     for spec in ("ar", f"cspd:drafter={mar_dir}"):
         assert generate(mar_dir, tmp_path / spec[:2], "--decoding", spec) == 0
-        stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["stats"]
+        stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])["stats"]
         assert stats["baseline_forwards"] == python == pipe.sampling_defaults["num_iter"] == 4
 
 

@@ -14,3 +14,10 @@ PIPELINE_MODULES = {"BlockDiffusionVideoPipeline": "mmgen.video.pipeline"}
 BUNDLED_MODELS = {"emoji-motion": "assets/emoji-motion", "emoji-motion-small": "assets/emoji-motion-small"}
 #: `mmgen batch` job files whose jobs carry a `video` (the prompt) run here.
 BATCH_JOBS = {"video": "mmgen.video.batch"}
+
+
+def __getattr__(name: str):
+    # `from mmgen.video import BlockDiffusionVideoPipeline`: the pipeline's module loads on first use, not with this package.
+    from mmgen.registry import listed_pipeline
+
+    return listed_pipeline(__name__, name)

@@ -110,8 +110,13 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[VideoJo
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
+    def check_inputs(job: VideoJob, call: VideoCall) -> None:  # prompts the text encoder would cut
+        negative = job.fields["negative_prompt"]
+        call.pipe.check_prompts([job.fields["video"], *([] if negative is None else [negative])])
+
     pipes = model_memo(load)
-    return load_file_jobs(path, check_fields, VideoJob, lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype))
+    return load_file_jobs(path, check_fields, VideoJob, lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype),
+                          check_inputs)
 
 
 def run_batch(args: argparse.Namespace) -> int:

@@ -13,11 +13,9 @@ checked before the model loads. The pipeline is imported only when the command r
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 
-from mmgen.cli import DTYPES, check_output_file, seed_arg
+from mmgen.cli import DTYPES, add_json_flag, check_output_file, report, seed_arg
 
 #: The bundled model `mmgen generate video` uses when given none (its small model: emoji-motion-small).
 DEFAULT_MODEL = "emoji-motion"
@@ -66,6 +64,7 @@ def register(commands, groups) -> None:
     video.add_argument("--seed", type=seed_arg, default=0, help="seed of the random generator, in [0, 2**63) (default 0)")
     video.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
     video.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+    add_json_flag(video)
     video.set_defaults(run=generate_video)
 
     for name, what in (("self-forcing", "Self-Forcing's checkpoints/self_forcing_dmd.pt"),
@@ -132,8 +131,11 @@ def generate_video(args: argparse.Namespace) -> int:
     from mmgen.video.export import write_mp4
 
     write_mp4(out, output.frames[0], fps=output.fps)
-    print(json.dumps({"out": str(out), "frames": int(output.frames.shape[1]), "fps": output.fps,
-                      "profile": output.profile.to_dict(), "stats": output.stats.to_dict()}), file=sys.stderr)
+    frames = int(output.frames.shape[1])
+    made = f"{output.stats.blocks} blocks at {output.profile.frames_per_second:.1f} frames/s"
+    report(args, [f"wrote {out} ({frames} frames at {output.fps:g} fps; {made})"],
+           {"out": str(out), "frames": frames, "fps": output.fps, "profile": output.profile.to_dict(),
+            "stats": output.stats.to_dict()})
     return 0
 
 

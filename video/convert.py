@@ -28,7 +28,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from mmgen.hub import SAFE_METADATA, CheckpointError, _load_failure, unwrap_state_dict
+from mmgen.hub import SAFE_METADATA, CheckpointError, _load_failure, read_json, unwrap_state_dict
 
 PathLike = Union[str, os.PathLike]
 
@@ -335,7 +335,6 @@ def convert_to_pipeline(path: PathLike, wan: PathLike, out_folder: PathLike, pre
     diffusers Wan-2.1 folder (or Hub id) whose VAE, UMT5 encoder and tokenizer it was trained
     with (e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers). The transformer loads strictly; its head count
     comes from `config`, else from the Wan folder's transformer/config.json, else 128-wide heads."""
-    import json
     import tempfile
 
     from mmgen.video.pipeline import BlockDiffusionVideoPipeline, wan_folder
@@ -347,7 +346,7 @@ def convert_to_pipeline(path: PathLike, wan: PathLike, out_folder: PathLike, pre
         raise ValueError(f"output {out} exists and is not an empty folder; pass overwrite=True to write into it")
     base = wan_folder(wan, with_transformer=False) / "transformer" / "config.json"
     if config is None and base.is_file():
-        config = {"num_attention_heads": json.loads(base.read_text())["num_attention_heads"]}
+        config = {"num_attention_heads": read_json(base)["num_attention_heads"]}
     with tempfile.TemporaryDirectory() as scratch:
         transformer = convert_to_pipeline_transformer(path, Path(scratch) / "transformer", which=which, config=config)
         pipe = BlockDiffusionVideoPipeline.from_wan(wan, transformer=transformer, **PRESETS[preset])

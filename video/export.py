@@ -32,11 +32,15 @@ def mp4_bytes(frames: Union[torch.Tensor, np.ndarray], fps: float = 16.0, crf: i
     _, h, w, _ = frames.shape
     frames = np.pad(frames, ((0, 0), (0, h % 2), (0, w % 2), (0, 0)), mode="edge")
     buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
+    # Same frames, same bytes: x264's macroblock-tree rate control encodes identical frames
+    # differently from call to call on AVX-512 CPUs (its AVX-512 code's results vary with memory
+    # it does not own; with AVX2 or without it they do not), so it is off (`mbtree=0`: a
+    # slightly larger file at this crf); bitexact keeps the library versions out of the file.
+    with av.open(buffer, mode="w", format="mp4", options={"fflags": "+bitexact"}) as container:
         stream = container.add_stream("libx264", rate=int(round(fps)))
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": str(crf)}
+        stream.options = {"crf": str(crf), "x264-params": "mbtree=0"}
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())

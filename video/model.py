@@ -31,6 +31,14 @@ from mmgen.video.dropping import HOOK_NAME as DROPPING_HOOK
 from mmgen.video.dropping import DroppingState, StaticTokenHook
 
 
+def check_rotary_table(config: Any, positions: int, max_frames: int, policy: str, fix: str) -> None:
+    """ValueError (before any block runs) when a decode needs more latent-frame positions than
+    the model's rotary table has."""
+    if positions > config.rope_max_seq_len:
+        raise ValueError(f"{max_frames} latent frames overflow the model's rotary table ({config.rope_max_seq_len} "
+                         f"frames) under the cache policy {policy}: {fix}")
+
+
 @dataclass
 class PromptEmbeddings:
     """A batch's text-encoder states [B, L, D] and, for guidance, the negative prompt's."""
@@ -90,10 +98,8 @@ class WanBlockModel:
     def start(self, conditions: PromptEmbeddings, num_blocks: int, guidance: bool) -> WanBlockState:
         config = self.transformer.config
         max_frames = num_blocks * self.block_frames
-        if self.policy.held(max_frames) + self.block_frames > config.rope_max_seq_len:
-            fix = "use a window policy for longer rollouts" if self.policy.window is None else "use a smaller window"
-            raise ValueError(f"{max_frames} latent frames overflow the model's rotary table ({config.rope_max_seq_len} "
-                             f"frames) under the cache policy {self.policy}: {fix}")
+        fix = "use a window policy for longer rollouts" if self.policy.window is None else "use a smaller window"
+        check_rotary_table(config, self.policy.held(max_frames) + self.block_frames, max_frames, str(self.policy), fix)
         if guidance and conditions.uncond is None:
             raise ValueError("guidance needs the negative prompt's embeddings")
         batch = conditions.cond.shape[0]
@@ -194,6 +200,9 @@ class RecomputingWanModel:
         self.mask = None
 
     def start(self, conditions: PromptEmbeddings, num_blocks: int, guidance: bool) -> RecomputingState:
+        max_frames = num_blocks * self.block_frames  # the last block's forward feeds the whole video
+        check_rotary_table(self.transformer.config, max_frames, max_frames, "none",
+                           "make a shorter video, or use a window policy for longer rollouts")
         embeddings = torch.cat([conditions.cond, conditions.uncond]) if guidance else conditions.cond
         state = RecomputingState(embeddings.to(self.transformer.patch_embedding.weight.dtype), guidance, conditions.cond.shape[0])
         state.hooks.enter_context(processors_installed(self.transformer, lambda i: MaskedSelfAttention(self)))

@@ -100,8 +100,8 @@ class BlockDiffusionVideoPipeline(Pipeline):
         if transformer is None or isinstance(transformer, (str, os.PathLike)):
             transformer = WanTransformer3DModel.from_pretrained(str(transformer or root / "transformer"))
         return cls(transformer=transformer, vae=AutoencoderKLWan.from_pretrained(str(root / "vae")),
-                   text_encoder=UMT5EncoderModel.from_pretrained(str(root / "text_encoder")),
-                   tokenizer=AutoTokenizer.from_pretrained(str(root / "tokenizer")), **config)
+                   text_encoder=UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), trust_remote_code=False),
+                   tokenizer=AutoTokenizer.from_pretrained(str(root / "tokenizer"), trust_remote_code=False), **config)
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -138,6 +138,15 @@ class BlockDiffusionVideoPipeline(Pipeline):
                 raise ValueError(f"{name} must be a positive multiple of {s * patch} (VAE ×{s}, patch {patch}), got {size!r}")
 
     # ---------------------------------------------------------------- prompts
+    def check_prompts(self, prompts: Sequence[str]) -> None:
+        """ValueError for a prompt longer than the text encoder reads (`max_sequence_length`
+        tokens): it would be cut silently."""
+        for prompt in prompts:
+            tokens = len(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+            if tokens > self.max_sequence_length:
+                raise ValueError(f"a prompt of {tokens} tokens ({len(prompt)} characters) is longer than this model reads "
+                                 f"(max_sequence_length {self.max_sequence_length} tokens): shorten it")
+
     @torch.no_grad()
     def encode_prompt(self, prompts: list[str]) -> torch.Tensor:
         """UMT5 states [B, max_sequence_length, D], zero past each prompt's tokens (WanPipeline's)."""
@@ -231,13 +240,14 @@ class BlockDiffusionVideoPipeline(Pipeline):
             CachePolicy.parse(cache_policy)
         num_blocks = self.latent_frames(num_frames) // block_frames
         switches = self._switch_blocks(prompt_switches or {}, num_frames, num_blocks, block_frames, len(prompts))
+        negative = self.negative_prompt if negative_prompt is None else negative_prompt
+        self.check_prompts([*prompts, *(p for ps in switches.values() for p in ps), negative])
         decoder = resolve_decoder(self.default_decoding if decoding is None else decoding, FAMILY_DECODERS["block-diffusion"])
         model = self.block_model(block_frames=block_frames, latent_size=(height // self.spatial_ratio, width // self.spatial_ratio),
                                  cache_policy=cache_policy, cache_threshold=cache_threshold, drop_threshold=drop_threshold)
         generator = self.generator_for(generator)
         guidance_scale = self.guidance_scale if guidance_scale is None else float(guidance_scale)
         guided = guidance_scale != 1.0
-        negative = self.negative_prompt if negative_prompt is None else negative_prompt
         conditions = self.embeddings(prompts, guided, negative)
         switched = {b: self.embeddings(p, guided, negative) for b, p in switches.items()}
 

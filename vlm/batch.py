@@ -15,7 +15,8 @@ working directory as on the command line), `decoding` (a `generate text --decodi
 default "ar"), `seed` (default 0), `max_new_tokens` (default 64), `temperature`, `top_k`,
 `top_p`, `dropping`, `keep_ratio`, `draft_dropping` (as the `mmgen generate text` flags). Every
 line is checked before any work (JSON, fields, images readable, models load, decoding and
-dropping specs valid); `--on-error` as for image jobs.
+dropping specs valid, `max_new_tokens` within the model's context, `temperature` in [0, 100],
+`top_k` >= 0, `top_p` in (0, 1]); `--on-error` as for image jobs.
 
 Groups and seeds: jobs of one model and options are packed in file order into calls of up to
 `--batch-size` rows with one generator seeded from their seeds (`mmgen.batch.group_seed`: a
@@ -47,7 +48,8 @@ import torch
 from mmgen.batch import FIELD_KINDS, FileJob, LineError, check_schema, load_file_jobs, model_memo, run_file_batch
 from mmgen.cli import check_seed
 
-from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags, read_image
+from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags
+from mmgen.vlm.images import read_image
 
 REQUIRED = {"prompt": "prompt", "output": "str"}
 OPTIONAL = {"model": "str", "images": "paths", "decoding": "str", "seed": "int", "max_new_tokens": "int",
@@ -76,12 +78,14 @@ class TextJob(FileJob):
 def check_fields(value: Any) -> dict:
     """A job object's fields checked for presence and type, defaults filled in (ValueError)."""
     check_schema(value, REQUIRED, OPTIONAL, KINDS)
+    from mmgen.vlm.pipeline import check_budget, check_sampling
+
     fields = {**DEFAULTS, **value}
     for name in ("temperature", "top_p", "keep_ratio"):
         fields[name] = None if fields[name] is None else float(fields[name])
     check_seed(fields["seed"])
-    if fields["max_new_tokens"] < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {fields['max_new_tokens']}")
+    check_budget(fields["max_new_tokens"])
+    check_sampling(fields["temperature"], fields["top_k"], fields["top_p"])
     return fields
 
 
@@ -153,7 +157,9 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = Fa
         return TextJob(line, spec, fields, tuple(read_image(p, f"image {p}") for p in fields["images"]))
 
     def check_inputs(job: TextJob, call: TextCall) -> None:
-        call.pipe.prepare_inputs(job.fields["prompt"], list(job.images) or None)  # conversations and placeholders
+        # Conversations and placeholders, and the prompt plus its budget within the model's context.
+        inputs = call.pipe.prepare_inputs(job.fields["prompt"], list(job.images) or None)
+        call.pipe.check_context(inputs, job.fields["max_new_tokens"])
 
     return load_file_jobs(path, check_fields, make_job,
                           lambda fields: prepare_call(pipes(fields["model"]), fields, device, dtype, continuous), check_inputs)

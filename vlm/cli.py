@@ -5,7 +5,7 @@
 
 The default model is the bundled `emoji-vlm` (offline); `--decoding draft` pairs it with the
 bundled `emoji-vlm-draft`. Any transformers image-text-to-text folder or Hub repo of a family
-mmgen serves (LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL, Idefics3) works the same way.
+mmgen serves (`mmgen.vlm.MODEL_TYPES`: LLaVA, Qwen-VL, Gemma3, PaliGemma, InternVL, ...) works the same way.
 
 The pipeline (and transformers) is imported only when the command runs, so building the
 `mmgen` parser stays cheap.
@@ -14,12 +14,11 @@ The pipeline (and transformers) is imported only when the command runs, so build
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-from typing import Optional, Union
+from typing import Optional
 
-from mmgen.cli import DTYPES, seed_arg
+from mmgen.cli import DTYPES, add_json_flag, report, seed_arg
+
+from mmgen.vlm.images import read_image  # noqa: F401  (re-exported: the demo reads images through here)
 
 #: The bundled model `mmgen generate text` answers with when no --model is given.
 DEFAULT_MODEL = "emoji-vlm"
@@ -29,7 +28,8 @@ def register(commands, groups) -> None:
     text = groups["generate"].add_parser("text", help="answer a prompt about images (vision-language models)")
     text.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_FOLDER",
                       help=f"a bundled model (default {DEFAULT_MODEL}), a transformers image-text-to-text folder or a "
-                           "Hugging Face repo id (LLaVA, LLaVA-NeXT, Qwen2-VL / Qwen2.5-VL, Idefics3)")
+                           "Hugging Face repo id (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2/2.5/3-VL, Idefics3, SmolVLM, "
+                           "Gemma3, PaliGemma, InternVL, Mistral3, AyaVision)")
     text.add_argument("--image", nargs="*", default=[], metavar="PATH", help="image files the prompt is about (any number)")
     text.add_argument("--prompt", required=True, help="the question or instruction")
     text.add_argument("--decoding", default="ar", metavar="SPEC",
@@ -52,6 +52,7 @@ def register(commands, groups) -> None:
     text.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
     text.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
     text.add_argument("--stream", action="store_true", help="print the answer as tokens commit")
+    add_json_flag(text)
     text.set_defaults(run=generate_text)
 
 
@@ -63,8 +64,12 @@ def generate_text(args: argparse.Namespace) -> int:
     from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
     from mmgen.sampling import make_generator
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from mmgen.vlm.pipeline import check_budget, check_sampling
+
+    if args.stream and args.json:
+        raise ValueError("--stream prints the answer as it comes, --json one record at the end: give one of them")
+    check_budget(args.max_new_tokens)  # every setting is checked before any model loads
+    check_sampling(args.temperature, args.top_k, args.top_p)
     dropping = dropping_from_flags(args.dropping, args.keep_ratio)
     draft_dropping = dropping_from_flags(args.draft_dropping, None)
     images = [read_image(path) for path in args.image]  # every input is checked before any model loads
@@ -79,7 +84,8 @@ def generate_text(args: argparse.Namespace) -> int:
         from mmgen.loading import resolve_model
 
         # Tokenizers first (small files): a mismatch is an error before any weights load.
-        mine, theirs = (AutoTokenizer.from_pretrained(resolve_model(m)).get_vocab() for m in (args.model, args.drafter))
+        mine, theirs = (AutoTokenizer.from_pretrained(resolve_model(m), trust_remote_code=False).get_vocab()
+                        for m in (args.model, args.drafter))
         if mine != theirs:
             raise ValueError(f"--drafter {args.drafter} has another tokenizer than --model {args.model}")
     transformers.utils.logging.disable_progress_bar()  # errors and answers stay the only output lines
@@ -95,30 +101,13 @@ def generate_text(args: argparse.Namespace) -> int:
         print()
         return 0
     out = pipe(args.prompt, images or None, generator=make_generator(args.seed, args.device), **call)
-    print(out.texts[0])
-    report = {"stats": out.stats.to_dict(), "tokens": out.lengths.tolist(), "ttft_s": round(out.ttft_s, 4),
-              "decode_tokens_per_s": round(out.decode_tokens_per_s, 1)}
+    record = {"text": out.texts[0], "stats": out.stats.to_dict(), "tokens": out.lengths.tolist(),
+              "ttft_s": round(out.ttft_s, 4), "decode_tokens_per_s": round(out.decode_tokens_per_s, 1)}
     if out.dropping is not None:
-        report["dropping"] = {"policy": out.dropping.policy, "image_tokens": out.dropping.image_tokens,
+        record["dropping"] = {"policy": out.dropping.policy, "image_tokens": out.dropping.image_tokens,
                               "kept_tokens": out.dropping.kept_tokens}
-    print(json.dumps(report), file=sys.stderr)
+    report(args, [out.texts[0]], record)
     return 0
-
-
-def read_image(path: Union[str, os.PathLike], label: Optional[str] = None, max_pixels: Optional[int] = None):
-    """The RGB image of a file. ValueError "<label>: not a readable image" (label default
-    "--image PATH") when it is not one, or naming its size when it has more than `max_pixels`
-    (checked before the pixels are decoded)."""
-    from PIL import Image, UnidentifiedImageError
-
-    label = f"--image {path}" if label is None else label
-    try:
-        with Image.open(path) as image:
-            if max_pixels is not None and image.size[0] * image.size[1] > max_pixels:
-                raise ValueError(f"an image may have at most {max_pixels} pixels, got {image.size[0]}x{image.size[1]}")
-            return image.convert("RGB")
-    except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as error:
-        raise ValueError(f"{label}: not a readable image ({error.__class__.__name__})") from None
 
 
 def dropping_from_flags(spec: Optional[str], keep_ratio: Optional[float]):

@@ -30,6 +30,7 @@ is the cheaper, cache-compacting variant, and the one a decode with one KV layou
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Optional, Union
@@ -241,16 +242,27 @@ def attention_to_keys(attn: torch.nn.Module, h: torch.Tensor, cos: torch.Tensor,
     return logits.softmax(-1).nan_to_num(0.0).mean(1)
 
 
-def _bool_mask(valid: torch.Tensor, like: Any) -> torch.Tensor:
-    """The 4-D causal mask over left-packed rows: bool for SDPA, additive for eager (`like`'s
-    float dtype). A query always sees itself, so padding queries never produce NaN."""
+def pack_mask(mask: Any, index: torch.Tensor, valid: torch.Tensor) -> Any:
+    """A layer's attention mask over left-packed rows (`index` [R, S'] into the mask's slots,
+    `valid` [R, S'] the kept ones): a 4-D mask [R, 1, S, S] keeps its own pattern (causal,
+    sliding window, prefix-LM) between the kept slots, None (SDPA's implicit causal mask) becomes
+    the causal mask; a dict by layer type is packed per type. Bool for SDPA, additive for eager
+    (the mask's float dtype). A query always sees itself, so padding queries never produce NaN."""
+    if isinstance(mask, dict):
+        return {kind: pack_mask(m, index, valid) for kind, m in mask.items()}
     s = valid.shape[1]
-    slots = torch.arange(s, device=valid.device)
-    allowed = (slots[None, :] <= slots[:, None])[None] & valid[:, None, :]
-    allowed = (allowed | torch.eye(s, dtype=torch.bool, device=valid.device))[:, None]
-    if torch.is_tensor(like) and like.dtype.is_floating_point:
-        return torch.zeros(allowed.shape, dtype=like.dtype, device=valid.device).masked_fill(~allowed, torch.finfo(like.dtype).min)
-    return allowed
+    eye = torch.eye(s, dtype=torch.bool, device=valid.device)
+    if mask is None:
+        allowed = eye.cumsum(0).bool()[None] & valid[:, None, :]  # key <= query
+        return (allowed | eye)[:, None]
+    rows = valid.shape[0]
+    full = mask.expand(rows, 1, mask.shape[2], mask.shape[3])
+    packed = full.gather(2, index[:, None, :, None].expand(-1, 1, -1, full.shape[3]))
+    packed = packed.gather(3, index[:, None, None, :].expand(-1, 1, s, -1))
+    if mask.dtype == torch.bool:
+        return (packed & valid[:, None, None, :]) | eye
+    low = torch.finfo(mask.dtype).min
+    return packed.masked_fill(~valid[:, None, None, :], low).masked_fill(eye, 0.0)
 
 
 class Capture(ModelHook):
@@ -316,7 +328,28 @@ class Prefill:
                 hooks[layers[self.layer - 1].self_attn] = Capture(self.store, "scores")
             for i in range(self.layer, len(layers)):
                 hooks[layers[i]] = _Call(self._in_lm if i == self.layer else self._later)
-        return hooks_attached(hooks, "mmgen_dropping")
+        return self._with_deepstack(hooks_attached(hooks, "mmgen_dropping"))
+
+    @contextlib.contextmanager
+    def _with_deepstack(self, hooks):
+        """Qwen3-VL adds vision features to the visual tokens' hidden states after its first
+        layers (deepstack, `trunk._deepstack_process`), at the visual slots of the unpruned
+        prompt: for the prefill its visual mask and features follow the kept slots."""
+        process = getattr(self.trunk, "_deepstack_process", None)
+        with hooks:
+            if process is None:
+                yield
+                return
+            def kept_only(hidden, visual_pos_masks, visual_embeds):
+                current = gather_seq(visual_pos_masks.to(hidden.device), self.index, 1) & self.valid
+                kept = torch.zeros(visual_pos_masks.shape, dtype=torch.long, device=hidden.device)
+                kept = kept.scatter_reduce(1, self.index, self.valid.long(), reduce="amax").bool()
+                return process(hidden, current, visual_embeds[kept[visual_pos_masks.to(hidden.device)]])
+            self.trunk._deepstack_process = kept_only
+            try:
+                yield
+            finally:
+                del self.trunk._deepstack_process
 
     # ---- pre-LM stage (VisionZip, MustDrop's merging)
     def _pre_lm(self, trunk, args, kwargs):
@@ -329,7 +362,9 @@ class Prefill:
         index, valid = left_pack(keep)
         self.index, self.valid, self.stage1 = index, valid, (index, valid)
         kwargs["inputs_embeds"] = gather_seq(embeds, index, 1)
-        kwargs["attention_mask"] = valid.to(mask.dtype)
+        # A 2-D padding mask becomes the packed rows'; the model's own 4-D masks (a dict by
+        # layer type: prefix-LM images, sliding windows) keep their pattern over the kept slots.
+        kwargs["attention_mask"] = valid.to(mask.dtype) if torch.is_tensor(mask) and mask.dim() == 2 else pack_mask(mask, index, valid)
         pos = kwargs.get("position_ids")
         if pos is not None:
             kwargs["position_ids"] = gather_seq(pos, index, pos.dim() - 1)
@@ -479,10 +514,7 @@ class Prefill:
         self.early_index = index
         self.index, self.valid = gather_seq(self.index, index, 1), valid
         hidden = gather_seq(hidden, index, 1)
-        self.pruned = dict(
-            position_embeddings=(gather_seq(cos, index, 1), gather_seq(sin, index, 1)),
-            attention_mask=_bool_mask(valid, kwargs.get("attention_mask")),
-        )
+        self.pruned = dict(position_embeddings=(gather_seq(cos, index, 1), gather_seq(sin, index, 1)))
         pos = kwargs.get("position_ids")
         if pos is not None:
             self.pruned["position_ids"] = gather_seq(pos, index, pos.dim() - 1)
@@ -492,7 +524,8 @@ class Prefill:
         return self._later(layer, args, kwargs)
 
     def _later(self, layer, args, kwargs):
-        kwargs.update(self.pruned)
+        # Each layer's own mask (full, sliding-window or prefix-LM), over the kept slots.
+        kwargs.update(self.pruned, attention_mask=pack_mask(kwargs.get("attention_mask"), self.early_index, self.valid))
         return args, kwargs
 
     # ---- after the model call

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 
 def text_trunk(model: Any) -> Any:
-    """The language model's decoder stack: `model.model.language_model` (LLaVA, LLaVA-NeXT,
-    Qwen2-VL / Qwen2.5-VL), or `model.model.text_model` (Idefics3 / SmolVLM)."""
+    """The language model's decoder stack: `model.model.language_model` (every family served
+    but one), or `model.model.text_model` (Idefics3 / SmolVLM)."""
     inner = model.model
     return inner.language_model if hasattr(inner, "language_model") else inner.text_model
 
@@ -17,3 +18,17 @@ def image_token_id(config: Any) -> Optional[int]:
     `image_token_index`); None for a config with neither."""
     value = getattr(config, "image_token_id", None)
     return getattr(config, "image_token_index", None) if value is None else value
+
+
+def logit_softcap(model: Any) -> Optional[float]:
+    """The cap the model's own forward applies to its logits (`tanh(x / cap) * cap`), None when
+    it applies none. Read from the forward's code: the text config's `final_logit_softcapping`
+    is applied by PaliGemma's forward (PaliGemma 2 sets it) but not by Gemma3's."""
+    cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    if cap is None:
+        return None
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return cap
+    return cap if "final_logit_softcapping" in source else None

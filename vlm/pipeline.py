@@ -3,7 +3,7 @@
 The model and processor are transformers' (`AutoModelForImageTextToText`, `AutoProcessor`);
 mmgen adds the decoding core, so the same checkpoint decodes with any token decoder of the core
 (autoregressive, speculative Jacobi, prompt lookup, ...), with per-row stop tokens, budgets and
-streaming. Families served so far: LLaVA, Qwen2-VL / Qwen2.5-VL and Idefics3 (`VLMTokenModel`).
+streaming. Families served: `mmgen.vlm.MODEL_TYPES` (`VLMTokenModel`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 
+from mmgen.vlm import MODEL_TYPES
 from mmgen.vlm.dropping import DroppingReport, make_dropping
+from mmgen.vlm.images import as_image
 from mmgen.vlm.layout import image_token_id
 from mmgen.vlm.token_model import VLMTokenModel
 
@@ -66,7 +68,7 @@ class PrunedView:
         return self.last
 
 
-@register_pipeline(model_types=("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "idefics3"))
+@register_pipeline(model_types=tuple(MODEL_TYPES))
 class VLMPipeline(Pipeline):
     """A vision-language model answering prompts about images (greedy by default)."""
 
@@ -97,11 +99,20 @@ class VLMPipeline(Pipeline):
     def from_pretrained(cls, repo_or_path: Union[str, os.PathLike], torch_dtype: Optional[torch.dtype] = None,
                         device: Union[str, torch.device, None] = None, **kwargs) -> "VLMPipeline":
         """A transformers image-text-to-text checkpoint (Hub id or folder) and its processor."""
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
         source = os.fspath(repo_or_path)
-        processor = AutoProcessor.from_pretrained(source)
-        model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        # Never the folder's own code (`auto_map`): transformers' classes only.
+        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+        if config.model_type not in MODEL_TYPES:
+            raise ValueError(f"{source}: model_type {config.model_type!r} is not a vision-language family mmgen serves "
+                             f"({', '.join(sorted(MODEL_TYPES))})")
+        try:
+            processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
+        except ImportError as error:  # a processor's optional dependency (SmolVLM's num2words, ...)
+            raise ValueError(f"{source}: the {config.model_type} processor needs a missing package: {error}") from None
+        model = AutoModelForImageTextToText.from_pretrained(source, config=config, dtype=torch_dtype, trust_remote_code=False,
+                                                            **kwargs)
         pipe = cls(model.eval(), processor)
         return pipe.to(device) if device is not None else pipe
 
@@ -119,11 +130,28 @@ class VLMPipeline(Pipeline):
         `{"type": "image"}` entries take the row's images in order), ending with a user turn.
         """
         prompts, per_row = _rows(prompts, images)
-        texts = [self.processor.apply_chat_template(_conversation(prompt, len(row)), add_generation_prompt=True)
-                 for prompt, row in zip(prompts, per_row)]
+        texts = [self.render(prompt, len(row)) for prompt, row in zip(prompts, per_row)]
         # Nested per prompt: processors that count images per row (Idefics3) need it, the others flatten it.
         nested = per_row if any(per_row) else None
-        return dict(self.processor(images=nested, text=texts, padding=True, return_tensors="pt"))
+        inputs = dict(self.processor(images=nested, text=texts, padding=True, return_tensors="pt"))
+        inputs.pop("labels", None)  # PaliGemma's processor makes training labels; the model would compute a loss
+        return inputs
+
+    def render(self, prompt: Prompt, num_images: int) -> str:
+        """One row's prompt text: the conversation through the processor's chat template; for
+        a model without one (PaliGemma), a question after one image token per image (the
+        processor adds what follows the images)."""
+        from jinja2.exceptions import TemplateError
+
+        conversation = _conversation(prompt, num_images)
+        if getattr(self.processor, "chat_template", None) is not None:
+            try:
+                return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
+            except TemplateError as error:  # the sandbox's SecurityError, a template's raise_exception, ...
+                raise ValueError(f"the model's chat template failed ({type(error).__name__}): {error}") from None
+        if not isinstance(prompt, str):
+            raise ValueError(f"{self.model.config.model_type} has no chat template: give a question, not a conversation")
+        return self.processor.image_token * num_images + prompt
 
     @property
     def context_length(self) -> Optional[int]:
@@ -198,7 +226,7 @@ class VLMPipeline(Pipeline):
             draft_dropping: dropping for the drafter of a draft decoder only (SpecVLM): the
                 target still verifies on the full image, so decoding stays exact.
         """
-        _check_budget(max_new_tokens)
+        check_budget(max_new_tokens)
         policy, draft_policy = make_dropping(dropping), make_dropping(draft_dropping)
         decoder = resolve_decoder(decoding)
         if draft_policy is not None:
@@ -254,7 +282,7 @@ class VLMPipeline(Pipeline):
         fixed window: `adapt=False`; no token dropping). `on_answer(i, text, token_ids, stats)`
         receives each answer as it ends, with its own stats (a batch-1 decode's). The output's
         stats are the run's."""
-        _check_budget(max_new_tokens)
+        check_budget(max_new_tokens)
         decoder = resolve_decoder(decoding)
         check_continuous(decoder)
         prompts, per_row = _rows(prompts, images)
@@ -287,7 +315,7 @@ class VLMPipeline(Pipeline):
                   stop_token_ids: Optional[Sequence[int]]) -> tuple[SamplingConfig, Stopping]:
         """A call's sampling and its stopping: `stop_token_ids`, default the model's eos token(s)."""
         stops = self.eos_token_ids if stop_token_ids is None else [int(t) for t in stop_token_ids]
-        return (SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+        return (check_sampling(temperature, top_k, top_p),
                 Stopping(stop_tokens=stops, max_new_tokens=max_new_tokens, pad_token=self.pad_token_id))
 
     def stream(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any = None,
@@ -322,7 +350,7 @@ class VLMPipeline(Pipeline):
         ask for fewer. (A call narrows its window to a budget below it; such a request decodes
         as its prompt alone at the cap, stopped at its budget.) `lock` (a context manager) is
         held while the batch decodes."""
-        _check_budget(max_new_tokens)
+        check_budget(max_new_tokens)
         decoder = resolve_decoder(decoding)
         check_continuous(decoder, self.token_model())
         check_int("batch_size", batch_size, 1)
@@ -350,7 +378,7 @@ class VLMServer:
         """Answer `prompt` about `images` from `generator` in the shared batch; at most
         `max_new_tokens` (default the server's cap); `streamer` receives its tokens as they commit."""
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
-        _check_budget(budget)
+        check_budget(budget)
         if budget > self.max_new_tokens:
             raise ValueError(f"max_new_tokens {budget} exceeds the server's cap of {self.max_new_tokens}")
         prompts, per_row = _rows(prompt, images)
@@ -384,9 +412,29 @@ def text_pieces(tokenizer: Any, queue: TokenQueueStreamer) -> Generator[tuple[in
             shown[row] = text
 
 
-def _check_budget(max_new_tokens: Any) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+#: The longest answer a call may ask for (a model's context bounds it further: `check_context`);
+#: outputs are allocated at this length, so a budget is bounded before any work.
+MAX_NEW_TOKENS = 1 << 20
+#: Above this temperature the softmax of any float32 logits is uniform to within rounding: a
+#: larger one is a mistake, not a setting.
+MAX_TEMPERATURE = 100.0
+
+
+def check_budget(max_new_tokens: Any) -> None:
+    """ValueError unless `max_new_tokens` is an integer in [1, MAX_NEW_TOKENS]."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"max_new_tokens must be an integer in [1, {MAX_NEW_TOKENS}], got {max_new_tokens!r}")
+
+
+def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> SamplingConfig:
+    """The sampling of a call, checked (ValueError): temperature a number in [0, MAX_TEMPERATURE]
+    (0: greedy), top_k an integer >= 0 (0: off), top_p in (0, 1]."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    if temperature > MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be at most {MAX_TEMPERATURE} (0 means greedy), got {temperature}")
+    return SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
 
 
 def _rows(prompts: Union[Prompt, Sequence[Prompt]], images: Any) -> tuple[list, list[list]]:
@@ -397,11 +445,14 @@ def _rows(prompts: Union[Prompt, Sequence[Prompt]], images: Any) -> tuple[list, 
     as_list = lambda x: list(x) if isinstance(x, (list, tuple)) else [x]
     if images is None:
         return prompts, [[] for _ in prompts]
-    if len(prompts) == 1:
-        return prompts, [as_list(images)]
-    if not isinstance(images, (list, tuple)) or len(images) != len(prompts):
+    if len(prompts) == 1:  # its images, or (as for a batch) a list holding its image list
+        nested = isinstance(images, (list, tuple)) and len(images) == 1 and isinstance(images[0], (list, tuple))
+        per_row = [as_list(images[0] if nested else images)]
+    elif not isinstance(images, (list, tuple)) or len(images) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts need a list of {len(prompts)} images (or image lists)")
-    return prompts, [as_list(i) for i in images]
+    else:
+        per_row = [as_list(i) for i in images]
+    return prompts, [[as_image(x, f"prompt {r}'s image {i}") for i, x in enumerate(row)] for r, row in enumerate(per_row)]
 
 
 def _is_prompt(value: Any) -> bool:

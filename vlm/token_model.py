@@ -6,12 +6,19 @@ the core's `SlotKVCache` over a transformers `DynamicCache` (the Janus adapter's
 advance by their own accepted counts and speculative decoders can rewind. Positions follow
 transformers' `generate`: prompt tokens at `cumsum(attention_mask) - 1`, new tokens right after
 their row's own prompt (its slot minus the row's left padding). Models with multimodal rotary
-positions (Qwen2-VL / Qwen2.5-VL M-RoPE: a `get_rope_index`) compute an image prompt's 3-D
-positions themselves in the prefill; each new token then sits at its slot plus the row's
-`rope_deltas` on all three axes, as in transformers (a text-only prompt is the text's positions
-on all three axes). Greedy output equals `model.generate(do_sample=False)` token for token at
-any batch size (tested for both kinds, and on the trained `emoji-vlm`). `restart` starts one
-row over on a new prompt (continuous batching).
+positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL M-RoPE: a `get_rope_index`) compute an image
+prompt's 3-D positions themselves in the prefill; each new token then sits at the row's own
+prompt length plus its `rope_deltas` on all three axes, as in transformers (the deltas count
+from the unpadded prompt; a text-only prompt is the text's positions on all three axes).
+
+Every layer caches every slot (transformers' sliding-window layers cannot rewind past their
+window); sliding-window and hybrid local/global language models (Mistral, Gemma 2 / 3, Cohere2)
+get their windows as 4-D masks counted in each row's own tokens (`mmgen.vlm.masks`). Logits are
+the model's forward's: `lm_head`, its soft-capping where its forward applies one, and its
+generation config's processing (`mmgen.vlm.logits`) at the prefill and every decode position.
+Greedy output equals `model.generate(do_sample=False)` token for token at any batch size, under
+every lossless decoder (tests/vlm/test_families.py, every family). `restart` starts one row
+over on a new prompt (continuous batching).
 
 With a `dropping` policy (`mmgen.vlm.dropping`: FastV, VisionZip, MustDrop) the prefill runs
 with that policy's hooks; the cache then holds only the kept prompt slots, while decode
@@ -33,13 +40,15 @@ from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
 
 from mmgen.vlm.dropping import Capture, MustDrop, Prefill, decode_eviction, gather_seq, make_dropping
-from mmgen.vlm.layout import text_trunk
+from mmgen.vlm.layout import logit_softcap, text_trunk
+from mmgen.vlm.logits import GenerationRules
+from mmgen.vlm.masks import FULL, attention_layers, takes_mask_dict, window_masks
 
 
 class VLMTokenModel:
     """`AutoModelForImageTextToText` models with a text trunk (`model.language_model`, or
-    `model.text_model` in Idefics3 / SmolVLM) and an `lm_head`: LLaVA, Qwen2-VL / Qwen2.5-VL,
-    Idefics3. Conditions are the processor's batch (`input_ids`, `attention_mask` with left
+    `model.text_model` in Idefics3 / SmolVLM) and an `lm_head`: every family of
+    `mmgen.vlm.MODEL_TYPES`. Conditions are the processor's batch (`input_ids`, `attention_mask` with left
     padding, `pixel_values` and any other image inputs)."""
 
     def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0, dropping: Any = None):
@@ -51,6 +60,12 @@ class VLMTokenModel:
         self.vocab_size = model.lm_head.out_features
         self.trunk = text_trunk(model)
         self.window_cost = model_window_cost(model)
+        text_config = model.config.get_text_config()
+        self.layers = attention_layers(text_config)
+        self.sliding = any(kind != FULL for kind, _ in self.layers)
+        self.mask_dict = self.sliding and takes_mask_dict(self.trunk)
+        self.softcap = logit_softcap(model)
+        self.rules = GenerationRules.of(model)  # its generation config's logits processing
 
     def token_embeddings(self) -> torch.Tensor:
         """The language model's input embedding of each token [V, hidden] (grouped acceptance)."""
@@ -65,7 +80,7 @@ class VLMTokenModel:
             raise ValueError("vision-language decoding takes no classifier-free guidance (guidance scale 1)")
         inputs = {k: v.to(self.model.device) if torch.is_tensor(v) else v for k, v in conditions.items()}
         ids, mask = inputs["input_ids"], inputs["attention_mask"]
-        kv = DynamicCache(config=self.model.config.get_text_config())
+        kv = DynamicCache()  # full-attention layers (sliding windows are masks here: `mmgen.vlm.masks`)
         mrope = callable(getattr(self.model.model, "get_rope_index", None))
         # M-RoPE models place image and video tokens in 3-D themselves; without them the prompt's
         # positions are the text's on all three axes (rope_deltas 0), as transformers' generate
@@ -89,18 +104,21 @@ class VLMTokenModel:
         # (left padding not counted, as the prefill's positions and transformers' generate), the
         # cache's slots starting at `slots` for every row. M-RoPE's rope_deltas say the same for
         # prompts placed in 3-D (the padded length S plus delta is the row's next position).
-        if spatial:
-            offset = (ids.shape[1] - slots) + self.model.model.rope_deltas.to(mask.device).long()  # [B, 1]
-        else:
-            offset = mask.long().sum(1, keepdim=True) - slots
+        offset = mask.long().sum(1, keepdim=True) - slots
+        if spatial:  # rope_deltas count from the row's own (unpadded) prompt length
+            offset = offset + self.model.model.rope_deltas.to(mask.device).long()  # [B, 1]
         extra = _Extra(offset, mrope, prefill)
+        first = out.logits[:, -1:].float()
+        if not self.rules.identity:
+            extra.rules = self.rules.start(ids, mask, first.shape[-1])
+            first = self.rules.first(first, extra.rules)
         if prefill is not None:
             self.last_report = prefill.report()
             extra.evict = isinstance(policy, MustDrop) and policy.decode_keep < 1
         if mask.device.type == "cuda":
             torch.cuda.synchronize(mask.device)
         self.prefill_done_at = time.perf_counter()
-        return DecodeState(cache, ids.shape[0], False, Logits(out.logits[:, -1:].float()), extra=extra)
+        return DecodeState(cache, ids.shape[0], False, Logits(first), extra=extra)
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
@@ -110,8 +128,12 @@ class VLMTokenModel:
         if extra.mrope:  # M-RoPE: text tokens advance on all three axes together
             positions = positions.unsqueeze(0).expand(3, -1, -1)
         embeds = self.model.get_input_embeddings()(tokens)
+        attention = mask
+        if self.sliding:
+            attention = window_masks(mask, tokens.shape[1], self.layers, self.model.config.get_text_config()._attn_implementation,
+                                     embeds.dtype, self.mask_dict)
         run = lambda: self.trunk(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, **transformers_cache(state.cache.kv), use_cache=True
+            inputs_embeds=embeds, attention_mask=attention, position_ids=positions, **transformers_cache(state.cache.kv), use_cache=True
         ).last_hidden_state
         if not extra.evict:
             hidden = run()
@@ -126,7 +148,17 @@ class VLMTokenModel:
             cache.evict(drop)
             self.last_report.evicted_tokens = drop.sum(1).tolist()
             extra.evict = False
-        return Logits(self.model.lm_head(hidden).float())
+        logits = self.head(hidden)
+        if extra.rules is not None:
+            logits = self.rules.step(logits, extra.rules, tokens)
+            extra.rules.pending = tokens
+        return Logits(logits)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the trunk's hidden states, as the model's own forward makes them
+        (its `lm_head`, then its final logit soft-capping where it has one: PaliGemma 2)."""
+        logits = self.model.lm_head(hidden).float()
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
     def restart(self, state: DecodeState, row: int, conditions: Mapping[str, torch.Tensor]) -> Logits:
         """Continuous batching: row `row` of a live decode starts over on one row's processor
@@ -145,13 +177,19 @@ class VLMTokenModel:
         # Alone, the row's next position is fresh's prompt length plus its offset; here its slots
         # count from the live prompt region's length.
         extra.offset[row] = solo.offset[0] + fresh.cache.prompt_length - state.cache.prompt_length
+        if extra.rules is not None:
+            extra.rules.restart(row, solo.rules)
         return fresh.first_logits
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.commit(accepted)
+        if state.extra.rules is not None:
+            state.extra.rules.commit(accepted)
 
     def rewind(self, state: DecodeState, num_generated: torch.Tensor) -> None:
         state.cache.rewind(num_generated)
+        if state.extra.rules is not None:
+            state.extra.rules.rewind(num_generated)
 
 
 class _Extra:
@@ -161,3 +199,4 @@ class _Extra:
 
     def __init__(self, offset: torch.Tensor, mrope: bool, prefill: Any):
         self.offset, self.mrope, self.prefill, self.evict = offset, mrope, prefill, False
+        self.rules = None  # the generation config's per-row history (`mmgen.vlm.logits.RuleState`)

@@ -68,8 +68,9 @@ class JanusPipeline(Pipeline):
         from transformers import JanusForConditionalGeneration, JanusProcessor
 
         source = os.fspath(repo_or_path)
+        kwargs.setdefault("trust_remote_code", False)  # never the folder's own code (`auto_map`)
         try:
-            processor = JanusProcessor.from_pretrained(source)
+            processor = JanusProcessor.from_pretrained(source, trust_remote_code=False)
             model = JanusForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
         except OSError as error:
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")

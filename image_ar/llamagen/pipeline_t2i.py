@@ -103,7 +103,7 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
                 raise ValueError("pass `tokenizer` when `text_encoder` is a model object")
             tokenizer = text_encoder
         if not isinstance(tokenizer, PreTrainedTokenizerBase):
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), trust_remote_code=False)
         if not isinstance(text_encoder, T5EncoderModel):
             text_encoder = load_text_encoder(text_encoder)
         return cls(transformer, vq, text_encoder, tokenizer)
@@ -179,7 +179,8 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
 def load_text_encoder(path_or_repo: PathLike) -> T5EncoderModel:
     """A `T5EncoderModel` in float32 from a folder or repo id; every encoder weight must be in
     the checkpoint (a full T5's decoder weights are ignored, as transformers does)."""
-    model, info = T5EncoderModel.from_pretrained(str(path_or_repo), dtype=torch.float32, output_loading_info=True)
+    model, info = T5EncoderModel.from_pretrained(str(path_or_repo), dtype=torch.float32, output_loading_info=True,
+                                                 trust_remote_code=False)
     problems = [f"missing: {k}" for k in info.get("missing_keys", [])] + [
         f"shape mismatch: {m[0] if isinstance(m, tuple) else m}" for m in info.get("mismatched_keys", [])
     ]

@@ -38,6 +38,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, drafter: TokenModel, num_draft: int):
         self.drafter, self.num_draft = drafter, num_draft
         self.forwards, self.first_round = 1, True  # the drafter's prefill
+        self.drafted = self.accepted = 0  # device tensors once a verify ran: no host sync per forward
 
     def start(self, run):
         guidance = run.sampling.uses_guidance
@@ -68,9 +69,12 @@ class DraftModelProposer(Proposer):
     def update(self, run, n_acc, next_token, fresh, p, active):
         self.drafter.rewind(self.state, (run.pos - 1).clamp_min(0))
         self.first_round = False
+        self.drafted = self.drafted + active.sum() * run.num_draft  # the drafts this forward verified
+        self.accepted = self.accepted + (n_acc * active).sum()
 
     def finish(self, stats):
-        stats.extra = DraftCounters(draft_forwards=self.forwards)
+        stats.extra = DraftCounters(draft_forwards=self.forwards, drafted=int(self.drafted),
+                                    accepted_drafts=int(self.accepted))
 
     @property
     def cache_bytes(self):

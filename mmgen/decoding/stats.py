@@ -12,9 +12,9 @@ import torch
 @dataclass
 class DraftCounters:
     """Per-family extra of decoders where a second model proposes (draft-model speculation,
-    continuous speculative decoding): the drafter's forwards, prefill included, and for
-    continuous drafts the tokens `drafted`, the `accepted_drafts` and the residual samples that
-    ran out of rejection rounds (`fallbacks`)."""
+    continuous speculative decoding): the drafter's forwards, prefill included, the tokens
+    `drafted` and verified over all rows, the `accepted_drafts` the acceptance rule kept, and for
+    continuous drafts the residual samples that ran out of rejection rounds (`fallbacks`)."""
 
     draft_forwards: int = 0
     drafted: int = 0

@@ -92,6 +92,19 @@ def test_drafter_equal_to_target_accepts_everything(token_model):
     assert out.stats.accepted_histogram[4] == sum(out.stats.accepted_histogram[1:]) - 2  # all but prefill/last
     assert out.stats.forwards == 1 + 63 // 4 + (63 % 4 > 0)
     assert out.stats.draft_forwards == 1 + 3 * (out.stats.forwards - 1)
+    assert out.stats.drafted == out.stats.accepted_drafts == 2 * 3 * (out.stats.forwards - 1)
+
+
+def test_draft_stats_count_drafted_and_accepted_tokens(token_model):
+    """The draft counters agree with the histogram: each verify scores `num_draft` drafts per
+    row still decoding, and a forward that finalised k tokens kept k - 1 of them (fixed length,
+    no stops; the prefill's entries finalise one token each and verify nothing)."""
+    out = DraftSpeculative(drafter=DRAFTER, num_draft=3).generate(
+        token_model, torch.tensor([1, 4, 6]), 40, SamplingConfig(), torch.Generator().manual_seed(0))
+    stats = out.stats
+    assert stats.drafted == 3 * (sum(stats.accepted_histogram) - 3) and stats.to_dict()["drafted"] == stats.drafted
+    kept = sum((k - 1) * c for k, c in enumerate(stats.accepted_histogram) if k)
+    assert 0 < stats.accepted_drafts == kept < stats.drafted
 
 
 def test_draft_init_copies():

@@ -6,7 +6,9 @@ import torch
 
 from mmgen.cache import CachePolicy, FrameKVCache
 from mmgen.decoding import BlockDenoising, CollaborativeDenoising, FlowSchedule
-from mmgen.video.attention import MaskedSelfAttention, block_causal_mask, processors_installed
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+from mmgen.video.attention import block_causal_mask
 from mmgen.video.model import PromptEmbeddings, WanBlockModel
 from mmgen.video.pipeline import BlockDiffusionVideoPipeline
 from mmgen.video.vae import StreamingDecoder, decode_latents
@@ -24,16 +26,49 @@ def pipe():
     return tiny_video_pipeline()
 
 
+class DiffusersMaskedSelfAttention(WanAttnProcessor):
+    """diffusers' own Wan self-attention (projections, norms, rotary embedding, attention) with a
+    mask: the reference shares no attention code with mmgen's processors."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.mask = mask
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
+        return super().__call__(attn, hidden_states, encoder_hidden_states, self.mask, rotary_emb)
+
+
 def block_causal_reference(transformer, clean, noisy, text, timestep, block):
     """The transformer over [clean frames, noisy block] at once: per-token timesteps (0 on the
-    clean frames) and a block-causal mask, through diffusers' own rotary embedding."""
+    clean frames) and a block-causal mask, every attention through diffusers' `WanAttnProcessor`."""
     b, _, f, h, w = clean.shape
     tokens = (h // 2) * (w // 2)
     seq = torch.cat([clean, noisy], 2)
     t = torch.cat([torch.zeros(b, f * tokens), torch.full((b, noisy.shape[2] * tokens), timestep)], 1).double()
-    mask = block_causal_mask(seq.shape[2], block, tokens)
-    with processors_installed(transformer, lambda i: MaskedSelfAttention(mask)):
+    frame = torch.arange(seq.shape[2]).repeat_interleave(tokens) // block  # each token's block
+    mask = frame[None, :] <= frame[:, None]  # a token sees its own block and earlier ones
+    saved = [blk.attn1.processor for blk in transformer.blocks]
+    try:
+        for blk in transformer.blocks:
+            blk.attn1.set_processor(DiffusersMaskedSelfAttention(mask))
         return transformer(seq, t, encoder_hidden_states=text, return_dict=False)[0][:, :, f:]
+    finally:
+        for blk, processor in zip(transformer.blocks, saved):
+            blk.attn1.set_processor(processor)
+
+
+def test_the_block_causal_reference_is_diffusers_model_when_nothing_is_masked():
+    """With every token visible the reference is the untouched transformer (its own processors)."""
+    torch.manual_seed(2)
+    transformer = tiny_transformer().double()
+    seq = torch.randn(1, 4, 4, 4, 4, dtype=torch.float64)
+    text = torch.randn(1, 5, 16, dtype=torch.float64)
+    t = torch.full((1,), 300.0, dtype=torch.float64)
+    with torch.no_grad():
+        plain = transformer(seq, t, encoder_hidden_states=text, return_dict=False)[0]
+        everything = block_causal_reference(transformer, seq[:, :, :0], seq, text, 300.0, block=4)
+    assert (plain - everything).abs().max() < 1e-12
+    assert block_causal_mask(4, 2, 1).int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
 
 
 @pytest.mark.parametrize("policy", [CachePolicy(), CachePolicy(window=8)])
@@ -138,6 +173,10 @@ def test_rollout_past_the_rotary_table_stays_bounded():
     pipe.transformer = tiny_transformer(rope=6)  # a 6-frame rotary table
     with pytest.raises(ValueError, match="rotary table"):
         pipe(PROMPT, num_frames=29, decode="none", generator=seeded())  # 8 latent frames, global policy
+    with pytest.raises(ValueError, match=r"^8 latent frames overflow the model's rotary table \(6 frames\) under the cache "
+                                         r"policy none: make a shorter video"):  # the no-cache reference feeds all 8
+        pipe(PROMPT, num_frames=29, cache_policy="none", decode="none", generator=seeded())
+    assert torch.isfinite(pipe(PROMPT, num_frames=21, cache_policy="none", decode="none", generator=seeded()).latents).all()
     sizes = {}
     for frames in (29, 61):  # 8 and 16 latent frames, far past the table
         for policy in ("window:2", "sink:1,window:2"):
@@ -196,6 +235,8 @@ def test_euler_schedule_and_save_load(pipe, tmp_path):
     (dict(cache_policy="window:-1"), "cache policy|cache window"),
     (dict(cache_threshold=-1.0), "cache_threshold"),
     (dict(block_frames=0), "block_frames"),
+    (dict(negative_prompt="dog " * 9), "a prompt of 9 tokens .* \\(max_sequence_length 8 tokens\\)"),
+    (dict(prompt_switches={4: "dog " * 20}), "a prompt of 20 tokens"),
 ])
 def test_bad_input_is_a_clear_error_before_any_work(pipe, kwargs, message):
     with pytest.raises(ValueError, match=message):

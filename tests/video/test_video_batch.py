@@ -53,8 +53,10 @@ def test_bad_lines_are_reported_before_any_work(root, tmp_path, capsys):
         {"model": model, "video": "cat", "num_frames": 9, "output": "frames"},
         {"model": model, "video": "cat", "cache_policy": "ring", "output": "policy"},
         {"model": model, "video": "cat", "output": "ok"},
+        {"model": model, "video": "cat face " * 50, "output": "long"},
     ])
     assert main(["batch", str(path), "--out", str(tmp_path / "out"), "--no-progress"]) != 0
     err = capsys.readouterr().err
     assert "line 1" in err and "line 2" in err and "use num_frames 5 or 13" in err and "line 3" in err
+    assert "line 5: a prompt of 100 tokens" in err and "(max_sequence_length 8 tokens)" in err
     assert not (tmp_path / "out" / "ok.mp4").exists()

@@ -56,6 +56,8 @@ def test_collaborative_takes_the_small_model(folders, capsys, tmp_path):
     (["--small", "x"], "are for --decoding collaborative"),
     (["--cache-threshold", "-1"], "--cache-threshold must be >= 0"),
     (["--drop-threshold", "-1"], "--drop-threshold must be >= 0"),
+    (["--prompt", "cat face " * 11000], "a prompt of 22000 tokens (99000 characters) is longer than this model reads "
+                                        "(max_sequence_length 8 tokens)"),
 ])
 def test_bad_input_is_one_line_before_any_work(folders, capsys, tmp_path, argv, message):
     out = tmp_path / "x.mp4"
@@ -73,6 +75,19 @@ def test_existing_and_unwritable_outputs_are_errors(folders, capsys, tmp_path):
     assert code != 0 and "does not exist or is not writable" in err
     code, _, err = run(capsys, "--model", folders / "tiny", "--prompt", "cat", "--out", tmp_path / "a.gif")
     assert code != 0 and ".mp4" in err
+    (tmp_path / "dir.mp4").mkdir()
+    for extra in ([], ["--overwrite"]):  # a folder is the problem, not a missing --overwrite
+        code, _, err = run(capsys, "--model", folders / "tiny", "--prompt", "cat", "--out", tmp_path / "dir.mp4", *extra)
+        assert code == 2 and "dir.mp4 is a folder: name a .mp4 file" in err and "--overwrite" not in err, err
+
+
+def test_stdout_is_for_people_and_the_record_for_json(folders, capsys, tmp_path):
+    code, out, err = run(capsys, "--model", folders / "tiny", "--prompt", "cat", "--out", tmp_path / "a.mp4")
+    assert code == 0 and out.startswith(f"wrote {tmp_path / 'a.mp4'} (13 frames at 8 fps; 2 blocks at")
+    assert len(out.strip().splitlines()) == 1 and json.loads(err.strip().splitlines()[-1])["frames"] == 13
+    code, out, err = run(capsys, "--model", folders / "tiny", "--prompt", "cat", "--out", tmp_path / "b.mp4", "--json")
+    (line,) = out.strip().splitlines()
+    assert code == 0 and json.loads(line)["out"] == str(tmp_path / "b.mp4") and err == ""
 
 
 def test_convert_names_a_missing_checkpoint(capsys, tmp_path):

@@ -127,3 +127,21 @@ def test_continuous_refuses_jobs_it_cannot_run_before_any_work(root, tmp_path, c
         assert f"line {line}: {message}" in err, err
     assert "line 4" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_checks_every_setting_of_every_line(root, tmp_path, capsys):
+    """Budgets and sampling settings are checked per line before any work (at --dry-run too),
+    not when their group runs: a budget past the model's context, or absurd, and every
+    sampling setting out of its range."""
+    model = str(root / "llava")
+    settings = [{"max_new_tokens": 10**12}, {"max_new_tokens": 100_000}, {"top_k": -5}, {"temperature": -1},
+                {"top_p": 5}, {"temperature": 1e308}, {}]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", [{"model": model, "prompt": PROMPTS[0], "output": f"o{i}", **extra}
+                                                for i, extra in enumerate(settings)])
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    for line, message in [(1, "max_new_tokens must be an integer in [1, 1048576]"), (2, "6 tokens + max_new_tokens 100000 exceed the model's context of 2048"),
+                          (3, "top_k must be an integer >= 0"), (4, "temperature must be >= 0"), (5, "top_p must be in (0, 1]"),
+                          (6, "temperature must be at most 100.0")]:
+        assert f"line {line}: " in err and message in err.split(f"line {line}: ")[1].splitlines()[0], err
+    assert "line 7" not in err and not (tmp_path / "out").exists()

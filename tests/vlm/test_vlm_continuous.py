@@ -92,7 +92,7 @@ def test_the_pipeline_answers_each_prompt_as_alone_and_hands_answers_over_as_the
 @pytest.mark.parametrize("options,message", [
     (dict(decoding="sjd"), "fixed draft window"),
     (dict(generators=[make_generator(0)]), "1 generators for 2 prompts"),
-    (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be an integer in \[1, 1048576\]"),
 ])
 def test_bad_continuous_calls_are_clear_errors(options, message):
     pipe = BUILDERS["llava"]()
