@@ -37,7 +37,7 @@ def static(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: 
     forwards, busy, slots = 0, 0, 0
     for start in range(0, len(labels), batch_size):
         group = labels[start : start + batch_size]
-        out = decoder.generate(model, group, num_tokens, sampling, make_generator(seed + start))
+        out = decoder.generate(model, group, num_tokens, sampling, make_generator(seed + start, labels.device))
         forwards += out.stats.forwards
         busy, slots = busy + sum(out.stats.accepted_histogram) - len(group), slots + batch_size * (out.stats.forwards - 1)
     return forwards, busy / slots
@@ -51,7 +51,7 @@ def utilisation(stats, rows: int) -> float:
 
 
 def continuous(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int):
-    requests = [Request(label.reshape(1), make_generator(seed + i)) for i, label in enumerate(labels)]
+    requests = [Request(label.reshape(1), make_generator(seed + i, labels.device)) for i, label in enumerate(labels)]
     return continuous_decode(decoder, model, requests, num_tokens, sampling, batch_size)
 
 
@@ -130,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                 times[mode].append(time.perf_counter() - begun)
         identical = 0
         for i in range(min(args.check, args.requests)):
-            alone = decoder.generate(model, labels[i : i + 1], num_tokens, sampling, make_generator(i))
+            alone = decoder.generate(model, labels[i : i + 1], num_tokens, sampling, make_generator(i, labels.device))
             identical += bool(torch.equal(alone.tokens[0], done[i].tokens))
         row = {"method": spec, "requests": args.requests, "batch_size": args.batch_size, "tokens": num_tokens,
                "identical_to_alone": f"{identical}/{min(args.check, args.requests)}"}
