@@ -8,8 +8,6 @@ A broken acceptance rule fails the same test, so the test can fail.
 """
 
 import itertools
-from dataclasses import dataclass
-
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -19,6 +17,7 @@ from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.sampling import AllTokensMaskedError, IntervalGuidance, Logits, SamplingConfig
 
 from tests.conftest import tiny_transformer
+from tests.speculation import RULE_CASES, AlwaysAccept, ResidualForgotten, rule
 
 ALPHA = 1e-3  # false-alarm rate of each chi-square test (seeds are fixed, so the outcome is too)
 
@@ -98,24 +97,32 @@ SAMPLINGS = {
 }
 
 
+@pytest.mark.parametrize("rule_name,lossless", RULE_CASES)
 @pytest.mark.parametrize("name", sorted(SAMPLINGS))
-def test_batched_sjd_matches_exact_distribution(enumerable, name):
+def test_batched_sjd_matches_exact_distribution(enumerable, name, rule_name, lossless):
     sampling = SAMPLINGS[name]
     seqs, joint = exact_joint(enumerable, 1, sampling)
     n = 6000
     # The fixed window: at 6000 rows the adaptive window's cost model would take AR steps.
-    out = SpeculativeJacobi(window=3, adapt=False).generate(enumerable, torch.full((n,), 1), LENGTH, sampling,
-                                                            torch.Generator().manual_seed(0))
+    acceptance = rule(rule_name)
+    out = SpeculativeJacobi(window=3, adapt=False, acceptance=acceptance).generate(
+        enumerable, torch.full((n,), 1), LENGTH, sampling, torch.Generator().manual_seed(0))
+    assert acceptance.speculated(), acceptance.counts
     assert out.stats.mean_accepted_length > 1.1, "drafts were hardly ever accepted: the test would not exercise SJD"
-    assert chi_square_pvalue(out.tokens, seqs, joint) > ALPHA
+    assert (chi_square_pvalue(out.tokens, seqs, joint) > ALPHA) == lossless
 
 
-def test_batch_one_sjd_matches_exact_distribution(enumerable):
+@pytest.mark.parametrize("rule_name,lossless", RULE_CASES)
+def test_batch_one_sjd_matches_exact_distribution(enumerable, rule_name, lossless):
+    """1500 batch-1 decodes; the fixed window, so that every decode drafts (the adaptive
+    window's own law is tested in tests/core/test_adaptive_window.py)."""
     sampling = SAMPLINGS["cfg+temperature+top_k"]
     seqs, joint = exact_joint(enumerable, 2, sampling)
-    decoder, generator = SpeculativeJacobi(window=4), torch.Generator().manual_seed(1)
+    acceptance = rule(rule_name)
+    decoder, generator = SpeculativeJacobi(window=4, adapt=False, acceptance=acceptance), torch.Generator().manual_seed(1)
     samples = torch.cat([decoder.generate(enumerable, torch.tensor([2]), LENGTH, sampling, generator).tokens for _ in range(1500)])
-    assert chi_square_pvalue(samples, seqs, joint) > ALPHA
+    assert acceptance.speculated(), acceptance.counts
+    assert (chi_square_pvalue(samples, seqs, joint) > ALPHA) == lossless
 
 
 def test_autoregressive_matches_exact_distribution(enumerable):
@@ -123,24 +130,6 @@ def test_autoregressive_matches_exact_distribution(enumerable):
     seqs, joint = exact_joint(enumerable, 0, sampling)
     out = Autoregressive().generate(enumerable, torch.zeros(6000, dtype=torch.long), LENGTH, sampling, torch.Generator().manual_seed(2))
     assert chi_square_pvalue(out.tokens, seqs, joint) > ALPHA
-
-
-@dataclass(frozen=True)
-class AlwaysAccept(ExactAcceptance):
-    """A deliberately wrong rule: every draft passes."""
-
-    def __call__(self, p, q, drafts, generator):
-        accepted, residual = super().__call__(p, q, drafts, generator)
-        return torch.ones_like(accepted), residual
-
-
-@dataclass(frozen=True)
-class ResidualForgotten(ExactAcceptance):
-    """A subtly wrong rule: the right acceptance test, but resampling from p, not max(0, p - q)."""
-
-    def __call__(self, p, q, drafts, generator):
-        accepted, _ = super().__call__(p, q, drafts, generator)
-        return accepted, p
 
 
 def test_distribution_test_detects_a_biased_decoder(enumerable):
@@ -161,12 +150,12 @@ def speculative_step_samples(rule, p, q, n, seed):
     return torch.where(accepted, drafts, resampled)[:, 0]
 
 
-@pytest.mark.parametrize("rule,lossless", [(ExactAcceptance(), True), (ResidualForgotten(), False)])
-def test_acceptance_rule_reproduces_target_for_any_draft_law(rule, lossless):
+@pytest.mark.parametrize("acceptance,lossless", [(ExactAcceptance(), True), (ResidualForgotten(), False)])
+def test_acceptance_rule_reproduces_target_for_any_draft_law(acceptance, lossless):
     p = torch.tensor([0.05, 0.5, 0.1, 0.3, 0.05, 0.0])
     q = torch.tensor([0.4, 0.1, 0.2, 0.1, 0.1, 0.1])
     n = 20000
-    counts = torch.bincount(speculative_step_samples(rule, p, q, n, seed=0), minlength=6).double()
+    counts = torch.bincount(speculative_step_samples(acceptance, p, q, n, seed=0), minlength=6).double()
     if counts[p == 0].sum() > 0:
         pvalue = 0.0
     else:

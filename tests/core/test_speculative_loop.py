@@ -20,6 +20,7 @@ from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, SamplingConfig
 
 from tests.conftest import tiny_transformer
+from tests.speculation import RULE_CASES, rule
 from tests.core.test_decoding import ALPHA, LENGTH, VOCAB, enumerable, exact_joint  # noqa: F401
 
 DRAFTER = LlamaGenTokenModel(tiny_transformer(seed=7))
@@ -110,22 +111,34 @@ def test_stop_tokens_end_rows_and_nothing_after_is_committed_or_emitted(name):
         assert out.stats.forwards == max(expected) and out.stats.step_compression == 1.0
 
 
-@pytest.mark.parametrize("name", ["sjd", "draft", "lookup", "coupled"])
-def test_sampling_with_a_stop_token_matches_exact_distribution(enumerable, name):
-    """Rows end at token 2: the outputs (sequence up to and with its stop) follow the exact law."""
+# Coupled decoding has its own rule (a match of coupled draws) and no residual to get wrong.
+STOP_CASES = [(name, *case) for name in ("sjd", "draft", "lookup") for case in RULE_CASES] + [("coupled", "exact", True)]
+
+
+@pytest.mark.parametrize("name,rule_name,lossless", STOP_CASES)
+def test_sampling_with_a_stop_token_matches_exact_distribution(enumerable, name, rule_name, lossless):
+    """Rows end at token 2: the outputs (sequence up to and with its stop) follow the exact law,
+    and do not under a wrong residual. Fixed windows: at 6000 rows the adaptive window would
+    take AR steps and test nothing speculative."""
     sampling = SamplingConfig(temperature=0.9, guidance=2.0)
     stop = 2
     law = stopped_law(enumerable, sampling, stop)
     n = 6000
+    acceptance = rule(rule_name)
+    drafter = LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11))
     decoder = {
-        "sjd": SpeculativeJacobi(window=3),
-        "draft": DraftSpeculative(drafter=LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11)), num_draft=2),
-        "lookup": PromptLookup(num_draft=2, max_ngram=1),
+        "sjd": SpeculativeJacobi(window=3, adapt=False, acceptance=acceptance),
+        "draft": DraftSpeculative(drafter=drafter, num_draft=2, acceptance=acceptance),
+        "lookup": PromptLookup(num_draft=2, max_ngram=1, adapt=False, acceptance=acceptance),
         "coupled": CoupledJacobi(window=3),
     }[name]
     out = decoder.generate(enumerable, torch.full((n,), 1), LENGTH, sampling, torch.Generator().manual_seed(0),
                            stopping=Stopping(stop_tokens=[stop]))
-    assert_outputs_follow(out, law)
+    if name == "coupled":
+        assert 0 < sum(out.stats.accepted_histogram[2:]) < n * (LENGTH - 1), "coupled drafts were all or never accepted"
+    else:
+        assert acceptance.speculated(), acceptance.counts
+    assert outputs_follow(out, law) == lossless
 
 
 def stopped_law(model, sampling: SamplingConfig, stop=None) -> dict:
@@ -138,15 +151,23 @@ def stopped_law(model, sampling: SamplingConfig, stop=None) -> dict:
     return law
 
 
-def assert_outputs_follow(out, law: dict) -> None:
-    """Chi-square of a decode's rows (each up to its length) against `law`."""
+def outputs_follow(out, law: dict) -> bool:
+    """Whether a decode's rows (each up to its length) pass a chi-square test against `law`
+    (false alarm rate ALPHA; an output outside the law's support fails)."""
     keys = sorted(law)
     counts = dict.fromkeys(keys, 0)
     for row, length in zip(out.tokens.tolist(), out.lengths.tolist()):
-        counts[tuple(row[:length])] += 1  # a key error would be an impossible output
+        key = tuple(row[:length])
+        if key not in counts:
+            return False  # an impossible output
+        counts[key] += 1
     observed = torch.tensor([counts[k] for k in keys], dtype=torch.float64)
     expected = torch.tensor([law[k] for k in keys], dtype=torch.float64) * len(out.tokens)
-    assert chisquare(observed, expected).pvalue > ALPHA
+    return chisquare(observed, expected).pvalue > ALPHA
+
+
+def assert_outputs_follow(out, law: dict) -> None:
+    assert outputs_follow(out, law), "the outputs do not follow the law (chi-square)"
 
 
 def test_queue_streamer_yields_rows_as_they_commit():
@@ -244,28 +265,32 @@ def test_frames_greedy_jacobi_equals_ar():
     assert out.stats.forwards < ar.stats.forwards
 
 
-@pytest.mark.parametrize("name", ["ar", "sjd"])
-def test_frames_sampling_matches_exact_distribution(name):
-    """K = 4 codebooks of 2 tokens, 2 frames: 256 outcomes; per-codebook temperatures."""
-    model = ToyFrameModel()
-    sampling = [SamplingConfig(temperature=t) for t in (1.0, 0.8, 1.2, 1.0)]
-    seqs, joint = exact_frame_joint(model, 1, 2, sampling)
-    n = 8000
-    decoder = Autoregressive() if name == "ar" else SpeculativeJacobi(window=2, adapt=False)  # 8000 rows: fixed
-    out = decoder.generate(model, torch.full((n,), 1), 2, sampling, torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("name,rule_name,lossless", [("ar", "exact", True)] + [("sjd", *case) for case in RULE_CASES])
+def test_frames_sampling_matches_exact_distribution(name, rule_name, lossless):
+    """K = 2 codebooks of 2 tokens, 4 frames: 256 outcomes; per-codebook temperatures. Four
+    frames through a 3-frame window: after the first forward's random drafts, the drafts
+    verified are the frames the previous forward sampled (Jacobi's carried drafts, drawn under
+    another context), where the residual is what keeps the law; the wrong residual fails."""
+    model = ToyFrameModel(num_codebooks=2)
+    sampling = [SamplingConfig(temperature=t) for t in (1.0, 0.8)]
+    length, n = 4, 16000
+    seqs, joint = exact_frame_joint(model, 1, length, sampling)
+    acceptance = rule(rule_name)
+    decoder = Autoregressive() if name == "ar" else SpeculativeJacobi(window=3, adapt=False, acceptance=acceptance)
+    out = decoder.generate(model, torch.full((n,), 1), length, sampling, torch.Generator().manual_seed(0))
     if name == "sjd":
-        # A random frame of 4 codebooks passes whole about 1 time in 16; the rest exercise the
-        # partly accepted frame (kept codebooks, one resample, the target's own samples after).
-        assert out.stats.accepted_histogram[2] > 0.03 * n, "drafted frames were hardly ever accepted"
-    weights = 2 ** torch.arange(8).flip(0)
+        assert acceptance.speculated(), acceptance.counts
+        # Forwards that accepted both drafted frames, and some that accepted one: carried frames pass too.
+        assert min(out.stats.accepted_histogram[2:]) > 0.03 * n, out.stats.accepted_histogram
+    weights = 2 ** torch.arange(length * 2).flip(0)
     codes = (out.tokens.reshape(n, -1) * weights).sum(-1)
     order = (seqs.reshape(len(seqs), -1) * weights).sum(-1)
-    observed = torch.bincount(codes, minlength=256).double()[order]
+    observed = torch.bincount(codes, minlength=len(seqs)).double()[order]
     expected = joint * n
     small = expected < 5
     obs = torch.cat([observed[~small], observed[small].sum().reshape(1)])
     exp = torch.cat([expected[~small], expected[small].sum().reshape(1)])
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
+    assert (chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA) == lossless
 
 
 # ------------------------------------------------------------------------------------------

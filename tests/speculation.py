@@ -1,0 +1,111 @@
+"""What a test that calls a speculative method exact needs besides the law it checks: proof
+that the method speculated in that run (drafts judged both ways), and wrong rules that the
+same test must reject (negative controls; vLLM tests its rejection sampler the same way).
+
+An adaptive window can turn a distribution test into a test of plain autoregression (at
+thousands of rows its cost model takes AR steps), and a drafter that never agrees with its
+target never exercises the residual: a test passes then whatever the rule does. So each such
+test decodes with a counting rule, asserts `speculated()`, and runs once more with a rule
+from `WRONG_RULES`, expecting its check to fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mmgen.decoding import DraftSpeculative, ExactAcceptance, SpeculativeJacobi
+
+
+@dataclass(frozen=True)
+class CountingAcceptance(ExactAcceptance):
+    """The exact rule, counting its decisions up to each row's first rejection: `counts`
+    ["accepted"] drafts that passed, ["rejected"] first rejections (frames: per codebook, in
+    the loop's flattened order). Rows that had finished are counted too (they idle with fixed
+    shapes), so decode enough live rows for the counts to mean something. A wrong rule below
+    counts the exact rule's decisions on the same draws, then corrupts them."""
+
+    counts: dict = field(default_factory=lambda: {"accepted": 0, "rejected": 0}, compare=False)
+
+    def __call__(self, p, q, drafts, generator):
+        accepted, residual = super().__call__(p, q, drafts, generator)
+        passed = accepted.long().cumprod(-1)
+        self.counts["accepted"] += int(passed.sum())
+        self.counts["rejected"] += int((passed.sum(-1) < accepted.shape[-1]).sum())
+        return self.corrupt(accepted, residual, p)
+
+    def corrupt(self, accepted, residual, p):
+        return accepted, residual
+
+    def speculated(self) -> bool:
+        """Whether drafts were both accepted and rejected."""
+        return self.counts["accepted"] > 0 and self.counts["rejected"] > 0
+
+
+@dataclass(frozen=True)
+class ResidualForgotten(CountingAcceptance):
+    """A subtly wrong rule: the right acceptance test, but resampling from p, not max(0, p - q)."""
+
+    def corrupt(self, accepted, residual, p):
+        return accepted, p
+
+
+@dataclass(frozen=True)
+class AlwaysAccept(CountingAcceptance):
+    """A deliberately wrong rule: every draft passes."""
+
+    def corrupt(self, accepted, residual, p):
+        return torch.ones_like(accepted), residual
+
+
+#: The negative controls: a distribution test that passes under one of these cannot fail.
+WRONG_RULES = {"residual-forgotten": ResidualForgotten, "always-accept": AlwaysAccept}
+#: Parametrisation for a distribution test: (rule name, whether the decode must follow the law).
+RULE_CASES = [("exact", True), ("residual-forgotten", False)]
+
+
+def rule(name: str) -> CountingAcceptance:
+    """A fresh counting rule by name: "exact" or one of `WRONG_RULES`."""
+    return CountingAcceptance() if name == "exact" else WRONG_RULES[name]()
+
+
+class Tempered:
+    """A token model whose logits are another's divided by `temperature`: a drafter that agrees
+    with its target on which tokens are likely but not on how likely, so some of its drafts are
+    accepted and some rejected, and the residual at a rejection matters."""
+
+    def __init__(self, model, temperature: float):
+        self.model, self.temperature = model, temperature
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def _scaled(self, logits):
+        from mmgen.sampling import Logits
+
+        if isinstance(logits, Logits):
+            return Logits(logits.cond / self.temperature, None if logits.uncond is None else logits.uncond / self.temperature)
+        return logits / self.temperature
+
+    def start(self, conditions, capacity, guidance):
+        state = self.model.start(conditions, capacity, guidance)
+        state.first_logits = self._scaled(state.first_logits)
+        return state
+
+    def forward(self, state, tokens):
+        return self._scaled(self.model.forward(state, tokens))
+
+    def commit(self, state, accepted):
+        self.model.commit(state, accepted)
+
+    def rewind(self, state, n):
+        self.model.rewind(state, n)
+
+
+def pinned_decoder(name: str, acceptance: CountingAcceptance, target, window: int = 3):
+    """A speculative decoder for a distribution test that always drafts: `sjd` with a fixed
+    `window`, or `draft` with 2 drafts from `target` itself at 8x its temperature (`Tempered`)."""
+    if name == "draft":
+        return DraftSpeculative(drafter=Tempered(target, 8.0), num_draft=2, acceptance=acceptance)
+    return SpeculativeJacobi(window=window, adapt=False, acceptance=acceptance)
