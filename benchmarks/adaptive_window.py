@@ -1,15 +1,26 @@
-"""Whole decodes: autoregressive, a fixed Jacobi window and the adaptive window, side by side.
+"""The adaptive window against the window a user would pick with hindsight: whole decodes with
+autoregressive steps, the adaptive `sjd` (the default) and fixed Jacobi windows swept over
+2-16 tokens, on one model, in one process.
 
-The worst case is a model whose drafts are never accepted: LlamaGen GPT-B with random weights
-drawn at std 0.05 (12 x 768 trunk, 16k codes: the size of the issue's random Janus), where a
-fixed window pays a verify forward for one token. With LlamaGen's own init the same random
-model is a best case (its law barely depends on the context). The good case is the bundled, trained `emoji64`. Methods are
-decoded in turn within each repeat (interleaved), medians reported; every row also gives the
-policy's cost model with the token cost measured here on this model (forwards weighted by
-1 + beta * drafts, in AR steps per token), and the measured figure itself.
+Cases (`--case`): LlamaGen GPT-B with random weights and LlamaGen's own init (a zero output
+head: the law ignores the context, so drafts pass; the good case), the same with every weight
+redrawn at std 0.05 (nothing is accepted: the worst case) or 0.02 (acceptance comes and goes
+within a decode), and the bundled, trained `emoji64`. `--sampling greedy` decodes with top-k 1
+under the model's own guidance, `model` with the model's own sampling (LlamaGen's official
+top-k 2000, CFG 4 for the random presets).
 
-    python -m benchmarks.adaptive_window --model random:GPT-B --init-std 0.05 --tokens 256 --repeats 2
-    python -m benchmarks.adaptive_window --model emoji64 --repeats 5
+Methods are decoded in turn within each repeat (interleaved; a dropped warm-up round first),
+medians reported with min-max. Every forward is timed by its width while the decodes run, which
+gives this model's cost curve on this machine and thread count (width -> forward time over
+width 1, printed with the linear model's token cost it implies); "modelled" columns weigh each
+decode's forwards by that curve, so they are exact for its choices and free of the box's load.
+At batch 1 a row "sjd, measured curve" runs the adaptive window with the curve measured in the
+warm-up round, as a model that carries its `window_cost` would (the default row runs the linear
+model with the CPU's default token cost).
+
+    python -m benchmarks.adaptive_window --case gpt-b --sampling greedy --tokens 256 --repeats 3 --threads 1
+    python -m benchmarks.adaptive_window --case gpt-b-barren --tokens 256 --repeats 2 --threads 1
+    python -m benchmarks.adaptive_window --case emoji64 --repeats 5 --threads 2
 """
 
 from __future__ import annotations
@@ -17,15 +28,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections import defaultdict
 from typing import Optional
 
 import torch
 
+from benchmarks.window_cost import timed_forwards
 from mmgen.decoding import resolve_decoder
-from mmgen.decoding.window import draft_cost
+from mmgen.decoding.window import interpolate_cost, window_cost_key
 from mmgen.sampling import IntervalGuidance, SamplingConfig
 
-METHODS = ["ar", "sjd:adapt=false", "sjd"]
+#: --case -> (model, init std): see the module docstring.
+CASES = {"gpt-b": ("random:GPT-B", 0.0), "gpt-b-partial": ("random:GPT-B", 0.02),
+         "gpt-b-barren": ("random:GPT-B", 0.05), "emoji64": ("emoji64", 0.0)}
+SWEEP = (2, 4, 8, 16)
 
 
 def build(model: str, device: str, init_std: float = 0.0):
@@ -33,7 +49,7 @@ def build(model: str, device: str, init_std: float = 0.0):
     preset. LlamaGen's own init (std 0.02, a zero output head) gives a law that barely depends
     on the context, so Jacobi's carried drafts are accepted (a best case); `init_std` > 0
     redraws every linear and embedding weight from N(0, init_std^2), which makes the law
-    depend on the whole context and nothing is accepted (the worst case; 0.05 is enough)."""
+    depend on the whole context (0.05: nothing is accepted, the worst case)."""
     if model.startswith("random:"):
         from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
         from mmgen.image_ar.llamagen.token_model import LlamaGenTokenModel
@@ -52,85 +68,125 @@ def build(model: str, device: str, init_std: float = 0.0):
     return pipe.token_model(), pipe.sampling_config(None, None, None, None, None), pipe.transformer.config.block_size, pipe.num_classes
 
 
-def measured_token_cost(token_model, labels: torch.Tensor, sampling: SamplingConfig, window: int = 16,
-                        repeats: int = 5) -> float:
-    """rho of `AdaptiveWindow` for this model and machine: the median cost of a `window`-token
-    forward over a 1-token one (interleaved, cache half full, nothing committed), as
-    1 + (window - 1) beta with beta = rho R / (1 + rho R)."""
-    import time
+#: The adaptive window run with the cost curve this run measured in its warm-up round (batch 1:
+#: what a model that carries its `window_cost` gets) instead of the linear default.
+MEASURED = "sjd, measured curve"
 
-    capacity = 2 * window + 64
-    state = token_model.start(labels, capacity, sampling.uses_guidance)
-    feeds = {n: torch.zeros(len(labels), n, dtype=torch.long, device=labels.device) for n in (1, window)}
-    times: dict[int, list[float]] = {1: [], window: []}
-    for r in range(repeats + 1):
-        for n, feed in feeds.items():
-            start = time.perf_counter()
-            token_model.forward(state, feed)
-            if r:
-                times[n].append(time.perf_counter() - start)
-    ratio = statistics.median(times[window]) / statistics.median(times[1])
-    beta = max(ratio - 1, 0.0) / (window - 1)
-    rows = len(labels) * (2 if sampling.uses_guidance else 1)
-    return beta / max(1 - beta, 1e-6) / rows
+
+def methods(sweep: tuple[int, ...], extra: list[str], batch_size: int) -> list[str]:
+    """AR first (the baseline), the adaptive default (and, at batch 1, with the measured curve),
+    the fixed windows, then `extra` specs."""
+    return ["ar", "sjd", *([MEASURED] if batch_size == 1 else []), *(f"sjd:adapt=false,window={w}" for w in sweep), *extra]
+
+
+def curve_of(times: dict[int, list[float]]) -> dict[int, float]:
+    """Forward time by width over width 1's (medians)."""
+    base = statistics.median(times[1])
+    return {w: statistics.median(t) / base for w, t in sorted(times.items())}
+
+
+def linear_token_cost(curve: dict[int, float], rows_fed: int) -> float:
+    """The `token_cost` (rho) of the linear model whose widest forward costs what the curve says."""
+    width = max(curve)
+    beta = max(curve[width] - 1, 0.0) / max(width - 1, 1)
+    return beta / max(1 - beta, 1e-6) / rows_fed
+
+
+def modelled(stats, curve: dict[int, float], window: int) -> float:
+    """A decode's forwards in AR steps per token under `curve` (the prefill counts one)."""
+    drafts = stats.drafts_per_forward or [window - 1] * (stats.forwards - 1)
+    return (1 + sum(interpolate_cost(curve, d + 1) for d in drafts)) / stats.tokens
 
 
 @torch.no_grad()
-def main(argv: Optional[list[str]] = None) -> list[dict]:
+def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="emoji64", help="a bundled LlamaGen model or random:PRESET (e.g. random:GPT-B)")
-    parser.add_argument("--methods", nargs="+", default=METHODS, help="decoding specs")
-    parser.add_argument("--init-std", type=float, default=0.0, help="random presets: std of every weight (0: LlamaGen's own init)")
+    parser.add_argument("--case", choices=sorted(CASES), default="emoji64")
+    parser.add_argument("--model", help="instead of --case: a bundled LlamaGen model or random:PRESET")
+    parser.add_argument("--init-std", type=float, default=0.0, help="with --model random:PRESET (0: LlamaGen's own init)")
+    parser.add_argument("--sampling", choices=("model", "greedy"), default="model")
+    parser.add_argument("--sweep", type=int, nargs="+", default=list(SWEEP), help="fixed windows to compare")
+    parser.add_argument("--methods", nargs="*", default=[], help="more decoding specs")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=0, help="tokens per image (0: the model's own)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    token_model, sampling, length, classes = build(args.model, args.device, args.init_std)
+    model_name, init_std = (args.model, args.init_std) if args.model else CASES[args.case]
+    token_model, sampling, length, classes = build(model_name, args.device, init_std)
+    if args.sampling == "greedy":
+        sampling = SamplingConfig(top_k=1, guidance=sampling.guidance)
     tokens = args.tokens or length
-    decoders = {m: resolve_decoder(m) for m in args.methods}
-    runs: dict[str, list] = {m: [] for m in args.methods}
-    for r in range(args.repeats + 1):  # the first round warms up and is dropped
+    specs = methods(tuple(args.sweep), args.methods, args.batch_size)
+    decoders = {m: resolve_decoder("sjd" if m == MEASURED else m) for m in specs}
+    runs: dict[str, list] = {m: [] for m in specs}
+    times: dict[int, list[float]] = defaultdict(list)
+    warm_up: dict[int, list[float]] = defaultdict(list)
+    for r in range(args.repeats + 1):  # the first round warms up (and measures the curve the measured row uses)
         labels = torch.tensor([(r * args.batch_size + i) % classes for i in range(args.batch_size)], device=args.device)
-        for method, decoder in decoders.items():
-            out = decoder.generate(token_model, labels, tokens, sampling, torch.Generator(args.device).manual_seed(r))
+        for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
+            measured = {window_cost_key(torch.device(args.device).type): curve_of(warm_up)} if r and spec == MEASURED else None
+            token_model.window_cost = measured
+            with timed_forwards(type(token_model), times if r else warm_up):
+                out = decoders[spec].generate(token_model, labels, tokens, sampling, torch.Generator(args.device).manual_seed(r))
             if r:
-                runs[method].append(out.stats)
-    rho = measured_token_cost(token_model, labels, sampling)
+                runs[spec].append(out.stats)
+        token_model.window_cost = None
+    if MEASURED in runs and not runs[MEASURED]:
+        del runs[MEASURED]
+    curve = curve_of(times)
     rows_fed = args.batch_size * (2 if sampling.uses_guidance else 1)
-    ar_seconds = statistics.median(s.wall_time_s for s in runs[args.methods[0]])
-    rows = []
-    beta = draft_cost(rho, rows_fed)
-    for method, stats in runs.items():
-        seconds = statistics.median(s.wall_time_s for s in stats)
-        window = getattr(decoders[method], "window", 1)
-        modelled = statistics.median(
-            (1 + sum(1 + beta * d for d in (s.drafts_per_forward or [window - 1] * (s.forwards - 1)))) / s.tokens
-            for s in stats)
-        rows.append({
-            "method": method, "token_cost": rho, "seconds": seconds, "speedup_vs_first": ar_seconds / seconds,
+    rows = {}
+    for spec, stats in runs.items():
+        window = getattr(decoders[spec], "window", 1)
+        rows[spec] = {
+            "seconds": statistics.median(s.wall_time_s for s in stats),
+            "spread": [min(s.wall_time_s for s in stats), max(s.wall_time_s for s in stats)],
             "forwards": statistics.median(s.forwards for s in stats),
             "step_compression": statistics.median(s.step_compression for s in stats),
-            "modelled_cost_per_token": modelled,
-            "drafts_per_forward": statistics.median(statistics.mean(s.drafts_per_forward) for s in stats) if stats[0].drafts_per_forward else window - 1,
-            "spread_seconds": [min(s.wall_time_s for s in stats), max(s.wall_time_s for s in stats)],
-        })
-    print(f"\n{args.model}, batch {args.batch_size}, {tokens} tokens, {args.repeats} repeats, threads {torch.get_num_threads()}; "
-          f"measured token cost rho = {rho:.3f} (16-token verify = {1 + 15 * beta:.2f}x an AR step)")
-    print("| method | s / decode (min-max) | vs first | forwards | step compression | mean drafts | modelled AR steps / token |")
+            "mean_drafts": statistics.median(statistics.mean(s.drafts_per_forward) if s.drafts_per_forward else window - 1
+                                             for s in stats),
+            "modelled": statistics.median(modelled(s, curve, window) for s in stats),
+        }
+    fixed = [s for s in runs if s.startswith("sjd:adapt=false")]
+    best = min(fixed, key=lambda s: rows[s]["seconds"])
+    best_modelled = min(fixed, key=lambda s: rows[s]["modelled"])
+    ar = rows["ar"]
+    summary = {"best_fixed": best, "best_fixed_modelled": best_modelled}
+    for name in ("sjd", MEASURED):
+        if name in rows:
+            key = "adaptive" if name == "sjd" else "measured"
+            summary[f"{key}_vs_best_fixed"] = rows[name]["seconds"] / rows[best]["seconds"]
+            summary[f"{key}_vs_ar"] = rows[name]["seconds"] / ar["seconds"]
+            summary[f"{key}_vs_best_fixed_modelled"] = rows[name]["modelled"] / rows[best_modelled]["modelled"]
+            summary[f"{key}_vs_ar_modelled"] = rows[name]["modelled"] / ar["modelled"]
+    name = args.model or args.case
+    print(f"\n{name} ({model_name}, init std {init_std}), {args.sampling} sampling, batch {args.batch_size}, {tokens} tokens, "
+          f"{args.repeats} repeats, threads {torch.get_num_threads()}")
+    print("cost curve (forward time by width over width 1): "
+          + ", ".join(f"{w}: {c:.2f}" for w, c in curve.items())
+          + f"; as a linear model's token cost: {linear_token_cost(curve, rows_fed):.3f}")
+    print("| method | s / decode (min-max) | vs AR | forwards | step compression | mean drafts | modelled AR steps / token |")
     print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        lo, hi = row["spread_seconds"]
-        print(f"| {row['method']} | {row['seconds']:.2f} ({lo:.2f}-{hi:.2f}) | {row['speedup_vs_first']:.2f}x | {row['forwards']:.0f} "
-              f"| {row['step_compression']:.2f}x | {row['drafts_per_forward']:.1f} | {row['modelled_cost_per_token']:.2f} |")
+    for spec, row in rows.items():
+        lo, hi = row["spread"]
+        print(f"| {spec} | {row['seconds']:.2f} ({lo:.2f}-{hi:.2f}) | {ar['seconds'] / row['seconds']:.2f}x | {row['forwards']:.0f} "
+              f"| {row['step_compression']:.2f}x | {row['mean_drafts']:.1f} | {row['modelled']:.3f} |")
+    for key, name in (("adaptive", "adaptive sjd"), ("measured", "adaptive sjd with the measured curve")):
+        if f"{key}_vs_ar" in summary:
+            print(f"{name}: {summary[f'{key}_vs_best_fixed']:.3f}x the time of the best fixed window ({best}), "
+                  f"{summary[f'{key}_vs_ar']:.3f}x AR's; modelled {summary[f'{key}_vs_best_fixed_modelled']:.3f}x the best "
+                  f"({best_modelled}), {summary[f'{key}_vs_ar_modelled']:.3f}x AR")
+    result = {"case": name, "model": model_name, "init_std": init_std, "sampling": args.sampling, "batch_size": args.batch_size,
+              "tokens": tokens, "threads": torch.get_num_threads(), "curve": curve, "rows": rows, "summary": summary}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return rows
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

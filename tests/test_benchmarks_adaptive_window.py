@@ -1,4 +1,6 @@
-"""`benchmarks/adaptive_window.py` on the bundled emoji64, one repeat: the rows it reports."""
+"""`benchmarks/adaptive_window.py` on the bundled emoji64, one repeat: the rows it reports (the
+adaptive window with the linear default and with the curve its warm-up measured), the cost
+curve it measures and the comparison with the best fixed window of its sweep."""
 
 import json
 
@@ -7,13 +9,18 @@ import pytest
 from benchmarks.adaptive_window import main
 
 
-def test_rows_for_ar_fixed_and_adaptive(tmp_path, capsys):
-    rows = main(["--model", "emoji64", "--repeats", "1", "--threads", "1", "--methods", "ar", "sjd:adapt=false", "sjd",
-                 "--json", str(tmp_path / "rows.json")])
-    by = {r["method"]: r for r in rows}
-    assert by["ar"]["forwards"] == 64 and by["ar"]["speedup_vs_first"] == 1.0 and by["ar"]["modelled_cost_per_token"] == pytest.approx(1.0)
-    assert by["sjd:adapt=false"]["drafts_per_forward"] == 15 and by["sjd:adapt=false"]["step_compression"] > 1
-    assert 0 < by["sjd"]["drafts_per_forward"] <= 15  # adaptive by default
-    assert 0 < by["ar"]["token_cost"] < 1
-    assert json.loads((tmp_path / "rows.json").read_text()) == rows
-    assert "| sjd:adapt=false |" in capsys.readouterr().out
+def test_rows_curve_and_summary(tmp_path, capsys):
+    result = main(["--case", "emoji64", "--repeats", "1", "--threads", "1", "--sweep", "4", "16", "--tokens", "32",
+                   "--json", str(tmp_path / "result.json")])
+    rows = result["rows"]
+    assert list(rows) == ["ar", "sjd", "sjd, measured curve", "sjd:adapt=false,window=4", "sjd:adapt=false,window=16"]
+    assert rows["ar"]["forwards"] == 32 and rows["ar"]["modelled"] == pytest.approx(1.0)
+    assert rows["sjd:adapt=false,window=16"]["mean_drafts"] == 15 and rows["sjd:adapt=false,window=16"]["step_compression"] > 1
+    assert 0 <= rows["sjd"]["mean_drafts"] <= 15  # adaptive by default
+    assert result["curve"][1] == 1.0 and set(result["curve"]) >= {1, 4, 16}  # every width that ran, timed
+    summary = result["summary"]
+    assert summary["best_fixed"] in rows and summary["adaptive_vs_ar"] == pytest.approx(rows["sjd"]["seconds"] / rows["ar"]["seconds"])
+    assert summary["measured_vs_ar_modelled"] == pytest.approx(rows["sjd, measured curve"]["modelled"])
+    assert json.loads((tmp_path / "result.json").read_text())["summary"] == summary
+    out = capsys.readouterr().out
+    assert "| sjd:adapt=false,window=4 |" in out and "the best fixed window" in out

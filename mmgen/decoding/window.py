@@ -7,6 +7,11 @@ window narrower than the decoder's may pay best. `AdaptiveWindow` picks each for
 count from a ladder (0, 1, 3, 7, 15, ...: windows of 1, 2, 4, 8, 16) by the tokens per unit of
 cost it has measured there, falls back to autoregressive steps (0 drafts) when drafting pays
 less than they do, and probes a neighbouring width now and then so a decode can move back.
+It widens as fast as the evidence allows: a forward that accepts its whole window shows the
+window, not the model, held it back, and the window jumps to the widest at once. Acceptance
+comes in phases within one decode (a barren stretch, then a run the model repeats, where
+every draft passes), so from autoregressive steps it probes one draft often, at a bounded
+share of their cost, and follows a phase change within a few forwards.
 The choice depends only on what earlier forwards finalised, never on the current draws, so
 every rule stays exactly as lossless as with a fixed window (tested).
 
@@ -60,19 +65,29 @@ class AdaptiveWindow:
     counts it may choose (None: 0, 1, 3, 7, ... up to the decoder's own, so a compiled step
     meets few shapes). `start_cost`: it starts at the widest width whose forward costs at most
     this many AR steps with nothing accepted (the first forwards are all a short decode has: a
-    4-token answer never amortises a 16-token window), and grows one width each time a forward
-    finalises at least half of its drafts, until the widest or until a width does not pay (on a
-    GPU, where a draft costs next to nothing, it starts at the widest; where one draft costs
-    more, it starts with autoregressive steps and probes a 2-token window after `dwell`).
-    `dwell`: forwards measured before a width is judged (Jacobi's first forwards have no
-    carried drafts, and its gains come in bursts).
-    `probe_every`: forwards at the chosen width before a probe of a neighbouring width (the
-    wait doubles after each probe that did not pay).
-    `decay`: weight of older forwards in a width's running figure. A width that pays less than
-    autoregressive steps gives way to the next narrower one, or straight to autoregressive
-    steps when it finalised fewer than 1 + `barren` tokens per forward. Worst case (nothing
-    accepted): `dwell` forwards at the starting width (at most `start_cost` AR steps each), then
-    `dwell`-forward probes of a 2-token window after 32, 64, 128, ... autoregressive steps.
+    4-token answer never amortises a 16-token window; where even one draft costs more, it
+    starts with autoregressive steps).
+
+    Widening follows the evidence: while it grows, a forward that finalises at least half of
+    its drafts widens the window one width, and one that accepts all of them (the window, not
+    the model, limited it) widens it `jump` widths at once; if the first two judged forwards
+    after a jump are barren, it was luck, and the window goes back. The first forward after a
+    widening holds fresh drafts in its new slots and is not judged (`warmup`). After `dwell` judged
+    forwards a width that pays less than autoregressive steps gives way to the next narrower
+    one, or straight to autoregressive steps when it finalised fewer than 1 + `barren` tokens
+    per forward; it also gives way to the next narrower one when that one, cut to its own width
+    in the same forwards, would have paid more than 1 + `margin` times as much (the estimate
+    flatters narrow Jacobi windows, whose deeper drafts the wide one refined: hence the margin).
+    A width that pays is probed against its neighbours every `probe_every`
+    forwards (`dwell` forwards each; the wait doubles after each probe that did not pay); a
+    probe that pays moves there, and one upwards resumes growing.
+
+    Acceptance comes in phases (a decode's barren stretch, then a run the model repeats), so
+    autoregressive steps probe one draft often: `probe_len` forwards each time `probe_len`
+    forwards' worth of one draft's extra cost adds up to `probe_cost` of the AR steps between
+    (with nothing accepted, the probes cost about that fraction; every 8 steps at one draft =
+    1.074 AR steps). Any accepted draft in a probe beats AR steps and starts the growth.
+    `decay`: weight of older forwards in a width's running figure.
     """
 
     token_cost: Optional[float] = None
@@ -82,6 +97,11 @@ class AdaptiveWindow:
     probe_every: int = 32
     decay: float = 0.95
     barren: float = 0.1
+    jump: int = 3
+    warmup: int = 1
+    probe_len: int = 2
+    probe_cost: float = 0.02
+    margin: float = 0.15
 
     def __post_init__(self):
         if self.token_cost is not None and not (math.isfinite(self.token_cost) and self.token_cost >= 0):
@@ -92,10 +112,14 @@ class AdaptiveWindow:
             raise ValueError(f"barren must be a finite number >= 0, got {self.barren!r}")
         if not (math.isfinite(self.start_cost) and self.start_cost >= 1):
             raise ValueError(f"start_cost must be a number >= 1 (AR steps), got {self.start_cost!r}")
-        for name in ("dwell", "probe_every"):
+        if not (math.isfinite(self.margin) and self.margin >= 0):
+            raise ValueError(f"margin must be a finite number >= 0, got {self.margin!r}")
+        if not (math.isfinite(self.probe_cost) and self.probe_cost > 0):
+            raise ValueError(f"probe_cost must be a fraction > 0 of the AR steps, got {self.probe_cost!r}")
+        for name, least in (("dwell", 1), ("probe_every", 1), ("jump", 1), ("warmup", 0), ("probe_len", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.widths is not None and (not self.widths or any(int(w) != w or w < 0 for w in self.widths)):
             raise ValueError(f"widths must be draft counts >= 0, got {self.widths!r}")
 
@@ -188,32 +212,46 @@ class WindowChooser:
     """One decode's figures and choices: `choose()` before a forward, `observe(tokens)` after it
     with the mean tokens each active row finalised. Levels index `widths`; level 0 is
     autoregressive, worth 1 token per unit of cost by definition. A width's figure is a ratio
-    of decayed sums (tokens over cost): Jacobi's gains come in bursts (a run of 1-token
-    forwards, then 13 tokens at once), which a ratio over ~20 forwards weighs right."""
+    of decayed sums (tokens over cost): Jacobi's gains come in bursts (a forward that accepts
+    its whole window, then one whose drafts are all fresh), which a ratio over ~20 forwards
+    weighs right."""
 
     def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float]):
         self.policy, self.widths, self.cost = policy, widths, cost
-        # The width decoding runs at: it starts at the widest one within `start_cost` and grows
-        # while forwards accept half their drafts (`growing`). Where even one draft costs more,
-        # it starts with autoregressive steps and probes one draft after `dwell` of them.
+        self.top = len(widths) - 1
         self.home = [level for level, c in enumerate(cost) if c <= policy.start_cost][-1]
-        self.growing = self.home < len(widths) - 1
+        self.growing = self.home < self.top
         self.level = self.home  # this forward's
-        self.sums, self.forwards, self.measured = [0.0, 0.0], 0.0, 0  # decayed (tokens, cost, forwards) at home
+        self.warm = 0  # forwards left whose new slots still hold fresh drafts (not judged)
+        self.jumped_from: Optional[int] = None  # the home before a jump, until two forwards confirm it
+        self._reset()
         self.trial: Optional[list] = None  # [level, forwards left, tokens, cost] while probing
-        self.interval = policy.probe_every  # doubles after each probe that did not pay
-        self.since_probe, self.upward = (self.interval - policy.dwell if self.home == 0 else 0), False
+        self.interval = policy.probe_every  # between probes of a drafting home; doubles after each that did not pay
+        self.upward = False  # the last probe's direction (they alternate)
+        # Between probes of one draft from autoregressive steps: they cost `probe_cost` of the steps.
+        extra = policy.probe_len * (cost[1] - 1) if len(cost) > 1 else 0.0
+        self.ar_interval = max(1, math.ceil(extra / policy.probe_cost))
+        # Starting with AR steps, the first probe comes after `dwell` of them (a short answer may accept).
+        self.since_probe = max(0, self.ar_interval - policy.dwell) if self.home == 0 else 0
         self.chosen: list[int] = []
+
+    def _reset(self) -> None:
+        self.sums, self.forwards, self.measured = [0.0, 0.0], 0.0, 0  # decayed (tokens, cost, forwards) at home
+        self.below = [0.0, 0.0]  # decayed (tokens, cost) the next narrower width would have had in home's forwards
 
     def value(self) -> float:
         """Tokens per unit of cost at home (1.0 for autoregressive steps)."""
         return 1.0 if self.home == 0 else self.sums[0] / max(self.sums[1], 1e-9)
 
     def choose(self) -> int:
-        if self.trial is None and self.since_probe >= self.interval and len(self.widths) > 1:
-            down, up = self.home - 1, self.home + 1
-            self.upward = (not self.upward or down < 0) and up < len(self.widths)
-            self.trial = [up if self.upward else down, self.policy.dwell, 0.0, 0.0]
+        if self.trial is None and len(self.widths) > 1:
+            if self.home == 0 and self.since_probe >= self.ar_interval:
+                self.trial = [1, self.policy.probe_len, 0.0, 0.0]
+            elif self.home > 0 and self.since_probe >= self.interval:
+                down, up = self.home - 1, self.home + 1
+                self.upward = up <= self.top and (not self.upward or down < 1)
+                level = up if self.upward else down
+                self.trial = [level, self.policy.dwell + (self.policy.warmup if self.upward else 0), 0.0, 0.0]
         self.level = self.trial[0] if self.trial is not None else self.home
         self.chosen.append(self.widths[self.level])
         return self.chosen[-1]
@@ -227,37 +265,77 @@ class WindowChooser:
     def observe(self, tokens: Optional[float]) -> None:
         """After a forward: the mean tokens each active row finalised (None where not
         `measuring`)."""
-        cost = self.cost[self.level]
-        if self.trial is not None:  # a probe, judged once it has run `dwell` forwards
-            self.trial[1:] = [self.trial[1] - 1, self.trial[2] + tokens, self.trial[3] + cost]
-            if self.trial[1] == 0:
-                level, tokens_sum, cost_sum = self.trial[0], self.trial[2], self.trial[3]
-                self.trial, self.since_probe = None, 0
-                if tokens_sum / cost_sum > self.value():
-                    self.home, self.sums, self.forwards, self.measured = level, [tokens_sum, cost_sum], float(self.policy.dwell), self.policy.dwell
-                    self.interval = self.policy.probe_every
-                else:
-                    self.interval *= 2
+        if self.trial is not None:
+            self._probe(tokens)
             return
         self.since_probe += 1
         if self.home == 0:
             return
-        if self.growing and tokens >= 1 + self.widths[self.home] / 2:  # half the drafts passed: widen
-            self.home += 1
-            self.growing = self.home < len(self.widths) - 1
-            self.sums, self.forwards, self.measured, self.since_probe = [0.0, 0.0], 0.0, 0, 0
+        drafts = self.widths[self.home]
+        if self.growing and tokens >= 1 + drafts / 2:  # half the drafts passed (all: the window limited it): widen
+            home, jump = self.home, (self.policy.jump if tokens >= 1 + drafts else 1)
+            self._move(min(self.top, home + jump), growing=True)
+            self.jumped_from = home if jump > 1 else None
+            return
+        if self.warm > 0:  # the new slots' fresh drafts: not this width's figure
+            self.warm -= 1
             return
         keep = self.policy.decay
-        self.sums = [keep * self.sums[0] + tokens, keep * self.sums[1] + cost]
+        self.sums = [keep * self.sums[0] + tokens, keep * self.sums[1] + self.cost[self.home]]
         self.forwards = keep * self.forwards + 1
         self.measured += 1
-        if self.measured >= self.policy.dwell and self.value() < 1.0:
+        if self.home > 1:
+            # What the next narrower window would have finalised in this forward: the same
+            # accepted drafts, cut at its width (a row mean, so an estimate; Jacobi's deeper
+            # drafts, refined by the wider window, make it an optimistic one).
+            narrower = self.widths[self.home - 1]
+            self.below = [keep * self.below[0] + min(tokens, 1 + narrower), keep * self.below[1] + self.cost[self.home - 1]]
+        if self.jumped_from is not None and self.measured == 2:
+            # A jump on one lucky forward: two barren ones after it send the window back at once.
+            if self.sums[0] / self.forwards < 1 + self.policy.barren:
+                self._move(self.jumped_from, growing=False)
+                return
+            self.jumped_from = None
+        if self.measured < self.policy.dwell:
+            return
+        if self.value() < 1.0:
             # Drafting pays less than plain steps here: with next to nothing accepted, fall back
             # to them at once; otherwise try the next narrower window first.
             barren = self.sums[0] / self.forwards < 1 + self.policy.barren
-            self.home = 0 if barren else self.home - 1
-            self.growing = False
-            self.sums, self.forwards, self.measured, self.since_probe = [0.0, 0.0], 0.0, 0, 0
+            self._move(0 if barren else self.home - 1, growing=False)
+        elif self.home > 1 and self.below[0] / self.below[1] > (1 + self.policy.margin) * self.value():
+            # The wider half of the window does not pay for itself, by this forward's own outcome.
+            self._move(self.home - 1, growing=False)
+
+    def _probe(self, tokens: float) -> None:
+        """A probe, judged once it has run its forwards (an upward one's first is not judged)."""
+        level = self.trial[0]
+        self.trial[1] -= 1
+        warm = level > self.home and self.home > 0 and self.trial[1] >= self.policy.dwell
+        if not warm:
+            self.trial[2:] = [self.trial[2] + tokens, self.trial[3] + self.cost[level]]
+        if self.trial[1] > 0:
+            return
+        tokens_sum, cost_sum = self.trial[2], self.trial[3]
+        self.trial, self.since_probe = None, 0
+        if tokens_sum / cost_sum <= self.value():
+            if self.home > 0:
+                self.interval = max(2 * self.interval, self.policy.probe_every)
+            return
+        upward = level > self.home
+        if upward and level < self.top and tokens >= 1 + self.widths[level]:  # it ended accepting its whole window
+            self._move(min(self.top, level + self.policy.jump), growing=True)
+            self.jumped_from = level
+            return
+        self._move(level, growing=upward and level < self.top)
+        self.sums, self.forwards, self.measured = [tokens_sum, cost_sum], float(self.policy.dwell), self.policy.dwell
+        self.warm = 0
+
+    def _move(self, level: int, growing: bool) -> None:
+        self.warm = self.policy.warmup if level > self.home else 0
+        self.home, self.growing, self.since_probe, self.jumped_from = level, growing, 0, None
+        self.interval = self.policy.probe_every
+        self._reset()
 
 
 def resolve_adaptive(adapt) -> Optional[AdaptiveWindow]:

@@ -81,11 +81,11 @@ def test_sampling_with_changing_draft_counts_matches_exact_distribution(enumerab
     output law exact (LENGTH tokens of VOCAB: every sequence enumerated)."""
     sampling = SamplingConfig(temperature=0.9, guidance=2.0)
     law = stopped_law(enumerable, sampling, stop)
-    n = 6000
+    n = 20000
     adapt = {
         "sjd": CyclingWindow(cycle=(1, 2, 0, 1, 1)),
         "lookup": CyclingWindow(cycle=(2, 0, 1)),
-        # The real policy on a batch this large: acceptance-driven widths, probes every forward.
+        # The real policy on a batch this large: AR steps, then acceptance-driven probes.
         "sjd-policy": AdaptiveWindow(token_cost=1.0, dwell=1, probe_every=1),
     }[name]
     decoder = PromptLookup(num_draft=2, max_ngram=1, adapt=adapt) if name == "lookup" else SpeculativeJacobi(window=3, adapt=adapt)
@@ -175,12 +175,69 @@ def test_everything_accepted_keeps_the_whole_window():
     fixed = SpeculativeJacobi(window=16, adapt=False).generate(model, torch.zeros(2, dtype=torch.long), 256, sampling,
                                                   torch.Generator().manual_seed(0))
     drafts = out.stats.drafts_per_forward
-    # It starts narrow and widens as forwards accept (two forwards a width: Jacobi's first
-    # forward at a wider width has no carried drafts beyond the old one), then stays widest.
-    assert drafts[0] < 15 and drafts.index(15) <= 8 and drafts[: drafts.index(15)] == sorted(drafts[: drafts.index(15)])
+    # It starts narrow; the first forward that accepts its whole window (the second: the
+    # first's drafts are all fresh) shows the window, not the model, limits it, and it jumps
+    # to the widest rather than one width per forward; there it stays.
+    assert drafts[0] < 15 and drafts.index(15) == 2
     rest = drafts[drafts.index(15):]
     assert rest.count(15) > 0.85 * len(rest)  # the others: probes of the next narrower window
     assert relative_cost(out.stats, 2, 0.05) < 1.05 * relative_cost(fixed.stats, 2, 0.05)
+
+
+class Phased:
+    """A model whose first `barren` positions follow a sharp random transition table (each
+    token's law depends on the one before, so Jacobi's carried drafts, sampled after rejected
+    ones, fail) and whose later positions ignore the context (every carried draft passes): a
+    decode whose acceptance changes midway, as a trained model's does where it starts to
+    repeat itself."""
+
+    vocab_size = 1024  # a random draft passes by chance about one time in a thousand
+
+    def __init__(self, barren: int):
+        g = torch.Generator().manual_seed(0)
+        self.barren = barren
+        self.table = torch.randn(self.vocab_size, self.vocab_size, generator=g) * 8.0
+        self.free = torch.randn(self.vocab_size, generator=g)
+
+    def _logits(self, fed, positions):
+        law = torch.where((positions < self.barren)[..., None], self.table[fed], self.free)
+        return Logits(law)
+
+    def start(self, conditions, capacity, guidance):
+        B = len(conditions)
+        state = DecodeState(cache=None, batch_size=B, guidance=False,
+                            first_logits=self._logits(torch.zeros(B, 1, dtype=torch.long), torch.zeros(B, 1, dtype=torch.long)))
+        state.extra = torch.zeros(B, dtype=torch.long)  # tokens committed per row
+        return state
+
+    def forward(self, state, tokens):
+        positions = state.extra[:, None] + 1 + torch.arange(tokens.shape[1])
+        return self._logits(tokens, positions)
+
+    def commit(self, state, accepted):
+        state.extra = state.extra + accepted
+
+    def rewind(self, state, n):
+        state.extra = n.clone()
+
+
+def test_a_change_of_acceptance_midway_is_followed_both_ways():
+    """Barren for 96 tokens, then everything passes: it falls back to AR steps (probing one
+    draft now and then at a bounded cost) and is at the widest window within a few forwards of
+    the change, instead of waiting out doubling probe intervals."""
+    model, barren = Phased(barren=96), 96
+    out = SpeculativeJacobi(window=16, adapt=AdaptiveWindow(token_cost=0.05)).generate(
+        model, torch.zeros(1, dtype=torch.long), 256, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    drafts, tokens = out.stats.drafts_per_forward, out.stats.accepted_per_forward[1:]
+    finalised = torch.tensor([1.0] + tokens).cumsum(0)  # tokens before each forward
+    before = [d for d, at in zip(drafts, finalised.tolist()) if 16 <= at < barren - 16]
+    # The barren phase: AR steps between short probes, whose extra cost is bounded (a chance
+    # acceptance may send it wide for a few forwards).
+    assert before.count(0) > 0.5 * len(before)
+    assert sum(draft_cost(0.05, 1) * d for d in before) / len(before) < 0.06
+    changed = next(i for i, at in enumerate(finalised.tolist()) if at >= barren)
+    assert 15 in drafts[changed : changed + 16]  # the window follows the change
+    assert drafts[-3:] == [15, 15, 15] or out.stats.forwards - changed < 20
 
 
 def test_default_widths_are_powers_of_two_windows():
@@ -259,3 +316,23 @@ def test_window_cost_errors():
                 {"cpu": {"0": 1.0, "1": 1.0}}, {"cpu": 3}]:
         with pytest.raises(ValueError, match="config.json: window cost must map"):
             parse_window_cost(bad, "config.json")
+
+
+def test_a_jump_on_one_lucky_forward_goes_back_after_two_barren_ones():
+    """A forward that accepts its whole window sends the window to the widest at once; when the
+    first two judged forwards there finalise nothing more, it was luck (a random draft that
+    happened to pass), and the window returns to where it was rather than dwelling wide."""
+    chooser = AdaptiveWindow(token_cost=0.01).start(15, 1, "cpu")  # starts at 7 drafts (1.07 AR steps)
+    assert chooser.choose() == 7
+    chooser.observe(8.0)  # every draft accepted
+    seen = []
+    for tokens in (1.0, 1.0, 1.0):  # the first forward there (fresh drafts, not judged), then two barren ones
+        seen.append(chooser.choose())
+        chooser.observe(tokens)
+    assert seen == [15, 15, 15] and chooser.choose() == 7
+    # Had the widest paid, it would have stayed.
+    chooser = AdaptiveWindow(token_cost=0.01).start(15, 1, "cpu")
+    chooser.choose(), chooser.observe(8.0)
+    for tokens in (1.0, 16.0, 1.0, 16.0):
+        chooser.choose(), chooser.observe(tokens)
+    assert chooser.choose() == 15
