@@ -23,7 +23,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -87,10 +87,19 @@ def train_loop(
     n: int,
     args: argparse.Namespace,
     config: dict,
+    heldout: Optional[Callable[[], dict]] = None,
 ) -> None:
-    """AdamW + cosine schedule with warm-up; checkpoint/resume; a JSONL log of losses."""
+    """AdamW + cosine schedule with warm-up; checkpoint/resume; a JSONL log of losses.
+
+    `heldout`: figures on held-out data, logged every `args.eval_every` steps (and at the end) as
+    `{"step", "heldout": {...}}`; where they carry a `score` (higher is better), the best step's
+    weights are kept in `<out>/best.pt`, so a run stopped for time leaves its best checkpoint and
+    its curve. It runs under `no_grad` with its own randomness, so it changes nothing a resumed
+    run replays. On `args.device` "cuda" the forward runs under bf16 autocast."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(getattr(args, "device", "cpu"))
+    model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start = 0
     checkpoint = out / "checkpoint.pt"
@@ -105,12 +114,15 @@ def train_loop(
     model.train()
     started = time.time()
     stop = args.steps if args.run_steps is None else min(args.steps, start + args.run_steps)
+    eval_every = getattr(args, "eval_every", 0) or 0
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for step, index in zip(range(start, stop), batches(n, args.batch_size, args.seed, start)):
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup)
         # Randomness derives from (seed, step) alone, so a resumed run equals an uninterrupted one.
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-        loss, metrics = loss_fn(index, generator)
+        with autocast:
+            loss, metrics = loss_fn(index, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -121,11 +133,36 @@ def train_loop(
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
+        if heldout is not None and eval_every and (done % eval_every == 0 or done == args.steps):
+            record = log_heldout(model, heldout, done, out, autocast)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            print(json.dumps(record), flush=True)
         if done % args.save_every == 0 or done == stop:
-            tmp = checkpoint.with_name("checkpoint.pt.tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}, tmp)
-            os.replace(tmp, checkpoint)
+            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}, checkpoint)
     model.eval()
+
+
+def save_atomic(state: dict, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, out: Path, autocast) -> dict:
+    """One held-out measurement; `best.pt` keeps the weights of the best `score` so far."""
+    model.eval()
+    with torch.no_grad(), autocast:
+        figures = heldout()
+    model.train()
+    record = {"step": step, "heldout": figures}
+    best = out / "best.json"
+    if "score" in figures:
+        previous = json.loads(best.read_text())["score"] if best.exists() else -math.inf
+        if figures["score"] > previous:
+            save_atomic({"model": model.state_dict(), "step": step}, out / "best.pt")
+            best.write_text(json.dumps({"step": step, "score": figures["score"]}) + "\n")
+    return record
 
 
 def train_vq(args) -> None:
@@ -252,7 +289,7 @@ def last_log(run: str) -> dict:
     """The log record of the step the checkpoint holds, and the run's arguments (batch, lr)."""
     step = int(torch.load(Path(run) / "checkpoint.pt", map_location="cpu", weights_only=True)["step"])
     records = [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines()]
-    final = next(r for r in reversed(records) if r["step"] <= step)
+    final = next(r for r in reversed(records) if r["step"] <= step and "loss" in r)  # not a held-out record
     return {"final": {**final, "step": step}, "args": json.loads((Path(run) / "config.json").read_text())["args"]}
 
 

@@ -26,13 +26,13 @@ import json
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.data.emoji_vlm import KINDS, QUESTIONS, eval_records, image_answers, read_jsonl, write_jsonl
+from benchmarks.data.emoji_vlm import KINDS, QUESTIONS, SHORT_KINDS, eval_records, image_answers, read_jsonl, write_jsonl
 from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
 
 IMAGE_SIZE, PATCH = 64, 8
@@ -53,7 +53,7 @@ PRESETS = {
                             num_key_value_heads=2)),
 }
 #: Evaluation: rows per pipeline call, and the subset (the first call) whose figures tests reproduce.
-EVAL_BATCH, MAX_NEW_TOKENS = 64, 32
+EVAL_BATCH, MAX_NEW_TOKENS = 64, 48
 
 
 # ---------------------------------------------------------------------------- tokenizer, processor
@@ -155,9 +155,11 @@ class QAData:
     def __len__(self) -> int:
         return len(self.answers) * len(KINDS)
 
-    def batch(self, index: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
-        """Right-padded `input_ids`, `attention_mask`, `labels` (-100 off the answers) and `pixel_values`."""
-        picks = torch.rand(len(index), generator=generator).tolist()
+    def batch(self, index: torch.Tensor, generator: Optional[torch.Generator]) -> dict[str, torch.Tensor]:
+        """Right-padded `input_ids`, `attention_mask`, `labels` (-100 off the answers) and
+        `pixel_values` of examples `index` (image * len(KINDS) + kind); each asks a paraphrase
+        drawn from `generator`, or the first (the one evaluation asks) without one."""
+        picks = torch.rand(len(index), generator=generator).tolist() if generator is not None else [0.0] * len(index)
         seqs, labels, images = [], [], []
         for i, u in zip(index.tolist(), picks):
             image, kind = divmod(i, len(KINDS))
@@ -173,24 +175,56 @@ class QAData:
                 "attention_mask": pad([[1] * len(s) for s in seqs], 0), "pixel_values": self.pixels[images]}
 
 
-def answer_loss(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy on the answer positions, and the answers' token accuracy."""
-    labels = batch["labels"]
+def answer_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 logits predicting each next token, and those tokens (-100 off the answers)."""
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in batch.items()}
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    pixel_values=batch["pixel_values"]).logits[:, :-1].float()
-    target = labels[:, 1:]
+    return logits, batch["labels"][:, 1:]
+
+
+def answer_loss(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy on the answer positions, and the answers' token accuracy."""
+    logits, target = answer_logits(model, batch)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), ignore_index=-100)
     keep = target != -100
     return loss, (logits.argmax(-1)[keep] == target[keep]).float().mean()
+
+
+def heldout_figures(model: Any, qa: "QAData", batch: int = 64) -> dict[str, Any]:
+    """Teacher-forced figures on held-out questions (each kind's first paraphrase): answer-token
+    loss, and exact match per kind. An answer is exact when every one of its tokens and the end
+    token is the argmax after the true prefix, which is exactly when greedy decoding gives it,
+    so this is greedy exact match at a fraction of a decode's cost. `score`: exact over the
+    short kinds, the figure the bundled model is judged by."""
+    hits, counts, loss_sum, tokens = Counter(), Counter(), 0.0, 0
+    for start in range(0, len(qa), batch):
+        index = torch.arange(start, min(start + batch, len(qa)))
+        logits, target = answer_logits(model, qa.batch(index, None))
+        keep = target != -100
+        loss_sum += F.cross_entropy(logits[keep], target[keep], reduction="sum").item()
+        tokens += int(keep.sum())
+        right = ((logits.argmax(-1) == target) | ~keep).all(-1).tolist()
+        for i, ok in zip(index.tolist(), right):
+            kind = KINDS[i % len(KINDS)]
+            counts[kind] += 1
+            hits[kind] += ok
+    exact = {kind: round(hits[kind] / counts[kind], 4) for kind in KINDS}
+    short = sum(hits[k] for k in SHORT_KINDS) / sum(counts[k] for k in SHORT_KINDS)
+    return {"loss": round(loss_sum / tokens, 4), "exact": exact, "score": round(short, 4)}
 
 
 def train_model(args) -> None:
     data = dict(np.load(args.data))
     train = ~data["is_eval"]
     processor = load_processor(args.processor)
-    rows = [row for row, keep in zip(image_answers(data), train) if keep]
-    qa = QAData(data["images"][train], rows, processor)
+    rows = image_answers(data)
+    qa = QAData(data["images"][train], [row for row, keep in zip(rows, train) if keep], processor)
+    heldout = QAData(data["images"][~train], [row for row, keep in zip(rows, train) if not keep], processor)
     model = new_model(args.job, processor.tokenizer, args.seed)
+    if args.init:  # a warm start (a resumed run's checkpoint replaces these weights)
+        model = load_pipeline_weights(model, args.init)
 
     def loss_fn(index, generator):
         loss, accuracy = answer_loss(model, qa.batch(index, generator))
@@ -198,7 +232,16 @@ def train_model(args) -> None:
 
     config = {"preset": args.job, "llava": model.config.to_dict(), "args": {k: str(v) if isinstance(v, Path) else v
                                                                            for k, v in vars(args).items()}}
-    train_loop(model, loss_fn, len(qa), args, config)
+    train_loop(model, loss_fn, len(qa), args, config, heldout=lambda: heldout_figures(model, heldout))
+
+
+def load_pipeline_weights(model: Any, folder: str) -> Any:
+    """`model` with the weights of a saved model folder of the same preset (strict)."""
+    from transformers import LlavaForConditionalGeneration
+
+    saved = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    model.load_state_dict(saved.state_dict(), strict=True)
+    return model
 
 
 # ---------------------------------------------------------------------------- export, evaluation, card
@@ -206,17 +249,25 @@ def train_model(args) -> None:
 
 @torch.no_grad()
 def export(args) -> None:
-    """Safetensors of both models, each folder with the shared processor.
+    """Safetensors of both models, each folder with the shared processor (and the measured
+    window cost a folder already there carried).
 
     float32 by default: `from_pretrained` computes in the stored dtype, and on CPU float16 is
     slower and rounds a multi-token verification forward differently from a one-token forward,
     so greedy drafting can part from greedy AR at a near-tie (1 of 1,264 held-out answers here)."""
+    from mmgen.decoding.window import WINDOW_COST_KEY
+
     processor = load_processor(args.processor)
     out = Path(args.out)
     for name, preset, run in (("emoji-vlm", "target", args.target), ("emoji-vlm-draft", "draft", args.draft)):
         model = load_trained(new_model(preset, processor.tokenizer, 0), run)
         if args.dtype == "float16":
             model = round_to_half(model).half()
+        # A measured window cost (benchmarks/window_cost.py --write) describes the architecture
+        # on this machine, not the weights: a re-export keeps it.
+        previous = out / name / "config.json"
+        if previous.is_file() and WINDOW_COST_KEY in json.loads(previous.read_text()):
+            setattr(model.config, WINDOW_COST_KEY, json.loads(previous.read_text())[WINDOW_COST_KEY])
         model.save_pretrained(out / name)
         processor.save_pretrained(out / name)
         print(f"wrote {out / name}")
@@ -259,11 +310,15 @@ def answer_all(pipe: Any, records: list[dict], images: np.ndarray, decoding: Any
 
 
 def scores(records: list[dict], texts: list[str]) -> dict[str, dict[str, float]]:
-    """Exact match and token F1 per question kind and over all questions."""
+    """Exact match and token F1 per question kind, over the short kinds ("short") and over all
+    questions; a group none of `records` falls in is left out."""
+    groups = {kind: (kind,) for kind in KINDS} | {"short": SHORT_KINDS, "all": KINDS}
     out = {}
-    for kind in (*KINDS, "all"):
-        pairs = [(t, r["answer"]) for t, r in zip(texts, records) if kind in ("all", r["kind"])]
-        out[kind] = {"n": len(pairs), "exact": sum(t == a for t, a in pairs) / len(pairs),
+    for group, kinds in groups.items():
+        pairs = [(t, r["answer"]) for t, r in zip(texts, records) if r["kind"] in kinds]
+        if not pairs:
+            continue
+        out[group] = {"n": len(pairs), "exact": sum(t == a for t, a in pairs) / len(pairs),
                      "f1": sum(token_f1(t, a) for t, a in pairs) / len(pairs)}
     return out
 
@@ -279,7 +334,8 @@ def evaluate(args) -> None:
     drafter = VLMPipeline.from_pretrained(assets / "emoji-vlm-draft")
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "subset_rows": EVAL_BATCH,
                               "dtype": str(target.model.dtype), "max_new_tokens": MAX_NEW_TOKENS,
-                              "vocab": len(target.processor.tokenizer), "questions": len(records)}
+                              "vocab": len(target.processor.tokenizer), "questions": len(records),
+                              "subset_images": len({r["index"] for r in records[:EVAL_BATCH]})}
     # A floor: always giving the most common held-out answer of the question's kind.
     common = {kind: Counter(r["answer"] for r in records if r["kind"] == kind).most_common(1)[0][0] for kind in KINDS}
     result["majority"] = scores(records, [common[r["kind"]] for r in records])
@@ -290,25 +346,44 @@ def evaluate(args) -> None:
                         "seconds": round(time.time() - started, 1), "params": sum(p.numel() for p in pipe.model.parameters())}
         if name == "target":
             result["target_texts"], result["target_forwards"] = texts, stats["forwards"]
+    sentences = [i for i, r in enumerate(records) if r["kind"] == "sentence"]
     for k in (2, 4):
         started = time.time()
         texts, stats = answer_all(target, records, images, decoding=make_decoder("draft", drafter=drafter, num_draft=k))
         result[f"speculative_k{k}"] = {**stats, "tokens_per_target_forward": stats["row_tokens"] / stats["row_forwards"],
                                        "equals_ar": texts == result["target_texts"], "seconds": round(time.time() - started, 1)}
+        if sentences:  # the long answers alone, where drafting has room to pay
+            chosen = [records[i] for i in sentences]
+            texts, stats = answer_all(target, chosen, images, decoding=make_decoder("draft", drafter=drafter, num_draft=k))
+            result[f"speculative_k{k}"]["sentence"] = {
+                "tokens_per_target_forward": stats["row_tokens"] / stats["row_forwards"],
+                "equals_ar": texts == [result["target_texts"][i] for i in sentences]}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "target_texts"}, indent=1))
+
+
+def heldout_curve(run: str) -> list[dict]:
+    """The held-out records a training run logged (`train_loop`'s `heldout`), in step order."""
+    records = [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines() if line]
+    return [r for r in records if "heldout" in r]
 
 
 def card(args) -> None:
     e = json.loads(Path(args.eval).read_text())
     runs = {name: last_log(run) for name, run in (("target", args.target), ("draft", args.draft))}
+    groups = (*KINDS, "short", "all")
     rows = lambda part: "\n".join(
-        f"| {kind} | {e['target'][part][kind]['n']} | {e['target'][part][kind]['exact']:.1%} | {e['target'][part][kind]['f1']:.3f} | "
-        f"{e['draft'][part][kind]['exact']:.1%} | {e['draft'][part][kind]['f1']:.3f} |" for kind in (*KINDS, "all"))
-    floor = ", ".join(f"{kind} {e['majority'][kind]['exact']:.1%}" for kind in (*KINDS, "all"))
-    spec = "\n".join(f"| {k} | {e[f'speculative_k{k}']['tokens_per_target_forward']:.2f} | {e[f'speculative_k{k}']['forwards']} "
-                     f"(AR: {e['target_forwards']}) | "
+        f"| {group} | {e['target'][part][group]['n']} | {e['target'][part][group]['exact']:.1%} | {e['target'][part][group]['f1']:.3f} | "
+        f"{e['draft'][part][group]['exact']:.1%} | {e['draft'][part][group]['f1']:.3f} |" for group in groups if group in e["target"][part])
+    floor = ", ".join(f"{group} {e['majority'][group]['exact']:.1%}" for group in groups)
+    spec = "\n".join(f"| {k} | {e[f'speculative_k{k}']['tokens_per_target_forward']:.2f} | "
+                     f"{e[f'speculative_k{k}'].get('sentence', {}).get('tokens_per_target_forward', float('nan')):.2f} | "
+                     f"{e[f'speculative_k{k}']['forwards']} (AR: {e['target_forwards']}) | "
                      f"{e[f'speculative_k{k}']['draft_forwards']} | {e[f'speculative_k{k}']['equals_ar']} |" for k in (2, 4))
+    curve = lambda name, run: "\n".join(
+        f"| {name} | {r['step']} | {r['heldout']['loss']:.3f} | "
+        + " | ".join(f"{r['heldout']['exact'].get(kind, float('nan')):.1%}" for kind in KINDS)
+        + f" | {r['heldout']['score']:.1%} |" for r in heldout_curve(run))
     train = lambda name: runs[name]["args"]
     text = f"""# emoji-vlm and emoji-vlm-draft: bundled LLaVA-style question answering about emoji
 
@@ -318,14 +393,14 @@ byte-level BPE tokenizer ({e['vocab']} tokens) and one `LlavaProcessor`, and `em
 is the drafter for `decoding="draft"`. Load with `mmgen.vlm.VLMPipeline.from_pretrained(folder)`.
 Weights ship in {e['dtype'].removeprefix('torch.')} (`from_pretrained` computes in the stored dtype; on CPU float16 is
 slower, and it rounds the drafter's multi-token verification forwards differently from one-token
-forwards, so greedy drafting parted from greedy AR on 1 of the 1,264 held-out answers in a
-float16 export of these weights). The figures below were measured on the shipped weights.
+forwards, so greedy drafting parted from greedy AR on 1 of 1,264 held-out answers in a
+float16 export of earlier weights). The figures below were measured on the shipped weights.
 
 ## Data
 
 The emoji images of `benchmarks/data/emoji.py` (Noto Color Emoji 64x64 on white, Debian
 `fonts-noto-color-emoji` and `unicode-data`): 3,212 training images, 316 held out (every 10th of
-each subgroup; the images of `image_ar/assets/emoji64-eval.npz`, never trained on). Four
+each subgroup; the images of `image_ar/assets/emoji64-eval.npz`, never trained on). Five
 questions per image, answers computed by `benchmarks/data/emoji_vlm.py`:
 
 | kind | question (evaluation asks the first paraphrase) | answer |
@@ -334,13 +409,17 @@ questions per image, answers computed by `benchmarks/data/emoji_vlm.py`:
 | subgroup | "Which subgroup is this emoji in?" (+3) | Unicode subgroup, hyphens as spaces, e.g. "face smiling" (74) |
 | colour | "What is the main colour?" (+3) | most common palette colour of the non-white pixels (11 colours) |
 | face | "Is it a face?" (+2) | "yes" for subgroups `face-*` and `cat-face`, else "no" (yes for 100 of 3,528) |
+| sentence | "Describe this emoji." (+2) | the other answers in one sentence, e.g. "This is grinning face, a yellow face from the face smiling subgroup." (16-34 tokens, median 22) |
 
 No held-out name occurs in training, though many are skin-tone or gender variants of trained
-ones; token F1 gives partial credit for the words a name shares (skin tones, "man", "woman"). The held-out questions ship as `vlm/assets/emoji-vlm-eval.jsonl`.
+ones; token F1 gives partial credit for the words a name shares (skin tones, "man", "woman"),
+and a sentence's exact match needs its name right. "short" below is the first four kinds
+together (the figure the model is judged by); "all" adds the sentences. The held-out questions
+ship as `vlm/assets/emoji-vlm-eval.jsonl`.
 
 ## Models and training
 
-| model | vision tower | language model | parameters | steps | batch | peak lr | last logged loss / answer-token accuracy |
+| model | vision tower | language model | parameters | steps (this run) | batch | peak lr | last logged loss / answer-token accuracy |
 |---|---|---|---|---|---|---|---|
 | emoji-vlm | CLIP {PRESETS['target']['vision']['num_hidden_layers']} layers, hidden {PRESETS['target']['vision']['hidden_size']}, patch 8 (64 tokens) | Llama {PRESETS['target']['text']['num_hidden_layers']} layers, hidden {PRESETS['target']['text']['hidden_size']} | {e['target']['params'] / 1e6:.2f}M | {runs['target']['final']['step']} | {train('target')['batch_size']} | {train('target')['lr']:g} | {runs['target']['final']['loss']:.3f} / {runs['target']['final']['token_acc']:.3f} |
 | emoji-vlm-draft | CLIP {PRESETS['draft']['vision']['num_hidden_layers']} layers, hidden {PRESETS['draft']['vision']['hidden_size']} | Llama {PRESETS['draft']['text']['num_hidden_layers']} layer(s), hidden {PRESETS['draft']['text']['hidden_size']} | {e['draft']['params'] / 1e6:.2f}M | {runs['draft']['final']['step']} | {train('draft')['batch_size']} | {train('draft')['lr']:g} | {runs['draft']['final']['loss']:.3f} / {runs['draft']['final']['token_acc']:.3f} |
@@ -350,6 +429,15 @@ loss), one random (image, question kind) pair per example, a random paraphrase p
 AdamW (betas 0.9/0.95, weight decay {train('target')['weight_decay']:g}), cosine schedule with {train('target')['warmup']} warm-up steps,
 gradient clipping 1.0; no augmentation. Torch threads: {train('target')['threads']} (target), {train('draft')['threads']} (drafter).
 {args.training_note}
+
+Held-out figures logged during the runs (teacher-forced: an answer counts as exact when every
+token of it and the end token is the argmax after the true prefix, which is exactly when greedy
+decoding gives it; first paraphrase; "score" is exact over the short kinds):
+
+| model | step | answer-token loss | {' | '.join(KINDS)} | score |
+|---|---|---|{'---|' * len(KINDS)}---|
+{curve('emoji-vlm', args.target)}
+{curve('emoji-vlm-draft', args.draft)}
 
 ## Held-out figures (greedy, through `VLMPipeline`)
 
@@ -363,7 +451,7 @@ exact match of the whole answer string, token F1 over whitespace words:
 The floor of always giving the most common held-out answer of each kind: {floor} exact.
 Evaluated with {e['threads']} torch thread(s); decoding took {e['target']['seconds']:.0f} s (target) and {e['draft']['seconds']:.0f} s (drafter) for all questions on this shared machine.
 
-The first call alone (the first {EVAL_BATCH} rows of the eval file: 16 images, every kind;
+The first call alone (the first {EVAL_BATCH} rows of the eval file: {e['subset_images']} images;
 `tests/vlm/test_bundled_vlm.py` reproduces these):
 
 | kind | questions | emoji-vlm exact | emoji-vlm F1 | draft exact | draft F1 |
@@ -374,30 +462,32 @@ The first call alone (the first {EVAL_BATCH} rows of the eval file: 16 images, e
 
 `decoding=make_decoder("draft", drafter=<emoji-vlm-draft>, num_draft=k)` on the same questions
 (greedy; the output equals autoregressive decoding token for token). Tokens per target forward
-is per row (finalised tokens over the (row, forward) pairs of rows still decoding); forwards
-are batched calls summed over the {e['questions'] // EVAL_BATCH + bool(e['questions'] % EVAL_BATCH)} evaluation calls, against autoregressive decoding's.
+is per row (finalised tokens over the (row, forward) pairs of rows still decoding), over all
+questions and over the sentence questions alone; forwards are batched calls summed over the
+{e['questions'] // EVAL_BATCH + bool(e['questions'] % EVAL_BATCH)} evaluation calls, against autoregressive decoding's.
 
-| k | tokens per target forward (per row) | target forwards | drafter forwards | equals AR |
-|---|---|---|---|---|
+| k | tokens per target forward (all) | (sentences) | target forwards | drafter forwards | equals AR |
+|---|---|---|---|---|---|
 {spec}
+
+Wall-clock comparisons (batch 1, methods interleaved, against transformers' `generate` and
+assisted generation with the same drafter) are in docs/benchmarks.md.
 
 ## Limits
 
-A toy for offline tests and demos of image-aware drafting: it knows 64x64 emoji and these four
-questions only. It almost never gets a held-out emoji's whole name (it answers with a training
-name of the same look, e.g. "woman, woman, medium skin tone, medium skin tone" for "detective:
-medium skin tone"), and is undertrained (2 CPU cores
-shared with other jobs, under an hour): its training loss was still falling.
+A toy for offline tests and demos of image-aware drafting: it knows 64x64 emoji and these five
+questions only. A held-out emoji's whole name is rarely right (it answers with a training name
+of the same look, or gets a skin-tone variant's base right and the tone wrong), and with it the
+sentence, whose other parts it mostly gets right (token F1).
 
 ## Reproduce
 
 ```
 python -m benchmarks.data.emoji --out data/emoji64.npz
 python -m benchmarks.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
-python -m benchmarks.train_vlm tokenizer --data data/emoji64.npz --out runs/vlm-processor
 {args.target_command}
 {args.draft_command}
-python -m benchmarks.train_vlm export --processor runs/vlm-processor --target runs/vlm-target --draft runs/vlm-draft --out vlm/assets
+python -m benchmarks.train_vlm export --processor vlm/assets/emoji-vlm --target runs/vlm-target --draft runs/vlm-draft --out vlm/assets
 python -m benchmarks.train_vlm eval --assets vlm/assets --out runs/vlm-eval.json --threads {e['threads']}
 python -m benchmarks.train_vlm card --eval runs/vlm-eval.json --target runs/vlm-target --draft runs/vlm-draft --out vlm/assets/emoji-vlm/MODEL_CARD.md \\
     --target-command ... --draft-command ... --training-note ...   # the training lines and notes above
@@ -431,6 +521,9 @@ def main(argv: list[str] | None = None) -> None:
         p = jobs.add_parser(preset, help=f"train the {preset}")
         p.add_argument("--data", required=True)
         p.add_argument("--processor", required=True)
+        p.add_argument("--init", help="start from the weights of this model folder (e.g. vlm/assets/emoji-vlm)")
+        p.add_argument("--eval-every", type=int, default=500, help="held-out figures every N steps (0: never)")
+        p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
         add_training_arguments(p, lr, 32)
     exp = jobs.add_parser("export")
     for name in ("--processor", "--target", "--draft", "--out"):

@@ -2,9 +2,9 @@
 generation with the same drafter, prompt lookup) against mmgen's decoders (AR, SJD, prompt
 lookup, image-aware drafting, drafting on a pruned image) on the bundled `emoji-vlm` pair.
 
-    python -m benchmarks.vlm_decoding [--questions 64] [--repeats 3] [--threads 2] [--json out.json]
+    python -m benchmarks.vlm_decoding [--questions 64] [--kind sentence] [--repeats 3] [--threads 2] [--json out.json]
 
-Per method, over the same held-out questions at batch 1: language-model forwards of the target
+Per method, over the same held-out questions (batch 1, or `--batch-size` questions per call, left-padded): language-model forwards of the target
 (and of the drafter) counted by a hook on each trunk, prefill included, tokens per target forward, the
 median wall time of the whole question set over repeats (methods interleaved, order rotated per
 repeat, so a busy box slows all alike; the spread across repeats is reported), the speedup over
@@ -41,39 +41,43 @@ class ForwardCounter:
 
 
 def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int) -> dict[str, Callable]:
-    """name -> f(question, image) -> generated token ids (list), for batch-1 calls."""
+    """name -> f(questions, images) -> generated token ids per question (lists), one call per batch."""
     from mmgen.decoding import make_decoder
 
     eos = target.eos_token_ids
 
-    def hf(**extra):
-        def run(question, image):
-            inputs = target.prepare_inputs(question, image)
+    def hf(batch_one: bool = False, **extra):
+        def run(questions, images):
+            if batch_one and len(questions) > 1:
+                raise ValueError("transformers runs this at batch 1 only")
+            inputs = target.prepare_inputs(questions, [[image] for image in images])
             out = target.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                                         pad_token_id=target.pad_token_id, **extra)
-            ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-            return ids[: ids.index(eos[0]) + 1] if eos and eos[0] in ids else ids
+            rows = [row[inputs["input_ids"].shape[1]:].tolist() for row in out]
+            return [ids[: ids.index(eos[0]) + 1] if eos and eos[0] in ids else ids for ids in rows]
         return run
 
     def ours(decoding, **extra):
-        def run(question, image):
-            out = target(question, image, max_new_tokens=max_new_tokens, decoding=decoding, **extra)
-            return out.token_ids[0, : out.lengths[0]].tolist()
+        def run(questions, images):
+            out = target(questions, [[image] for image in images], max_new_tokens=max_new_tokens, decoding=decoding, **extra)
+            return [out.token_ids[b, : out.lengths[b]].tolist() for b in range(len(questions))]
         return run
 
     draft = make_decoder("draft", drafter=drafter, num_draft=num_draft)
     return {
         "hf greedy": hf(),
-        "hf assisted (drafter)": hf(assistant_model=drafter.model, num_assistant_tokens=num_draft,
+        "hf assisted (drafter)": hf(batch_one=True, assistant_model=drafter.model, num_assistant_tokens=num_draft,
                                     num_assistant_tokens_schedule="constant"),
-        "hf prompt lookup": hf(prompt_lookup_num_tokens=num_draft),
+        "hf prompt lookup": hf(batch_one=True, prompt_lookup_num_tokens=num_draft),
         "mmgen ar": ours("ar"),
         "mmgen sjd": ours("sjd"),  # the adaptive window (the default)
         "mmgen sjd, fixed window 16": ours("sjd:adapt=false"),
+        "mmgen sjd, fixed window 4": ours("sjd:adapt=false,window=4"),
         # This model's own token cost (one more token per forward costs 11-13% of a step on the
         # 2-core box), where the CPU default (0.02) is a larger model's.
         "mmgen sjd, token cost 0.12": ours("sjd:adapt=0.12"),
         "mmgen lookup": ours(make_decoder("lookup", num_draft=num_draft)),
+        "mmgen lookup, fixed window": ours(make_decoder("lookup", num_draft=num_draft, adapt=False)),
         "mmgen draft (image-aware)": ours(draft),
         "mmgen draft, drafter on VisionZip 0.25": ours(draft, draft_dropping="visionzip:keep_ratio=0.25"),
     }
@@ -84,7 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", default="emoji-vlm")
     p.add_argument("--drafter", default="emoji-vlm-draft")
     p.add_argument("--questions", type=int, default=64, help="held-out questions (every kind in turn)")
+    p.add_argument("--kind", default=None, help="only questions of this kind (e.g. sentence: the long answers)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=1, help="questions per call (transformers' assisted and lookup: 1 only)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--num-draft", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> dict:
     transformers.utils.logging.disable_progress_bar()
     target, drafter = load_pipeline(args.model), load_pipeline(args.drafter)
     records, images = load_eval(Path(resolve_model(args.model)).parent)
-    records = records[: args.questions]
+    records = [r for r in records if args.kind in (None, r["kind"])][: args.questions]
+    if not records:
+        raise SystemExit(f"no held-out questions of kind {args.kind!r}")
     pictures = {r["index"]: Image.fromarray(images[r["index"]]) for r in records}
     target_count, draft_count = ForwardCounter(target), ForwardCounter(drafter)
     runs = methods(target, drafter, args.max_new_tokens, args.num_draft)
@@ -110,9 +118,11 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {list(runs)}")
         runs = {name: run for name, run in runs.items() if name in args.methods or name == "hf greedy"}
     failures = {}
+    batches = [records[i:i + args.batch_size] for i in range(0, len(records), args.batch_size)]
+    call = lambda run, chunk: run([r["question"] for r in chunk], [pictures[r["index"]] for r in chunk])
     for name in list(runs):  # a method that cannot run on this model is reported, not timed
         try:
-            runs[name](records[0]["question"], pictures[records[0]["index"]])
+            call(runs[name], batches[0])
         except Exception as error:
             failures[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
             del runs[name]
@@ -125,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name in order:
             target_count.count = draft_count.count = 0
             begun = time.perf_counter()
-            ids = [runs[name](r["question"], pictures[r["index"]]) for r in records]
+            ids = [row for chunk in batches for row in call(runs[name], chunk)]
             seconds[name].append(time.perf_counter() - begun)
             answers[name], forwards[name] = ids, (target_count.count, draft_count.count)
     greedy = answers["hf greedy"]
@@ -145,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
             "token_f1": round(sum(token_f1(t, r["answer"]) for t, r in zip(texts, records)) / len(records), 4),
             "identical_to_greedy": answers[name] == greedy,
         })
-    result = {"model": args.model, "drafter": args.drafter, "questions": len(records), "repeats": args.repeats,
+    result = {"model": args.model, "drafter": args.drafter, "questions": len(records), "kind": args.kind,
+              "batch_size": args.batch_size, "repeats": args.repeats,
               "threads": args.threads, "max_new_tokens": args.max_new_tokens, "num_draft": args.num_draft,
               "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
               "failures": failures}

@@ -3,8 +3,10 @@
 Every answer needs the image and comes from data this project owns: the emoji's Unicode name
 (`emoji-test.txt`), its subgroup (the image set's class, hyphens read as spaces), its dominant
 colour computed from the pixels, and whether it is a face (its subgroup is a face subgroup:
-`face-*` or `cat-face`). Each kind has a few paraphrases; training draws one, evaluation asks
-the first. Everything here is deterministic.
+`face-*` or `cat-face`). A fifth kind asks for a description, one sentence that combines the
+other answers (`describe`; 15-25 tokens of the bundled tokenizer), so speculative decoding has
+answers long enough to accelerate. Each kind has a few paraphrases; training draws one,
+evaluation asks the first. Everything here is deterministic.
 
 The held-out split is the image set's (`is_eval`): those images are never trained on. Their
 questions ship as `vlm/assets/emoji-vlm-eval.jsonl`, one line per (image, kind), keyed by the
@@ -28,8 +30,11 @@ QUESTIONS: dict[str, tuple[str, ...]] = {
     "colour": ("What is the main colour?", "What colour is this emoji?", "Which colour dominates?",
                "What colour is it mostly?"),
     "face": ("Is it a face?", "Is this emoji a face?", "Does this show a face?"),
+    "sentence": ("Describe this emoji.", "Describe this emoji in one sentence.", "What does this emoji show?"),
 }
 KINDS = tuple(QUESTIONS)
+#: The kinds whose answer is one short fact (the bundled VLM's first four; `sentence` combines them).
+SHORT_KINDS = ("name", "subgroup", "colour", "face")
 
 #: Named colours a pixel is assigned to (nearest in RGB); the emoji's colour is the most common one.
 PALETTE: dict[str, tuple[int, int, int]] = {
@@ -57,13 +62,21 @@ def dominant_colours(images: np.ndarray) -> list[str]:
     return out
 
 
+def describe(row: dict[str, str]) -> str:
+    """The `sentence` answer: the short answers in one sentence, e.g. "This is grinning face, a
+    yellow face from the face smiling subgroup." ("a yellow emoji" where it is not a face)."""
+    what = "face" if row["face"] == "yes" else "emoji"
+    return f"This is {row['name']}, a {row['colour']} {what} from the {row['subgroup']} subgroup."
+
+
 def answers(names: Iterable[str], subgroups: Iterable[str], colours: Iterable[str]) -> list[dict[str, str]]:
     """Each image's answer per kind, from its Unicode name, subgroup (class name) and colour."""
-    return [
+    rows = [
         {"name": str(name), "subgroup": str(subgroup).replace("-", " "), "colour": colour,
          "face": "yes" if str(subgroup).startswith("face-") or subgroup == "cat-face" else "no"}
         for name, subgroup, colour in zip(names, subgroups, colours)
     ]
+    return [{**row, "sentence": describe(row)} for row in rows]
 
 
 def image_answers(data: dict) -> list[dict[str, str]]:

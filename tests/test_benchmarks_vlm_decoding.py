@@ -1,0 +1,16 @@
+"""`benchmarks/vlm_decoding.py` on the bundled pair, two questions, one repeat: every lossless
+method it times gives transformers' greedy answers, at batch 1 and with two questions a call;
+a method that cannot run (transformers' batch-1-only ones at batch 2) is reported, not timed."""
+
+from benchmarks.vlm_decoding import main
+
+
+def test_rows_at_batch_one_and_two(tmp_path):
+    for batch in (1, 2):
+        result = main(["--questions", "2", "--repeats", "1", "--threads", "1", "--batch-size", str(batch),
+                       "--methods", "mmgen ar", "mmgen lookup, fixed window", "hf prompt lookup"])
+        rows = {r["method"]: r for r in result["rows"]}
+        assert rows["mmgen ar"]["identical_to_greedy"] and rows["mmgen lookup, fixed window"]["identical_to_greedy"]
+        if batch == 2:
+            assert "batch 1 only" in result["failures"]["hf prompt lookup"] and "hf prompt lookup" not in rows
+        assert result["batch_size"] == batch and rows["hf greedy"]["target_forwards"] > 0
