@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mmgen.files import write_atomic
 from mmgen.image_ar.llamagen import LlamaGenConfig, LlamaGenTransformer, VQConfig, VQModel
 
 #: The bundled configurations (small enough to train on 2 CPU cores in about an hour each).
@@ -161,7 +162,7 @@ def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, 
         previous = json.loads(best.read_text())["score"] if best.exists() else -math.inf
         if figures["score"] > previous:
             save_atomic({"model": model.state_dict(), "step": step}, out / "best.pt")
-            best.write_text(json.dumps({"step": step, "score": figures["score"]}) + "\n")
+            write_atomic(best, (json.dumps({"step": step, "score": figures["score"]}) + "\n").encode())
     return record
 
 

@@ -195,8 +195,10 @@ def answer_loss(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tenso
 def heldout_figures(model: Any, qa: "QAData", batch: int = 64) -> dict[str, Any]:
     """Teacher-forced figures on held-out questions (each kind's first paraphrase): answer-token
     loss, and exact match per kind. An answer is exact when every one of its tokens and the end
-    token is the argmax after the true prefix, which is exactly when greedy decoding gives it,
-    so this is greedy exact match at a fraction of a decode's cost. `score`: exact over the
+    token is the argmax after the true prefix, which is when greedy decoding gives it (up to
+    rounding at a near-tie: these are right-padded batches, a pipeline's left-padded; on the
+    shipped weights the two agree to the answer), so this is greedy exact match at a fraction
+    of a decode's cost. `score`: exact over the
     short kinds, the figure the bundled model is judged by."""
     hits, counts, loss_sum, tokens = Counter(), Counter(), 0.0, 0
     for start in range(0, len(qa), batch):

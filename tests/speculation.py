@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmgen.decoding import DraftSpeculative, ExactAcceptance, SpeculativeJacobi
+from mmgen.sampling import Logits
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,6 @@ class Tempered:
         return getattr(self.model, name)
 
     def _scaled(self, logits):
-        from mmgen.sampling import Logits
-
         if isinstance(logits, Logits):
             return Logits(logits.cond / self.temperature, None if logits.uncond is None else logits.uncond / self.temperature)
         return logits / self.temperature

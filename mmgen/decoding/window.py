@@ -225,7 +225,7 @@ class WindowChooser:
         self.warm = 0  # forwards left whose new slots still hold fresh drafts (not judged)
         self.jumped_from: Optional[int] = None  # the home before a jump, until two forwards confirm it
         self._reset()
-        self.trial: Optional[list] = None  # [level, forwards left, tokens, cost] while probing
+        self.trial: Optional[list] = None  # [level, forwards left, tokens, cost, forwards judged] while probing
         self.interval = policy.probe_every  # between probes of a drafting home; doubles after each that did not pay
         self.upward = False  # the last probe's direction (they alternate)
         # Between probes of one draft from autoregressive steps: they cost `probe_cost` of the steps.
@@ -246,12 +246,12 @@ class WindowChooser:
     def choose(self) -> int:
         if self.trial is None and len(self.widths) > 1:
             if self.home == 0 and self.since_probe >= self.ar_interval:
-                self.trial = [1, self.policy.probe_len, 0.0, 0.0]
+                self.trial = [1, self.policy.probe_len, 0.0, 0.0, 0]
             elif self.home > 0 and self.since_probe >= self.interval:
                 down, up = self.home - 1, self.home + 1
                 self.upward = up <= self.top and (not self.upward or down < 1)
                 level = up if self.upward else down
-                self.trial = [level, self.policy.dwell + (self.policy.warmup if self.upward else 0), 0.0, 0.0]
+                self.trial = [level, self.policy.dwell + (self.policy.warmup if self.upward else 0), 0.0, 0.0, 0]
         self.level = self.trial[0] if self.trial is not None else self.home
         self.chosen.append(self.widths[self.level])
         return self.chosen[-1]
@@ -313,14 +313,14 @@ class WindowChooser:
         self.trial[1] -= 1
         warm = level > self.home and self.home > 0 and self.trial[1] >= self.policy.dwell
         if not warm:
-            self.trial[2:] = [self.trial[2] + tokens, self.trial[3] + self.cost[level]]
+            self.trial[2:] = [self.trial[2] + tokens, self.trial[3] + self.cost[level], self.trial[4] + 1]
         if self.trial[1] > 0:
             return
-        tokens_sum, cost_sum = self.trial[2], self.trial[3]
+        tokens_sum, cost_sum, judged = self.trial[2:]
         self.trial, self.since_probe = None, 0
         if tokens_sum / cost_sum <= self.value():
             if self.home > 0:
-                self.interval = max(2 * self.interval, self.policy.probe_every)
+                self.interval *= 2
             return
         upward = level > self.home
         if upward and level < self.top and tokens >= 1 + self.widths[level]:  # it ended accepting its whole window
@@ -328,7 +328,9 @@ class WindowChooser:
             self.jumped_from = level
             return
         self._move(level, growing=upward and level < self.top)
-        self.sums, self.forwards, self.measured = [tokens_sum, cost_sum], float(self.policy.dwell), self.policy.dwell
+        # The probe's forwards are the new home's figure, judged already (a probe from AR
+        # steps is shorter than `dwell`: the next forward may still send it back).
+        self.sums, self.forwards, self.measured = [tokens_sum, cost_sum], float(judged), self.policy.dwell
         self.warm = 0
 
     def _move(self, level: int, growing: bool) -> None:
