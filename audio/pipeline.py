@@ -11,9 +11,9 @@ frames back into codec codes; the codec (`Codec`) turns codes into audio, stream
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ from mmgen.hub import read_json
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
+from mmgen.streaming import CallbackStreamer, stream_from_thread
 
 from mmgen.audio.codec import Codec, CodecStream, StreamWindow
 from mmgen.audio.waveform import read_audio
@@ -334,51 +335,32 @@ class TTSPipeline(Pipeline):
         """(row, waveform chunk) pairs as frames commit (decoding runs in a thread). A row's
         chunks concatenate to its `audio` in `__call__` with the same arguments (exactly with the
         default window, which covers the codec decoder's reach). The generator's return value
-        is that call's `TTSOutput`."""
-        import queue as queues
-
-        events: "queues.Queue" = queues.Queue()
-        outcome: dict = {}
-
-        class Frames:
-            def put(self, rows):
-                events.put(("frames", [r.clone() for r in rows]))
-
-            def end(self):
-                pass
-
-        def run():
-            try:
-                outcome["output"] = self(text, streamer=Frames(), **kwargs)
-            except BaseException as error:  # re-raised in the caller's thread
-                outcome["error"] = error
-            events.put(("done", None))
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
+        is that call's `TTSOutput`. Closed early, the decode stops at its next frame and the
+        close returns once the model is free (`mmgen.streaming.stream_from_thread`)."""
+        frames = stream_from_thread(lambda emit: self(text, streamer=CallbackStreamer(emit), **kwargs),
+                                    name="mmgen-tts-stream")
         audio: dict[int, Any] = {}  # row -> its chunker
         finished: set[int] = set()
-        while True:
-            kind, rows = events.get(timeout=600)
-            if kind == "done":
-                break
-            for row, new in enumerate(rows):
-                if not len(new) or row in finished:
+        with contextlib.closing(frames):
+            while True:
+                try:
+                    row, new = next(frames)
+                except StopIteration as end:
+                    output = end.value
+                    break
+                if row in finished:
                     continue
                 chunk, ended = audio.setdefault(row, self._row_audio(window)).push(new)
                 if ended:
                     finished.add(row)
                 if chunk.numel():
                     yield row, chunk
-        worker.join()
-        if "error" in outcome:
-            raise outcome["error"]
         for row, chunker in audio.items():  # rows cut by their budget end without an end frame
             if row not in finished:
                 tail = chunker.flush()
                 if tail.numel():
                     yield row, tail
-        return outcome["output"]
+        return output
 
     def _speech(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codec codes [C, T], waveform) of one row's generated frames [n, C]."""
@@ -416,21 +398,26 @@ class TTSServer:
                ) -> Generator[torch.Tensor, None, tuple[torch.Tensor, torch.Tensor, DecodeStats]]:
         """Waveform chunks as the frames commit (they concatenate to the audio exactly with the
         default window, as `TTSPipeline.stream`'s); the generator's return value is the submitted
-        future's result."""
+        future's result. Closed early (the client went away), the request is cancelled: its row
+        is freed at the batch's next forward."""
         from mmgen.decoding import TokenQueueStreamer
 
         queue = TokenQueueStreamer(timeout=600)
         future = self.submit(text, voice, voice_text, generator, max_new_frames, queue)  # a failed decode ends the queue
         audio, ended = self.pipe._row_audio(window), False
-        for _, frames in queue:
-            if not ended:
-                chunk, ended = audio.push(frames)
-                if chunk.numel():
-                    yield chunk
-        if not ended:  # cut by its budget without an end frame
-            tail = audio.flush()
-            if tail.numel():
-                yield tail
+        try:
+            for _, frames in queue:
+                if not ended:
+                    chunk, ended = audio.push(frames)
+                    if chunk.numel():
+                        yield chunk
+            if not ended:  # cut by its budget without an end frame
+                tail = audio.flush()
+                if tail.numel():
+                    yield tail
+        except BaseException:  # closed early (GeneratorExit), or the reader failed
+            future.cancel()
+            raise
         return future.result()
 
 

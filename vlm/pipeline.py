@@ -8,13 +8,13 @@ streaming. Families served: `mmgen.vlm.MODEL_TYPES` (`VLMTokenModel`).
 
 from __future__ import annotations
 
+import contextlib
 import os
-import threading
 import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -24,6 +24,7 @@ from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_c
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
+from mmgen.streaming import CallbackStreamer, stream_from_thread
 
 from mmgen.vlm import MODEL_TYPES
 from mmgen.vlm.dropping import DroppingReport, make_dropping
@@ -322,23 +323,13 @@ class VLMPipeline(Pipeline):
                **kwargs) -> Generator[tuple[int, str], None, VLMOutput]:
         """(row, text piece) pairs as tokens commit; the pieces of a row concatenate to its text
         in `__call__` with the same arguments (decoding runs in a thread). The generator's
-        return value (`StopIteration.value`, or `yield from`) is that call's `VLMOutput`."""
-        queue, outcome = TokenQueueStreamer(timeout=600), {}
-
-        def run():
-            try:
-                outcome["output"] = self(prompts, images, streamer=queue, **kwargs)
-            except BaseException as error:  # re-raised in the caller's thread
-                outcome["error"] = error
-                queue.end()
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        yield from text_pieces(self.processor.tokenizer, queue)
-        worker.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["output"]
+        return value (`StopIteration.value`, or `yield from`) is that call's `VLMOutput`.
+        Closed early, the decode stops at its next token and the close returns once the model
+        is free (`mmgen.streaming.stream_from_thread`)."""
+        tokens = stream_from_thread(lambda emit: self(prompts, images, streamer=CallbackStreamer(emit), **kwargs),
+                                    name="mmgen-vlm-stream")
+        with contextlib.closing(tokens):
+            return (yield from text_pieces(self.processor.tokenizer, tokens))
 
     def serve(self, decoding: Union[str, Decoder], batch_size: int, max_new_tokens: int = 64, temperature: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, stop_token_ids: Optional[Sequence[int]] = None,
@@ -391,20 +382,32 @@ class VLMServer:
     def stream(self, prompt: Prompt, images: Any = None, generator: Optional[torch.Generator] = None,
                max_new_tokens: Optional[int] = None) -> Generator[str, None, tuple[str, torch.Tensor, DecodeStats]]:
         """Text pieces of the answer as its tokens commit (they concatenate to its text); the
-        generator's return value is the submitted future's result."""
+        generator's return value is the submitted future's result. Closed early (the client
+        went away), the request is cancelled: its row is freed at the batch's next forward."""
         queue = TokenQueueStreamer(timeout=600)
         future = self.submit(prompt, images, generator, max_new_tokens, queue)  # a failed decode ends the queue
-        for _, piece in text_pieces(self.pipe.processor.tokenizer, queue):
-            yield piece
+        try:
+            for _, piece in text_pieces(self.pipe.processor.tokenizer, queue):
+                yield piece
+        except BaseException:  # closed early (GeneratorExit), or the reader failed
+            future.cancel()
+            raise
         return future.result()
 
 
-def text_pieces(tokenizer: Any, queue: TokenQueueStreamer) -> Generator[tuple[int, str], None, None]:
-    """(row, text piece) from a token streamer's (row, tokens) pairs: each row's decoded text
-    grows by its piece (special tokens skipped; a piece appears once its tokens decode)."""
+def text_pieces(tokenizer: Any, pairs: Iterable[tuple[int, torch.Tensor]]) -> Generator[tuple[int, str], None, Any]:
+    """(row, text piece) from (row, tokens) pairs (a `TokenQueueStreamer`, a `stream_from_thread`
+    of a `CallbackStreamer`): each row's decoded text grows by its piece (special tokens
+    skipped; a piece appears once its tokens decode). Returns what `pairs` returns (a
+    generator's return value)."""
     ids: dict[int, list[int]] = {}
     shown: dict[int, str] = {}
-    for row, tokens in queue:
+    pairs = iter(pairs)
+    while True:
+        try:
+            row, tokens = next(pairs)
+        except StopIteration as end:
+            return end.value
         ids.setdefault(row, []).extend(tokens.tolist())
         text = tokenizer.decode(ids[row], skip_special_tokens=True).strip()
         if text != shown.get(row, ""):

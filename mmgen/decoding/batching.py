@@ -14,6 +14,12 @@ for the tiny and bundled LlamaGens of tests/core/test_continuous_batching.py.
 
 Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++) with a fixed
 window (`adapt=False`: the adaptive window picks one width for the whole batch).
+
+Cancellation (a client that went away): set a request's `cancelled` event, or cancel the future
+`ContinuousServer.submit` returned. A running request's row stops decoding at the next forward
+and takes the next waiting request; a waiting one never starts. Either way nothing more is
+delivered (no tokens, no result; its streamer is ended), and the other rows decode exactly what
+they decode without it.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import CancelledError, Future, InvalidStateError
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -43,12 +49,14 @@ class Request:
     tensor [1], one caption, ...), the `generator` its draws come from, an optional token
     budget below the decode's `num_tokens`, and an optional `streamer` (a core `Streamer`)
     that receives the request's new tokens as they commit (`put([tokens])`, as row 0 of a
-    batch-1 decode) and `end()` once they are all out, before its result is handed over."""
+    batch-1 decode) and `end()` once they are all out, before its result is handed over.
+    `cancelled`: set it from any thread to cancel the request (see the module's docstring)."""
 
     conditions: Any
     generator: torch.Generator
     max_new_tokens: Optional[int] = None
     streamer: Any = None
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 
 @dataclass
@@ -70,7 +78,7 @@ class Finished:
 
 class RequestQueue:
     """The loop's `RowFeed` over a sequence of requests: in order; each finished one goes to
-    `on_finish`."""
+    `on_finish` (a cancelled one is skipped, or dropped from its row: no result)."""
 
     def __init__(self, requests: Iterable[Request], on_finish: Callable[[Finished], None]):
         self.requests, self.on_finish = enumerate(requests), on_finish
@@ -81,23 +89,30 @@ class RequestQueue:
     def refill(self, rows: list[int]) -> list[tuple[int, Request]]:
         out = []
         for row in rows:
-            nxt = next(self.requests, None)
+            while (nxt := next(self.requests, None)) is not None and check_request(nxt[1]).cancelled.is_set():
+                _end_stream(nxt[1])  # cancelled while waiting: it never starts
             if nxt is None:
                 break
             self.index[row], request = nxt
             self.count += 1
-            out.append((row, check_request(request)))
+            out.append((row, request))
         return out
 
     def finish(self, row: int, tokens: torch.Tensor, stats: DecodeStats, masked: bool) -> None:
         self.tokens += len(tokens)
         self.on_finish(Finished(self.index.pop(row), tokens, stats, masked))
 
+    def drop(self, row: int) -> None:
+        del self.index[row]
+
 
 class LiveQueue:
     """A `RowFeed` filled from other threads (a server's queue): `put(request, on_finish,
     on_error)` from anywhere; at each forward the loop takes what has arrived for its free rows,
-    never waiting for more. `fail(error)` hands an error to every request taken or waiting."""
+    never waiting for more. `fail(error)` hands an error to every request taken or waiting. A
+    cancelled request (`cancel`, or its `cancelled` event set) gets `on_error(CancelledError())`
+    when the queue lets go of it: at once if it waits (through `cancel`), at the next forward if
+    it runs."""
 
     def __init__(self):
         self._waiting: collections.deque = collections.deque()
@@ -119,21 +134,41 @@ class LiveQueue:
             return self._waiting[0][0]
 
     def refill(self, rows: list[int]) -> list[tuple[int, Request]]:
-        out = []
+        out, cancelled = [], []
         with self._ready:
-            for row in rows:
-                if not self._waiting:
-                    break
+            while self._waiting and len(out) < len(rows):
                 request, on_finish, on_error = self._waiting.popleft()
+                if request.cancelled.is_set():  # it never starts
+                    cancelled.append((request, on_error))
+                    continue
+                row = rows[len(out)]
                 self.running[row] = (self.count, on_finish, on_error)  # its place in arrival order
                 self.count += 1
                 out.append((row, request))
+        for request, on_error in cancelled:
+            _cancelled(request, on_error)
         return out
 
     def finish(self, row: int, tokens: torch.Tensor, stats: DecodeStats, masked: bool) -> None:
         self.tokens += len(tokens)
         index, on_finish, _ = self.running.pop(row)
         on_finish(Finished(index, tokens, stats, masked))
+
+    def drop(self, row: int) -> None:
+        _, _, on_error = self.running.pop(row)
+        on_error(CancelledError())
+
+    def cancel(self, request: Request) -> None:
+        """Cancel `request` (from any thread): waiting, it leaves the queue now and never starts;
+        running, the loop frees its row at the next forward."""
+        request.cancelled.set()
+        with self._ready:
+            at = next((i for i, (waiting, _, _) in enumerate(self._waiting) if waiting is request), None)
+            if at is None:  # running, finished or already let go of
+                return
+            _, _, on_error = self._waiting[at]
+            del self._waiting[at]
+        _cancelled(request, on_error)
 
     def fail(self, error: BaseException) -> None:
         with self._ready:
@@ -151,7 +186,9 @@ class ContinuousServer:
     mid-decode takes the next free row. `result(finished)` runs on the worker for each finished
     request (an image decoder, say); the future holds what it returns. `lock` (a context
     manager) is held while a decode runs, to keep the pipeline's other users off the model. A
-    request's `streamer` is ended when its future fails, so a reader never waits on it."""
+    request's `streamer` is ended when its future fails, so a reader never waits on it.
+    `future.cancel()` cancels a request until its result is set: waiting, it never starts;
+    running, its row is freed at the next forward (its streamer ended, no result)."""
 
     def __init__(self, decode: Callable[[LiveQueue], Any], result: Callable[[Finished], Any] = lambda f: f,
                  lock: Any = None):
@@ -164,14 +201,31 @@ class ContinuousServer:
         future: Future = Future()
 
         def finished(done: Finished) -> None:
+            if future.cancelled():  # no one waits for its result
+                return
             try:
-                future.set_result(self._result(done))
+                result = self._result(done)
             except BaseException as error:  # the result's own failure goes to its caller
+                failed(error)
+                return
+            with contextlib.suppress(InvalidStateError):  # cancelled meanwhile
+                future.set_result(result)
+
+        def failed(error: BaseException) -> None:
+            if isinstance(error, CancelledError):  # the queue let go of a cancelled request
+                future.cancel()
+                return
+            with contextlib.suppress(InvalidStateError):
                 future.set_exception(error)
 
-        self.queue.put(request, finished, future.set_exception)
-        if request.streamer is not None:
-            future.add_done_callback(lambda f: f.exception() is not None and request.streamer.end())
+        def settled(f: Future) -> None:
+            if f.cancelled():
+                self.queue.cancel(request)
+            elif f.exception() is not None and request.streamer is not None:
+                request.streamer.end()
+
+        self.queue.put(request, finished, failed)
+        future.add_done_callback(settled)
         return future
 
     def _work(self) -> None:
@@ -215,9 +269,10 @@ def continuous_decode(
     """Decode every request with `decoder`, at most `batch_size` rows at a time, refilling a
     row as soon as it finishes. Returns the finished requests in input order (or, with
     `on_finish`, hands each over as it finishes and returns none; a `LiveQueue` hands each to
-    its own callback and the decode ends when no request runs or waits) and the run's stats (its
-    forwards over the whole run, prefills included; `rows` = requests; `baseline_forwards` =
-    autoregressive decoding of the same tokens in gap-free rows)."""
+    its own callback and the decode ends when no request runs or waits; a cancelled request is
+    left out) and the run's stats (its forwards over the whole run, prefills included; `rows` =
+    requests started; `baseline_forwards` = autoregressive decoding of the same tokens in
+    gap-free rows)."""
     from mmgen.decoding.speculative import speculative_decode
 
     check_num_tokens(num_tokens)
@@ -261,6 +316,18 @@ def check_request(request: Any) -> Request:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
         raise ValueError(f"a request's max_new_tokens must be an integer >= 1 or None, got {budget!r}")
     return request
+
+
+def _end_stream(request: Request) -> None:
+    """End a request's streamer, if it has one (its last call: nothing follows)."""
+    if request.streamer is not None:
+        request.streamer.end()
+
+
+def _cancelled(request: Request, on_error: Callable[[BaseException], None]) -> None:
+    """A cancelled request that never started: its streamer ended, its caller told."""
+    _end_stream(request)
+    on_error(CancelledError())
 
 
 def _stack(conditions: list) -> Any:

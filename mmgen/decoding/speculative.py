@@ -115,11 +115,16 @@ class RowFeed(Protocol):
     """Continuous batching (`mmgen.decoding.batching`): the loop hands each finished row's
     output to `finish` and asks `refill` for requests to start on free rows. A request has
     `conditions` (one row's, as `TokenModel.start` takes them), `generator` (its own, so its
-    tokens are those of a batch-1 decode with that generator) and `max_new_tokens` (or None)."""
+    tokens are those of a batch-1 decode with that generator), `max_new_tokens` (or None),
+    `streamer` (or None) and `cancelled` (a `threading.Event`): once it is set, the loop stops
+    decoding the request's row after the forward under way, ends its streamer and tells `drop`
+    instead of `finish`; the row then takes the next request."""
 
     def refill(self, rows: list[int]) -> list[tuple[int, Any]]: ...
 
     def finish(self, row: int, tokens: torch.Tensor, stats: Any, masked: bool) -> None: ...
+
+    def drop(self, row: int) -> None: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,8 +280,8 @@ def speculative_decode(
 
     With a `feed` (continuous batching), `generator` is a `RowGenerators` and `conditions`
     only size the batch: every row starts on a request from the feed (`model.restart`, a
-    batch-1 prefill), a finished row goes to `feed.finish` and takes the next request, and the
-    loop runs until no row is decoding.
+    batch-1 prefill), a finished row goes to `feed.finish` and takes the next request (as does
+    the row of a cancelled request, `feed.drop`), and the loop runs until no row is decoding.
     """
     check_num_tokens(num_tokens)
     if feed is not None:
@@ -452,18 +457,18 @@ class _RowCounters:
 
 
 class _Admission:
-    """Continuous batching: hands finished rows to the feed and starts free rows on its next
-    requests. Row b's prefill runs alone (`model.restart`) and every draw for it comes from
-    its request's generator, in a batch-1 decode's order, so what it decodes does not depend
-    on the other rows (up to the forward's own batch invariance)."""
+    """Continuous batching: hands finished rows to the feed, frees the rows of cancelled
+    requests and starts free rows on the feed's next requests. Row b's prefill runs alone
+    (`model.restart`) and every draw for it comes from its request's generator, in a batch-1
+    decode's order, so what it decodes does not depend on the other rows (up to the forward's
+    own batch invariance)."""
 
     def __init__(self, feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens):
         self.feed, self.restart, self.state, self.run, self.proposer, self.probs = feed, model.restart, state, run, proposer, probs
         self.complete = getattr(model, "complete_frame", None)
         self.limit, self.emitted, self.bad, self.rows = limit, emitted, bad, rows
         self.stopping, self.stop_ids, self.num_tokens = stopping, stop_ids, num_tokens
-        self.live = [False] * run.batch_size
-        self.streamers: list = [None] * run.batch_size  # each live request's own streamer
+        self.requests: list = [None] * run.batch_size  # the request each row decodes (None: free)
         self.streamed = [0] * run.batch_size  # tokens each has been handed
         # Idle rows still draw (shapes are fixed): from this one, never from a finished request's
         # generator, which the caller gets back as a batch-1 decode would leave it.
@@ -472,26 +477,23 @@ class _Admission:
     def left(self, num_tokens: int) -> int:
         """The loop's test value: 0 while a row decodes a request, else `num_tokens` (no sync:
         after admission a row decodes exactly when it holds a request)."""
-        return 0 if any(self.live) else num_tokens
+        return 0 if any(r is not None for r in self.requests) else num_tokens
 
     def __call__(self, ended: list[int]) -> None:
         run, zero = self.run, torch.zeros(1, 1, dtype=torch.long, device=self.run.device)
         while True:
             self.stream()
+            self.drop_cancelled()
             for row in ended:
-                if self.live[row]:
+                if self.requests[row] is not None:
                     n = int(torch.minimum(self.emitted[row], self.limit[row]))  # a last window may run past the end
                     stats = self.rows.stats(row, n)
-                    if self.streamers[row] is not None:
-                        self.streamers[row].end()
-                        self.streamers[row] = None
+                    self.release(row)
                     self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
-                    self.live[row] = False
-                    run.generator[row] = self.idle
             started = []
             # Every free row asks, not only those that just ended: a feed whose requests arrive
             # while others decode (a server's queue) has them started at the next forward.
-            free = [row for row, live in enumerate(self.live) if not live]
+            free = [row for row, request in enumerate(self.requests) if request is None]
             for row, request in self.feed.refill(free) if free else ():
                 p0 = self.probs(self.restart(self.state, row, request.conditions), zero)
                 run.generator[row] = request.generator
@@ -504,8 +506,7 @@ class _Admission:
                 self.limit[row] = self.num_tokens if request.max_new_tokens is None else min(request.max_new_tokens, self.num_tokens)
                 self.bad[row] = _invalid(p0)[0]
                 self.rows.reset(row)
-                self.live[row] = True
-                self.streamers[row], self.streamed[row] = request.streamer, 0
+                self.requests[row], self.streamed[row] = request, 0
                 started.append(row)
             if not started:  # (the rows started before this pass had their token 0 streamed at its top)
                 return
@@ -530,14 +531,32 @@ class _Admission:
         zero = torch.zeros(run.batch_size, dtype=torch.long, device=run.device)
         return complete_frame(self.complete, self.state, run.per_codebook, zero, frames, known, generators, zero[:, None])[0][row]
 
+    def release(self, row: int) -> None:
+        """Free `row`: its request's streamer ends, and the row draws from the idle generator."""
+        streamer = self.requests[row].streamer
+        if streamer is not None:
+            streamer.end()
+        self.requests[row] = None
+        self.run.generator[row] = self.idle
+
+    def drop_cancelled(self) -> None:
+        """Stop decoding the rows whose request was cancelled, and tell the feed (no result)."""
+        for row, request in enumerate(self.requests):
+            if request is not None and request.cancelled.is_set():
+                self.run.active[row] = False
+                self.release(row)
+                self.feed.drop(row)
+
     def stream(self) -> None:
         """Hand each live request with a streamer the tokens committed since its last call (one
-        host read, only while such a request runs)."""
-        if not any(s is not None for s in self.streamers):
+        host read, only while such a request runs); a cancelled one gets no more."""
+        streaming = [(row, r.streamer) for row, r in enumerate(self.requests)
+                     if r is not None and r.streamer is not None and not r.cancelled.is_set()]
+        if not streaming:
             return
         ends = torch.minimum(self.emitted, self.limit).tolist()
-        for row, streamer in enumerate(self.streamers):
-            if streamer is not None and ends[row] > self.streamed[row]:
+        for row, streamer in streaming:
+            if ends[row] > self.streamed[row]:
                 streamer.put([self.run.tokens[row, self.streamed[row] : ends[row]].clone()])
                 self.streamed[row] = ends[row]
 
