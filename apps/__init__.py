@@ -1,6 +1,5 @@
-"""Gradio demo apps built on the pipelines (`mmgen demo ...`).
-
-`image_demo` serves the class-conditional image pipelines with every decoding method of the
-core's registries; `image_request` is its UI-free request function. The core never imports
-this package.
+"""The user surfaces built on the pipelines: the Gradio demos (`mmgen demo ...`) and the HTTP
+server (`mmgen serve`), all on one request layer (`requests`: inputs checked and bounded,
+catalogues of loaded models, runs streamed and compared per output unit). The core never
+imports this package.
 """

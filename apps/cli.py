@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from mmgen.apps.image_request import MAX_IMAGES
-from mmgen.apps import speech_request, video_request, vlm_request
+from mmgen.apps.requests.image import MAX_IMAGES
+from mmgen.apps.requests import speech as speech_request, video as video_request, vlm as vlm_request
 
 MAX_CONCURRENCY = 8
 
@@ -105,9 +105,9 @@ def run_image_demo(args: argparse.Namespace) -> int:
     from mmgen.cli import check_device
 
     check_device(args.device)  # a bad or missing device fails here, in one line, before any model loads
-    from mmgen.apps.image_demo import ModelCatalog, build_demo, launch_demo
+    from mmgen.apps.image_demo import ImageCatalog, build_demo, launch_demo
 
-    catalog = ModelCatalog.discover(args.model, device=args.device)
+    catalog = ImageCatalog.discover(args.model, device=args.device)
     catalog.continuous_batch = args.continuous_batch
     demo = build_demo(catalog, max_images=args.max_images, concurrency=args.concurrency)
     print(f"mmgen demo image: models {list(catalog.main)} (companions {list(catalog.companions)}) on {args.device}")

@@ -1,7 +1,7 @@
 """The image demo: a Gradio app over the class-conditional image pipelines (`mmgen demo image`).
 
 The layout only wires widgets to `handle_generate` / `handle_model`, which turn widget values
-into a `DemoRequest` and the `DemoResult` of `run_request` (image_request.py, where inputs are
+into an `ImageRequest` and the `ImageResult` of `run_request` (`requests/image.py`, where inputs are
 checked) into widget values. The page loads nothing from the internet: the theme uses system
 fonts only (no web-font stylesheet), and analytics are off.
 
@@ -31,23 +31,21 @@ import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from mmgen.apps.image_request import (  # noqa: E402
-    MAX_GUIDANCE,
+from mmgen.apps.requests.bounds import LIMITS, MAX_GUIDANCE, MAX_SEED, MAX_TEMPERATURE, shown  # noqa: E402
+from mmgen.apps.requests.image import (  # noqa: E402
     MAX_IMAGES,
-    MAX_SEED,
     MAX_SPEC_CHARS,
     MAX_STEPS,
-    MAX_TEMPERATURE,
-    DemoRequest,
-    DemoResult,
-    ModelCatalog,
+    ImageCatalog,
+    ImageRequest,
+    ImageResult,
     model_info,
     run_request,
 )
 from mmgen.image_ar.bundled import BUNDLED_MODELS  # noqa: E402
 from mmgen.hub import read_json  # noqa: E402
 
-__all__ = ["DemoRequest", "DemoResult", "ModelCatalog", "build_demo", "launch_demo", "run_request"]
+__all__ = ["ImageRequest", "ImageResult", "ImageCatalog", "build_demo", "launch_demo", "run_request"]
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +59,8 @@ GAP = 8
 SYSTEM_FONTS = ("ui-sans-serif", "system-ui", "sans-serif")
 MONO_FONTS = ("ui-monospace", "Consolas", "monospace")
 PICTURE = dict(type="pil", interactive=False, height=300, buttons=["download", "fullscreen"])  # no "share": it uploads
-STATS_COLUMNS = ["run", "forwards", "tokens", "step compression", "mean accepted length", "time (s)", "speedup"]
+STATS_COLUMNS = ["run", "forwards", "tokens", "step compression", "mean accepted length", "time (s)", "ms/token",
+                 "speedup (per token)"]
 #: The stats table breaks lines between words only, never inside one: Gradio's `wrap=True`
 #: breaks anywhere, which split headers ("for|war|ds", "compr|essio|n") where the column is
 #: narrow. A table wider than its column scrolls sideways instead.
@@ -73,17 +72,34 @@ TRACE_TITLE = "Accepted tokens per forward: {label}"
 STEPS_TITLE = "Tokens per step (scale) and the model that ran it: {label} (per-step time is not recorded)"
 
 
+def numeric(component: Any) -> Any:
+    """`component` (a Number or Slider) with its bad values (text through the API) refused in the
+    demos' one line before Gradio's own check, which answers an API caller `{"error": null}`.
+    Its preprocess is wrapped on the instance: a subclass would make Gradio write a stub file
+    into the package."""
+    preprocess = component.preprocess
+
+    def checked(payload: Any) -> Any:
+        if payload is not None and (isinstance(payload, bool) or not isinstance(payload, (int, float))):
+            raise gr.Error(plain_message(f"{component.label or 'a number field'} must be a number, got {shown(payload)}"),
+                           title="Invalid input", print_exception=False)
+        return preprocess(payload)
+
+    component.preprocess = checked
+    return component
+
+
 def theme() -> gr.themes.Base:
     """Gradio's default look with system fonts: no font is fetched from anywhere."""
     return gr.themes.Default(font=SYSTEM_FONTS, font_mono=MONO_FONTS)
 
 
-def handle_generate(catalog: ModelCatalog, max_images: int, model: str, class_name: str, method: str, options: str,
+def handle_generate(catalog: ImageCatalog, max_images: int, model: str, class_name: str, method: str, options: str,
                     compare: bool, num_images: Any, seed: Any, guidance: Any, temperature: Any, top_k: Any, top_p: Any,
                     steps: Any) -> tuple:
     """Widget values -> (the method's picture, the baseline's, stats table, trace chart); a bad
     input or a failed run becomes a gr.Error that the page shows."""
-    request = DemoRequest(model=model, class_name=class_name, method=method, options=options or "", seed=seed,
+    request = ImageRequest(model=model, class_name=class_name, method=method, options=options or "", seed=seed,
                           num_images=num_images, compare=bool(compare), guidance_scale=guidance, temperature=temperature,
                           top_k=top_k, top_p=top_p, num_steps=steps)
     try:
@@ -102,7 +118,7 @@ def handle_generate(catalog: ModelCatalog, max_images: int, model: str, class_na
     )
 
 
-def handle_model(catalog: ModelCatalog, model: str) -> tuple:
+def handle_model(catalog: ImageCatalog, model: str) -> tuple:
     """A new model: its classes, its methods (from the core's registry for its kind) and its
     sampler defaults and bounds."""
     try:
@@ -112,7 +128,7 @@ def handle_model(catalog: ModelCatalog, model: str) -> tuple:
     d, has_top = info.defaults, info.vocab_size is not None
     return (
         gr.update(choices=info.class_names, value=info.class_names[0]),
-        gr.update(choices=info.methods, value=info.default_method),
+        gr.update(choices=info.methods, value=catalog.default_method(model)),
         gr.update(value=d.get("guidance_scale")),
         gr.update(value=d.get("temperature")),
         gr.update(value=d.get("top_k", 0), maximum=info.vocab_size or 1, visible=has_top),
@@ -121,11 +137,11 @@ def handle_model(catalog: ModelCatalog, model: str) -> tuple:
     )
 
 
-def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, concurrency: int = 1) -> gr.Blocks:
+def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, concurrency: int = 1) -> gr.Blocks:
     """The app's Blocks, queued with `concurrency` requests at a time (launch it with
     `launch_demo`, which sets the offline theme). The first model is loaded now, for its class
     names."""
-    catalog = catalog or ModelCatalog.discover()
+    catalog = catalog or ImageCatalog.discover()
     max_images = max(1, min(int(max_images), MAX_IMAGES))
     first = next(iter(catalog.main))
     info = model_info(catalog.pipeline(first))
@@ -142,23 +158,23 @@ def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, conc
                 model = gr.Dropdown(list(catalog.main), value=first, label="Model", elem_id="model")
                 class_name = gr.Dropdown(info.class_names, value=info.class_names[0], label="Class", elem_id="class",
                                          allow_custom_value=True)  # checked against the model in run_request
-                method = gr.Dropdown(info.methods, value=info.default_method, label="Decoding method", elem_id="method",
+                method = gr.Dropdown(info.methods, value=catalog.default_method(first), label="Decoding method", elem_id="method",
                                      allow_custom_value=True)
                 options = gr.Textbox(label="Decoding options", placeholder="key=value,... e.g. delta=0.2,window=8",
                                      max_length=MAX_SPEC_CHARS, elem_id="options")
                 compare = gr.Checkbox(label="Compare with autoregressive decoding (same seed)", elem_id="compare")
                 with gr.Row():
-                    seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed")
-                    num_images = gr.Slider(1, max_images, value=1, step=1, label="Images", elem_id="num-images")
-                guidance = gr.Slider(0, MAX_GUIDANCE, value=d.get("guidance_scale"), step=0.1, label="Guidance (CFG)")
-                temperature = gr.Slider(0, MAX_TEMPERATURE, value=d.get("temperature"), step=0.05,
-                                        label="Temperature (0 = greedy)")
-                top_k = gr.Slider(0, top_k_bound, value=d.get("top_k", 0), step=1, label="Top-k (0 = off)",
-                                  visible=info.vocab_size is not None)
-                top_p = gr.Slider(0.01, 1.0, value=d.get("top_p", 1.0), step=0.01, label="Top-p (1 = off)",
-                                  visible=info.vocab_size is not None)
-                steps = gr.Slider(1, MAX_STEPS, value=d.get("num_iter", 64), step=1, label="MAR steps",
-                                  visible=info.family == "continuous")
+                    seed = numeric(gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed"))
+                    num_images = numeric(gr.Slider(1, max_images, value=1, step=1, label="Images", elem_id="num-images"))
+                guidance = numeric(gr.Slider(0, MAX_GUIDANCE, value=d.get("guidance_scale"), step=0.1, label="Guidance (CFG)"))
+                temperature = numeric(gr.Slider(0, MAX_TEMPERATURE, value=d.get("temperature"), step=0.05,
+                                        label="Temperature (0 = greedy)"))
+                top_k = numeric(gr.Slider(0, top_k_bound, value=d.get("top_k", 0), step=1, label="Top-k (0 = off)",
+                                  visible=info.vocab_size is not None))
+                top_p = numeric(gr.Slider(0.01, 1.0, value=d.get("top_p", 1.0), step=0.01, label="Top-p (1 = off)",
+                                  visible=info.vocab_size is not None))
+                steps = numeric(gr.Slider(1, MAX_STEPS, value=d.get("num_iter", 64), step=1, label="MAR steps",
+                                  visible=info.family == "continuous"))
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 with gr.Row():
@@ -187,10 +203,13 @@ def build_demo(catalog: Optional[ModelCatalog] = None, max_images: int = 4, conc
 
 
 def launch_demo(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = None, share: bool = False,
-                block: bool = True) -> tuple:
-    """Serve the demo with the offline theme and its CSS; `block=False` returns at once (tests, notebooks)."""
+                block: bool = True, css: str = CSS) -> tuple:
+    """Serve a demo with the offline theme and `css`; `block=False` returns at once (tests,
+    notebooks). Every demo's uploads are bounded by the request layer's limit: Gradio's upload
+    route takes files for any app, even one without an upload widget, and refuses larger ones
+    (413) before they reach the disk."""
     return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
-                       quiet=not block, theme=theme(), css=CSS, footer_links=["api"])
+                       quiet=not block, theme=theme(), css=css, footer_links=["api"], max_file_size=LIMITS.upload_bytes)
 
 
 def _trace_frame(rows: list[dict]) -> pd.DataFrame:
@@ -208,7 +227,7 @@ def _steps_frame(rows: list[dict]) -> pd.DataFrame:
         {"step": str, "tokens": int})
 
 
-def _config_vocab_sizes(catalog: ModelCatalog) -> list[int]:
+def _config_vocab_sizes(catalog: ImageCatalog) -> list[int]:
     """The vocabulary of every main model, from its saved transformer config (no weights
     loaded); models without one (MAR, unreadable folders) are skipped."""
     sizes = []

@@ -1,7 +1,7 @@
 """The speech demo: a Gradio app over the text-to-speech pipelines (`mmgen demo speech`).
 
 The layout only wires widgets to `handle_generate` / `handle_model`, which turn widget values
-into a `SpeechRequest` and what `stream_request` (speech_request.py, where inputs are checked)
+into a `SpeechRequest` and what `stream_request` (`requests/speech.py`, where inputs are checked)
 streams into widget values. The method's waveform plays as its frames commit: each chunk of
 `TTSPipeline.stream` goes to a streaming audio player (Gradio encodes the stream with ffmpeg;
 on a machine without ffmpeg the players get each run's whole waveform when it ends, and the
@@ -26,20 +26,17 @@ import gradio as gr  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mmgen.apps.image_demo import CSS, QUEUE_SIZE, plain_message, request_error, theme  # noqa: E402
-from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
-from mmgen.apps.speech_request import (  # noqa: E402
+from mmgen.apps.image_demo import QUEUE_SIZE, launch_demo, numeric, plain_message, request_error  # noqa: E402
+from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
+from mmgen.apps.requests.speech import (  # noqa: E402
     BASELINE_LABEL,
     DEFAULT_MAX_NEW_FRAMES,
     MAX_NEW_FRAMES,
     MAX_TEXT_CHARS,
-    MAX_VOICE_BYTES,
     Progress,
     SpeechCatalog,
     SpeechRequest,
     SpeechResult,
-    default_method,
-    methods,
     sampling_defaults,
     stream_request,
 )
@@ -48,8 +45,8 @@ __all__ = ["SpeechCatalog", "SpeechRequest", "SpeechResult", "build_demo", "laun
 
 log = logging.getLogger(__name__)
 
-STATS_COLUMNS = ["run", "frames", "audio (s)", "forwards", "frames/forward", "decode (s)", "real-time factor", "speedup"]
-MAX_FILE_SIZE = f"{MAX_VOICE_BYTES // (1024 * 1024)}mb"  # per upload, refused by Gradio before it reaches the handler
+STATS_COLUMNS = ["run", "frames", "audio (s)", "forwards", "frames/forward", "decode (s)", "real-time factor", "ms/frame",
+                 "speedup (per frame)"]
 #: Streamed chunks shorter than this are merged before they go to the player (a chunk per
 #: committed frame would be one encoder write and one page update every ~12 ms of audio).
 MIN_CHUNK_SECONDS = 0.2
@@ -105,7 +102,7 @@ def handle_generate(catalog: SpeechCatalog, max_new_frames: int, streaming: bool
         if pending and streaming:
             yield _chunk(current, rate, pending, request.compare, streaming) + (gr.update(), gr.update())
         stats = pd.DataFrame(result.stats_rows(), columns=STATS_COLUMNS if request.compare else STATS_COLUMNS[:-1])
-        status = "done: " + ", ".join(f"{run.label} {run.seconds:.2f} s of audio in {run.decode_s:.2f} s" for run in result.runs)
+        status = "done: " + ", ".join(f"{run.label} {run.audio_seconds:.2f} s of audio in {run.decode_s:.2f} s" for run in result.runs)
         if streaming:  # the players hold their streams, which Gradio closes when the handler returns
             yield gr.update(visible=request.compare), gr.update(), stats, status
             return
@@ -129,11 +126,11 @@ def _chunk(index: int, rate: int, pending: list, compare: bool, streaming: bool)
 def handle_model(catalog: SpeechCatalog, model: str) -> tuple:
     """A new model: its methods and its own sampler defaults."""
     try:
-        offered = methods(catalog, model)
+        offered = catalog.methods(model)
         d = sampling_defaults(catalog, model)
     except (ValueError, OSError) as error:
         raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
-    return (gr.update(choices=offered, value=default_method(offered)), gr.update(value=d["temperature"]),
+    return (gr.update(choices=offered, value=catalog.default_method(model)), gr.update(value=d["temperature"]),
             gr.update(value=d["top_k"]), gr.update(value=d["top_p"]))
 
 
@@ -145,7 +142,7 @@ def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRA
     streaming = can_stream() if streaming is None else bool(streaming)
     max_new_frames = max(1, min(int(max_new_frames), MAX_NEW_FRAMES))
     first = next(iter(catalog.main))
-    offered = methods(catalog, first)
+    offered = catalog.methods(first)
     d = sampling_defaults(catalog, first)
     drafters = ", ".join(catalog.companions) or "none (a folder MODEL-draft beside a model is its drafter)"
     played = "plays as it is decoded" if streaming else "plays when it is whole (streaming needs ffmpeg on the server)"
@@ -162,17 +159,17 @@ def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRA
                                  buttons=[])
                 voice_text = gr.Textbox(lines=2, max_length=MAX_TEXT_CHARS, label="Voice transcript (what the voice says)",
                                         elem_id="voice-text")
-                method = gr.Dropdown(offered, value=default_method(offered), label="Decoding method", elem_id="method",
+                method = gr.Dropdown(offered, value=catalog.default_method(first), label="Decoding method", elem_id="method",
                                      allow_custom_value=True)  # checked against the model in stream_request
                 compare = gr.Checkbox(label="Compare with plain autoregressive decoding (same seed)", elem_id="compare")
-                budget = gr.Slider(1, max_new_frames, value=min(256, max_new_frames, d["max_new_frames"]), step=1,
-                                   label="Max new frames", elem_id="max-new-frames")
-                temperature = gr.Slider(0, MAX_TEMPERATURE, value=d["temperature"], step=0.05,
-                                        label="Temperature (0 = greedy)", elem_id="temperature")
-                top_p = gr.Slider(0, 1.0, value=d["top_p"], step=0.01, label="Top-p (1 = off)", elem_id="top-p")
+                budget = numeric(gr.Slider(1, max_new_frames, value=min(256, max_new_frames, d["max_new_frames"]), step=1,
+                                   label="Max new frames", elem_id="max-new-frames"))
+                temperature = numeric(gr.Slider(0, MAX_TEMPERATURE, value=d["temperature"], step=0.05,
+                                        label="Temperature (0 = greedy)", elem_id="temperature"))
+                top_p = numeric(gr.Slider(0, 1.0, value=d["top_p"], step=0.01, label="Top-p (1 = off)", elem_id="top-p"))
                 with gr.Row():
-                    top_k = gr.Number(d["top_k"], label="Top-k (0 = off)", precision=0, minimum=0, elem_id="top-k")
-                    seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed")
+                    top_k = numeric(gr.Number(d["top_k"], label="Top-k (0 = off)", precision=0, minimum=0, elem_id="top-k"))
+                    seed = numeric(gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed"))
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 baseline_audio = gr.Audio(label=f"baseline: {BASELINE_LABEL}", visible=False, streaming=streaming,
@@ -187,8 +184,3 @@ def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRA
     return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
 
 
-def launch_demo(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = None, share: bool = False,
-                block: bool = True) -> tuple:
-    """Serve the demo with the offline theme; `block=False` returns at once (tests, notebooks)."""
-    return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
-                       quiet=not block, theme=theme(), css=CSS, footer_links=["api"], max_file_size=MAX_FILE_SIZE)

@@ -1,7 +1,7 @@
 """The video demo: a Gradio app over the block-diffusion video pipelines (`mmgen demo video`).
 
 The layout only wires widgets to `handle_generate` / `handle_model`, which turn widget values
-into a `VideoRequest` and what `stream_request` (video_request.py, where inputs are checked)
+into a `VideoRequest` and what `stream_request` (`requests/video.py`, where inputs are checked)
 streams into widget values. The video is made block by block, and each block's frames show as
 soon as it is committed: a contact sheet grows by one row per block (a picture, which needs
 neither ffmpeg nor a streaming player in the page). When the last block is in, the player gets
@@ -29,9 +29,9 @@ from gradio import processing_utils  # noqa: E402
 from PIL import Image  # noqa: E402
 
 # launch_demo is the image demo's (the offline theme and CSS), served from here too
-from mmgen.apps.image_demo import QUEUE_SIZE, launch_demo, plain_message, request_error  # noqa: E402,F401
-from mmgen.apps.image_request import MAX_SEED  # noqa: E402
-from mmgen.apps.video_request import (  # noqa: E402
+from mmgen.apps.image_demo import QUEUE_SIZE, launch_demo, numeric, plain_message, request_error  # noqa: E402,F401
+from mmgen.apps.requests.bounds import MAX_SEED  # noqa: E402
+from mmgen.apps.requests.video import (  # noqa: E402
     COLLABORATIVE,
     DEFAULT_MAX_FRAMES,
     MAX_CACHE_THRESHOLD,
@@ -196,13 +196,13 @@ def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT
                 per_block = gr.Checkbox(True, label="Decode each block as it is made (off: the whole video at the end)",
                                         elem_id="per-block")
                 method = gr.Dropdown(s["methods"], value="block", label="Method", elem_id="method", allow_custom_value=True)
-                large_steps = gr.Slider(1, s["steps"], value=s["large_steps"], step=1, visible=False,
-                                        label="Large-model steps of each block (collaborative)", elem_id="large-steps")
-                cache_threshold = gr.Slider(0, MAX_CACHE_THRESHOLD, value=0, step=0.01, elem_id="cache-threshold",
-                                            label="First Block Cache threshold (0 = off)")
-                drop_threshold = gr.Slider(0, MAX_DROP_THRESHOLD, value=0, step=0.01, elem_id="drop-threshold",
-                                           label="Static-token dropping threshold (0 = off)")
-                seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed")
+                large_steps = numeric(gr.Slider(1, s["steps"], value=s["large_steps"], step=1, visible=False,
+                                        label="Large-model steps of each block (collaborative)", elem_id="large-steps"))
+                cache_threshold = numeric(gr.Slider(0, MAX_CACHE_THRESHOLD, value=0, step=0.01, elem_id="cache-threshold",
+                                            label="First Block Cache threshold (0 = off)"))
+                drop_threshold = numeric(gr.Slider(0, MAX_DROP_THRESHOLD, value=0, step=0.01, elem_id="drop-threshold",
+                                           label="Static-token dropping threshold (0 = off)"))
+                seed = numeric(gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed"))
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 sheet = gr.Image(label=f"Blocks as they are made ({height}×{width}, one row per block)", elem_id="blocks",

@@ -1,7 +1,7 @@
 """The VLM demo: a Gradio chat about uploaded images (`mmgen demo vlm`).
 
 The layout only wires widgets to `handle_send` / `handle_model` / `handle_clear`, which turn
-widget values into a `ChatRequest` and the answers `stream_request` (vlm_request.py, where
+widget values into a `ChatRequest` and the answers `stream_request` (`requests/vlm.py`, where
 inputs are checked) streams into the chat. The conversation the model sees (transformers'
 chat format and its images) lives in a per-session `gr.State`, never in what the page sends:
 an API caller cannot hand the server file paths as "earlier images". In compare mode a second
@@ -24,9 +24,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mmgen.apps.image_demo import CSS, QUEUE_SIZE, plain_message, request_error, theme  # noqa: E402
-from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
-from mmgen.apps.vlm_request import (  # noqa: E402
+from mmgen.apps.image_demo import QUEUE_SIZE, launch_demo, numeric, plain_message, request_error  # noqa: E402
+from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
+from mmgen.apps.requests.vlm import (  # noqa: E402
     BASELINE_LABEL,
     MAX_IMAGES,
     MAX_MESSAGE_CHARS,
@@ -36,7 +36,6 @@ from mmgen.apps.vlm_request import (  # noqa: E402
     ChatResult,
     VLMCatalog,
     dropping_policies,
-    methods,
     stream_request,
 )
 
@@ -44,18 +43,12 @@ __all__ = ["ChatRequest", "ChatResult", "VLMCatalog", "build_demo", "launch_demo
 
 log = logging.getLogger(__name__)
 
-STATS_COLUMNS = ["run", "forwards", "tokens", "tokens/forward", "time (s)", "tokens kept"]
-MAX_FILE_SIZE = "10mb"  # per upload, refused by Gradio before it reaches the handler
+STATS_COLUMNS = ["run", "forwards", "tokens", "tokens/forward", "time (s)", "ms/token", "speedup (per token)", "tokens kept"]
 
 
 def empty_state() -> dict:
     """A new conversation: what the model sees (`history`, `images`) and what the two chats show."""
     return {"history": [], "images": [], "chat": [], "baseline": []}
-
-
-def default_method(offered: list[str]) -> str:
-    """Image-aware drafting where a drafter is loaded, else speculative Jacobi, else the first."""
-    return next((m for m in ("draft", "sjd") if m in offered), offered[0])
 
 
 def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, message: Any, state: Optional[dict],
@@ -113,10 +106,10 @@ def _chat_update(chat: list, label: str) -> dict:
 def handle_model(catalog: VLMCatalog, model: str) -> tuple:
     """A new model: its methods, and a fresh conversation."""
     try:
-        offered = methods(catalog, model)
+        offered = catalog.methods(model)
     except (ValueError, OSError) as error:
         raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
-    return (gr.update(choices=offered, value=default_method(offered)),) + handle_clear()
+    return (gr.update(choices=offered, value=catalog.default_method(model)),) + handle_clear()
 
 
 def handle_clear() -> tuple:
@@ -132,7 +125,7 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
     max_images = max(1, min(int(max_images), MAX_IMAGES))
     max_new_tokens = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
     first = next(iter(catalog.main))
-    offered = methods(catalog, first)
+    offered = catalog.methods(first)
     companions = ", ".join(catalog.companions) or "none"
     with gr.Blocks(title="mmgen VLM demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
         gr.Markdown("## mmgen: fast vision-language decoding\nUpload images and ask about them. Pick a decoding "
@@ -142,20 +135,20 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
         with gr.Row():
             with gr.Column(scale=1, min_width=300):
                 model = gr.Dropdown(list(catalog.main), value=first, label="Model", elem_id="model")
-                method = gr.Dropdown(offered, value=default_method(offered), label="Decoding method", elem_id="method",
+                method = gr.Dropdown(offered, value=catalog.default_method(first), label="Decoding method", elem_id="method",
                                      allow_custom_value=True)  # checked against the model in stream_request
                 dropping = gr.Radio([NO_DROPPING, *dropping_policies()], value=NO_DROPPING, label="Visual token dropping",
                                     elem_id="dropping")
-                keep_ratio = gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="Keep ratio (visual tokens kept)",
-                                       elem_id="keep-ratio")
+                keep_ratio = numeric(gr.Slider(0.05, 1.0, value=0.25, step=0.05, label="Keep ratio (visual tokens kept)",
+                                       elem_id="keep-ratio"))
                 compare = gr.Checkbox(label="Compare with plain autoregressive decoding, no dropping (same seed)",
                                       elem_id="compare")
-                temperature = gr.Slider(0, MAX_TEMPERATURE, value=0.0, step=0.05, label="Temperature (0 = greedy)",
-                                        elem_id="temperature")
+                temperature = numeric(gr.Slider(0, MAX_TEMPERATURE, value=0.0, step=0.05, label="Temperature (0 = greedy)",
+                                        elem_id="temperature"))
                 with gr.Row():
-                    seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed")
-                    budget = gr.Slider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens",
-                                       elem_id="max-new-tokens")
+                    seed = numeric(gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed"))
+                    budget = numeric(gr.Slider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens",
+                                       elem_id="max-new-tokens"))
                 clear = gr.Button("Clear chat", elem_id="clear")
             with gr.Column(scale=2):
                 with gr.Row():
@@ -175,8 +168,3 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
     return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
 
 
-def launch_demo(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = None, share: bool = False,
-                block: bool = True) -> tuple:
-    """Serve the demo with the offline theme; `block=False` returns at once (tests, notebooks)."""
-    return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
-                       quiet=not block, theme=theme(), css=CSS, footer_links=["api"], max_file_size=MAX_FILE_SIZE)

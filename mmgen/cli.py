@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     import torch
 
 #: Modules that add subcommands (`register(commands, groups)`), one per modality package.
-COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.batch", "mmgen.vlm.cli", "mmgen.audio.cli", "mmgen.video.cli", "mmgen.apps.cli")
+COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.batch", "mmgen.vlm.cli", "mmgen.audio.cli", "mmgen.video.cli", "mmgen.apps.cli",
+                   "mmgen.apps.serve_cli")
 #: Seeds are torch generator seeds: 0 <= seed < 2**63.
 SEED_LIMIT = 2**63
 #: Weight dtypes every `--dtype` flag offers.

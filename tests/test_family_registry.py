@@ -184,15 +184,15 @@ def test_batch_runs_the_family_and_matches_generate(toy_family, tmp_path, capsys
 
 
 def test_the_demo_request_function_serves_the_family(toy_family):
-    from mmgen.apps.image_request import DemoRequest, ModelCatalog, model_info, run_request
+    from mmgen.apps.requests.image import ImageRequest, ImageCatalog, model_info, run_request
 
     folder, drafter = toy_family
-    catalog = ModelCatalog.discover([str(folder), str(drafter)])
+    catalog = ImageCatalog.discover([str(folder), str(drafter)])
     assert list(catalog.main) == ["toy"] and list(catalog.companions) == ["toy-draft"]
     info = model_info(catalog.pipeline("toy"))
     assert info.family == "token" and info.default_method == "sjd" and info.class_names == ["a", "b", "c"]
     assert "sjd" in info.methods and "code" not in info.methods and info.vocab_size is None  # no top-k in its call
-    result = run_request(DemoRequest(model="toy", class_name="c", method="draft", seed=3, compare=True, temperature=0.0), catalog)
+    result = run_request(ImageRequest(model="toy", class_name="c", method="draft", seed=3, compare=True, temperature=0.0), catalog)
     baseline, method = result.runs
     assert baseline.label == "ar (baseline)" and method.stats.draft_forwards > 0
     assert [np.asarray(i).tolist() for i in baseline.images] == [np.asarray(i).tolist() for i in method.images]  # greedy: lossless
@@ -210,7 +210,7 @@ def test_registry_names_are_unique_and_unknown_names_are_clear(toy_family):
 
 
 def test_every_image_family_declares_itself():
-    from mmgen.apps.image_request import COMPANION_SUFFIXES
+    from mmgen.apps.requests.image import COMPANION_SUFFIXES
     from mmgen.decoding import FAMILY_DECODERS
 
     declared = {}

@@ -1,16 +1,12 @@
-"""What the speech demo does for one press of Generate, without any UI: check the inputs, speak
-the text with the chosen decoding method (and, in compare mode, with plain autoregressive
-decoding on the same seed first), streaming each run's waveform as its frames commit.
+"""Speech requests: check a text-to-speech request's inputs, speak the text with the chosen
+decoding method (and, in compare mode, with plain autoregressive decoding on the same seed
+first), streaming each run's waveform as its frames commit. Shared by the speech demo and
+`mmgen serve`'s `/v1/audio/speech`; importing it needs no gradio.
 
-Kept apart from the Gradio layout (`speech_demo.py`) so that it is tested directly and so that
-importing it needs no gradio. Every input is checked and bounded here: Gradio's HTTP API takes
-any value, whatever the page's widgets allow. The catalogue's locks and cache, the number checks
-and the message quoting are the image demo's (`image_request.py`).
-
-The demo serves the bundled `speech-tts` (with its drafter `speech-tts-draft`) unless given
---model: bundled names or transformers Dia, CSM or VibeVoice folders, as `mmgen generate speech`
-reads them. A folder `X-draft` beside a folder `X` is X's drafter, for the methods that pair
-a second model.
+The bundled `speech-tts` (with its drafter `speech-tts-draft`) is served unless given --model:
+bundled names or transformers Dia, CSM or VibeVoice folders, as `mmgen generate speech` reads
+them. A folder `X-draft` beside a folder `X` is X's drafter, for the methods that pair a second
+model.
 """
 
 from __future__ import annotations
@@ -23,19 +19,20 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
-from mmgen.apps.image_request import MAX_SEED, MAX_TEMPERATURE, ModelCatalog, _float, _int, shown
 from mmgen.decoding import DecodeStats
-from mmgen.hub import read_json
 from mmgen.sampling import make_generator
 
+from .bounds import LIMITS, MAX_SEED, checked_text, integer, sampler, shown
+from .catalog import Catalog, folder_field, model_folder
+from .runs import BASELINE_LABEL, Result, finish, relay
+
 DRAFT_SUFFIX = "-draft"
-MAX_NEW_FRAMES = 4096  # hard cap of a run's decoder frames, whatever --max-new-frames says
+MAX_NEW_FRAMES = LIMITS.new_frames  # hard cap of a run's decoder frames, whatever --max-new-frames says
 DEFAULT_MAX_NEW_FRAMES = 1024  # --max-new-frames' default: about 12 s of Dia's 86 frames a second
 MAX_TEXT_CHARS = 1000
-MAX_VOICE_BYTES = 16 * 1024 * 1024  # a voice upload larger than this is refused before it is read
-MAX_VOICE_SECONDS = 30.0  # a voice prompt is a few seconds of the voice to continue
+MAX_VOICE_BYTES = LIMITS.upload_bytes  # a voice upload larger than this is refused before it is read
+MAX_VOICE_SECONDS = LIMITS.audio_seconds  # a voice prompt is a few seconds of the voice to continue
 MAX_TOP_K = 65536  # when a model does not say its codebook size
-BASELINE_LABEL = "ar (baseline)"
 #: How soundfile names an in-memory file in its errors ("Error opening <_io.BytesIO object at 0x...>: ").
 IN_MEMORY_FILE = re.compile(r"Error opening <_io\.BytesIO object at 0x[0-9a-fA-F]+>: ")
 #: transformers `model_type`s the demo opens (`mmgen.audio`'s index).
@@ -44,9 +41,11 @@ SPEECH_MODEL_TYPES = ("dia", "csm", "vibevoice")
 DEFAULT_MODEL = "speech-tts"
 
 
-class SpeechCatalog(ModelCatalog):
-    """The text-to-speech models a demo offers (`ModelCatalog`'s locks and cache): main models
-    and their drafters (names ending in -draft)."""
+class SpeechCatalog(Catalog):
+    """The text-to-speech models a surface offers (`Catalog`): main models and their drafters
+    (names ending in -draft)."""
+
+    modality = "speech"
 
     @classmethod
     def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "SpeechCatalog":
@@ -85,15 +84,12 @@ class SpeechCatalog(ModelCatalog):
 
 
 def _is_speech_folder(folder: Path) -> bool:
-    try:
-        return read_json(Path(folder) / "config.json").get("model_type") in SPEECH_MODEL_TYPES
-    except (OSError, ValueError, AttributeError):
-        return False
+    return folder_field(folder, "config.json", "model_type") in SPEECH_MODEL_TYPES
 
 
 def _checked_folder(entry: str) -> str:
     """A folder with the config.json of a speech model (no Hub ids: the demo never downloads)."""
-    if not (Path(entry) / "config.json").is_file():
+    if not model_folder(entry):
         raise ValueError(f"--model {entry!r} is neither a bundled speech model present in this installation nor a "
                          "model folder with a config.json (a transformers Dia, CSM or VibeVoice folder)")
     if not _is_speech_folder(Path(entry)):
@@ -105,20 +101,6 @@ def _checked_folder(entry: str) -> str:
 # --------------------------------------------------------------------------------------------
 # What the UI offers for a model
 # --------------------------------------------------------------------------------------------
-
-
-def methods(catalog: SpeechCatalog, model: str) -> list[str]:
-    """The frame decoders `model` runs: those its pipeline declares (`TTSPipeline.decoders()`),
-    less those that pair a second model (draft, entropy-switch) where the catalogue has no
-    drafter for it."""
-    pipe = catalog.pipeline(model)
-    paired = catalog.companion_of(model, DRAFT_SUFFIX) is not None
-    return [name for name in pipe.decoders() if name not in pipe.companions or paired]
-
-
-def default_method(offered: Sequence[str]) -> str:
-    """Drafting where a drafter is loaded, else speculative Jacobi over frames, else the first."""
-    return next((m for m in ("draft", "sjd") if m in offered), offered[0])
 
 
 def sampling_defaults(catalog: SpeechCatalog, model: str) -> dict[str, Any]:
@@ -134,22 +116,6 @@ def _vocab_size(pipe: Any) -> int:
     layout = pipe.family.frame_layout()
     size = layout[2] if len(layout) > 2 else None
     return int(size) if isinstance(size, int) and size > 0 else MAX_TOP_K
-
-
-def _decoder(name: str, pipe: Any, catalog: SpeechCatalog, model: str) -> Any:
-    """The decoder of a shortcut (`decoder_from_spec`); `draft` and `entropy-switch` get the
-    catalogue's drafter of `model`, checked against the model (same codec frames)."""
-    from mmgen.loading import decoder_from_spec
-
-    companion = pipe.companions.get(name)
-    given = {}
-    if companion is not None:
-        other = catalog.companion_of(model, DRAFT_SUFFIX) if companion.suffix == DRAFT_SUFFIX else None
-        if other is None:
-            raise ValueError(f"decoding {name!r} needs a drafter ({companion.role}): start the demo with a folder "
-                             f"{model}{companion.suffix} beside the model")
-        given[companion.option] = catalog.pipeline(other)
-    return decoder_from_spec(name, pipe, catalog.main[model], catalog.device, **given)
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,8 +154,21 @@ class SpeechRun:
     real_time_factor: float
 
     @property
-    def seconds(self) -> float:
+    def audio_seconds(self) -> float:
         return self.audio.size / self.sampling_rate
+
+    @property
+    def units(self) -> int:
+        return self.frames
+
+    @property
+    def seconds(self) -> float:
+        """Seconds decoding took (the codec's included)."""
+        return self.decode_s
+
+    @property
+    def ms_per_unit(self) -> Optional[float]:
+        return 1000 * self.decode_s / self.frames if self.frames else None
 
     @property
     def frames_per_forward(self) -> float:
@@ -197,32 +176,21 @@ class SpeechRun:
 
 
 @dataclass
-class SpeechResult:
+class SpeechResult(Result):
     """The runs of one request, the autoregressive baseline first in compare mode."""
 
     runs: list[SpeechRun]
-
-    @property
-    def method(self) -> SpeechRun:
-        return self.runs[-1]
-
-    @property
-    def baseline(self) -> Optional[SpeechRun]:
-        return self.runs[0] if len(self.runs) > 1 else None
+    unit = "frame"
 
     def stats_rows(self) -> list[dict[str, Any]]:
         """One row per run: frames, seconds of audio, forwards (the prefill included), frames per
-        forward, decode seconds and real-time factor (decode seconds over audio seconds: below
-        1 is faster than real time); in compare mode the decode-time speedup over the baseline."""
-        rows = []
-        for run in self.runs:
-            row = {"run": run.label, "frames": run.frames, "audio (s)": round(run.seconds, 3), "forwards": run.stats.forwards,
-                   "frames/forward": round(run.frames_per_forward, 2), "decode (s)": round(run.decode_s, 3),
-                   "real-time factor": round(run.real_time_factor, 3)}
-            if self.baseline is not None:
-                row["speedup"] = round(self.baseline.decode_s / run.decode_s, 2) if run.decode_s else None
-            rows.append(row)
-        return rows
+        forward, decode seconds, real-time factor (decode seconds over audio seconds: below 1 is
+        faster than real time), time per frame and, in compare mode, the speedup per frame over
+        the baseline (a run that stops early is not faster for it)."""
+        return [{"run": run.label, "frames": run.frames, "audio (s)": round(run.audio_seconds, 3),
+                 "forwards": run.stats.forwards, "frames/forward": round(run.frames_per_forward, 2),
+                 "decode (s)": round(run.decode_s, 3), "real-time factor": round(run.real_time_factor, 3),
+                 **self.speed_columns(run)} for run in self.runs]
 
 
 @dataclass(frozen=True)
@@ -240,12 +208,7 @@ class Progress:
 def run_request(request: SpeechRequest, catalog: SpeechCatalog,
                 max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> SpeechResult:
     """Check `request` (ValueError with a one-line message), speak it and return the runs."""
-    events = stream_request(request, catalog, max_new_frames)
-    while True:
-        try:
-            next(events)
-        except StopIteration as done:
-            return done.value
+    return finish(stream_request(request, catalog, max_new_frames))
 
 
 def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
@@ -253,17 +216,15 @@ def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
     """`run_request`, yielding each run's waveform chunks as frames commit (`TTSPipeline.stream`);
     returns the `SpeechResult` (the generator's return value). Every input is checked before
     any decoding."""
-    if request.model not in catalog.main:
-        raise ValueError(f"unknown model {shown(request.model)}; choose one of {list(catalog.main)}")
-    pipe = catalog.pipeline(request.model)
-    text = _text(request.text)
+    pipe = catalog.main_pipeline(request.model)
+    text = checked_text("the text", request.text, MAX_TEXT_CHARS, empty="type a text to speak (the text is empty)")
     limit = max(1, min(int(max_new_frames), MAX_NEW_FRAMES, int(pipe.family.default_max_frames())))
-    budget = _int("max new frames", request.max_new_frames, 1, limit)
-    seed = _int("seed", request.seed, 0, MAX_SEED)
-    sampling = _sampling(request, _vocab_size(pipe))
-    offered = methods(catalog, request.model)
+    budget = integer("max new frames", request.max_new_frames, 1, limit)
+    seed = integer("seed", request.seed, 0, MAX_SEED)
+    sampling = sampler(request.temperature, request.top_k, request.top_p, _vocab_size(pipe))
+    offered = catalog.methods(request.model)
     if isinstance(request.method, str) and request.method in pipe.companions and request.method not in offered:
-        _decoder(request.method, pipe, catalog, request.model)  # raises: names the missing drafter
+        catalog.decoder(request.method, request.model)  # raises: names the missing drafter
     if not isinstance(request.method, str) or request.method not in offered:
         raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
     voice = _voice(request.voice, pipe.sampling_rate)
@@ -273,79 +234,39 @@ def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
     runs = []
     # Compare mode times its two runs, so it never shares a batch with other requests.
     shared = None if request.compare else catalog.server(
-        request.model, request.method, _decoder(request.method, pipe, catalog, request.model), max_new_frames=limit, **sampling)
+        request.model, request.method, catalog.decoder(request.method, request.model), max_new_frames=limit, **sampling)
     if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
         label = f"{request.method} (continuous batch)"
-        audio, frames, stats = yield from _streamed_shared(shared, pipe.sampling_rate, label, text, voice, voice_text,
-                                                           make_generator(seed, catalog.device), budget)
+        stream = shared.stream(text, voice, voice_text, make_generator(seed, catalog.device), budget)
+        audio, frames, stats = yield from relay(stream, _audio_so_far(0, label, pipe.sampling_rate))
         seconds = audio.numel() / pipe.sampling_rate
         runs.append(SpeechRun(label, audio.float().numpy(), pipe.sampling_rate, len(frames), stats, stats.wall_time_s,
                               stats.wall_time_s / seconds if seconds else 0.0))
         plan = []
     with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, DRAFT_SUFFIX)])] if plan else []):
-        decoders = [_decoder(method, pipe, catalog, request.model) for _, method in plan]  # all checked before any run
+        decoders = [catalog.decoder(method, request.model) for _, method in plan]  # all checked before any run
         for index, ((label, _), decoder) in enumerate(zip(plan, decoders)):
             call = dict(voice=voice, voice_text=voice_text, max_new_frames=budget, decoding=decoder,
                         generator=make_generator(seed, catalog.device), **sampling)
-            output = yield from _streamed(pipe, text, call, index, label)
+            stream = pipe.stream(text, **call)
+            output = yield from relay(stream, _audio_so_far(index, label, pipe.sampling_rate, lambda item: item[1]))
             runs.append(SpeechRun(label, output.audio[0].float().numpy(), output.sampling_rate, int(output.lengths[0]),
                                   output.stats, float(output.decode_s), float(output.real_time_factor)))
     return SpeechResult(runs)
 
 
-def _streamed(pipe: Any, text: str, call: dict, index: int, label: str):
-    """Yield `Progress` per waveform chunk (`TTSPipeline.stream`); return the call's `TTSOutput`.
-    Closed early (the page went away), it lets the decoding thread finish before returning, so
-    that the caller's model lock is held for as long as the model runs."""
-    stream, samples = pipe.stream(text, **call), 0
-    try:
-        while True:
-            try:
-                _, chunk = next(stream)
-            except StopIteration as end:
-                return end.value
-            samples += chunk.numel()
-            yield Progress(index, label, chunk.float().numpy(), pipe.sampling_rate, samples / pipe.sampling_rate)
-    except GeneratorExit:
-        try:
-            for _ in stream:
-                pass
-        except Exception:  # the run is abandoned: its error has no one to go to
-            pass
-        raise
+def _audio_so_far(index: int, label: str, rate: int, chunk_of: Any = lambda item: item):
+    """A `relay` progress function: each streamed waveform chunk (`chunk_of(item)`) with the
+    seconds of audio out so far."""
+    samples = 0
 
-
-def _streamed_shared(server: Any, rate: int, label: str, text: str, *args: Any):
-    """Yield `Progress` per waveform chunk of a request in the shared batch (`TTSServer.stream`);
-    return its (audio, frames, stats)."""
-    stream, samples = server.stream(text, *args), 0
-    while True:
-        try:
-            chunk = next(stream)
-        except StopIteration as end:
-            return end.value
+    def progress(item: Any) -> Progress:
+        nonlocal samples
+        chunk = chunk_of(item)
         samples += chunk.numel()
-        yield Progress(0, label, chunk.float().numpy(), rate, samples / rate)
+        return Progress(index, label, chunk.float().numpy(), rate, samples / rate)
 
-
-def _text(text: Any) -> str:
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("type a text to speak (the text is empty)")
-    if len(text) > MAX_TEXT_CHARS:
-        raise ValueError(f"the text must be at most {MAX_TEXT_CHARS} characters, got {len(text)}")
-    return text.strip()
-
-
-def _sampling(request: SpeechRequest, vocab_size: int) -> dict[str, Any]:
-    """The sampler arguments, checked and bounded; None leaves the model's default."""
-    out: dict[str, Any] = {}
-    if request.temperature is not None:
-        out["temperature"] = _float("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
-    if request.top_k is not None:
-        out["top_k"] = _int("top-k", request.top_k, 0, vocab_size)
-    if request.top_p is not None:
-        out["top_p"] = _float("top-p", request.top_p, 0.0, 1.0, low_open=True)
-    return out
+    return progress
 
 
 def _voice(voice: Any, sampling_rate: int) -> Optional[tuple]:

@@ -1,22 +1,16 @@
-"""What the video demo does for one press of Generate, without any UI: check the inputs, make
-the video block by block with the block-diffusion pipeline, streaming each block's frames as it
-is committed, and return the frames with the call's profile.
+"""Video requests: check a request's inputs, make the video block by block with the
+block-diffusion pipeline, streaming each block's frames as it is committed, and return the
+frames with the call's profile. Shared by the video demo and `mmgen serve`'s `/v1/videos`;
+importing it needs neither gradio nor diffusers.
 
-Kept apart from the Gradio layout (`video_demo.py`) so that it is tested directly and so that
-importing it needs neither gradio nor diffusers. Every input is checked and bounded here:
-Gradio's HTTP API takes any value, whatever the page's widgets allow. The catalogue's locks and
-cache, the number checks and the message quoting are the image demo's (`image_request.py`).
-
-The demo serves the bundled `emoji-motion` (with its small model `emoji-motion-small`) unless
-given --model: bundled names or `BlockDiffusionVideoPipeline` folders, as `mmgen generate
-video` reads them. A folder `X-small` beside a folder `X` is X's small model, for collaborative
+The bundled `emoji-motion` (with its small model `emoji-motion-small`) is served unless given
+--model: bundled names or `BlockDiffusionVideoPipeline` folders, as `mmgen generate video`
+reads them. A folder `X-small` beside a folder `X` is X's small model, for collaborative
 denoising (the large model takes the first denoising steps of each block, the small one the rest).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,15 +19,18 @@ from typing import Any, Iterator, Optional, Sequence
 import numpy as np
 
 from mmgen import registry
-from mmgen.apps.image_request import MAX_SEED, ModelCatalog, _float, _int, shown
-from mmgen.hub import read_json
 from mmgen.sampling import make_generator
+from mmgen.streaming import stream_from_thread
+
+from .bounds import LIMITS, MAX_SEED, checked_text, integer, number, shown
+from .catalog import Catalog, folder_field, model_folder
+from .runs import finish, relay
 
 #: The bundled model the demo serves when given none (its small model comes along).
 DEFAULT_MODEL = "emoji-motion"
 SMALL_SUFFIX = "-small"
 PIPELINE_CLASS = "BlockDiffusionVideoPipeline"
-MAX_FRAMES = 321  # hard cap of a video's frames, whatever --max-frames says (20 s at 16 fps)
+MAX_FRAMES = LIMITS.video_frames  # hard cap of a video's frames, whatever --max-frames says (20 s at 16 fps)
 DEFAULT_MAX_FRAMES = 81  # --max-frames' default: Wan's 5 s at 16 fps
 MAX_PROMPT_CHARS = 500
 MAX_POLICY_CHARS = 40
@@ -43,12 +40,15 @@ MAX_DROP_THRESHOLD = 1.0  # static-token dropping: a relative change likewise
 #: Cache policies (`CachePolicy`, in latent frames) and the no-cache reference that recomputes
 #: the committed frames at every forward.
 NO_CACHE = "none"
+WORKER = "mmgen-video"  # names the thread that runs the pipeline
 COLLABORATIVE = "collaborative"
 
 
-class VideoCatalog(ModelCatalog):
-    """The block-diffusion video models a demo offers (`ModelCatalog`'s locks and cache): main
-    models and their small models (names ending in -small)."""
+class VideoCatalog(Catalog):
+    """The block-diffusion video models a surface offers (`Catalog`): main models and their
+    small models (names ending in -small)."""
+
+    modality = "video"
 
     @classmethod
     def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "VideoCatalog":
@@ -79,20 +79,17 @@ class VideoCatalog(ModelCatalog):
 
 
 def _is_video_folder(folder: Any) -> bool:
-    try:
-        return read_json(Path(folder) / "model_index.json").get("_class_name") == PIPELINE_CLASS
-    except (OSError, ValueError, AttributeError):
-        return False
+    return folder_field(folder, "model_index.json", "_class_name") == PIPELINE_CLASS
 
 
 def _checked_entry(entry: str, bundled: dict) -> str:
     """A bundled name present in this installation, or a video pipeline folder (no Hub ids:
     the demo never downloads). Folders are named by their normalised path."""
     if entry in bundled or entry == DEFAULT_MODEL:
-        if entry not in bundled or not (Path(bundled[entry]) / "model_index.json").is_file():
+        if entry not in bundled or not model_folder(bundled[entry], "model_index.json"):
             raise ValueError(f"the bundled model {entry!r} is missing from this installation; pass --model FOLDER")
         return entry
-    if not (Path(entry) / "model_index.json").is_file():
+    if not model_folder(entry, "model_index.json"):
         raise ValueError(f"--model {entry!r} is neither a bundled video model nor a pipeline folder with a "
                          "model_index.json (`mmgen convert self-forcing` writes one)")
     if not _is_video_folder(entry):
@@ -104,14 +101,6 @@ def _checked_entry(entry: str, bundled: dict) -> str:
 # --------------------------------------------------------------------------------------------
 # What the UI offers for a model
 # --------------------------------------------------------------------------------------------
-
-
-def methods(catalog: VideoCatalog, model: str) -> list[str]:
-    """The block-diffusion decoders `model` runs: those its pipeline declares
-    (`Pipeline.decoders()`), less collaborative denoising where the catalogue has no small model."""
-    pipe = catalog.pipeline(model)
-    paired = catalog.companion_of(model, SMALL_SUFFIX) is not None
-    return [name for name in pipe.decoders() if name not in pipe.companions or paired]
 
 
 def lengths(pipe: Any, max_frames: int = DEFAULT_MAX_FRAMES) -> list[int]:
@@ -150,7 +139,7 @@ def model_settings(catalog: VideoCatalog, model: str, max_frames: int = DEFAULT_
     pipe = catalog.pipeline(model)
     offered = lengths(pipe, max_frames)
     steps = len(pipe.schedule.timesteps)
-    return {"methods": methods(catalog, model), "lengths": offered, "length": default_length(pipe, offered),
+    return {"methods": catalog.methods(model), "lengths": offered, "length": default_length(pipe, offered),
             "policies": cache_policies(pipe), "steps": steps, "large_steps": max(1, steps // 2),
             "block_frames": pipe.block_frames, "fps": float(pipe.fps), "size": (pipe.height, pipe.width)}
 
@@ -244,12 +233,7 @@ def size_text(size: int) -> str:
 
 def run_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = DEFAULT_MAX_FRAMES) -> VideoResult:
     """Check `request` (ValueError with a one-line message), make the video and return it."""
-    events = stream_request(request, catalog, max_frames)
-    while True:
-        try:
-            next(events)
-        except StopIteration as done:
-            return done.value
+    return finish(stream_request(request, catalog, max_frames))
 
 
 def stream_request(request: VideoRequest, catalog: VideoCatalog,
@@ -257,33 +241,31 @@ def stream_request(request: VideoRequest, catalog: VideoCatalog,
     """`run_request`, yielding a `Progress` per block as it is committed (the pipeline runs in a
     thread); returns the `VideoResult` (the generator's return value). Every input is checked
     before any work. Closed early (the page went away), the run stops after its current block."""
-    if request.model not in catalog.main:
-        raise ValueError(f"unknown model {shown(request.model)}; choose one of {list(catalog.main)}")
-    pipe = catalog.pipeline(request.model)
-    prompt = _prompt(request.prompt)
+    pipe = catalog.main_pipeline(request.model)
+    prompt = checked_text("the prompt", request.prompt, MAX_PROMPT_CHARS, empty="type a prompt (the prompt is empty)")
     limit = max(1, min(int(max_frames), MAX_FRAMES))
-    frames = _int("length (frames)", pipe.num_frames if request.num_frames is None else request.num_frames, 1, limit)
+    frames = integer("length (frames)", pipe.num_frames if request.num_frames is None else request.num_frames, 1, limit)
     pipe.check_geometry(frames, pipe.block_frames, pipe.height, pipe.width)
     policy = _cache_policy(request.cache_policy)
     if not isinstance(request.decode_per_block, bool):
         raise ValueError(f"decode per block must be true or false, got {shown(request.decode_per_block)}")
-    offered = methods(catalog, request.model)
+    offered = catalog.methods(request.model)
     if request.method == COLLABORATIVE and COLLABORATIVE not in offered:
-        raise ValueError(f"collaborative denoising needs a small model: start the demo with a folder "
+        raise ValueError(f"collaborative denoising needs a small model: start with a folder "
                          f"{request.model}{SMALL_SUFFIX} beside the model")
     if not isinstance(request.method, str) or request.method not in offered:
         raise ValueError(f"unknown method {shown(request.method)} for this model; choose one of {offered}")
     steps = len(pipe.schedule.timesteps)
     options, label = {}, request.method
     if request.method == COLLABORATIVE:
-        options["large_steps"] = _int("large-model steps", request.large_steps, 1, steps)
+        options["large_steps"] = integer("large-model steps", request.large_steps, 1, steps)
         label = f"{COLLABORATIVE} (large {options['large_steps']}/{steps} steps)"
     thresholds = dict(cache_threshold=_threshold("First Block Cache threshold", request.cache_threshold, MAX_CACHE_THRESHOLD),
                       drop_threshold=_threshold("token dropping threshold", request.drop_threshold, MAX_DROP_THRESHOLD))
     if policy == NO_CACHE and any(v is not None for v in thresholds.values()):
         raise ValueError("First Block Cache and token dropping need the K/V cache: set their thresholds to 0 with the "
                          "cache policy 'none'")
-    seed = _int("seed", request.seed, 0, MAX_SEED)
+    seed = integer("seed", request.seed, 0, MAX_SEED)
     small = catalog.companion_of(request.model, SMALL_SUFFIX) if request.method == COLLABORATIVE else None
     with catalog.using([request.model, *filter(None, [small])]):
         from mmgen.loading import decoder_from_spec
@@ -297,61 +279,22 @@ def stream_request(request: VideoRequest, catalog: VideoCatalog,
         call = dict(prompt=prompt, num_frames=frames, decoding=decoder, cache_policy=policy,
                     decode="block" if request.decode_per_block else "end", generator=make_generator(seed, catalog.device),
                     **thresholds)
-        output = yield from _streamed(pipe, call, spans)
+        started = time.perf_counter()
+
+        def block(item: tuple) -> Progress:
+            index, frames = item
+            return Progress(index, len(spans), spans[index][0], frames, time.perf_counter() - started)
+
+        # The pipeline's block callback feeds the stream; closed early, the run stops at its next block.
+        stream = stream_from_thread(lambda emit: pipe(**call, callback=lambda index, latents, frames: emit(
+            (index, None if frames is None else frames[0].numpy()))), name=WORKER)
+        output = yield from relay(stream, block)
     return VideoResult(label, output.frames[0].numpy(), float(output.fps), spans, output.profile, output.stats)
-
-
-class _Stopped(Exception):
-    """Raised in the pipeline's callback to end a run whose stream was closed."""
-
-
-def _streamed(pipe: Any, call: dict, spans: list[tuple[int, int]]):
-    """Run the pipeline in a thread, yielding a `Progress` per committed block (its callback);
-    return the call's `VideoOutput`. Closed early, the run ends at its next block and the
-    thread is joined before returning, so that the caller's model locks are held for as long
-    as the model runs."""
-    events: "queue.Queue" = queue.Queue()
-    stop, outcome = threading.Event(), {}
-    started = time.perf_counter()
-
-    def on_block(index: int, latents: Any, frames: Any) -> None:
-        if stop.is_set():
-            raise _Stopped()
-        shown_frames = None if frames is None else frames[0].numpy()
-        events.put((index, shown_frames, time.perf_counter() - started))
-
-    def run() -> None:
-        try:
-            outcome["output"] = pipe(**call, callback=on_block)
-        except BaseException as error:  # re-raised in the caller's thread
-            outcome["error"] = error
-        events.put(None)
-
-    worker = threading.Thread(target=run, daemon=True, name="mmgen-video-demo (run)")
-    worker.start()
-    try:
-        while (event := events.get()) is not None:
-            index, frames, seconds = event
-            yield Progress(index, len(spans), spans[index][0], frames, seconds)
-    finally:  # also when closed early: stop at the next block, and wait for the model to be free
-        stop.set()
-        worker.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["output"]
-
-
-def _prompt(text: Any) -> str:
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("type a prompt (the prompt is empty)")
-    if len(text) > MAX_PROMPT_CHARS:
-        raise ValueError(f"the prompt must be at most {MAX_PROMPT_CHARS} characters, got {len(text)}")
-    return text.strip()
 
 
 def _threshold(what: str, value: Any, high: float) -> Optional[float]:
     """A feature's threshold in [0, high]; None or 0 turn the feature off (None)."""
-    return None if value is None else _float(what, value, 0.0, high) or None
+    return None if value is None else number(what, value, 0.0, high) or None
 
 
 def _cache_policy(spec: Any) -> str:
@@ -366,8 +309,8 @@ def _cache_policy(spec: Any) -> str:
     try:
         policy = CachePolicy.parse(spec)
         if policy.window is not None:
-            _int("cache window", policy.window, 1, MAX_CACHE_FRAMES)
-            _int("cache sink", policy.sink, 0, MAX_CACHE_FRAMES)
+            integer("cache window", policy.window, 1, MAX_CACHE_FRAMES)
+            integer("cache sink", policy.sink, 0, MAX_CACHE_FRAMES)
     except ValueError as error:  # named as typed: "cache policy 'window:0': cache window must be ..."
         message = str(error)
         raise ValueError(message if message.startswith("cache policy") else f"cache policy {shown(spec)}: {message}") from None

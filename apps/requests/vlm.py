@@ -1,12 +1,7 @@
-"""What the VLM demo does for one chat turn, without any UI: check the inputs, answer the
-conversation so far with the chosen decoding method and token dropping (and, in compare mode,
-with plain autoregressive decoding and no dropping on the same seed), streaming each answer as
-its tokens commit.
-
-Kept apart from the Gradio layout (`vlm_demo.py`) so that it is tested directly and so that
-importing it needs no gradio. Every input is checked and bounded here: Gradio's HTTP API takes
-any value, whatever the page's widgets allow. The catalogue, the number checks and the message
-quoting are the image demo's (`image_request.py`).
+"""Vision-language requests: check a chat turn's inputs, answer the conversation so far with the
+chosen decoding method and token dropping (and, in compare mode, with plain autoregressive
+decoding and no dropping on the same seed first), streaming each answer as its tokens commit.
+Shared by the VLM demo and `mmgen serve`'s `/v1/chat/completions`; importing it needs no gradio.
 """
 
 from __future__ import annotations
@@ -16,33 +11,29 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 from mmgen import registry
-from mmgen.apps.image_request import (
-    COMPANION_SUFFIXES,
-    MAX_SEED,
-    MAX_TEMPERATURE,
-    ModelCatalog,
-    _float,
-    _int,
-    shown,
-)
-from mmgen.decoding import DecodeStats, make_decoder
+from mmgen.decoding import DecodeStats
 from mmgen.sampling import make_generator
 from mmgen.vlm.cli import read_image
 
+from .bounds import LIMITS, MAX_SEED, MAX_TEMPERATURE, check_pixels, checked_text, integer, items, number, shown
+from .catalog import COMPANION_SUFFIXES, Catalog, model_folder
+from .runs import BASELINE_LABEL, Result, finish, relay
+
 #: The bundled model the demo serves when given none (its drafter `emoji-vlm-draft` comes along).
 DEFAULT_MODEL = "emoji-vlm"
-MAX_NEW_TOKENS = 512  # hard cap of an answer's length, whatever --max-new-tokens says
+MAX_NEW_TOKENS = LIMITS.new_tokens  # hard cap of an answer's length, whatever --max-new-tokens says
 MAX_IMAGES = 8  # hard cap of a conversation's images, whatever --max-images says
-MAX_IMAGE_PIXELS = 4096 * 4096  # an upload larger than this is refused before it is decoded
-MAX_MESSAGE_CHARS = 2000
-MAX_TURNS = 16  # user turns in one conversation
+MAX_IMAGE_PIXELS = LIMITS.image_pixels  # an upload larger than this is refused before it is decoded
+MAX_MESSAGE_CHARS = LIMITS.text_chars
+MAX_TURNS = LIMITS.turns  # user turns in one conversation
 NO_DROPPING = "none"
-BASELINE_LABEL = "ar (baseline)"
 
 
-class VLMCatalog(ModelCatalog):
-    """The vision-language models a demo offers (`ModelCatalog`'s locks and cache): main models
-    and their drafter companions (names ending in -draft)."""
+class VLMCatalog(Catalog):
+    """The vision-language models a surface offers (`Catalog`): main models and their drafter
+    companions (names ending in -draft)."""
+
+    modality = "vlm"
 
     @classmethod
     def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "VLMCatalog":
@@ -66,7 +57,7 @@ class VLMCatalog(ModelCatalog):
 
 
 def _is_model_folder(folder: Path) -> bool:
-    return (Path(folder) / "config.json").is_file() or (Path(folder) / "model_index.json").is_file()
+    return model_folder(folder) or model_folder(folder, "model_index.json")
 
 
 def _checked_entry(entry: str, bundled: dict) -> str:
@@ -91,27 +82,6 @@ def dropping_policies() -> list[str]:
     from mmgen.vlm.dropping import DROPPING_POLICIES  # imports diffusers' hooks: not when the CLI parser is built
 
     return list(DROPPING_POLICIES)
-
-
-def methods(catalog: VLMCatalog, model: str) -> list[str]:
-    """The decoding shortcuts `model` runs: those its pipeline declares (`Pipeline.decoders()`),
-    less those that pair with a second model the catalogue lacks (draft without a drafter)."""
-    pipe = catalog.pipeline(model)
-    paired = catalog.companion_of(model, "-draft") is not None
-    return [name for name in pipe.decoders() if name not in pipe.companions or paired]
-
-
-def _decoder(name: str, pipe: Any, catalog: VLMCatalog, model: str) -> Any:
-    """The decoder of a shortcut; a method that pairs with a second model gets the catalogue's
-    drafter of `model` (an error names what is missing when there is none)."""
-    companion = pipe.companions.get(name)
-    if companion is None:
-        return make_decoder(name, pipe.decoders())
-    other = catalog.companion_of(model, "-draft") if companion.suffix == "-draft" else None
-    if other is None:
-        raise ValueError(f"decoding {name!r} needs {companion.role}; start the demo with --model {model}{companion.suffix} "
-                         "beside the model")
-    return make_decoder(name, pipe.decoders(), **{companion.option: catalog.pipeline(other)})
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,30 +122,37 @@ class ChatRun:
     stats: DecodeStats
     tokens_kept: Optional[str] = None
 
+    @property
+    def units(self) -> int:
+        return self.tokens
+
+    @property
+    def seconds(self) -> float:
+        return self.stats.wall_time_s
+
+    @property
+    def ms_per_unit(self) -> Optional[float]:
+        return 1000 * self.seconds / self.units if self.units else None
+
 
 @dataclass
-class ChatResult:
+class ChatResult(Result):
     """The runs of one request (the baseline first in compare mode), and the conversation with
     the new user turn and the method's answer appended, for the next turn."""
 
     runs: list[ChatRun]
     history: list[dict] = field(default_factory=list)
     history_images: list = field(default_factory=list)
-
-    @property
-    def method(self) -> ChatRun:
-        return self.runs[-1]
-
-    @property
-    def baseline(self) -> Optional[ChatRun]:
-        return self.runs[0] if len(self.runs) > 1 else None
+    unit = "token"
 
     def stats_rows(self) -> list[dict[str, Any]]:
         """One row per run: forwards (the prefill included), answer tokens, tokens per forward,
-        wall time, visual tokens kept."""
+        wall time, time per token (and in compare mode the speedup per token over the
+        baseline: answers of different lengths compare fairly), visual tokens kept."""
         return [{"run": r.label, "forwards": r.stats.forwards, "tokens": r.tokens,
                  "tokens/forward": round(r.tokens / r.stats.forwards, 2) if r.stats.forwards else 0.0,
-                 "time (s)": round(r.stats.wall_time_s, 3), "tokens kept": r.tokens_kept or "all"} for r in self.runs]
+                 "time (s)": round(r.seconds, 3), **self.speed_columns(r), "tokens kept": r.tokens_kept or "all"}
+                for r in self.runs]
 
 
 @dataclass(frozen=True)
@@ -191,31 +168,24 @@ class Progress:
 def run_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
                 max_new_tokens: int = MAX_NEW_TOKENS) -> ChatResult:
     """Check `request` (ValueError with a one-line message), answer it and return the runs."""
-    events = stream_request(request, catalog, max_images, max_new_tokens)
-    while True:
-        try:
-            next(events)
-        except StopIteration as done:
-            return done.value
+    return finish(stream_request(request, catalog, max_images, max_new_tokens))
 
 
 def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
                    max_new_tokens: int = MAX_NEW_TOKENS) -> Iterator[Progress]:
     """`run_request`, yielding each run's answer so far as tokens commit; returns the
     `ChatResult` (the generator's return value). Every input is checked before any decoding."""
-    if request.model not in catalog.main:
-        raise ValueError(f"unknown model {shown(request.model)}; choose one of {list(catalog.main)}")
-    pipe = catalog.pipeline(request.model)
-    message = _message(request.message)
-    budget = _int("max new tokens", request.max_new_tokens, 1, max(1, min(int(max_new_tokens), MAX_NEW_TOKENS)))
-    seed = _int("seed", request.seed, 0, MAX_SEED)
-    temperature = _float("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
-    offered = methods(catalog, request.model)
+    pipe = catalog.main_pipeline(request.model)
+    message = checked_text("the message", request.message, MAX_MESSAGE_CHARS, empty="type a question (the message is empty)")
+    budget = integer("max new tokens", request.max_new_tokens, 1, max(1, min(int(max_new_tokens), MAX_NEW_TOKENS)))
+    seed = integer("seed", request.seed, 0, MAX_SEED)
+    temperature = number("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
+    offered = catalog.methods(request.model)
     if not isinstance(request.method, str) or request.method not in offered:
         raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
     dropping = _dropping(request.dropping, request.keep_ratio)
     history, history_images = _history(request.history, request.history_images)
-    images = [_image(image) for image in _sequence("images", request.images)]
+    images = [_image(image) for image in items("images", request.images)]
     limit = max(1, min(int(max_images), MAX_IMAGES))
     if len(history_images) + len(images) > limit:
         raise ValueError(f"at most {limit} images per conversation, got {len(history_images) + len(images)}: "
@@ -233,71 +203,42 @@ def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 
     # Compare mode times its two runs and dropping prunes each prefill, so neither shares a batch.
     cap = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
     shared = None if request.compare or dropping else catalog.server(
-        request.model, request.method, _decoder(request.method, pipe, catalog, request.model), max_new_tokens=cap,
+        request.model, request.method, catalog.decoder(request.method, request.model), max_new_tokens=cap,
         temperature=temperature)
     if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
         run_label = f"{label} (continuous batch)"
-        text, tokens, stats = yield from _streamed_shared(shared, prompt, all_images or None,
-                                                          make_generator(seed, catalog.device), budget, run_label)
+        stream = shared.stream(prompt, all_images or None, make_generator(seed, catalog.device), budget)
+        text, tokens, stats = yield from relay(stream, _answer_so_far(0, run_label))
         runs.append(ChatRun(run_label, text, len(tokens), stats))
         plan = []
     with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, "-draft")])] if plan else []):
         for index, (run_label, method, policy) in enumerate(plan):
-            call = dict(max_new_tokens=budget, decoding=_decoder(method, pipe, catalog, request.model),
+            call = dict(max_new_tokens=budget, decoding=catalog.decoder(method, request.model),
                         temperature=temperature, generator=make_generator(seed, catalog.device))
             if policy is not None:
                 call["dropping"] = policy
-            answer = yield from _streamed(pipe, prompt, all_images or None, call, index, run_label)
+            stream = pipe.stream(prompt, all_images or None, **call)
+            answer = yield from relay(stream, _answer_so_far(index, run_label, lambda item: item[1]))
             runs.append(ChatRun(run_label, answer.texts[0], int(answer.lengths[0]), answer.stats, _tokens_kept(answer)))
     reply = {"role": "assistant", "content": [{"type": "text", "text": runs[-1].text}]}
     return ChatResult(runs, [*conversation, reply], all_images)
 
 
-def _streamed(pipe: Any, prompt: Any, images: Any, call: dict, index: int, label: str):
-    """Yield `Progress` as the answer grows (`VLMPipeline.stream`); return the call's `VLMOutput`."""
-    text, stream = "", pipe.stream(prompt, images, **call)
-    while True:
-        try:
-            _, piece = next(stream)
-        except StopIteration as end:
-            return end.value
-        text += piece
-        yield Progress(index, label, text)
+def _answer_so_far(index: int, label: str, piece_of: Any = lambda item: item):
+    """A `relay` progress function: each streamed piece (`piece_of(item)`) appended to the answer."""
+    pieces: list[str] = []
 
+    def progress(item: Any) -> Progress:
+        pieces.append(piece_of(item))
+        return Progress(index, label, "".join(pieces))
 
-def _streamed_shared(server: Any, prompt: Any, images: Any, generator: Any, budget: int, label: str):
-    """Yield `Progress` as the answer grows in the shared batch (`VLMServer.stream`); return its
-    (text, token ids, stats)."""
-    text, stream = "", server.stream(prompt, images, generator, budget)
-    while True:
-        try:
-            piece = next(stream)
-        except StopIteration as end:
-            return end.value
-        text += piece
-        yield Progress(0, label, text)
+    return progress
 
 
 def _tokens_kept(output: Any) -> Optional[str]:
     """"kept/total" visual tokens from the pipeline's `DroppingReport` (None without dropping)."""
     report = getattr(output, "dropping", None)
     return None if report is None else f"{sum(report.kept_tokens)}/{sum(report.image_tokens)}"
-
-
-def _message(text: Any) -> str:
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("type a question (the message is empty)")
-    if len(text) > MAX_MESSAGE_CHARS:
-        raise ValueError(f"the message must be at most {MAX_MESSAGE_CHARS} characters, got {len(text)}")
-    return text.strip()
-
-
-def _sequence(what: str, value: Any) -> list:
-    if value is None:
-        return []
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"{what} must be a list, got {shown(value)}")
-    return list(value)
 
 
 def _image(image: Any) -> Any:
@@ -307,20 +248,15 @@ def _image(image: Any) -> Any:
     if isinstance(image, (str, Path)):  # an upload's temporary path: only its name is shown
         return read_image(image, Path(image).name, MAX_IMAGE_PIXELS)
     if isinstance(image, Image.Image):
-        _check_pixels(image.size)
+        check_pixels(image.size)
         return image.convert("RGB")
     raise ValueError(f"an image must be an image file or a PIL image, got {shown(image)}")
-
-
-def _check_pixels(size: tuple[int, int]) -> None:
-    if size[0] * size[1] > MAX_IMAGE_PIXELS:
-        raise ValueError(f"an image may have at most {MAX_IMAGE_PIXELS} pixels, got {size[0]}x{size[1]}")
 
 
 def _history(history: Any, images: Any) -> tuple[list[dict], list]:
     """The earlier turns, checked: alternating user/assistant messages of text and image
     placeholders, as many images as placeholders."""
-    messages, pictures = _sequence("history", history), _sequence("history images", images)
+    messages, pictures = items("history", history), items("history images", images)
     placeholders = 0
     for i, message in enumerate(messages):
         role = "user" if i % 2 == 0 else "assistant"
@@ -346,5 +282,5 @@ def _dropping(policy: Any, keep_ratio: Any) -> Optional[str]:
     offered = dropping_policies()
     if not isinstance(policy, str) or policy not in offered:
         raise ValueError(f"unknown token dropping {shown(policy)}; choose one of {[NO_DROPPING, *offered]}")
-    ratio = _float("keep ratio", keep_ratio, 0.0, 1.0, low_open=True)
+    ratio = number("keep ratio", keep_ratio, 0.0, 1.0, low_open=True)
     return f"{policy}:keep_ratio={ratio:g}"

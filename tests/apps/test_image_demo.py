@@ -19,7 +19,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import pytest
 
-from mmgen.apps.image_request import DemoRequest, ModelCatalog, model_info, run_request
+from mmgen.apps.requests.image import ImageRequest, ImageCatalog, model_info, run_request
 from mmgen.decoding import DECODERS, SCALE_DECODERS, Autoregressive
 from mmgen.image_ar import bundled
 
@@ -40,11 +40,11 @@ TIMEOUT_MS = 60_000  # generous: the test machine's cores are shared
 
 @pytest.fixture(scope="module")
 def catalog():
-    return ModelCatalog.discover()
+    return ImageCatalog.discover()
 
 
-def request(**changes) -> DemoRequest:
-    return DemoRequest(**{"model": "emoji64", "class_name": "cat-face", "method": "sjd", **changes})
+def request(**changes) -> ImageRequest:
+    return ImageRequest(**{"model": "emoji64", "class_name": "cat-face", "method": "sjd", **changes})
 
 
 # --- the request function -------------------------------------------------------------------
@@ -55,27 +55,27 @@ def test_catalog_offers_bundled_models_with_companions_apart(catalog, monkeypatc
     assert {"emoji64-draft", "var-emoji64-small", "mar-emoji64-draft"} <= set(catalog.companions)
     assert not any(name.endswith(("-draft", "-small")) for name in catalog.main)
     monkeypatch.setitem(bundled.BUNDLED_MODELS, "ghost64", tmp_path / "not-installed")
-    assert "ghost64" not in ModelCatalog.discover().names
-    given = ModelCatalog.discover(["emoji64"])
+    assert "ghost64" not in ImageCatalog.discover().names
+    given = ImageCatalog.discover(["emoji64"])
     assert list(given.main) == ["emoji64"] and list(given.companions) == ["emoji64-draft"]
 
 
 def test_catalog_takes_pipeline_folders_and_rejects_others(tmp_path):
     tiny_pipeline().save_pretrained(tmp_path / "tiny")
     tiny_pipeline(seed=1).save_pretrained(tmp_path / "tiny-draft")
-    catalog = ModelCatalog.discover([str(tmp_path / "tiny"), str(tmp_path / "tiny-draft")])
+    catalog = ImageCatalog.discover([str(tmp_path / "tiny"), str(tmp_path / "tiny-draft")])
     assert list(catalog.main) == ["tiny"] and list(catalog.companions) == ["tiny-draft"]
-    out = run_request(DemoRequest("tiny", "3", "draft", options="num_draft=2", seed=1), catalog)
+    out = run_request(ImageRequest("tiny", "3", "draft", options="num_draft=2", seed=1), catalog)
     assert out.method.stats.draft_forwards > 0 and out.method.images[0].size == (8, 8)
-    alone = ModelCatalog.discover([str(tmp_path / "tiny")])
+    alone = ImageCatalog.discover([str(tmp_path / "tiny")])
     with pytest.raises(ValueError, match="needs a draft model"):
-        run_request(DemoRequest("tiny", "3", "draft"), alone)
+        run_request(ImageRequest("tiny", "3", "draft"), alone)
     with pytest.raises(ValueError, match="nor a pipeline folder with a model_index.json"):
-        ModelCatalog.discover([str(tmp_path / "missing")])
+        ImageCatalog.discover([str(tmp_path / "missing")])
     (tmp_path / "t2i").mkdir()
     (tmp_path / "t2i" / "model_index.json").write_text('{"_class_name": "LlamaGenText2ImagePipeline"}')
     with pytest.raises(ValueError, match="serves class-conditional"):
-        ModelCatalog.discover([str(tmp_path / "t2i")])
+        ImageCatalog.discover([str(tmp_path / "t2i")])
 
 
 def test_methods_come_from_the_core_registries(catalog, monkeypatch):
@@ -105,7 +105,7 @@ def test_overlapping_requests_share_one_continuous_batch_and_keep_their_seeds_im
 
     from mmgen.sampling import make_generator
 
-    shared = ModelCatalog.discover(["emoji64"])
+    shared = ImageCatalog.discover(["emoji64"])
     shared.continuous_batch = 4
     results = {}
     asks = {"a": request(method="sjd", options="adapt=false", num_images=2, seed=5),
@@ -135,18 +135,20 @@ def test_compare_runs_autoregressive_on_the_same_seed(catalog):
     assert [run.label for run in out.runs] == ["ar (baseline)", "sjd:window=8,adapt=false"]
     assert out.baseline.images[0].tobytes() == alone.method.images[0].tobytes()
     rows = out.stats_rows()
-    assert rows[0]["forwards"] == 64 and rows[0]["speedup"] == 1.0 and rows[1]["forwards"] < 64
+    assert rows[0]["forwards"] == 64 and rows[0]["speedup (per token)"] == 1.0 and rows[1]["forwards"] < 64
+    per_token = lambda run: run.stats.wall_time_s / (run.stats.tokens * len(run.images))  # noqa: E731
+    assert rows[1]["speedup (per token)"] == round(per_token(out.baseline) / per_token(out.method), 2)
     assert {r["accepted"] for r in out.trace_rows(out.baseline)} == {1.0}
 
 
 def test_two_model_methods_pair_with_the_cached_companion(catalog):
-    out = run_request(DemoRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
+    out = run_request(ImageRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
     assert out.method.stats.stage_forwards and out.baseline.stats.forwards == 6
     assert "var-emoji64-small" in catalog._pipelines  # loaded once, through the catalog
 
 
 def test_next_scale_runs_report_tokens_per_step_and_the_model_of_each_step(catalog):
-    out = run_request(DemoRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
+    out = run_request(ImageRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
     sizes = [1, 4, 9, 16, 36, 64]  # var-emoji64's scales 1, 2, 3, 4, 6, 8
     assert out.step_rows() == [{"step": k + 1, "tokens": n, "model": "var-emoji64" if k < 3 else "var-emoji64-small"}
                                for k, n in enumerate(sizes)]
@@ -163,13 +165,13 @@ def test_continuous_models_take_bounded_steps(tmp_path):
 
     pipe = MARPipeline(tiny_model(), tiny_vae(), class_names=[f"c{i}" for i in range(10)])
     pipe.save_pretrained(tmp_path / "mar")
-    catalog = ModelCatalog.discover([str(tmp_path / "mar")])
+    catalog = ImageCatalog.discover([str(tmp_path / "mar")])
     info = model_info(catalog.pipeline("mar"))
     assert info.family == "continuous" and info.vocab_size is None and info.default_method == "ar"
-    out = run_request(DemoRequest("mar", "c2", "ar", num_steps=3, top_k=99999), catalog)  # top-k: not a MAR option
+    out = run_request(ImageRequest("mar", "c2", "ar", num_steps=3, top_k=99999), catalog)  # top-k: not a MAR option
     assert out.method.stats.forwards == 3
     with pytest.raises(ValueError, match=r"MAR steps must be an integer in \[1, 256\]"):
-        run_request(DemoRequest("mar", "c2", "ar", num_steps=257), catalog)
+        run_request(ImageRequest("mar", "c2", "ar", num_steps=257), catalog)
 
 
 @pytest.mark.parametrize(
@@ -351,15 +353,15 @@ def test_top_k_bound_spans_every_models_vocabulary(tmp_path):
     tiny_pipeline().save_pretrained(tmp_path / "small-vocab")
     big = LlamaGenPipeline(tiny_transformer(vocab_size=64, block_size=16), tiny_vq(codebook_size=64))
     big.save_pretrained(tmp_path / "big-vocab")
-    catalog = ModelCatalog.discover([str(tmp_path / "small-vocab"), str(tmp_path / "big-vocab")])
+    catalog = ImageCatalog.discover([str(tmp_path / "small-vocab"), str(tmp_path / "big-vocab")])
     demo = build_demo(catalog)
     (top_k,) = [block for block in demo.blocks.values() if getattr(block, "label", None) == "Top-k (0 = off)"]
     assert top_k.maximum == 64  # so that an API call may ask big-vocab for top-k 50; run_request bounds it per model
     # the page still gets the first model's own bound, from a load event
     assert any(target[1] == "load" for fn in demo.fns.values() for target in fn.targets)
     with pytest.raises(ValueError, match=r"top-k must be an integer in \[0, 32\]"):
-        run_request(DemoRequest("small-vocab", "3", "ar", top_k=50), catalog)
-    assert run_request(DemoRequest("big-vocab", "3", "ar", top_k=50), catalog).method.stats.forwards == 16
+        run_request(ImageRequest("small-vocab", "3", "ar", top_k=50), catalog)
+    assert run_request(ImageRequest("big-vocab", "3", "ar", top_k=50), catalog).method.stats.forwards == 16
 
 
 # --- the app in a headless browser -----------------------------------------------------------
@@ -474,7 +476,7 @@ def test_compare_mode_shows_both_runs_and_the_chart(page, artifacts):
     page.locator("#compare input[type=checkbox]").check()
     generate(page, "baseline", "images")
     stats = page.locator("#stats").inner_text()
-    assert "ar (baseline)" in stats and "gsd" in stats and "speedup" in stats
+    assert "ar (baseline)" in stats and "gsd" in stats and "speedup (per token)" in stats
     assert page.locator("#chart .mark-line path").count() >= 1
     page.screenshot(path=artifacts / "03-compare.png", full_page=True)
     # A narrow window: seven columns no longer fit, and header words used to break mid-word
@@ -536,3 +538,27 @@ def test_bad_option_shows_an_error_and_the_app_keeps_working(page, artifacts):
     generate(page)
     assert "lantern:delta=0.2" in page.locator("#stats").inner_text()
     page.screenshot(path=artifacts / "06-after-error.png", full_page=True)
+
+
+def test_uploads_are_bounded_by_the_request_layers_limit_even_without_an_upload_widget(server_url):
+    """Gradio's upload route takes files for any app: the image demo has no upload widget, yet a
+    300 MB upload used to be accepted and left on disk. Larger than the one limit: refused (413)."""
+    import httpx
+
+    from mmgen.apps.requests.bounds import LIMITS
+
+    big = httpx.post(f"{server_url}gradio_api/upload", files={"files": ("big.bin", b"\0" * (LIMITS.upload_bytes + 1))},
+                     timeout=60)
+    assert big.status_code == 413
+    small = httpx.post(f"{server_url}gradio_api/upload", files={"files": ("small.bin", b"\0" * 1024)}, timeout=60)
+    assert small.status_code == 200
+
+
+def test_text_where_a_number_is_expected_gets_a_one_line_message_not_a_null_error(server_url):
+    import httpx
+
+    values = {**UI_VALUES, "seed": "abc"}
+    event = httpx.post(f"{server_url}gradio_api/call/generate", json={"data": list(values.values())}, timeout=60).json()
+    reply = httpx.get(f"{server_url}gradio_api/call/generate/{event['event_id']}", timeout=120).text
+    assert "event: error" in reply and '"error": null' not in reply
+    assert "must be a number, got 'abc'" in reply

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import soundfile
 
-from mmgen.apps import speech_request
-from mmgen.apps.speech_request import SpeechCatalog, SpeechRequest, methods, run_request, stream_request
+from mmgen.apps.requests import speech as speech_request
+from mmgen.apps.requests.speech import SpeechCatalog, SpeechRequest, run_request, stream_request
 from mmgen.sampling import make_generator
 
 from tests.apps import test_image_demo as image_demo_tests
@@ -49,6 +49,8 @@ def folders(tmp_path_factory):
     pipe = tiny_dia(1)
     pipe.save_pretrained(root / "tiny-tts")
     pipe.save_pretrained(root / "tiny-tts-draft")  # the target's own weights: every draft is accepted
+    # What a benchmark records for a pair whose drafts are always accepted: the demo starts there.
+    (root / "tiny-tts" / "decoding.json").write_text('{"default": "draft", "measured": "every draft accepted"}')
     alone = tmp_path_factory.mktemp("tts-alone") / "solo-tts"
     shutil.copytree(root / "tiny-tts", alone)  # no drafter beside it
     return root / "tiny-tts", alone
@@ -77,11 +79,11 @@ def voice_file(tmp_path, seconds: float = 0.05, rate: int = RATE):
 
 def test_catalog_pairs_the_sibling_drafter_and_offers_draft_only_with_it(catalog, folders):
     assert list(catalog.main) == ["tiny-tts"] and list(catalog.companions) == ["tiny-tts-draft"]
-    assert methods(catalog, "tiny-tts") == METHODS
+    assert catalog.methods("tiny-tts") == METHODS
     alone = SpeechCatalog.discover([str(folders[1])])
     assert list(alone.main) == ["solo-tts"] and not alone.companions
-    assert methods(alone, "solo-tts") == [m for m in METHODS if m not in ("draft", "entropy-switch")]
-    with pytest.raises(ValueError, match=r"decoding 'draft' needs a drafter \(a smaller model of the same codec\): start the demo with a folder solo-tts-draft"):
+    assert alone.methods("solo-tts") == [m for m in METHODS if m not in ("draft", "entropy-switch")]
+    with pytest.raises(ValueError, match=r"decoding 'draft' needs a smaller model of the same codec: start with a folder solo-tts-draft"):
         run_request(speak(model="solo-tts", method="draft"), alone)
     given = SpeechCatalog.discover([str(folders[0]), str(folders[0].parent / "tiny-tts-draft")])  # named: once
     assert list(given.main) == ["tiny-tts"] and list(given.companions) == ["tiny-tts-draft"]
@@ -107,7 +109,7 @@ def test_one_request_gives_the_pipelines_audio_and_stats(catalog):
     assert row["run"] == "sjd" and row["frames"] == int(direct.lengths[0]) and 1 <= row["forwards"] <= row["frames"]
     assert row["audio (s)"] == round(direct.audio[0].numel() / RATE, 3) and row["decode (s)"] > 0
     assert row["frames/forward"] == round(row["frames"] / row["forwards"], 2) and row["real-time factor"] > 0
-    assert "speedup" not in row
+    assert row["ms/frame"] == round(1000 * out.method.decode_s / row["frames"], 2) and "speedup (per frame)" not in row
 
 
 @pytest.mark.parametrize("method", ["sjd", "draft"])
@@ -120,7 +122,9 @@ def test_compare_mode_gives_identical_audio_for_a_lossless_method_at_temperature
         assert out.method.stats.draft_forwards > 0 and out.method.stats.forwards < out.baseline.frames
     rows = out.stats_rows()
     assert [r["run"] for r in rows] == ["ar (baseline)", method] and rows[0]["frames/forward"] == 1.0
-    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] > 0
+    assert rows[0]["speedup (per frame)"] == 1.0
+    per_frame = lambda run: run.decode_s / run.frames  # noqa: E731
+    assert rows[1]["speedup (per frame)"] == round(per_frame(out.baseline) / per_frame(out.method), 2)
     assert rows[0]["audio (s)"] == rows[1]["audio (s)"] and rows[1]["frames/forward"] >= 1.0
 
 
@@ -135,7 +139,7 @@ def test_audio_streams_in_chunks_that_make_up_each_run(catalog):
         chunks = [p.chunk for p in seen if p.index == index]
         assert len(chunks) > 1 and {p.label for p in seen if p.index == index} == {run.label}
         np.testing.assert_allclose(np.concatenate(chunks), run.audio, atol=1e-6, rtol=0)  # float rounding only
-        assert [p for p in seen if p.index == index][-1].seconds == pytest.approx(run.seconds)
+        assert [p for p in seen if p.index == index][-1].seconds == pytest.approx(run.audio_seconds)
     assert [p.index for p in seen] == sorted(p.index for p in seen)  # the baseline first, then the method
 
 
@@ -272,7 +276,7 @@ def test_ui_handler_streams_int16_chunks_to_each_runs_player_then_the_stats(cata
         assert len(chunks) > 1 and {rate for rate, _ in chunks} == {RATE}
         assert all(samples.dtype == np.int16 for _, samples in chunks)
         assert np.array_equal(np.concatenate([s for _, s in chunks]), speech_demo.pcm16(run.audio))
-    assert list(last[2]["run"]) == ["ar (baseline)", "draft"] and "speedup" in last[2].columns
+    assert list(last[2]["run"]) == ["ar (baseline)", "draft"] and "speedup (per frame)" in last[2].columns
     assert last[3].startswith("done: ar (baseline) ") and isinstance(last[1], dict)  # the stream is not sent again
 
 
@@ -284,7 +288,7 @@ def test_ui_handler_without_streaming_gives_each_whole_waveform_at_the_end(catal
     assert baseline["visible"] is False and baseline["value"] is None
     rate, samples = method["value"]
     assert rate == RATE and np.array_equal(samples, pcm16(result.method.audio))
-    assert list(stats["run"]) == ["sjd"] and list(stats.columns)[-1] == "real-time factor"
+    assert list(stats["run"]) == ["sjd"] and list(stats.columns)[-2:] == ["real-time factor", "ms/frame"]
 
 
 def test_ui_handler_errors_are_plain_one_line_gradio_errors(catalog, monkeypatch):
@@ -401,7 +405,7 @@ def test_compare_mode_shows_two_players(page, artifacts):
     pick(page, "method", "sjd")
     page.locator("#compare input[type=checkbox]").check()
     stats = press_generate(page, "sjd")
-    assert "ar (baseline)" in stats and "speedup" in stats
+    assert "ar (baseline)" in stats and "speedup (per frame)" in stats
     expect(page.locator("#baseline-audio")).to_be_visible()
     assert audio_source(page, "baseline-audio") and audio_source(page, "audio")  # (one file where not streamed: the same audio)
     page.screenshot(path=artifacts / "02-compare.png", full_page=True)

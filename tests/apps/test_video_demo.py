@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from mmgen.apps.video_request import (VideoCatalog, VideoRequest, default_length, lengths, methods, model_settings,
+from mmgen.apps.requests.video import (WORKER, VideoCatalog, VideoRequest, default_length, lengths, model_settings,
                                       run_request, stream_request)
 
 from tests.apps import test_image_demo as image_demo_tests
@@ -36,7 +36,6 @@ artifacts, browser, page = image_demo_tests.artifacts, image_demo_tests.browser,
 READY = "#generate"  # the page fixture waits for it
 ARTIFACTS = "video_demo"
 PROMPT = "cat face moving left"
-WORKER = "mmgen-video-demo (run)"  # the name of the thread that runs the pipeline
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ def direct(catalog, seed: int = 0, **call):
 
 
 def workers() -> list:
-    return [t for t in threading.enumerate() if t.name == WORKER]
+    return [t for t in threading.enumerate() if t.name.startswith(WORKER)]
 
 
 # --- the request function -------------------------------------------------------------------
@@ -72,10 +71,10 @@ def workers() -> list:
 
 def test_catalog_pairs_the_sibling_small_model_and_offers_collaborative_only_with_it(catalog, folders):
     assert list(catalog.main) == ["tiny-video"] and list(catalog.companions) == ["tiny-video-small"]
-    assert methods(catalog, "tiny-video") == ["block", "collaborative"]
+    assert catalog.methods("tiny-video") == ["block", "collaborative"]
     alone = VideoCatalog.discover([str(folders[1])])
-    assert list(alone.main) == ["solo-video"] and not alone.companions and methods(alone, "solo-video") == ["block"]
-    with pytest.raises(ValueError, match="collaborative denoising needs a small model: start the demo with a folder "
+    assert list(alone.main) == ["solo-video"] and not alone.companions and alone.methods("solo-video") == ["block"]
+    with pytest.raises(ValueError, match="collaborative denoising needs a small model: start with a folder "
                                          "solo-video-small beside the model"):
         run_request(VideoRequest("solo-video", PROMPT, method="collaborative"), alone)
     given = VideoCatalog.discover([str(folders[0]), str(folders[0].parent / "tiny-video-small") + "/"])  # named: once
@@ -140,7 +139,7 @@ def test_collaborative_first_block_cache_and_token_dropping_reach_the_pipeline(c
 
 
 def test_the_profile_and_the_mp4(catalog, tmp_path):
-    from mmgen.apps.video_request import size_text
+    from mmgen.apps.requests.video import size_text
     from mmgen.video.export import read_mp4
 
     result = run_request(video(), catalog)

@@ -20,8 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgen.apps import vlm_request
-from mmgen.apps.vlm_request import ChatRequest, VLMCatalog, methods, run_request, stream_request
+from mmgen.apps.requests import vlm as vlm_request
+from mmgen.apps.requests.vlm import ChatRequest, VLMCatalog, run_request, stream_request
 from mmgen.decoding import DECODERS
 from mmgen.sampling import make_generator
 from mmgen.vlm import pipeline as vlm_pipeline
@@ -57,6 +57,8 @@ def folders(tmp_path_factory):
     pipe = deep_llava()
     pipe.save_pretrained(root / "tiny-vlm")
     pipe.save_pretrained(root / "tiny-vlm-draft")  # the target's own weights: every draft is accepted
+    # What a benchmark records for a pair whose drafts are always accepted: the demo starts there.
+    (root / "tiny-vlm" / "decoding.json").write_text('{"default": "draft", "measured": "every draft accepted"}')
     return root / "tiny-vlm", root / "tiny-vlm-draft"
 
 
@@ -77,9 +79,9 @@ def chat(**changes) -> ChatRequest:
 
 def test_catalog_pairs_the_drafter_and_methods_come_from_the_pipeline(catalog, folders):
     assert list(catalog.main) == ["tiny-vlm"] and list(catalog.companions) == ["tiny-vlm-draft"]
-    assert methods(catalog, "tiny-vlm") == [m for m in DECODERS if m not in NOT_FOR_TEXT]
+    assert catalog.methods("tiny-vlm") == [m for m in DECODERS if m not in NOT_FOR_TEXT]
     alone = VLMCatalog.discover([str(folders[0])])
-    assert "draft" not in methods(alone, "tiny-vlm") and "sjd" in methods(alone, "tiny-vlm")
+    assert "draft" not in alone.methods("tiny-vlm") and "sjd" in alone.methods("tiny-vlm")
     with pytest.raises(ValueError, match="neither a bundled model nor a folder"):
         VLMCatalog.discover([str(folders[0].parent / "missing")])
 
@@ -293,7 +295,7 @@ def test_switching_model_lists_its_methods_and_clears_the_chat(catalog):
     from mmgen.apps.vlm_demo import empty_state, handle_model
 
     method, chat_, baseline, stats, state = handle_model(catalog, "tiny-vlm")
-    assert method["choices"] == methods(catalog, "tiny-vlm") and method["value"] == "draft"
+    assert method["choices"] == catalog.methods("tiny-vlm") and method["value"] == "draft"  # decoding.json
     assert chat_["value"] == [] and stats is None and state == empty_state()
 
 

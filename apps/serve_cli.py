@@ -1,0 +1,140 @@
+"""`mmgen serve`: every modality's models behind an OpenAI-compatible HTTP API (`mmgen.apps.server`).
+
+    mmgen serve                                   # the bundled models of every modality, on 127.0.0.1:8000
+    mmgen serve --model emoji-vlm --model speech-tts --continuous-batch speech=16 --api-key KEY
+
+FastAPI and uvicorn are imported only when the server runs, so building the `mmgen` parser stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+from typing import Optional
+
+from mmgen.apps.requests.bounds import LIMITS
+
+#: Modalities whose requests may share a model's continuous batch (`--continuous-batch MODALITY=ROWS`);
+#: a video model makes one video at a time. The server reads it here too.
+BATCHED = ("image", "vlm", "speech")
+DEFAULT_ROWS = 8
+MAX_ROWS = 64
+API_KEY_ENV = "MMGEN_API_KEY"
+MIB = 1024 * 1024
+
+
+def register(commands, groups) -> None:
+    """Add the `serve` command."""
+    serve = commands.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API",
+                                description="Serve image, vision-language, speech and video models over OpenAI-compatible "
+                                            "routes (/v1/images/generations, /v1/chat/completions, /v1/audio/speech, "
+                                            "/v1/videos), with /v1/models, /health and Prometheus /metrics.")
+    serve.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
+                       help="a bundled model name or a model folder of any modality (repeatable; default: the bundled "
+                            "models of every modality present). A model's companions (NAME-draft, NAME-small) come along")
+    serve.add_argument("--device", default="cpu", help="torch device of the models (default: cpu)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    serve.add_argument("--port", type=_bounded(0, 65535, "--port"), default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--api-key", default=None, metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} "
+                            "when set, else no key; prefer the variable: a flag shows in the process list)")
+    serve.add_argument("--max-queue", type=_bounded(0, 100_000, "--max-queue"), default=64, metavar="N",
+                       help="requests that may wait for a busy model, over the whole server; one more is refused with "
+                            "429 and Retry-After (default: 64)")
+    serve.add_argument("--continuous-batch", action="append", default=None, metavar="[MODALITY=]ROWS", type=_rows,
+                       help=f"rows of each model's shared continuous batch: requests of one model that overlap in time "
+                            f"and ask for a fixed-window method with the same sampling decode together, each giving "
+                            f"what it gives alone; a model takes that many requests at once. ROWS sets every batched "
+                            f"modality ({', '.join(BATCHED)}), MODALITY=ROWS one of them; 0 turns it off "
+                            f"(repeatable; default: {DEFAULT_ROWS})")
+    # The defaults are `ServerSettings`' (tests/apps/test_server.py checks that they agree).
+    serve.add_argument("--max-images", type=_bounded(1, LIMITS.images, "--max-images"), default=4,
+                       help="images one request makes, or one conversation reads (default: 4)")
+    serve.add_argument("--max-new-tokens", type=_bounded(1, LIMITS.new_tokens, "--max-new-tokens"), default=256,
+                       help="an answer's tokens, at most; the default of max_tokens (default: 256)")
+    serve.add_argument("--max-new-frames", type=_bounded(1, LIMITS.new_frames, "--max-new-frames"), default=1024,
+                       help="an utterance's decoder frames, at most (a model's context bounds them too; default: 1024)")
+    serve.add_argument("--max-frames", type=_bounded(1, LIMITS.video_frames, "--max-frames"), default=81,
+                       help="a video's frames, at most (default: 81)")
+    serve.add_argument("--max-body-mb", type=_bounded(1, LIMITS.body_bytes // MIB, "--max-body-mb"), default=32, metavar="MB",
+                       help="request bodies larger than this are refused before they are read (default: 32)")
+    serve.add_argument("--no-preload", action="store_true",
+                       help="load each model at its first request instead of before listening")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default: info)")
+    serve.set_defaults(run=run_serve)
+
+
+def continuous_batch(values: Optional[list[tuple[Optional[str], int]]]) -> dict[str, int]:
+    """Rows per batched modality from `--continuous-batch` values (later ones win)."""
+    rows = {modality: DEFAULT_ROWS for modality in BATCHED}
+    for modality, count in values or []:
+        for name in [modality] if modality else BATCHED:
+            rows[name] = count
+    return rows
+
+
+def settings_of(args: argparse.Namespace):
+    """The server's settings from the parsed command line (the key from $MMGEN_API_KEY unless given)."""
+    from mmgen.apps.server import ServerSettings
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if key is not None and not key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    return ServerSettings(api_key=key, max_queue=args.max_queue, max_body_bytes=args.max_body_mb * MIB,
+                          max_images=args.max_images, max_new_tokens=args.max_new_tokens,
+                          max_new_frames=args.max_new_frames, max_frames=args.max_frames)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from mmgen.cli import check_device
+
+    check_device(args.device)  # a bad device fails here, in one line, before any model loads
+    settings = settings_of(args)
+    from mmgen.apps.server import create_app, discover_catalogs, preload
+
+    catalogs = discover_catalogs(args.model, device=args.device, continuous_batch=continuous_batch(args.continuous_batch))
+    if not args.no_preload:
+        preload(catalogs)
+    app = create_app(catalogs, settings)
+    for modality, catalog in catalogs.items():
+        rows = catalog.continuous_batch
+        print(f"mmgen serve: {modality} models {list(catalog.main)} (companions {list(catalog.companions)}), "
+              f"continuous batch {rows or 'off'}")
+    if settings.api_key is None and not _loopback(args.host):
+        print(f"mmgen serve: warning: listening on {args.host} without an API key: anyone who reaches it may use "
+              f"the models (set ${API_KEY_ENV})")
+    import uvicorn
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _rows(text: str) -> tuple[Optional[str], int]:
+    modality, _, count = text.rpartition("=")
+    if modality and modality not in BATCHED:
+        raise argparse.ArgumentTypeError(f"--continuous-batch {text!r}: the modality must be one of {list(BATCHED)}")
+    return (modality or None), _bounded(0, MAX_ROWS, "--continuous-batch")(count)
+
+
+def _bounded(low: int, high: int, flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} must be in [{low}, {high}], got {value}")
+        return value
+
+    return parse
