@@ -489,9 +489,9 @@ python -m benchmarks.data.emoji --out data/emoji64.npz
 python -m benchmarks.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
 {args.target_command}
 {args.draft_command}
-python -m benchmarks.train_vlm export --processor vlm/assets/emoji-vlm --target runs/vlm-target --draft runs/vlm-draft --out vlm/assets
-python -m benchmarks.train_vlm eval --assets vlm/assets --out runs/vlm-eval.json --threads {e['threads']}
-python -m benchmarks.train_vlm card --eval runs/vlm-eval.json --target runs/vlm-target --draft runs/vlm-draft --out vlm/assets/emoji-vlm/MODEL_CARD.md \\
+python -m benchmarks.train_vlm export --processor vlm/assets/emoji-vlm --target {args.target} --draft {args.draft} --out vlm/assets
+python -m benchmarks.train_vlm eval --assets vlm/assets --out {args.eval} --threads {e['threads']}
+python -m benchmarks.train_vlm card --eval {args.eval} --target {args.target} --draft {args.draft} --out vlm/assets/emoji-vlm/MODEL_CARD.md \\
     --target-command ... --draft-command ... --training-note ...   # the training lines and notes above
 ```
 """
