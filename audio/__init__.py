@@ -4,13 +4,18 @@
 backbone for codebook 0, a depth decoder for the rest) under any frame decoder of the core;
 `LatentTTSPipeline` speaks with VibeVoice (continuous latents, next-token diffusion) under the
 cached causal continuous decoders (plain, or continuous speculative decoding with a drafter).
-The index below is what `mmgen.registry` reads to import the pipeline on first use.
+Each family registers itself below, once (`mmgen.registry.register_family`): its model_type,
+the pipeline that opens its folders and the adapter `TTSPipeline` asks about it, named as
+"module:Class" so that importing this package loads neither torch nor transformers.
 """
 
-#: Pipeline class name -> the module that defines and registers it.
-PIPELINE_MODULES = {"TTSPipeline": "mmgen.audio.pipeline", "LatentTTSPipeline": "mmgen.audio.latent_pipeline"}
-#: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
-MODEL_TYPES = {"dia": "TTSPipeline", "csm": "TTSPipeline", "vibevoice": "LatentTTSPipeline"}
+from mmgen.registry import register_family
+
+register_family("speech", "dia", pipeline="mmgen.audio.pipeline:TTSPipeline", adapter="mmgen.audio.dia:DiaSpeech")
+register_family("speech", "csm", pipeline="mmgen.audio.pipeline:TTSPipeline", adapter="mmgen.audio.csm:CsmSpeech")
+# VibeVoice's pipeline is its own adapter (continuous latents: no codec frames to adapt).
+register_family("speech", "vibevoice", pipeline="mmgen.audio.latent_pipeline:LatentTTSPipeline")
+
 #: Bundled trained models (package data; see assets/speech-tts/MODEL_CARD.md): name -> folder
 #: relative to this package.
 BUNDLED_MODELS = {"speech-tts": "assets/speech-tts", "speech-tts-draft": "assets/speech-tts-draft"}

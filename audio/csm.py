@@ -176,6 +176,15 @@ class CsmSpeech:
 
     saves_tokenizer = True
 
+    @classmethod
+    def load(cls, source: str, torch_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """CSM's model, its tokenizer and its own Mimi codec from a folder or Hub repo
+        (`TTSPipeline.from_pretrained`; `kwargs` go to the model's `from_pretrained`)."""
+        from transformers import AutoTokenizer, CsmForConditionalGeneration
+
+        model = CsmForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        return model, AutoTokenizer.from_pretrained(source, trust_remote_code=False), model.codec_model
+
     def __init__(self, model: Any, tokenizer: Any, codec: Any):
         self.model, self.tokenizer, self.codec = model, tokenizer, codec
         self.num_codebooks = model.config.num_codebooks

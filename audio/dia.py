@@ -296,6 +296,18 @@ class DiaSpeech:
     stop rule (the most delayed codebook's EOS closes a frame sequence), and delayed frames back
     to audio codes."""
 
+    @classmethod
+    def load(cls, source: str, torch_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> tuple[Any, Any, Any]:
+        """Dia's model, its byte-level tokenizer (no files) and its DAC codec from a folder or
+        Hub repo (`TTSPipeline.from_pretrained`; `kwargs` go to the model's `from_pretrained`)."""
+        from transformers import DacModel, DiaForConditionalGeneration, DiaTokenizer
+
+        from mmgen.audio.pipeline import codec_source
+
+        model = DiaForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        codec = DacModel.from_pretrained(codec_source(source), dtype=torch_dtype, trust_remote_code=False)
+        return model, DiaTokenizer(), codec
+
     def __init__(self, model: Any, tokenizer: Any, codec: Any):
         self.model, self.tokenizer, self.codec = model, tokenizer, codec
         dec = model.config.decoder_config

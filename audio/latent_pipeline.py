@@ -25,7 +25,7 @@ from mmgen.audio.pipeline import TTSOutput, TTSPipeline
 from mmgen.audio.vibevoice import VibeVoiceLatentModel, VibeVoiceSpeech
 
 
-@register_pipeline(model_types=("vibevoice",))
+@register_pipeline  # its model_type is registered as a speech family (mmgen.audio)
 class LatentTTSPipeline(TTSPipeline):
     """VibeVoice: a processor (tokenizer + chat template + feature extractor) and the model, whose
     σ-VAE decoder turns latents into audio."""

@@ -22,6 +22,7 @@ from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import torch
 
+from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder, resolve_decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
@@ -62,7 +63,7 @@ class TTSOutput:
     real_time_factor: float = 0.0
 
 
-@register_pipeline(model_types=("dia", "csm"))
+@register_pipeline
 class TTSPipeline(Pipeline):
     """A text-to-speech model over codec frames (greedy or sampled as its generation config says)."""
 
@@ -83,7 +84,7 @@ class TTSPipeline(Pipeline):
     def __init__(self, model: Any, tokenizer: Any, codec: Any):
         super().__init__(model=model)
         self.tokenizer, self.codec = tokenizer, Codec(codec)
-        self.family = _family(model, tokenizer, self.codec)
+        self.family = _adapter(model.config.model_type)(model, tokenizer, self.codec)
 
     @property
     def sampling_rate(self) -> int:
@@ -93,9 +94,10 @@ class TTSPipeline(Pipeline):
     @classmethod
     def from_pretrained(cls, repo_or_path: Union[str, os.PathLike], torch_dtype: Optional[torch.dtype] = None,
                         device: Union[str, torch.device, None] = None, **kwargs) -> "TTSPipeline":
-        """A transformers speech checkpoint (Hub id or folder). The codec is the folder's
-        `codec/` subfolder, else the one its processor config names (Dia: descript/dac_44khz).
-        A VibeVoice folder opens as a `LatentTTSPipeline` (continuous latents)."""
+        """A transformers speech checkpoint (Hub id or folder) of a registered speech family,
+        whose adapter loads the model, tokenizer and codec (`DiaSpeech.load`: the codec is the
+        folder's `codec/` subfolder, else the one its processor config names). A family that
+        another pipeline opens opens as it (VibeVoice: a `LatentTTSPipeline`)."""
         from transformers import AutoConfig
 
         source = os.fspath(repo_or_path)
@@ -103,25 +105,14 @@ class TTSPipeline(Pipeline):
         # terminal, and a "y" would run it. The caller may pass trust_remote_code in `kwargs`.
         kwargs.setdefault("trust_remote_code", False)
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        if config.model_type == "dia":
-            from transformers import DacModel, DiaForConditionalGeneration, DiaTokenizer
-
-            model = DiaForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
-            tokenizer = DiaTokenizer()  # byte-level: no files
-            codec = DacModel.from_pretrained(_codec_source(source), dtype=torch_dtype, trust_remote_code=False)
-        elif config.model_type == "csm":
-            from transformers import AutoTokenizer, CsmForConditionalGeneration
-
-            model = CsmForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
-            codec = model.codec_model
-        elif config.model_type == "vibevoice":
-            from mmgen.audio.latent_pipeline import LatentTTSPipeline
-
-            return LatentTTSPipeline.from_pretrained(source, torch_dtype, device, **kwargs)
-        else:
+        family = registry.family("speech", config.model_type)
+        if family is None:
             raise ValueError(f"{source}: model type {config.model_type!r} is not a speech model mmgen serves "
-                             "(dia, csm, vibevoice)")
+                             f"({', '.join(registry.families('speech'))})")
+        opener = family.pipeline_class()
+        if not issubclass(cls, opener):  # a family another pipeline opens (VibeVoice: LatentTTSPipeline)
+            return opener.from_pretrained(source, torch_dtype, device, **kwargs)
+        model, tokenizer, codec = _adapter(config.model_type).load(source, torch_dtype, **kwargs)
         pipe = cls(model.eval(), tokenizer, codec.eval())
         return pipe.to(device) if device is not None else pipe
 
@@ -445,7 +436,9 @@ def _generate_top_k(config: Any) -> int:
     return GENERATE_TOP_K if top_k is None else int(top_k)
 
 
-def _codec_source(source: str) -> str:
+def codec_source(source: str) -> str:
+    """Where a speech folder's codec is, for a family whose model does not own one: the folder's
+    `codec/` (what `save_pretrained` writes), else the audio tokenizer its processor config names."""
     local = Path(source) / CODEC_FOLDER
     if local.is_dir():
         return str(local)
@@ -466,14 +459,10 @@ def _per_row(value: Any, rows: int, name: str) -> list:
     return [value] * rows
 
 
-def _family(model: Any, tokenizer: Any, codec: Codec) -> Any:
-    kind = model.config.model_type
-    if kind == "dia":
-        from mmgen.audio.dia import DiaSpeech
-
-        return DiaSpeech(model, tokenizer, codec)
-    if kind == "csm":
-        from mmgen.audio.csm import CsmSpeech
-
-        return CsmSpeech(model, tokenizer, codec)
-    raise ValueError(f"model type {kind!r} is not a speech model mmgen serves (dia, csm)")
+def _adapter(model_type: str) -> type:
+    """The adapter class registered for speech family `model_type` (`registry.register_family`)."""
+    family = registry.family("speech", model_type)
+    if family is None or family.adapter is None:
+        served = [name for name, f in registry.families("speech").items() if f.adapter is not None]
+        raise ValueError(f"model type {model_type!r} is not a speech model mmgen serves ({', '.join(served)})")
+    return family.adapter_class()

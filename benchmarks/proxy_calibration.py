@@ -17,9 +17,9 @@ import sys
 
 import torch
 
+from benchmarks.bench import environment, markdown_table, sample_and_score, score_samples
 from mmgen.decoding import Autoregressive
 
-from mmgen.image_ar.bench import environment, markdown_table, sample_and_score, score_samples
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, load_eval_set
 from mmgen.loading import resolve_model
 from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenTokenModel

@@ -19,7 +19,7 @@ the chunks cost about this in all).
 
 Where the kernel dispatch picks Triton (`--device cuda` with triton installed), each rule is
 also timed as the decoding loop runs it there: "torch step" (the rule, a sample from every
-position's residual and `_finalise`, the loop's torch path) against "kernel step" (the rule's
+position's residual and `finalise`, the loop's torch path) against "kernel step" (the rule's
 relaxed target and the exact verify as kernels, `mmgen.kernels`), both drawing the same
 uniforms and noise. On the CPU those rows are absent (the twin is the torch path).
 
@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.step_latency import _sync
 from mmgen.decoding import ExactAcceptance, GroupedAcceptance, RelaxedAcceptance
-from mmgen.decoding.speculative import _finalise
+from mmgen.decoding.finalise import finalise
 from mmgen.kernels import backend_for, relaxed_target, verify_exact
 from mmgen.sampling import exponential_noise, make_generator, sample, uniform
 
@@ -96,10 +96,10 @@ def verify_forward(window: int, device: torch.device):
 
 
 def torch_step(rule, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator):
-    """The loop's torch path after a verify forward: the rule, every residual sampled, `_finalise`."""
+    """The loop's torch path after a verify forward: the rule, every residual sampled, `finalise`."""
     accepted, residual = rule(p, q, drafts, generator)
     bonus = sample(p[:, -1:], generator)
-    return _finalise(accepted, sample(residual, generator), torch.cat([drafts, bonus], 1), drafts, 1)[:2]
+    return finalise(accepted, sample(residual, generator), torch.cat([drafts, bonus], 1), drafts, 1)[:2]
 
 
 def kernel_step(rule, p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, generator: torch.Generator):

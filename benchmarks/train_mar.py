@@ -140,7 +140,7 @@ MAR_EMOJI_SAMPLING = {"num_iter": 16, "guidance_scale": 2.0, "cfg_schedule": "li
 def export(args) -> None:
     """Write `mar-emoji64` (target MAR + VAE) and `mar-emoji64-draft` (drafter, VAE shared with
     the target) and the model card."""
-    from mmgen.image_ar.bench_mar import mar_diffusion_loss
+    from benchmarks.bench_mar import mar_diffusion_loss
     from mmgen.image_ar.mar import MARPipeline
 
     data = np.load(args.data)

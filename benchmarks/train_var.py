@@ -114,7 +114,7 @@ VAR_EMOJI_SAMPLING = {"guidance_scale": 2.0, "top_k": 0, "top_p": 1.0}
 def export(args) -> None:
     """Write `var-emoji64` (large transformer + VQVAE) and `var-emoji64-small` (small
     transformer, VQVAE shared with the large one) and the model card."""
-    from mmgen.image_ar.bench_var import var_token_nll
+    from benchmarks.bench_var import var_token_nll
     from mmgen.image_ar.var import VARPipeline
 
     data = np.load(args.data)

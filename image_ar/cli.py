@@ -1,16 +1,23 @@
-"""Image subcommands of `mmgen`: generate image, convert llamagen / var / mar, bench."""
+"""Image subcommands of `mmgen`: generate image, convert llamagen / var / mar, bench.
+
+Building the parser imports no pipeline and no benchmark code: each subcommand imports what it
+runs when it runs (`mmgen bench` its harness, `benchmarks/bench.py` of a source checkout).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Optional
 
 import torch
 
 from mmgen.cli import DTYPES, add_json_flag, report, seed_arg
 from mmgen.files import write_atomic
 
-from mmgen.image_ar import bench
 from mmgen.image_ar.bundled import BUNDLED_MODELS, DEFAULT_MODEL
 from mmgen.image_ar.generation import (
     ImageOptions,
@@ -21,7 +28,6 @@ from mmgen.image_ar.generation import (
     png_bytes,
     prepare_call,
 )
-from mmgen.image_ar.llamagen import LlamaGenPipeline
 
 
 def register(commands, groups) -> None:
@@ -96,10 +102,10 @@ def register(commands, groups) -> None:
     mar.add_argument("--out", required=True)
     mar.set_defaults(run=convert_mar)
 
-    bench_parser = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding",
-                                       formatter_class=bench.HelpFormatter)
-    bench.add_arguments(bench_parser)
-    bench_parser.set_defaults(run=lambda args: print(bench.run(args)) or 0)
+    bench = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding (from a "
+                                "source checkout)", formatter_class=DefaultsHelpFormatter)
+    add_bench_arguments(bench)
+    bench.set_defaults(run=run_bench)
 
 
 def decoding_help() -> str:
@@ -151,6 +157,8 @@ def convert_llamagen(args: argparse.Namespace) -> int:
 
         pipe = LlamaGenText2ImagePipeline.from_official(args.gpt_checkpoint, args.vq_checkpoint, args.text_encoder, **common)
     else:
+        from mmgen.image_ar.llamagen import LlamaGenPipeline
+
         pipe = LlamaGenPipeline.from_official(args.gpt_checkpoint, args.vq_checkpoint, num_classes=args.num_classes, **common)
     pipe.save_pretrained(args.out)
     print(f"wrote {args.out}")
@@ -172,4 +180,78 @@ def convert_mar(args: argparse.Namespace) -> int:
 
     MARPipeline.from_official(args.mar_checkpoint, args.vae_checkpoint, model=args.model).save_pretrained(args.out)
     print(f"wrote {args.out}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# mmgen bench: the options here, the harness in the repository's benchmarks/ (not installed)
+# --------------------------------------------------------------------------------------------
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default, except where it is None (the help says what
+    happens then) or a flag's False."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """`mmgen bench`'s options (its parser uses `DefaultsHelpFormatter`, which shows the defaults)."""
+    parser.add_argument("--models", nargs="+", default=["emoji64"], help="bundled model names or pipeline folders, "
+                        "all LlamaGen, all VAR or all MAR")
+    from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS
+
+    parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
+                        help=f"decoding specs: a shortcut ({', '.join(DECODERS)}) with optional options, e.g. sjd:window=8 "
+                             "(or sjd-8), lantern:delta=0.2, draft:drafter=emoji64-draft; VAR models "
+                             f"({', '.join(SCALE_DECODERS)}): ar, code:draft_steps=N[,refiner=NAME]; MAR models "
+                             f"({', '.join(CONTINUOUS_DECODERS)}): ar[:num_steps=N], "
+                             "cspd:num_draft=N,prefill_ratio=R,flatten=F[,drafter=NAME]")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4], help="speed rows per batch size (none: skip)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed decodes per speed row (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed decodes before each speed row")
+    parser.add_argument("--guidance-scale", type=float, help="CFG scale (default: each model's own; random weights: CFG on)")
+    parser.add_argument("--temperature", type=float, help="default: each model's own")
+    parser.add_argument("--top-k", type=int, help="default: each model's own")
+    parser.add_argument("--top-p", type=float, help="default: each model's own")
+    parser.add_argument("--quality-per-class", type=int, default=2, help="samples per class for the quality proxies (0: skip)")
+    parser.add_argument("--quality-classes", type=int, default=0, help="quality samples of the first N classes only (0: all)")
+    parser.add_argument("--quality-batch-size", type=int, default=32, help="images per decode of the quality samples")
+    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the quality samples, in [0, 2**63)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, mps")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype")
+    parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset with random weights instead: "
+                        "a LlamaGen preset (e.g. GPT-B: verify-window cost) or var-d16 ... var-d36 (whole decodes)")
+    parser.add_argument("--prunings", nargs="+", default=["none"], metavar="SPEC",
+                        help="VAR: FastVAR pruning settings crossed with --methods: none or STEP=KEEP,...[@START:STOP] "
+                             "(scale steps from 0, block range), e.g. '8=0.6,9=0.5@3:-4'")
+    parser.add_argument("--refiner-depth", type=int, default=16, help="with --random-weights var-dN: the CoDe refiner's depth")
+    parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8, 16], help="with --random-weights")
+    parser.add_argument("--json", help="write the report as JSON here")
+    parser.add_argument("--markdown", help="write the report as Markdown here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def bench_harness() -> ModuleType:
+    """`benchmarks.bench`, the harness behind `mmgen bench`: importable as is (run from the
+    repository root, or under pytest), else from the source checkout this package runs from
+    (an editable install). ValueError, one line, where there is none (an installed wheel)."""
+    try:
+        return importlib.import_module("benchmarks.bench")
+    except ModuleNotFoundError as error:
+        if error.name not in ("benchmarks", "benchmarks.bench"):
+            raise
+    checkout = Path(__file__).resolve().parents[1]  # <checkout>/image_ar/cli.py
+    if (checkout / "benchmarks" / "bench.py").is_file() and "benchmarks" not in sys.modules:
+        sys.path.append(str(checkout))
+        return importlib.import_module("benchmarks.bench")
+    raise ValueError("mmgen bench runs the benchmark harness of a source checkout (benchmarks/bench.py), which an "
+                     "installed mmgen does not ship: run it from a clone of the repository (pip install -e .)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    print(bench_harness().run(args))
     return 0

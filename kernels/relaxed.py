@@ -15,7 +15,7 @@ claims with `index_add_` (atomic, so run-to-run nondeterministic on a GPU); at L
   outside supp(p) ∩ supp(q) claim nothing and weigh nothing (exact zeros), so their rows are
   never read (under top-k 2000 of 16384: 1/8 of the table).
 - `_target_kernel`, one program per block of tokens y: claimed(y) sums q(z) over the tokens
-  z that list y inside their prefix, read from the inverted table (`RelaxedAcceptance._reverse`)
+  z that list y inside their prefix, read from the inverted table (`RelaxedAcceptance.kernel_tables`)
   in token order, so the sum is deterministic and in the CPU twin's order; then pi.
 
 pi agrees with the twin to float32 rounding, not bit for bit: the kernel's cumulative sums and
@@ -30,19 +30,15 @@ from typing import Optional
 
 import torch
 
-from mmgen.decoding.acceptance import _cached, _int32
 from mmgen.kernels._triton import jit as _jit, tl, triton
 
 
 def relaxed_target_triton(rule, p: torch.Tensor, q: torch.Tensor, block: Optional[int] = None) -> torch.Tensor:
     """`rule.relaxed_target(p, q)` (the twin) in two kernel launches (`block`: tokens per
     program)."""
-    table = rule._table()
-    V, k = table.shape
     device = p.device
-    neighbours = _cached("int32-on", table, str(device), lambda: _int32(table).to(device))
-    starts, claimers, ranks = _cached("reverse-on", table, str(device),
-                                      lambda: tuple(t.to(device) for t in rule._reverse()))
+    neighbours, starts, claimers, ranks = rule.kernel_tables(device)
+    V, k = neighbours.shape
     rows = lambda t: t.reshape(-1, V).float().contiguous()
     flat_p, flat_q = rows(p), rows(q)
     R = len(flat_p)

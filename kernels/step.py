@@ -7,7 +7,7 @@ neighbourhoods in two).
 The torch path of `speculative_decode` does this as a chain: guidance, temperature, filters
 and softmax over [B, n, V] (`SamplingConfig.probs`), the exact rule's ratios and a residual
 for every one of the n - 1 draft positions (`ExactAcceptance`), samples of the fresh tokens
-and of every residual (`sample`), then `_finalise`, which keeps one residual sample. Here the
+and of every residual (`sample`), then `finalise`, which keeps one residual sample. Here the
 residual is formed only at each row's first rejection, inside the verify kernel.
 
 The step draws from the generator exactly what the torch path draws, in its order: the

@@ -6,11 +6,12 @@ token after the accepted prefix is drawn from norm(max(0, p - q)) at the first r
 is the bonus sample from p at slot n when every draft passed.
 
 The core runs `ExactAcceptance` (ratios, and a residual for every one of the n positions: a
-[B, n, V] tensor), samples all n residuals, then `_finalise` keeps the one at the first
-rejection. The kernel, one program per row, reads the n ratios at the drafts, finds the first
-rejection and touches the vocabulary only at that position: two passes over one row of p and
-q (O(n + V) per row instead of O(n V)), no [B, n, V] temporary; vLLM v1's rejection sampler
-does the same work in Triton. The decoding loop calls it through `kernels/step.py`. Not
+[B, n, V] tensor), samples all n residuals, then `finalise` (`mmgen.decoding.finalise`, the
+rule the twin below calls too) keeps the one at the first rejection. The kernel, one program
+per row, reads the n ratios at the drafts, finds the first rejection and touches the
+vocabulary only at that position: two passes over one row of p and q (O(n + V) per row
+instead of O(n V)), no [B, n, V] temporary; vLLM v1's rejection sampler does the same work in
+Triton. The decoding loop calls it through `kernels/step.py`. Not
 measured on a GPU yet.
 
 Randomness stays with the caller: the uniforms [B, n] the rule would draw, the Exp(1) noise
@@ -31,7 +32,7 @@ from typing import Optional
 import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
-from mmgen.decoding.speculative import _finalise
+from mmgen.decoding.finalise import finalise
 from mmgen.kernels._triton import jit as _jit, tl, triton
 from mmgen.sampling import race
 
@@ -42,7 +43,7 @@ def verify_exact_twin(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, un
     [B, n], uniforms [B, n], residual noise [B, n, V] and bonus tokens [B]: the core's
     `ExactAcceptance` and its finalise step."""
     accept, residual = ExactAcceptance().probabilities(p, q, drafts)
-    n_acc, token, _ = _finalise(uniforms < accept, race(residual, noise), bonus[:, None], drafts, 1)
+    n_acc, token, _ = finalise(uniforms < accept, race(residual, noise), bonus[:, None], drafts, 1)
     return n_acc, token
 
 

@@ -3,10 +3,10 @@ files, per-rank manifests that make a run resumable, deterministic grouping and 
 torch.distributed ranks, and the progress bar and summary table.
 
 `mmgen batch JOBS --out DIR` is registered here: it reads the job file, picks the modality whose
-job field its jobs carry (`registry.batch_runners()`: `class_label` -> image jobs, `prompt` ->
-text answers about images) and hands the run to that modality's `run_batch`, which validates its
-own job schema and runs its pipelines; everything else here is shared so that every modality
-resumes, shards and reports the same way.
+job field its jobs carry (`registry.batch_runners()`: `class_label` -> images, `prompt` -> text
+answers about images, `text` -> speech, `video` -> videos) and hands the run to that modality's
+`run_batch`, which validates its own job schema and runs its pipelines; everything else here is
+shared so that every modality resumes, shards and reports the same way.
 
 Durability contract. An output is written to a temp file in its own folder, fsynced and renamed
 over its final name (`write_atomic`): it is either absent or complete. Only then is its record
@@ -523,13 +523,16 @@ class Tally:
 
 
 def register(commands, groups) -> None:
+    from mmgen import registry
     from mmgen.cli import DTYPES
 
-    batch = commands.add_parser("batch", help="run a JSONL job file: images or text answers (resumable; torchrun for many GPUs)",
-                                description="Jobs from a JSONL file, one per line: class-conditional images (jobs with a "
-                                            "class_label; see `mmgen.image_ar.batch`) or answers about images (jobs with a "
-                                            "prompt; see `mmgen.vlm.batch`). Fields, grouping, resume and multi-node use are "
-                                            "described there.")
+    # The kinds of job come from the modalities' registrations (job field -> its runner's module).
+    kinds = "; ".join(f"jobs with a {field}: see `{module}`" for field, module in registry.batch_runners().items())
+    batch = commands.add_parser("batch", help="run a JSONL job file: images, text answers, speech or videos (resumable; "
+                                "torchrun for many GPUs)",
+                                description=f"Jobs from a JSONL file, one per line, all of one kind, told by the field "
+                                            f"its jobs carry ({kinds}). Each of those modules describes its jobs' fields, "
+                                            "grouping, resume and multi-node use.")
     batch.add_argument("jobs", help="JSONL file, one job per line")
     batch.add_argument("--out", required=True, help="output folder: outputs and manifest.jsonl")
     batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,

@@ -152,13 +152,14 @@ def load_state_dict(path: PathLike, key: Optional[str] = None) -> dict[str, torc
         with torch.serialization.safe_globals(list(SAFE_METADATA)):
             data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise CheckpointError(_load_failure(path, error)) from error
+        raise CheckpointError(load_failure_message(path, error)) from error
     return unwrap_state_dict(data, key, str(path))
 
 
-def _load_failure(path: Path, error: Exception) -> str:
+def load_failure_message(path: Path, error: Exception) -> str:
     """One line on why `torch.load(weights_only=True)` refused `path`: the classes it would
-    have had to run, when that is the reason."""
+    have had to run, when that is the reason. Every loader of `.pt` files raises
+    `CheckpointError` with it (`load_state_dict` here, video's converter)."""
     try:
         allowed = {f"{c.__module__}.{c.__qualname__}" for c in SAFE_METADATA}
         unsafe = sorted(set(torch.serialization.get_unsafe_globals_in_checkpoint(path)) - allowed)

@@ -63,7 +63,8 @@ class Pipeline:
     #: A config of None: the class has its own `from_pretrained` (and its objects `save_pretrained`).
     component_types: ClassVar[dict[str, tuple[type, Optional[type]]]] = {}
     #: The decoder family whose shortcuts `decoding=` takes (`FAMILY_DECODERS`): "token",
-    #: "scale" (next-scale) or "continuous".
+    #: "scale" (next-scale: VAR), "continuous" (masked continuous tokens: MAR),
+    #: "causal-continuous" (next-token diffusion: VibeVoice) or "block-diffusion" (video).
     decoder_family: ClassVar[str] = "token"
     #: What a call is conditioned on: "class" (ids or names, `ClassLabelled`) or "prompt" (text).
     conditions: ClassVar[str] = "class"

@@ -10,23 +10,41 @@ The core imports no modality: a modality package lists its pipelines in `PIPELIN
 (class name -> the module that defines and registers it) and the registry imports that module
 the first time the name is looked up. A family defined elsewhere (a plugin, a test) registers
 its class directly.
+
+Vision-language, speech and video families register with `register_family`: one call names
+what a folder of the family holds (its config.json `model_type`, or its model_index.json
+`_class_name` for video), the pipeline that opens it and, for speech, the adapter that turns
+texts into the model's conditions. The modality packages make their built-in families' calls
+when imported, naming classes as "module:Class" so nothing heavy loads before it is used; the
+loaders, `mmgen generate`, `mmgen batch` and the request layer's entry checks ask `family` and
+`families` instead of keeping lists of their own.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 #: Packages whose `PIPELINE_MODULES` (class name -> module), `PIPELINE_ALIASES` (other name ->
 #: class name), `MODEL_TYPES` (transformers model_type -> class name) and `BUNDLED_MODELS`
 #: (name of a model shipped as package data -> its folder, relative to the package) and
 #: `BATCH_JOBS` (the field that marks a job of that modality -> the module whose `run_batch`
-#: runs such job files) the registry reads.
+#: runs such job files) the registry reads; importing them registers their families.
 MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm", "mmgen.audio", "mmgen.video")
+
+#: What names a family in a saved folder, per modality that registers families: a transformers
+#: folder's config.json `model_type`, or a pipeline folder's model_index.json `_class_name`.
+FAMILY_KEYS = {"vlm": "model_type", "speech": "model_type", "video": "_class_name"}
 
 PIPELINES: dict[str, type] = {}
 MODEL_TYPE_PIPELINES: dict[str, str] = {}
+#: Pipeline class name -> the module that defines and registers it, from "module:Class" names
+#: given to `register_family`.
+PIPELINE_SOURCES: dict[str, str] = {}
+#: modality -> family name -> `Family` (`register_family`).
+FAMILIES: dict[str, dict[str, "Family"]] = {modality: {} for modality in FAMILY_KEYS}
 _indexes: Optional[list] = None
 
 T = TypeVar("T", bound=type)
@@ -68,13 +86,14 @@ def pipeline_names() -> list[str]:
     names = set(PIPELINES)
     for index in _modality_indexes():
         names |= set(getattr(index, "PIPELINE_MODULES", {}))
-    return sorted(names)
+    return sorted(names | set(PIPELINE_SOURCES))
 
 
 def is_pipeline_name(name: str) -> bool:
     """Whether `name` is a pipeline class name or alias, without importing the class."""
-    return name in PIPELINES or any(
-        name in getattr(i, "PIPELINE_MODULES", {}) or name in getattr(i, "PIPELINE_ALIASES", {}) for i in _modality_indexes()
+    indexes = _modality_indexes()  # first: importing a package registers its families
+    return name in PIPELINES or name in PIPELINE_SOURCES or any(
+        name in getattr(i, "PIPELINE_MODULES", {}) or name in getattr(i, "PIPELINE_ALIASES", {}) for i in indexes
     )
 
 
@@ -85,9 +104,12 @@ def pipeline_class(name: str) -> type:
         raise ValueError(f"pipeline class names are strings, got {name!r}")
     if name in PIPELINES:
         return PIPELINES[name]
-    for index in _modality_indexes():
+    indexes = _modality_indexes()
+    sources = [(name, PIPELINE_SOURCES.get(name))]
+    for index in indexes:
         target = getattr(index, "PIPELINE_ALIASES", {}).get(name, name)
-        module = getattr(index, "PIPELINE_MODULES", {}).get(target)
+        sources.append((target, getattr(index, "PIPELINE_MODULES", {}).get(target)))
+    for target, module in sources:
         if module is not None:
             importlib.import_module(module)
             if target not in PIPELINES:
@@ -101,7 +123,8 @@ def listed_pipeline(package: str, name: str) -> type:
     `__getattr__` (`from mmgen.audio import TTSPipeline` imports the pipeline's module, and its
     heavy dependencies, on first use only); AttributeError for any other name."""
     index = vars(importlib.import_module(package))  # not getattr: that would come back here
-    if name in index.get("PIPELINE_MODULES", {}) or name in index.get("PIPELINE_ALIASES", {}):
+    listed = name in index.get("PIPELINE_MODULES", {}) or name in index.get("PIPELINE_ALIASES", {})
+    if listed or PIPELINE_SOURCES.get(name, "").startswith(package + "."):
         return pipeline_class(name)
     raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
@@ -111,18 +134,22 @@ def model_types() -> list[str]:
     types = set(MODEL_TYPE_PIPELINES)
     for index in _modality_indexes():
         types |= set(getattr(index, "MODEL_TYPES", {}))
-    return sorted(types)
+    return sorted(types | {name for m, key in FAMILY_KEYS.items() if key == "model_type" for name in FAMILIES[m]})
 
 
 def pipeline_for_model_type(model_type: str) -> Optional[type]:
     """The pipeline class that opens plain transformers folders of `model_type`, or None."""
-    if model_type not in MODEL_TYPE_PIPELINES:
-        for index in _modality_indexes():
-            name = getattr(index, "MODEL_TYPES", {}).get(model_type)
-            if name is not None:
-                return pipeline_class(name)
-        return None
-    return pipeline_class(MODEL_TYPE_PIPELINES[model_type])
+    indexes = _modality_indexes()
+    if model_type in MODEL_TYPE_PIPELINES:
+        return pipeline_class(MODEL_TYPE_PIPELINES[model_type])
+    for modality, key in FAMILY_KEYS.items():
+        if key == "model_type" and model_type in FAMILIES[modality]:
+            return pipeline_class(FAMILIES[modality][model_type].pipeline)
+    for index in indexes:
+        name = getattr(index, "MODEL_TYPES", {}).get(model_type)
+        if name is not None:
+            return pipeline_class(name)
+    return None
 
 
 def bundled_models() -> dict[str, Path]:
@@ -141,3 +168,81 @@ def batch_runners() -> dict[str, str]:
     for index in _modality_indexes():
         runners.update(getattr(index, "BATCH_JOBS", {}))
     return runners
+
+
+# ------------------------------------------------------------------------------------ families
+
+
+@dataclass(frozen=True)
+class Family:
+    """One registered family of a modality: `name` is what its folders name (`FAMILY_KEYS`),
+    `pipeline` the class name of the pipeline that opens them, `adapter` what that pipeline
+    asks about the family (a speech adapter: `TTSPipeline`'s conditions, stop rule and codes),
+    a class or "module:Class" imported on first use; None where the pipeline needs none."""
+
+    modality: str
+    name: str
+    pipeline: str
+    adapter: Union[type, str, None] = None
+
+    def pipeline_class(self) -> type:
+        return pipeline_class(self.pipeline)
+
+    def adapter_class(self) -> Optional[type]:
+        if not isinstance(self.adapter, str):
+            return self.adapter
+        module, _, name = self.adapter.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+def register_family(modality: str, name: Optional[str] = None, *, pipeline: Union[type, str],
+                    adapter: Union[type, str, None] = None) -> Family:
+    """Register a family of `modality` ("vlm", "speech", "video"): its folders' `name` (the
+    transformers `model_type`; for video, the pipeline's class name, the default), the
+    `pipeline` that opens them (a class, registered here too; a registered class name; or
+    "module:Class", imported on first use) and its `adapter` (a class or "module:Class").
+    Another family under a taken name, or a model_type another modality serves, is an error
+    (and registers nothing)."""
+    if modality not in FAMILY_KEYS:
+        raise ValueError(f"unknown modality {modality!r}; families are registered for {', '.join(FAMILY_KEYS)}")
+    module, _, pipeline_name = ("", "", pipeline.__name__) if isinstance(pipeline, type) else pipeline.rpartition(":")
+    if name is None:
+        if FAMILY_KEYS[modality] != "_class_name":
+            raise ValueError(f"a {modality} family is named by its transformers model_type: give name=")
+        name = pipeline_name
+    entry = Family(modality, name, pipeline_name, adapter)
+    taken = FAMILIES[modality].get(name, entry)
+    if taken != entry:
+        raise ValueError(f"a {modality} family named {name!r} is already registered (opened by {taken.pipeline})")
+    if FAMILY_KEYS[modality] == "model_type":
+        other = next((m for m, key in FAMILY_KEYS.items() if m != modality and key == "model_type" and name in FAMILIES[m]),
+                     None)
+        if other is not None or MODEL_TYPE_PIPELINES.get(name, pipeline_name) != pipeline_name:
+            raise ValueError(f"model_type {name!r} is already registered ({other or MODEL_TYPE_PIPELINES[name]})")
+    if module and PIPELINE_SOURCES.get(pipeline_name, module) != module:
+        raise ValueError(f"a pipeline class named {pipeline_name!r} is already listed in {PIPELINE_SOURCES[pipeline_name]}")
+    if isinstance(pipeline, type):
+        register_pipeline(pipeline)  # the last check: a class under a taken name
+    elif module:
+        PIPELINE_SOURCES[pipeline_name] = module
+    FAMILIES[modality][name] = entry
+    return entry
+
+
+def unregister_family(modality: str, name: str) -> None:
+    """Remove a registered family (tests that register a toy family clean up with this); a
+    video family also takes its pipeline class with it (its name is the class's)."""
+    entry = FAMILIES.get(modality, {}).pop(name, None)
+    if entry is not None and FAMILY_KEYS[modality] == "_class_name":
+        unregister_pipeline(entry.pipeline)
+
+
+def families(modality: str) -> dict[str, Family]:
+    """Every registered family of `modality`, by name (built-in ones included)."""
+    _modality_indexes()  # importing a modality package registers its families
+    return dict(sorted(FAMILIES.get(modality, {}).items()))
+
+
+def family(modality: str, name: Any) -> Optional[Family]:
+    """The family of `modality` a folder names (a model_type, a pipeline class name), or None."""
+    return families(modality).get(name) if isinstance(name, str) else None

@@ -3,12 +3,15 @@
 `BlockDiffusionVideoPipeline` makes a video block by block with diffusers'
 `WanTransformer3DModel` (a cached block-causal decode through attention processors),
 `AutoencoderKLWan` (streaming decode) and transformers' `UMT5EncoderModel`, under the core's
-block-diffusion decoders (plain, collaborative large/small). The index below is what
-`mmgen.registry` reads to import the pipeline on first use.
+block-diffusion decoders (plain, collaborative large/small). A video family is its pipeline
+class (the `_class_name` its folders' model_index.json names), registered below once
+(`mmgen.registry.register_family`) as "module:Class", so that its module loads on first use.
 """
 
-#: Pipeline class name -> the module that defines and registers it.
-PIPELINE_MODULES = {"BlockDiffusionVideoPipeline": "mmgen.video.pipeline"}
+from mmgen.registry import register_family
+
+register_family("video", pipeline="mmgen.video.pipeline:BlockDiffusionVideoPipeline")
+
 #: Bundled trained models (package data; see assets/emoji-motion/MODEL_CARD.md): name -> folder
 #: relative to this package.
 BUNDLED_MODELS = {"emoji-motion": "assets/emoji-motion", "emoji-motion-small": "assets/emoji-motion-small"}

@@ -28,7 +28,7 @@ from typing import Mapping, Optional, Union
 
 import torch
 
-from mmgen.hub import SAFE_METADATA, CheckpointError, _load_failure, read_json, unwrap_state_dict
+from mmgen.hub import SAFE_METADATA, CheckpointError, load_failure_message, read_json, unwrap_state_dict
 
 PathLike = Union[str, os.PathLike]
 
@@ -103,7 +103,7 @@ def _read(path: Path) -> Mapping:
                     raise
                 return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise CheckpointError(_load_failure(path, error)) from error
+        raise CheckpointError(load_failure_message(path, error)) from error
 
 
 def _choose_entry(data: object, which: Optional[str], source: str) -> Optional[str]:

@@ -1,17 +1,20 @@
 """Vision-language models on the shared decoding core, through transformers' own models.
 
-`VLMPipeline` answers prompts about images with any token decoder of the core (the families
-in `MODEL_TYPES`). The index below is what `mmgen.registry` reads to import the pipeline on first
-use, so importing this package stays cheap.
+`VLMPipeline` answers prompts about images with any token decoder of the core. Every family it
+serves is a transformers image-text-to-text model whose layout `VLMTokenModel` reads, and is
+registered below by its model_type, once (`mmgen.registry.register_family`; `MODEL_TYPES` is
+the registry's view). The pipeline is named as "module:Class", so importing this package stays
+cheap.
 """
 
-#: Pipeline class name -> the module that defines and registers it.
-PIPELINE_MODULES = {"VLMPipeline": "mmgen.vlm.pipeline"}
-#: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
-#: PaliGemma 2 is `paligemma`; Mistral3 carries Pixtral's vision tower.
-MODEL_TYPES = {name: "VLMPipeline" for name in (
-    "llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "gemma3",
-    "paligemma", "internvl", "mistral3", "aya_vision")}
+from mmgen.registry import register_family
+
+# PaliGemma 2 is `paligemma`; Mistral3 carries Pixtral's vision tower.
+for _model_type in ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm",
+                    "gemma3", "paligemma", "internvl", "mistral3", "aya_vision"):
+    register_family("vlm", _model_type, pipeline="mmgen.vlm.pipeline:VLMPipeline")
+del _model_type
+
 #: Bundled trained models (package data): name -> folder relative to this package.
 BUNDLED_MODELS = {"emoji-vlm": "assets/emoji-vlm", "emoji-vlm-draft": "assets/emoji-vlm-draft"}
 #: `mmgen batch` job files whose jobs carry a `prompt` run here (answers about images).
@@ -19,7 +22,9 @@ BATCH_JOBS = {"prompt": "mmgen.vlm.batch"}
 
 
 def __getattr__(name: str):
-    # `from mmgen.vlm import VLMPipeline`: the pipeline module (and transformers) loads on first use.
     from mmgen import registry
 
+    if name == "MODEL_TYPES":  # transformers model_type -> its pipeline, every registered VLM family
+        return {model_type: family.pipeline for model_type, family in registry.families("vlm").items()}
+    # `from mmgen.vlm import VLMPipeline`: the pipeline module (and transformers) loads on first use.
     return registry.listed_pipeline(__name__, name)

@@ -3,7 +3,8 @@
 The model and processor are transformers' (`AutoModelForImageTextToText`, `AutoProcessor`);
 mmgen adds the decoding core, so the same checkpoint decodes with any token decoder of the core
 (autoregressive, speculative Jacobi, prompt lookup, ...), with per-row stop tokens, budgets and
-streaming. Families served: `mmgen.vlm.MODEL_TYPES` (`VLMTokenModel`).
+streaming. Families served: the model_types registered as "vlm" families (`mmgen.vlm`,
+`mmgen.registry.families("vlm")`), read by `VLMTokenModel`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Callable, Generator, Iterable, Optional, Sequence, Union
 
 import torch
 
+from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer, resolve_decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
@@ -26,7 +28,6 @@ from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 from mmgen.streaming import CallbackStreamer, stream_from_thread
 
-from mmgen.vlm import MODEL_TYPES
 from mmgen.vlm.dropping import DroppingReport, make_dropping
 from mmgen.vlm.images import as_image
 from mmgen.vlm.layout import image_token_id
@@ -69,7 +70,7 @@ class PrunedView:
         return self.last
 
 
-@register_pipeline(model_types=tuple(MODEL_TYPES))
+@register_pipeline
 class VLMPipeline(Pipeline):
     """A vision-language model answering prompts about images (greedy by default)."""
 
@@ -105,9 +106,9 @@ class VLMPipeline(Pipeline):
         source = os.fspath(repo_or_path)
         # Never the folder's own code (`auto_map`): transformers' classes only.
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        if config.model_type not in MODEL_TYPES:
+        if registry.family("vlm", config.model_type) is None:
             raise ValueError(f"{source}: model_type {config.model_type!r} is not a vision-language family mmgen serves "
-                             f"({', '.join(sorted(MODEL_TYPES))})")
+                             f"({', '.join(registry.families('vlm'))})")
         try:
             processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
         except ImportError as error:  # a processor's optional dependency (SmolVLM's num2words, ...)

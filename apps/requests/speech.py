@@ -4,9 +4,9 @@ first), streaming each run's waveform as its frames commit. Shared by the speech
 `mmgen serve`'s `/v1/audio/speech`; importing it needs no gradio.
 
 The bundled `speech-tts` (with its drafter `speech-tts-draft`) is served unless given --model:
-bundled names or transformers Dia, CSM or VibeVoice folders, as `mmgen generate speech` reads
-them. A folder `X-draft` beside a folder `X` is X's drafter, for the methods that pair a second
-model.
+bundled names or transformers folders of a registered speech family (Dia, CSM, VibeVoice, ...:
+`mmgen.registry.families("speech")`), as `mmgen generate speech` reads them. A folder `X-draft`
+beside a folder `X` is X's drafter, for the methods that pair a second model.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
+from mmgen import registry
 from mmgen.decoding import DecodeStats
 from mmgen.sampling import make_generator
 
@@ -35,8 +36,6 @@ MAX_VOICE_SECONDS = LIMITS.audio_seconds  # a voice prompt is a few seconds of t
 MAX_TOP_K = 65536  # when a model does not say its codebook size
 #: How soundfile names an in-memory file in its errors ("Error opening <_io.BytesIO object at 0x...>: ").
 IN_MEMORY_FILE = re.compile(r"Error opening <_io\.BytesIO object at 0x[0-9a-fA-F]+>: ")
-#: transformers `model_type`s the demo opens (`mmgen.audio`'s index).
-SPEECH_MODEL_TYPES = ("dia", "csm", "vibevoice")
 #: The bundled model the demo serves when given none (its drafter comes along).
 DEFAULT_MODEL = "speech-tts"
 
@@ -51,8 +50,6 @@ class SpeechCatalog(Catalog):
     def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "SpeechCatalog":
         """The given bundled names and model folders (default: the bundled `speech-tts`); a folder
         X-draft beside a given folder X comes along as its drafter."""
-        from mmgen import registry
-
         bundled = registry.bundled_models()
         entries = [_checked_folder(str(bundled.get(str(entry), entry))) for entry in (models or [DEFAULT_MODEL])]
         for entry in list(entries):
@@ -84,7 +81,7 @@ class SpeechCatalog(Catalog):
 
 
 def _is_speech_folder(folder: Path) -> bool:
-    return folder_field(folder, "config.json", "model_type") in SPEECH_MODEL_TYPES
+    return registry.family("speech", folder_field(folder, "config.json", "model_type")) is not None
 
 
 def _checked_folder(entry: str) -> str:
@@ -94,7 +91,7 @@ def _checked_folder(entry: str) -> str:
                          "model folder with a config.json (a transformers Dia, CSM or VibeVoice folder)")
     if not _is_speech_folder(Path(entry)):
         raise ValueError(f"--model {entry!r} is not a text-to-speech model: its config.json's model_type is not one of "
-                         f"{list(SPEECH_MODEL_TYPES)}")
+                         f"{list(registry.families('speech'))}")
     return entry
 
 

@@ -4,8 +4,9 @@ frames with the call's profile. Shared by the video demo and `mmgen serve`'s `/v
 importing it needs neither gradio nor diffusers.
 
 The bundled `emoji-motion` (with its small model `emoji-motion-small`) is served unless given
---model: bundled names or `BlockDiffusionVideoPipeline` folders, as `mmgen generate video`
-reads them. A folder `X-small` beside a folder `X` is X's small model, for collaborative
+--model: bundled names or pipeline folders of a registered video family
+(`BlockDiffusionVideoPipeline`, ...: `mmgen.registry.families("video")`), as `mmgen generate
+video` reads them. A folder `X-small` beside a folder `X` is X's small model, for collaborative
 denoising (the large model takes the first denoising steps of each block, the small one the rest).
 """
 
@@ -29,7 +30,6 @@ from .runs import finish, relay
 #: The bundled model the demo serves when given none (its small model comes along).
 DEFAULT_MODEL = "emoji-motion"
 SMALL_SUFFIX = "-small"
-PIPELINE_CLASS = "BlockDiffusionVideoPipeline"
 MAX_FRAMES = LIMITS.video_frames  # hard cap of a video's frames, whatever --max-frames says (20 s at 16 fps)
 DEFAULT_MAX_FRAMES = 81  # --max-frames' default: Wan's 5 s at 16 fps
 MAX_PROMPT_CHARS = 500
@@ -79,7 +79,7 @@ class VideoCatalog(Catalog):
 
 
 def _is_video_folder(folder: Any) -> bool:
-    return folder_field(folder, "model_index.json", "_class_name") == PIPELINE_CLASS
+    return registry.family("video", folder_field(folder, "model_index.json", "_class_name")) is not None
 
 
 def _checked_entry(entry: str, bundled: dict) -> str:
@@ -94,7 +94,7 @@ def _checked_entry(entry: str, bundled: dict) -> str:
                          "model_index.json (`mmgen convert self-forcing` writes one)")
     if not _is_video_folder(entry):
         raise ValueError(f"--model {entry!r} is not a block-diffusion video model: its model_index.json names "
-                         f"no {PIPELINE_CLASS}")
+                         f"no {' or '.join(registry.families('video'))}")
     return str(Path(entry))
 
 

@@ -16,7 +16,7 @@ from mmgen.sampling import make_generator
 from mmgen.vlm.cli import read_image
 
 from .bounds import LIMITS, MAX_SEED, MAX_TEMPERATURE, check_pixels, checked_text, integer, items, number, shown
-from .catalog import COMPANION_SUFFIXES, Catalog, model_folder
+from .catalog import COMPANION_SUFFIXES, Catalog, folder_field, model_folder
 from .runs import BASELINE_LABEL, Result, finish, relay
 
 #: The bundled model the demo serves when given none (its drafter `emoji-vlm-draft` comes along).
@@ -60,15 +60,23 @@ def _is_model_folder(folder: Path) -> bool:
     return model_folder(folder) or model_folder(folder, "model_index.json")
 
 
+def _is_vlm_folder(folder: Path) -> bool:
+    return registry.family("vlm", folder_field(folder, "config.json", "model_type")) is not None
+
+
 def _checked_entry(entry: str, bundled: dict) -> str:
-    """A bundled name present in this installation, or a model folder."""
+    """A bundled name present in this installation, or the folder of a registered
+    vision-language family (`mmgen.registry.families("vlm")`; no Hub ids: the demo never downloads)."""
     if entry in bundled or entry == DEFAULT_MODEL:
         if entry not in bundled or not _is_model_folder(bundled[entry]):
             raise ValueError(f"the bundled model {entry!r} is missing from this installation; pass --model FOLDER")
         return entry
-    if not _is_model_folder(Path(entry)):
+    if not model_folder(Path(entry)):
         raise ValueError(f"--model {entry!r} is neither a bundled model nor a folder with a config.json "
                          "(a transformers image-text-to-text model)")
+    if not _is_vlm_folder(Path(entry)):
+        raise ValueError(f"--model {entry!r} is not a vision-language model: its config.json's model_type is not one of "
+                         f"{list(registry.families('vlm'))}")
     return entry
 
 

@@ -323,8 +323,10 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
         Args:
             class_labels: class ids in [0, num_classes).
             decoding: a shortcut of `mmgen.decoding.DECODERS` ("ar", "sjd", "sjd-coupled",
-                "gsd", "lantern", "lantern++") or a `Decoder` object (e.g. `SpeculativeJacobi(window=8)`,
-                `DraftSpeculative(drafter=small_pipeline)`).
+                "gsd", "lantern", "lantern++", "draft", "lookup", "entropy-switch"), a spec with
+                options ("sjd:window=8") or a `Decoder` object (e.g. `SpeculativeJacobi(window=8)`);
+                "draft" and "entropy-switch" need their second model as an object
+                (`DraftSpeculative(drafter=small_pipeline)`, `EntropySwitch(small=small_pipeline)`).
             guidance_scale ... top_p: None takes the pipeline's `sampling_defaults`.
             guidance_scale: classifier-free guidance scale; 1.0 turns guidance off.
             cfg_interval: guide only tokens t <= cfg_interval + 1 (official semantics); -1 = all.

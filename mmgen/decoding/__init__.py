@@ -40,8 +40,9 @@ from mmgen.decoding.jacobi import JacobiProposer, SpeculativeJacobi
 from mmgen.decoding.ngram import NGramProposer, PromptLookup
 from mmgen.decoding.next_scale import Collaborative, MapSmoothing, NextScale, ScaleDecodeOutput, ScaleDecoder
 from mmgen.decoding.pruning import CachedTokenPruning
-from mmgen.decoding.speculative import Proposer, Stopping, Streamer, TokenQueueStreamer, speculative_decode
+from mmgen.decoding.speculative import Proposer, speculative_decode
 from mmgen.decoding.stats import DecodeStats, DraftCounters, StageCounters
+from mmgen.decoding.stopping import Stopping, Streamer, TokenQueueStreamer
 from mmgen.decoding.window import AdaptiveWindow
 
 #: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
@@ -139,13 +140,14 @@ def _field_names(obj: Any) -> set[str]:
     return {f.name for f in fields(obj) if f.repr and f.init} if is_dataclass(obj) else set()
 
 
-#: The shortcuts of each decoder family (`BaseDecoder.family`).
-#: Block-diffusion decoders (video): plain, and CoDe's large/small split across denoising steps.
+#: The shortcuts of block-diffusion models (video): plain, and CoDe's large/small split across
+#: denoising steps.
 BLOCK_DIFFUSION_DECODERS: dict[str, Callable[[], BlockDenoising]] = {
     "block": BlockDenoising,
     "collaborative": CollaborativeDenoising,
 }
 
+#: The shortcuts of each decoder family (`BaseDecoder.family`, `Pipeline.decoder_family`).
 FAMILY_DECODERS: dict[str, dict[str, Callable[[], Any]]] = {
     "token": DECODERS, "scale": SCALE_DECODERS, "continuous": CONTINUOUS_DECODERS,
     "causal-continuous": CAUSAL_CONTINUOUS_DECODERS, "block-diffusion": BLOCK_DIFFUSION_DECODERS,

@@ -329,6 +329,17 @@ class RelaxedAcceptance(NeighbourhoodAcceptance):
 
         return _cached("reverse", table, None, build)
 
+    def kernel_tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the fused kernel (`mmgen.kernels.relaxed`) reads, on `device` and cached while
+        the bound table lives: the neighbour table [V, k] as int32, and its inverse (`starts`
+        [V + 1], `claimers`, `ranks`: for token x, the tokens z with x among their neighbours,
+        in token order, and the place of x in z's list)."""
+        table = self._table()
+        neighbours = _cached("int32-on", table, str(device), lambda: _int32(table).to(device))
+        starts, claimers, ranks = _cached("reverse-on", table, str(device),
+                                          lambda: tuple(t.to(device) for t in self._reverse()))
+        return neighbours, starts, claimers, ranks
+
     def literal(self, p, q, drafts):
         neighbours = self._table().to(p.device)[drafts]  # [B, n, k]
         neighbour_p = p.gather(-1, neighbours)

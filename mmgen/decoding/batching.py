@@ -244,7 +244,7 @@ def check_continuous(decoder: Any, model: Optional[TokenModel] = None) -> None:
     loop's decoders with a fixed window; with `model`, also its proposer on that model (rows
     that restart, draws from each row's generator) and the model's `restart`, as the loop
     checks at its start (a job file's lines are checked so, before any work)."""
-    from mmgen.decoding.speculative import SpeculativeDecoder, _check_feed
+    from mmgen.decoding.speculative import SpeculativeDecoder, check_row_feed
 
     if not isinstance(decoder, SpeculativeDecoder):
         raise ValueError(f"continuous batching runs the token decoders of the speculative loop, not {type(decoder).__name__}")
@@ -253,7 +253,7 @@ def check_continuous(decoder: Any, model: Optional[TokenModel] = None) -> None:
                          "whole batch, so a row's draws would depend on its neighbours; pass adapt=False (spec ':adapt=false')")
     if model is not None:
         proposer, _ = decoder.roles(model, 2, torch.Generator(device="cpu"))
-        _check_feed(model, proposer, None)
+        check_row_feed(model, proposer, None)
 
 
 def continuous_decode(

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from mmgen.decoding.base import BaseDecoder, Progress, check_int, check_num_tokens
-from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousOutput, GaussianTokens, _check_sampling
+from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousOutput, GaussianTokens, check_continuous_sampling
 from mmgen.decoding.stats import DraftCounters, StatsRecorder
 from mmgen.modeling import CausalContinuousModel, HeadSample
 from mmgen.sampling import SamplingConfig, uniform
@@ -56,7 +56,7 @@ class CausalContinuousSpeculative(BaseDecoder):
         is final once sampled and the model has said its row goes on to it), `streamer.end()`
         once at the end."""
         check_num_tokens(num_tokens)
-        _check_sampling(sampling)
+        check_continuous_sampling(sampling)
         drafter = self.drafter
         k = 0 if drafter is None else min(self.num_draft, num_tokens)
         if drafter is not None and (drafter.token_dim, drafter.head_steps) != (model.token_dim, model.head_steps):

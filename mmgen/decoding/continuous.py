@@ -135,7 +135,9 @@ def _guidance(sampling: SamplingConfig, state: ContinuousState, after_step: torc
     return sampling.guidance.scales(after_step).to(state.device)
 
 
-def _check_sampling(sampling: SamplingConfig) -> None:
+def check_continuous_sampling(sampling: SamplingConfig) -> None:
+    """ValueError unless `sampling` suits continuous tokens: temperature and guidance only
+    (top-k and top-p filter discrete logits)."""
     if sampling.top_k or sampling.top_p < 1.0:
         raise ValueError("top-k and top-p filter discrete logits; continuous tokens take temperature and guidance only")
 
@@ -188,7 +190,7 @@ class MaskedContinuous(ContinuousDecoder):
 
     def generate(self, model: ContinuousModel, conditions: torch.Tensor, sampling: SamplingConfig,
                  generator: torch.Generator) -> ContinuousOutput:
-        _check_sampling(sampling)
+        check_continuous_sampling(sampling)
         state = model.start(conditions, sampling.uses_guidance)
         recorder = StatsRecorder(state.device, max_accepted=1)
         noise = noise_table(model, state.tokens.shape[0], state.device, generator)
@@ -237,7 +239,7 @@ class ContinuousSpeculative(ContinuousDecoder):
 
     def generate(self, model: ContinuousModel, conditions: torch.Tensor, sampling: SamplingConfig,
                  generator: torch.Generator) -> ContinuousOutput:
-        _check_sampling(sampling)
+        check_continuous_sampling(sampling)
         drafter = self.drafter.continuous_model() if hasattr(self.drafter, "continuous_model") else self.drafter
         if drafter is None:
             raise ValueError("ContinuousSpeculative needs a drafter: a smaller model with the same token space")

@@ -10,8 +10,9 @@ import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
+from mmgen.decoding.frames import complete_frame, gather_slots
+from mmgen.decoding.speculative import Proposer, SpeculativeDecoder
 from mmgen.decoding.stats import DraftCounters
-from mmgen.decoding.speculative import Proposer, SpeculativeDecoder, complete_frame, gather_slots
 from mmgen.modeling import TokenModel
 from mmgen.sampling import sample
 

@@ -9,19 +9,16 @@ import torch
 
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_int, check_num_tokens, raise_if_masked
 from mmgen.decoding.draft import as_token_model
-from mmgen.decoding.speculative import (
-    Stopping,
-    Streamer,
-    _frame_index,
-    _invalid,
-    _is_stop,
-    _per_codebook,
-    _probs,
-    _Reporter,
+from mmgen.decoding.frames import (
     complete_frame,
+    frame_index,
+    rows_with_invalid_laws,
+    sampler_probs,
+    sampling_per_codebook,
     where_slots,
 )
 from mmgen.decoding.stats import StageCounters, StatsRecorder
+from mmgen.decoding.stopping import Stopping, Streamer, TokenReporter, stop_mask
 from mmgen.modeling import DecodeState, TokenModel
 from mmgen.sampling import SamplingConfig, sample
 
@@ -51,10 +48,10 @@ class EntropySwitch(Decoder):
     model takes gets the large model's own frame. Otherwise one draw is made from the chosen
     model's law, as autoregressive decoding draws it (the same seed gives the same tokens).
 
-    Stopping and streaming are the speculative loop's (`speculative_decode`): a row ends with
-    its stop token or budget (`Stopping`), nothing after it is committed to either model, the
-    output is padded after it and `lengths` holds each row's count; `streamer.put` receives each
-    row's new token after every step, `streamer.end()` once at the end.
+    Stopping and streaming are the speculative loop's (`mmgen.decoding.stopping`, shared): a row
+    ends with its stop token or budget (`Stopping`), nothing after it is committed to either
+    model, the output is padded after it and `lengths` holds each row's count; `streamer.put`
+    receives each row's new token after every step, `streamer.end()` once at the end.
     """
 
     small: Any = None
@@ -85,7 +82,7 @@ class EntropySwitch(Decoder):
         if _layout(small) != (K, V):
             raise ValueError(f"the small model's frames ({_layout(small)[0]} codebooks x {_layout(small)[1]} tokens) are "
                              f"not the large model's ({K} x {V}): it must decode the same frames")
-        sampling = _per_codebook(sampling, K)
+        sampling = sampling_per_codebook(sampling, K)
         guidance = any(s.uses_guidance for s in sampling)
         large_state = model.start(conditions, self.capacity(num_tokens), guidance)
         small_state = small.start(conditions, self.capacity(num_tokens), guidance)
@@ -95,7 +92,7 @@ class EntropySwitch(Decoder):
         limit = (stopping or Stopping()).limits(B, num_tokens, device)
         stop_ids = stopping.stop_ids(device) if stopping is not None else None
         variable = stopping is not None
-        report = _Reporter(num_tokens, limit, progress, streamer)
+        report = TokenReporter(num_tokens, limit, progress, streamer)
         synced = variable or streamer is not None  # else every row runs to num_tokens: no sync for progress
         entropies = torch.zeros(B, self.entropy_window, device=device)
         emitted = torch.zeros(B, dtype=torch.long, device=device)
@@ -117,7 +114,7 @@ class EntropySwitch(Decoder):
                 small_forwards += 1
             else:
                 logits = small_state.first_logits
-            probs = _probs(sampling, logits, index)
+            probs = sampler_probs(sampling, logits, index)
             token, law = None, probs[:, 0]
             if draw_first:
                 token, law = _draw(completes[0], small_state, sampling, probs, zero, index, generator)
@@ -133,17 +130,17 @@ class EntropySwitch(Decoder):
                     large_fed, large_forwards = t, large_forwards + 1
                 else:
                     large_logits, slot = large_state.first_logits, zero
-                large_probs = _probs(sampling, large_logits, index)
+                large_probs = sampler_probs(sampling, large_logits, index)
                 if token is not None:
                     large_token = _draw(completes[1], large_state, sampling, large_probs, slot, index, generator)[0]
                     token = where_slots(use_large, large_token, token)
                 probs = where_slots(use_large, large_probs, probs)
                 large_tokens += use_large.sum()
-            bad |= _invalid(probs) & active
+            bad |= rows_with_invalid_laws(probs) & active
             tokens[:, t] = sample(probs, generator)[:, 0] if token is None else token
             recorder.record(step, active)  # one token per decoding row per step
             emitted = emitted + step
-            active = active & ~_is_stop(tokens[:, t : t + 1], stop_ids, stopping)[:, 0] & (emitted < limit)
+            active = active & ~stop_mask(tokens[:, t : t + 1], stop_ids, stopping)[:, 0] & (emitted < limit)
             t += 1
             if report(tokens, emitted, active, synced) >= num_tokens:
                 break
@@ -159,7 +156,7 @@ class EntropySwitch(Decoder):
             return DecodeOutput(tokens, stats)
         # Nothing after a row's end is output: pad it, as the speculative loop does.
         past = torch.arange(num_tokens, device=device)[None] >= emitted[:, None]
-        return DecodeOutput(tokens.masked_fill(_frame_index(past, K), stopping.pad_token), stats, emitted)
+        return DecodeOutput(tokens.masked_fill(frame_index(past, K), stopping.pad_token), stats, emitted)
 
 
 def _layout(model: TokenModel) -> tuple[int, int]:

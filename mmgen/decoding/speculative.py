@@ -11,9 +11,10 @@ Every token decoder of the core is this loop with two roles filled in (gpt-fast'
   resample at the first rejection.
 
 The loop owns the rest, once: the prefill token, per-row positions, the finalise step (accepted
-prefix + one resampled or bonus token), stopping (per-row stop tokens and lengths, nothing
-after a stop is ever emitted or committed), streaming, stats and the one host sync per
-forward.
+prefix + one resampled or bonus token; the rule is `finalise.py`'s), stopping (per-row stop
+tokens and lengths, nothing after a stop is ever emitted or committed; `stopping.py`),
+streaming, stats and the one host sync per forward. The tensor helpers for rows of tokens or
+frames are `frames.py`'s, shared with entropy switching.
 
 Frames. A model with `num_codebooks = K > 1` emits K tokens per position (codec TTS). Drafts,
 laws and samples then carry a codebook axis ([B, k, K], [B, k, K, V]); the rule runs on the
@@ -40,75 +41,25 @@ import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance, NeighbourhoodAcceptance
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.finalise import finalise
+from mmgen.decoding.frames import (
+    complete_frame,
+    frame_index,
+    gather_slots,
+    rows_with_invalid_laws,
+    sampler_probs,
+    sampling_per_codebook,
+)
 from mmgen.decoding.stats import DecodeStats, StatsRecorder
+from mmgen.decoding.stopping import Stopping, Streamer, TokenReporter, stop_mask
 from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
 from mmgen.modeling import DecodeState, TokenModel
-from mmgen.sampling import RowGenerators, SamplingConfig, invalid_rows, sample
+from mmgen.sampling import RowGenerators, SamplingConfig, sample
 
 
 # --------------------------------------------------------------------------------------------
-# Stopping and streaming
+# Continuous batching's feed
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Stopping:
-    """When each row ends: at its first stop token (which is kept) or after `max_new_tokens`
-    tokens (an int, or one per row), whichever comes first. For frames, a stop token is read
-    on codebook `stop_codebook`, or on every codebook of a tuple (CSM ends with a frame whose
-    first K-1 codebooks are all its EOS code). Image models decode a fixed length and pass no
-    `Stopping`."""
-
-    stop_tokens: Sequence[int] = ()
-    max_new_tokens: Union[int, Sequence[int], torch.Tensor, None] = None
-    stop_codebook: Union[int, tuple[int, ...]] = 0
-    pad_token: int = 0  # what the output holds after a row's end
-
-    def limits(self, batch: int, num_tokens: int, device) -> torch.Tensor:
-        """Per-row token budget [B], at most `num_tokens`."""
-        if self.max_new_tokens is None:
-            return torch.full((batch,), num_tokens, dtype=torch.long, device=device)
-        limit = torch.as_tensor(self.max_new_tokens, dtype=torch.long, device=device).expand(batch).clone()
-        if bool((limit < 1).any()):
-            raise ValueError(f"max_new_tokens must be >= 1 per row, got {self.max_new_tokens!r}")
-        return limit.clamp_max(num_tokens)
-
-    def stop_ids(self, device) -> Optional[torch.Tensor]:
-        ids = [int(t) for t in self.stop_tokens]
-        return torch.tensor(ids, dtype=torch.long, device=device) if ids else None
-
-
-class Streamer(Protocol):
-    """Receives each row's newly finalised tokens after every forward (transformers'
-    `BaseStreamer` idea, per row): `put(rows)` with one tensor per row ([n] or [n, K], n may
-    be 0), then `end()` once."""
-
-    def put(self, rows: list[torch.Tensor]) -> Any: ...
-
-    def end(self) -> Any: ...
-
-
-class TokenQueueStreamer:
-    """A streamer that is also an iterator: run `generate` in a thread and iterate over
-    `(row, tokens)` pairs here as they are committed (transformers' `TextIteratorStreamer`)."""
-
-    def __init__(self, timeout: Optional[float] = None):
-        import queue
-
-        self._queue: "queue.Queue" = queue.Queue()
-        self.timeout = timeout
-
-    def put(self, rows):
-        for row, tokens in enumerate(rows):
-            if len(tokens):
-                self._queue.put((row, tokens))
-
-    def end(self):
-        self._queue.put(None)
-
-    def __iter__(self):
-        while (item := self._queue.get(timeout=self.timeout)) is not None:
-            yield item
 
 
 class RowFeed(Protocol):
@@ -158,7 +109,7 @@ class DecodeRun:
     def probs(self, logits, index: torch.Tensor) -> torch.Tensor:
         """The sampler's probabilities of `logits` at generated-token `index` [B, n] (frames:
         each codebook through its own config)."""
-        return _probs(self.per_codebook or [self.sampling], logits, index)
+        return sampler_probs(self.per_codebook or [self.sampling], logits, index)
 
     @property
     def batch_size(self) -> int:
@@ -285,10 +236,10 @@ def speculative_decode(
     """
     check_num_tokens(num_tokens)
     if feed is not None:
-        _check_feed(model, proposer, adapt)
+        check_row_feed(model, proposer, adapt)
     k = proposer.num_draft
     K = int(getattr(model, "num_codebooks", 1))
-    sampling = _per_codebook(sampling, K)
+    sampling = sampling_per_codebook(sampling, K)
     uses_guidance = any(s.uses_guidance for s in sampling)
     capacity = capacity if capacity is not None else num_tokens + 2 * min(k + 1, num_tokens)
     state = model.start(conditions, capacity, uses_guidance)
@@ -304,7 +255,7 @@ def speculative_decode(
                     torch.ones(B, dtype=torch.bool, device=device), num_tokens, capacity, k, V, K, sampling)
 
     def probs(logits, index):
-        return _probs(sampling, logits, index)
+        return sampler_probs(sampling, logits, index)
 
     # Token 0 comes from the prefill.
     zero = torch.zeros(B, 1, dtype=torch.long, device=device)
@@ -312,11 +263,11 @@ def speculative_decode(
     emitted = torch.ones(B, dtype=torch.long, device=device)  # tokens finalised per row
     if feed is None:
         p0 = probs(state.first_logits, zero)
-        bad = _invalid(p0)
+        bad = rows_with_invalid_laws(p0)
         tokens[:, 0] = proposer.draw(run, p0, zero)[:, 0]
         if complete is not None:
             tokens[:, 0] = complete_frame(complete, state, sampling, zero[:, 0], tokens[:, 0], torch.ones_like(limit), generator, zero)[0]
-        run.active = ~(_is_stop(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
+        run.active = ~(stop_mask(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
         proposer.start(run)
         recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
     else:
@@ -326,7 +277,7 @@ def speculative_decode(
         proposer.start(run)
         admit = _Admission(feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens)
         admit(list(range(B)))
-    report = _Reporter(num_tokens, limit, progress, streamer)
+    report = TokenReporter(num_tokens, limit, progress, streamer)
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
     synced = k > 0 or variable or streamer is not None or feed is not None
@@ -359,7 +310,7 @@ def speculative_decode(
             fresh = proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
             if d > 0:
                 resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
-                n_acc, next_token, known = _finalise(accepted, resampled, fresh, drafts, K)
+                n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, K)
                 if complete is not None:
                     next_token = complete_frame(complete, state, sampling, n_acc, next_token, known, generator,
                                                 index.gather(1, n_acc[:, None]))[0]
@@ -367,20 +318,20 @@ def speculative_decode(
                 n_acc, next_token = no_drafts, fresh[:, -1]
                 if complete is not None:
                     next_token = complete_frame(complete, state, sampling, no_drafts, next_token, ones, generator, index)[0]
-        bad |= _invalid(p) & active
+        bad |= rows_with_invalid_laws(p) & active
         # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
         if d > 0:
             written = torch.cat([window, fresh[:, -1:]], 1)
-            written = written.scatter(1, _frame_index((n_acc + 1)[:, None], K), next_token[:, None])
+            written = written.scatter(1, frame_index((n_acc + 1)[:, None], K), next_token[:, None])
             step = n_acc + 1
         else:
             written, step = torch.cat([window, next_token[:, None]], 1), ones
-        tokens.scatter_(1, _frame_index(run.pos[:, None] + slots[: d + 2], K), written)
+        tokens.scatter_(1, frame_index(run.pos[:, None] + slots[: d + 2], K), written)
         still = active
         if variable:
             # Cut each row at its budget, and just after its first stop token among the new ones.
             step = torch.minimum(step, limit - emitted)
-            stops = _is_stop(written[:, 1:], stop_ids, stopping) & (slots[1 : d + 2] <= step[:, None])
+            stops = stop_mask(written[:, 1:], stop_ids, stopping) & (slots[1 : d + 2] <= step[:, None])
             hit = stops.any(1)
             step = torch.where(hit, stops.long().argmax(1) + 1, step)
             still = still & ~hit
@@ -414,13 +365,14 @@ def speculative_decode(
         return DecodeOutput(tokens[:, :num_tokens], stats)
     # Nothing after a row's end is output: pad it.
     past = torch.arange(num_tokens, device=device)[None] >= emitted[:, None]
-    out = tokens[:, :num_tokens].masked_fill(_frame_index(past, K), stopping.pad_token)
+    out = tokens[:, :num_tokens].masked_fill(frame_index(past, K), stopping.pad_token)
     return DecodeOutput(out, stats, emitted)
 
 
-def _check_feed(model: TokenModel, proposer: Proposer, adapt: Optional[AdaptiveWindow]) -> None:
-    """What continuous batching needs, checked before any work (ValueError): each row must draw
-    what a batch-1 decode of it draws, and start over on a new request."""
+def check_row_feed(model: TokenModel, proposer: Proposer, adapt: Optional[AdaptiveWindow]) -> None:
+    """What the loop needs to take a `RowFeed` (continuous batching), checked before any work
+    (ValueError): each row must draw what a batch-1 decode of it draws, and start over on a new
+    request. `mmgen.decoding.batching.check_continuous` runs it on a job's decoder and model."""
     name = type(proposer).__name__
     if getattr(model, "restart", None) is None:
         raise ValueError(f"{type(model).__name__} cannot restart a row (no `restart`), so it cannot serve continuous batching")
@@ -504,7 +456,7 @@ class _Admission:
                 run.pos[row] = 0
                 self.emitted[row] = 1
                 self.limit[row] = self.num_tokens if request.max_new_tokens is None else min(request.max_new_tokens, self.num_tokens)
-                self.bad[row] = _invalid(p0)[0]
+                self.bad[row] = rows_with_invalid_laws(p0)[0]
                 self.rows.reset(row)
                 self.requests[row], self.streamed[row] = request, 0
                 started.append(row)
@@ -512,7 +464,7 @@ class _Admission:
                 return
             at = torch.tensor(started, device=run.device)
             first = run.tokens[at, :1]
-            run.active[at] = ~(_is_stop(first, self.stop_ids, self.stopping)[:, 0] | (self.limit[at] <= 1))
+            run.active[at] = ~(stop_mask(first, self.stop_ids, self.stopping)[:, 0] | (self.limit[at] <= 1))
             self.proposer.restart(run, at)
             ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
 
@@ -580,27 +532,6 @@ def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: in
     return ExactStep(sampling[0], rule)
 
 
-def _per_codebook(sampling, K: int) -> list[SamplingConfig]:
-    if isinstance(sampling, SamplingConfig):
-        return [sampling] * K
-    sampling = list(sampling)
-    if len(sampling) != K or not all(isinstance(s, SamplingConfig) for s in sampling):
-        raise ValueError(f"sampling must be one SamplingConfig or one per codebook ({K}), got {len(sampling)}")
-    return sampling
-
-
-def _probs(sampling: list[SamplingConfig], logits, index: torch.Tensor) -> torch.Tensor:
-    """float32 probabilities [B, n, V], or [B, n, K, V] for frames (each codebook its own config)."""
-    if len(sampling) == 1:
-        return sampling[0].probs(logits, index)
-    return torch.stack([s.probs(logits[:, :, c], index) for c, s in enumerate(sampling)], 2)
-
-
-def _invalid(p: torch.Tensor) -> torch.Tensor:
-    bad = invalid_rows(p)
-    return bad.flatten(1).any(-1)
-
-
 def _verify(rule, p, q, drafts, generator, index, run):
     """(accepted [B, k(, K)], residual or None): the rule on flattened (position, codebook).
     A rule with `verify` (coupled decoding's match) sees the positions and the run instead."""
@@ -612,85 +543,3 @@ def _verify(rule, p, q, drafts, generator, index, run):
     B, k, K, V = p.shape
     accepted, residual = rule(p.reshape(B, k * K, V), q.reshape(B, k * K, V), drafts.reshape(B, k * K), generator)
     return accepted.view(B, k, K), residual.view(B, k, K, V)
-
-
-def _finalise(accepted, resampled, fresh, drafts, K: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Accepted draft prefix n_acc [B], the token finalised after it [B(, K)] and, for frames,
-    how many of its codebooks are final [B] (for models that complete frames themselves).
-
-    Tokens: the bonus sample when every draft passed, else the resample at the first rejected
-    position. Frames: the first rejected frame keeps its accepted codebooks, takes the resample
-    at its first rejected codebook and the target's own samples after it.
-    """
-    k = drafts.shape[1]
-    frame_ok = accepted if K == 1 else accepted.all(-1)
-    n_acc = frame_ok.long().cumprod(-1).sum(-1)
-    at = n_acc.clamp_max(k - 1)[:, None]
-    if K == 1:
-        return n_acc, torch.where(n_acc == k, fresh[:, -1], resampled.gather(1, at)[:, 0]), None
-    pick = lambda t: t.gather(1, at[..., None].expand(-1, -1, K))[:, 0]  # [B, K] at the first rejected frame
-    ok = pick(accepted.long()).cumprod(-1).bool()  # codebooks accepted before the first rejection
-    first_bad = torch.cat([~ok[:, :1], ok[:, :-1] & ~ok[:, 1:]], 1)
-    rejected_frame = torch.where(ok, pick(drafts), torch.where(first_bad, pick(resampled), pick(fresh[:, :-1])))
-    known = torch.where(n_acc == k, 1, ok.sum(-1) + 1)
-    return n_acc, torch.where((n_acc == k)[:, None], fresh[:, -1], rejected_frame), known
-
-
-def complete_frame(complete, state, sampling: list, slot: torch.Tensor, frame: torch.Tensor, known: torch.Tensor,
-                   generator: torch.Generator, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A model's own completion (`complete`, its `complete_frame`) of codebooks known[b].. of
-    `frame` [B, K] from the state after fed slot `slot` [B], each codebook through its sampler
-    at generated-token `index` [B, 1]: (frame, the laws [B, K, V] they were drawn from)."""
-    probs = lambda logits, c: _probs([sampling[c]], logits, index)
-    return complete(state, slot, frame, known, probs, generator)
-
-
-def _frame_index(index: torch.Tensor, K: int) -> torch.Tensor:
-    return index if K == 1 else index[..., None].expand(*index.shape, K)
-
-
-def gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """t[b, index[b, i], ...] for t [B, n, ...] and index [B, m]: slots with their trailing axes
-    (codebooks, vocabulary) kept."""
-    shape = (*index.shape, *t.shape[2:])
-    return t.gather(1, index.view(*index.shape, *[1] * (t.ndim - 2)).expand(shape))
-
-
-def where_slots(mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.where with a [B, n] slot mask over tensors [B, n, ...]."""
-    return torch.where(mask.view(*mask.shape, *[1] * (a.ndim - mask.ndim)), a, b)
-
-
-def _is_stop(new: torch.Tensor, stop_ids: Optional[torch.Tensor], stopping: Optional[Stopping]) -> torch.Tensor:
-    """Which tokens [B, n] (frames: their stop codebook) are stop tokens."""
-    if stop_ids is None:
-        return torch.zeros(new.shape[:2], dtype=torch.bool, device=new.device)
-    if new.ndim == 3:
-        codebooks = stopping.stop_codebook
-        if isinstance(codebooks, tuple):
-            return (new[..., list(codebooks), None] == stop_ids).any(-1).all(-1)
-        new = new[..., codebooks]
-    return (new[..., None] == stop_ids).any(-1)
-
-
-class _Reporter:
-    """Progress (tokens of the slowest row still decoding) and streaming of new tokens."""
-
-    def __init__(self, num_tokens: int, limit: torch.Tensor, progress: Optional[Progress], streamer: Optional[Streamer]):
-        self.num_tokens, self.limit, self.progress, self.streamer = num_tokens, limit, progress, streamer
-        self.done = 0
-        self.streamed = [0] * len(limit)
-
-    def __call__(self, tokens: torch.Tensor, emitted: torch.Tensor, active: torch.Tensor, synced: bool) -> int:
-        if not synced:  # one token per row per forward, every row active to the end
-            now = self.done + 1
-        else:
-            now = int(torch.where(active, emitted, self.num_tokens).min())  # the one host sync
-        if self.streamer is not None:
-            ends = torch.minimum(emitted, self.limit).tolist()
-            self.streamer.put([tokens[b, s:e] for b, (s, e) in enumerate(zip(self.streamed, ends))])
-            self.streamed = ends
-        if self.progress is not None and now > self.done:
-            self.progress.update(min(now, self.num_tokens) - self.done)
-        self.done = min(now, self.num_tokens)
-        return now

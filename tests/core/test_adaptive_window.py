@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmgen.decoding import AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding
-from mmgen.decoding.speculative import Stopping
+from mmgen.decoding.stopping import Stopping
 from mmgen.decoding.window import TOKEN_COST, _powers, draft_cost, interpolate_cost, parse_window_cost, resolve_adaptive
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState

@@ -15,7 +15,7 @@ import torch
 
 from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, PromptLookup, SpeculativeJacobi, make_decoder
 from mmgen.decoding.batching import Request, continuous_decode
-from mmgen.decoding.speculative import Stopping
+from mmgen.decoding.stopping import Stopping
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.sampling import SamplingConfig, make_generator
 

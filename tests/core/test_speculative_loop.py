@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, PromptLookup, SpeculativeJacobi
 from mmgen.decoding.ngram import lookup_drafts
-from mmgen.decoding.speculative import Stopping, TokenQueueStreamer
+from mmgen.decoding.stopping import Stopping, TokenQueueStreamer
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, SamplingConfig

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
+from benchmarks.bench_mar import mar_diffusion_loss
 from mmgen.decoding import ContinuousAcceptance, ContinuousSpeculative, MaskedContinuous
-from mmgen.image_ar.bench_mar import mar_diffusion_loss
 from mmgen.image_ar.bundled import load_eval_set
 from mmgen.loading import resolve_model
 from mmgen.image_ar.mar import MARPipeline

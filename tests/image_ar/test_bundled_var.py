@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
+from benchmarks.bench_var import var_token_nll
 from mmgen.decoding import CachedTokenPruning, Collaborative
-from mmgen.image_ar.bench_var import var_token_nll
 from mmgen.image_ar.bundled import load_eval_set
 from mmgen.loading import resolve_model
 from mmgen.image_ar.var import VARPipeline

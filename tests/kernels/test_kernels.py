@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmgen.decoding import ExactAcceptance
-from mmgen.decoding.speculative import _finalise
+from mmgen.decoding.finalise import finalise
 from mmgen.kernels import backend_for, exponential_noise, sample_logits, verify_exact
 from mmgen.sampling import ConstantGuidance, IntervalGuidance, Logits, SamplingConfig, sample
 
@@ -54,7 +54,7 @@ def test_sampling_twin_is_the_core_path(guidance, temperature, top_k, top_p):
 
 def test_verify_twin_is_the_core_path():
     """The loop's verify + finalise (ExactAcceptance with its uniform draws, the bonus sample,
-    the residual samples, `_finalise`) == the twin fed the same draws, in the loop's order."""
+    the residual samples, `finalise`) == the twin fed the same draws, in the loop's order."""
     B, n, V = 5, 4, 50
     g = torch.Generator().manual_seed(1)
     p = (torch.randn(B, n + 1, V, generator=g) * 2).softmax(-1)
@@ -64,7 +64,7 @@ def test_verify_twin_is_the_core_path():
     core = torch.Generator().manual_seed(3)
     accepted, residual = ExactAcceptance()(p[:, :-1], q, drafts, core)
     fresh = sample(p[:, -1:], core)
-    n_acc, token, _ = _finalise(accepted, sample(residual, core), fresh, drafts, 1)
+    n_acc, token, _ = finalise(accepted, sample(residual, core), fresh, drafts, 1)
 
     same = torch.Generator().manual_seed(3)
     uniforms = torch.rand((B, n), generator=same)

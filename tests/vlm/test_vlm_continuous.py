@@ -11,7 +11,7 @@ import torch
 from mmgen.cache import SlotKVCache
 from mmgen.decoding import make_decoder
 from mmgen.decoding.batching import Request, continuous_decode
-from mmgen.decoding.speculative import Stopping
+from mmgen.decoding.stopping import Stopping
 from mmgen.sampling import SamplingConfig, make_generator
 
 from tests.streams import drain, in_threads

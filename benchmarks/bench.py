@@ -11,11 +11,13 @@ Two modes:
 Both write a Markdown table and a JSON file that state the machine, device, versions and the
 exact command. A progress bar on stderr counts the decodes (forwards with --random-weights)
 of the whole run; --no-progress turns it off.
+
+The harness lives in the repository, not in the installed package: `mmgen bench` (its options
+are `mmgen.image_ar.cli.add_bench_arguments`) imports this module when the command runs.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -290,11 +292,11 @@ def run(args) -> str:
     family = bench_family(args)
     with progress_bar(not getattr(args, "no_progress", False)) as progress:
         if family == "var":
-            from mmgen.image_ar.bench_var import run_var
+            from benchmarks.bench_var import run_var
 
             run_var(args, report, device, dtype, progress)
         elif family == "mar":
-            from mmgen.image_ar.bench_mar import run_mar
+            from benchmarks.bench_mar import run_mar
 
             run_mar(args, report, device, dtype, progress)
         elif args.random_weights:
@@ -312,52 +314,3 @@ def run(args) -> str:
                     report["quality"] += quality_rows(pipe, name, args.methods, sampling, quality_labels(pipe.num_classes, args),
                                                       args.quality_batch_size, args.seed, progress)
     return write_report(report, args.json, args.markdown)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """`--help` shows each option's default, except where it is None (the help says what
-    happens then) or a flag's False."""
-
-    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
-        if action.default is None or action.default is False or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def add_arguments(parser) -> None:
-    """`mmgen bench`'s options (its parser uses `HelpFormatter`, which shows the defaults)."""
-    from mmgen.cli import seed_arg
-
-    parser.add_argument("--models", nargs="+", default=["emoji64"], help="bundled model names or pipeline folders, "
-                        "all LlamaGen, all VAR or all MAR")
-    from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS
-
-    parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
-                        help=f"decoding specs: a shortcut ({', '.join(DECODERS)}) with optional options, e.g. sjd:window=8 "
-                             "(or sjd-8), lantern:delta=0.2, draft:drafter=emoji64-draft; VAR models "
-                             f"({', '.join(SCALE_DECODERS)}): ar, code:draft_steps=N[,refiner=NAME]; MAR models "
-                             f"({', '.join(CONTINUOUS_DECODERS)}): ar[:num_steps=N], "
-                             "cspd:num_draft=N,prefill_ratio=R,flatten=F[,drafter=NAME]")
-    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4], help="speed rows per batch size (none: skip)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed decodes per speed row (the median is reported)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed decodes before each speed row")
-    parser.add_argument("--guidance-scale", type=float, help="CFG scale (default: each model's own; random weights: CFG on)")
-    parser.add_argument("--temperature", type=float, help="default: each model's own")
-    parser.add_argument("--top-k", type=int, help="default: each model's own")
-    parser.add_argument("--top-p", type=float, help="default: each model's own")
-    parser.add_argument("--quality-per-class", type=int, default=2, help="samples per class for the quality proxies (0: skip)")
-    parser.add_argument("--quality-classes", type=int, default=0, help="quality samples of the first N classes only (0: all)")
-    parser.add_argument("--quality-batch-size", type=int, default=32, help="images per decode of the quality samples")
-    parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the quality samples, in [0, 2**63)")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, mps")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
-    parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset with random weights instead: "
-                        "a LlamaGen preset (e.g. GPT-B: verify-window cost) or var-d16 ... var-d36 (whole decodes)")
-    parser.add_argument("--prunings", nargs="+", default=["none"], metavar="SPEC",
-                        help="VAR: FastVAR pruning settings crossed with --methods: none or STEP=KEEP,...[@START:STOP] "
-                             "(scale steps from 0, block range), e.g. '8=0.6,9=0.5@3:-4'")
-    parser.add_argument("--refiner-depth", type=int, default=16, help="with --random-weights var-dN: the CoDe refiner's depth")
-    parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8, 16], help="with --random-weights")
-    parser.add_argument("--json", help="write the report as JSON here")
-    parser.add_argument("--markdown", help="write the report as Markdown here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -16,9 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from benchmarks.bench import plan, quality_chunks, quality_labels, tick, timed_decodes
 from mmgen.decoding.pruning import CachedTokenPruning
-
-from mmgen.image_ar.bench import plan, quality_chunks, quality_labels, tick, timed_decodes
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
 from mmgen.loading import decoder_from_spec, resolve_model
 from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTransformer, VQVAEConfig

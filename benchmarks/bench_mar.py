@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 
-from mmgen.image_ar.bench import plan, quality_chunks, quality_labels, tick, timed_decodes
-from mmgen.image_ar.bench_var import weights_mb
+from benchmarks.bench import plan, quality_chunks, quality_labels, tick, timed_decodes
+from benchmarks.bench_var import weights_mb
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
 from mmgen.loading import decoder_from_spec, resolve_model
 from mmgen.image_ar.mar import MAR, MARPipeline

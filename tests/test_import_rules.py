@@ -1,0 +1,75 @@
+"""Two import rules of the installed package, read from the source (every import statement,
+lazy ones included): no module imports another module's private (underscore) names, and the
+kernels never import the speculative loop, which imports them (lazily): the finalise rule they
+share is `mmgen.decoding.finalise`."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+#: Source folder -> the package it installs as (pyproject.toml's package-dir).
+PACKAGES = {"mmgen": "mmgen", "image_ar": "mmgen.image_ar", "vlm": "mmgen.vlm", "audio": "mmgen.audio",
+            "video": "mmgen.video", "kernels": "mmgen.kernels", "apps": "mmgen.apps"}
+
+
+def modules() -> dict[str, Path]:
+    """Installed module name -> its source file."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports(name: str, path: Path) -> list[tuple[str, str]]:
+    """(module, name) of each `from module import name` in module `name`, relative ones resolved."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            module = ".".join(filter(None, [base, node.module]))
+            found += [(module, alias.name) for alias in node.names]
+    return found
+
+
+def private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for name, path in modules().items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for module, imported in imports(name, path):
+            # A package's own private modules (mmgen.kernels._triton) are its business.
+            own_module = module.startswith(package + ".") and private(module.rpartition(".")[2])
+            if module.startswith("mmgen") and private(imported) and module != name and not own_module:
+                found.append(f"{path.relative_to(ROOT)}: from {module} import {imported}")
+    assert not found, found
+
+
+def test_the_kernels_never_reach_the_speculative_loop():
+    """Module to module. `mmgen/decoding/__init__.py`, which re-exports every decoder, is not
+    followed: `import mmgen` runs it before any kernel module loads, so it says nothing about
+    what the kernels depend on."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        targets = set()
+        for module, imported in imports(name, path):
+            for target in (f"{module}.{imported}", module):
+                if target in known:
+                    targets.add(target)
+                    break
+        graph[name] = targets - {name}
+    for start in (m for m in known if m.startswith("mmgen.kernels.")):
+        seen, todo = {start}, [start]
+        while todo:
+            for target in graph[todo.pop()]:
+                if target not in seen and target != "mmgen.decoding":
+                    seen.add(target)
+                    todo.append(target)
+        assert "mmgen.decoding.speculative" not in seen, start
+    assert "mmgen.kernels.step" in graph["mmgen.decoding.speculative"]  # the other direction, lazily
