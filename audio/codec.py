@@ -108,11 +108,14 @@ class CodecStream:
 
     def push(self, codes: torch.Tensor) -> torch.Tensor:
         self.codes = torch.cat([self.codes, codes.cpu().long()], 1)
-        final = self.codes.shape[1] - self.right
-        if final - self.emitted < self.chunk:
-            return torch.zeros(0)
-        self.chunk = min(2 * self.chunk, self.max_chunk)
-        return self._emit(final)
+        # Chunk boundaries follow the frame count alone, never how the frames arrived (one per
+        # push or a batch's worth): a window decode rounds differently from another window, so
+        # the same frames give the same bytes however a decode's timing grouped them.
+        final, chunks = self.codes.shape[1] - self.right, []
+        while final - self.emitted >= self.chunk:
+            chunks.append(self._emit(self.emitted + self.chunk))
+            self.chunk = min(2 * self.chunk, self.max_chunk)
+        return torch.cat(chunks) if chunks else torch.zeros(0)
 
     def flush(self) -> torch.Tensor:
         return self._emit(self.codes.shape[1])

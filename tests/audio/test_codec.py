@@ -52,3 +52,26 @@ def test_streamed_chunks_double_so_the_codec_runs_a_few_times_not_once_per_frame
     codec.decode = decode
     whole = codec.decode(codes)
     assert torch.allclose(torch.cat(chunks), whole, atol=rounding(whole), rtol=0)
+
+
+def test_the_same_frames_stream_the_same_bytes_however_they_arrive():
+    """A server's batch hands a row its frames one per forward or several at once, depending on
+    timing; the chunk boundaries (and so the window decodes, which round differently from one
+    another) follow the frame count alone, so the streamed samples are bit-identical."""
+    from transformers import DacConfig, DacModel
+
+    torch.manual_seed(0)
+    codec = Codec(DacModel(DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 2], decoder_hidden_size=16, n_codebooks=2,
+                                     codebook_size=16, codebook_dim=4, sampling_rate=16000)))
+    codes = torch.randint(0, 16, (2, 90), generator=torch.Generator().manual_seed(2))
+
+    def streamed(groups):
+        stream, out, start = CodecStream(codec, StreamWindow(max_chunk=16)), [], 0
+        for size in groups:
+            out.append(stream.push(codes[:, start: start + size]))
+            start += size
+        return torch.cat(out + [stream.flush()])
+
+    one_by_one = streamed([1] * 90)
+    assert torch.equal(streamed([3, 1, 7, 20, 2, 30, 27]), one_by_one)
+    assert torch.equal(streamed([90]), one_by_one)

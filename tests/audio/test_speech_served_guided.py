@@ -1,0 +1,44 @@
+"""A served speech batch under the bundled model's own sampler (temperature 1, top-k 32, Dia's
+guidance 3): each request equals its decode alone for its seed, whatever its neighbour's text
+length, frame budget or arrival time (the load benchmark's mismatch scenario, on a tiny Dia)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmgen.decoding.stopping import TokenQueueStreamer
+from tests.audio.tiny import tiny_dia
+
+TEXTS = ["[S1] Hi.", "[S1] Something else entirely, and longer.", "[S1] Three, a middle one."]
+SAMPLER = dict(temperature=1.0, top_k=32, top_p=1.0, guidance_scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_dia(0, eos_boost=2.0)  # rows end on their own, at different frames
+    # Dia's guidance keeps the top-k codes of the guided logits: k = 8 of 64 codes (the bundled
+    # model keeps 32 of 256), so the unconditional row changes which codes can be drawn.
+    pipe.model.generation_config.top_k = 8
+    return pipe
+
+
+@pytest.mark.parametrize("first,second,join", [((0, 40), (1, 24), 0), ((1, 24), (2, 40), 6), ((2, 12), (0, 40), 3)])
+def test_a_guided_sampled_request_decodes_as_alone_beside_any_neighbour(pipe, first, second, join):
+    server = pipe.serve("ar", batch_size=4, max_new_frames=40, **SAMPLER)
+    (a, budget_a), (b, budget_b) = first, second
+    frames = TokenQueueStreamer(timeout=60)
+    futures = {a: server.submit(TEXTS[a], generator=torch.Generator().manual_seed(100 + a), max_new_frames=budget_a,
+                                streamer=frames)}
+    seen = 0
+    for _, new in frames:  # the second request arrives once the first has `join` frames out
+        seen += len(new)
+        if b not in futures and seen >= join:
+            futures[b] = server.submit(TEXTS[b], generator=torch.Generator().manual_seed(100 + b), max_new_frames=budget_b)
+    futures.setdefault(b, server.submit(TEXTS[b], generator=torch.Generator().manual_seed(100 + b), max_new_frames=budget_b))
+    for k, budget in ((a, budget_a), (b, budget_b)):
+        alone = pipe(TEXTS[k], max_new_frames=budget, generator=torch.Generator().manual_seed(100 + k), **SAMPLER)
+        audio, served, _ = futures[k].result(timeout=120)
+        n = int(alone.lengths[0])
+        assert len(served) == n and torch.equal(served, alone.frames[0, :n])
+        assert torch.equal(audio, alone.audio[0])
