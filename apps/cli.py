@@ -23,7 +23,7 @@ def register(commands, groups) -> None:
     image.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
                        help="a bundled model name or a pipeline folder (repeatable; default: every bundled model). "
                             "Names ending in -draft/-small are companions (drafters, refiners) of the model they extend")
-    image.add_argument("--max-images", type=_bounded(1, MAX_IMAGES, "--max-images"), default=4,
+    image.add_argument("--max-images", type=bounded_int(1, MAX_IMAGES, "--max-images"), default=4,
                        help=f"images per request, at most (default 4, up to {MAX_IMAGES})")
     _continuous_batch(image, "the images of requests that overlap in time (same model, fixed-window method such as ar or "
                              "sjd with adapt=false, same sampling) in one continuous batch of ROWS rows; image i of a "
@@ -41,9 +41,9 @@ def register_vlm(demos) -> None:
     vlm.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
                      help=f"a bundled model name or a transformers VLM folder (repeatable; default: {vlm_request.DEFAULT_MODEL} "
                           "with its drafter). Names ending in -draft are drafters of the model they extend")
-    vlm.add_argument("--max-images", type=_bounded(1, vlm_request.MAX_IMAGES, "--max-images"), default=4,
+    vlm.add_argument("--max-images", type=bounded_int(1, vlm_request.MAX_IMAGES, "--max-images"), default=4,
                      help=f"images per conversation, at most (default 4, up to {vlm_request.MAX_IMAGES})")
-    vlm.add_argument("--max-new-tokens", type=_bounded(1, vlm_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
+    vlm.add_argument("--max-new-tokens", type=bounded_int(1, vlm_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
                      help=f"the answer-length slider's maximum (default 128, up to {vlm_request.MAX_NEW_TOKENS})")
     _continuous_batch(vlm, "the answers of requests that overlap in time (same model, fixed-window method such as ar, "
                            "same temperature; no compare mode or token dropping) in one continuous batch of ROWS rows, "
@@ -59,7 +59,7 @@ def register_speech(demos) -> None:
                         help=f"a bundled name or a transformers Dia, CSM or VibeVoice folder (repeatable; default: "
                              f"{speech_request.DEFAULT_MODEL} with its drafter). A folder FOLDER-draft beside it comes "
                              "along as its drafter")
-    speech.add_argument("--max-new-frames", type=_bounded(1, speech_request.MAX_NEW_FRAMES, "--max-new-frames"),
+    speech.add_argument("--max-new-frames", type=bounded_int(1, speech_request.MAX_NEW_FRAMES, "--max-new-frames"),
                         default=speech_request.DEFAULT_MAX_NEW_FRAMES,
                         help=f"the frame-budget slider's maximum (default {speech_request.DEFAULT_MAX_NEW_FRAMES}, "
                              f"up to {speech_request.MAX_NEW_FRAMES}; a model's own context bounds it too)")
@@ -77,7 +77,7 @@ def register_video(demos) -> None:
                        help=f"a bundled name or a BlockDiffusionVideoPipeline folder (repeatable; default: "
                             f"{video_request.DEFAULT_MODEL} with its small model). A folder FOLDER-small beside it comes "
                             "along as its small model, for collaborative denoising")
-    video.add_argument("--max-frames", type=_bounded(1, video_request.MAX_FRAMES, "--max-frames"),
+    video.add_argument("--max-frames", type=bounded_int(1, video_request.MAX_FRAMES, "--max-frames"),
                        default=video_request.DEFAULT_MAX_FRAMES,
                        help=f"the longest video offered, in frames (default {video_request.DEFAULT_MAX_FRAMES}, "
                             f"up to {video_request.MAX_FRAMES})")
@@ -86,7 +86,7 @@ def register_video(demos) -> None:
 
 
 def _continuous_batch(demo, what: str) -> None:
-    demo.add_argument("--continuous-batch", type=_bounded(0, 64, "--continuous-batch"), default=0, metavar="ROWS",
+    demo.add_argument("--continuous-batch", type=bounded_int(0, 64, "--continuous-batch"), default=0, metavar="ROWS",
                       help=f"decode {what}. Use with --concurrency > 1 (default 0: off)")
 
 
@@ -95,9 +95,9 @@ def _serving(demo, models: str = "models") -> None:
     listens, and how many requests it decodes at once."""
     demo.add_argument("--device", default="cpu", help=f"torch device of the {models} (default: cpu)")
     demo.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    demo.add_argument("--port", type=_bounded(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
+    demo.add_argument("--port", type=bounded_int(1, 65535, "--port"), default=None, help="default: Gradio's (7860 or the next free)")
     demo.add_argument("--share", action="store_true", help="also open a public Gradio share link (off by default)")
-    demo.add_argument("--concurrency", type=_bounded(1, MAX_CONCURRENCY, "--concurrency"), default=1,
+    demo.add_argument("--concurrency", type=bounded_int(1, MAX_CONCURRENCY, "--concurrency"), default=1,
                       help="requests decoded at once (default 1; one model serves one request at a time)")
 
 
@@ -156,7 +156,8 @@ def run_video_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bounded(low: int, high: int, flag: str):
+def bounded_int(low: int, high: int, flag: str):
+    """An argparse type: an integer in [low, high], refused in one line naming `flag`."""
     def parse(text: str) -> int:
         try:
             value = int(text)

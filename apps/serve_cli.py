@@ -13,6 +13,7 @@ import ipaddress
 import os
 from typing import Optional
 
+from mmgen.apps.cli import bounded_int
 from mmgen.apps.requests.bounds import LIMITS
 
 #: Modalities whose requests may share a model's continuous batch (`--continuous-batch MODALITY=ROWS`);
@@ -35,11 +36,11 @@ def register(commands, groups) -> None:
                             "models of every modality present). A model's companions (NAME-draft, NAME-small) come along")
     serve.add_argument("--device", default="cpu", help="torch device of the models (default: cpu)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
-    serve.add_argument("--port", type=_bounded(0, 65535, "--port"), default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--port", type=bounded_int(0, 65535, "--port"), default=8000, help="port to listen on (default: 8000)")
     serve.add_argument("--api-key", default=None, metavar="KEY",
                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} "
                             "when set, else no key; prefer the variable: a flag shows in the process list)")
-    serve.add_argument("--max-queue", type=_bounded(0, 100_000, "--max-queue"), default=64, metavar="N",
+    serve.add_argument("--max-queue", type=bounded_int(0, 100_000, "--max-queue"), default=64, metavar="N",
                        help="requests that may wait for a busy model, over the whole server; one more is refused with "
                             "429 and Retry-After (default: 64)")
     serve.add_argument("--continuous-batch", action="append", default=None, metavar="[MODALITY=]ROWS", type=_rows,
@@ -49,15 +50,15 @@ def register(commands, groups) -> None:
                             f"modality ({', '.join(BATCHED)}), MODALITY=ROWS one of them; 0 turns it off "
                             f"(repeatable; default: {DEFAULT_ROWS})")
     # The defaults are `ServerSettings`' (tests/apps/test_server.py checks that they agree).
-    serve.add_argument("--max-images", type=_bounded(1, LIMITS.images, "--max-images"), default=4,
+    serve.add_argument("--max-images", type=bounded_int(1, LIMITS.images, "--max-images"), default=4,
                        help="images one request makes, or one conversation reads (default: 4)")
-    serve.add_argument("--max-new-tokens", type=_bounded(1, LIMITS.new_tokens, "--max-new-tokens"), default=256,
+    serve.add_argument("--max-new-tokens", type=bounded_int(1, LIMITS.new_tokens, "--max-new-tokens"), default=256,
                        help="an answer's tokens, at most; the default of max_tokens (default: 256)")
-    serve.add_argument("--max-new-frames", type=_bounded(1, LIMITS.new_frames, "--max-new-frames"), default=1024,
+    serve.add_argument("--max-new-frames", type=bounded_int(1, LIMITS.new_frames, "--max-new-frames"), default=1024,
                        help="an utterance's decoder frames, at most (a model's context bounds them too; default: 1024)")
-    serve.add_argument("--max-frames", type=_bounded(1, LIMITS.video_frames, "--max-frames"), default=81,
+    serve.add_argument("--max-frames", type=bounded_int(1, LIMITS.video_frames, "--max-frames"), default=81,
                        help="a video's frames, at most (default: 81)")
-    serve.add_argument("--max-body-mb", type=_bounded(1, LIMITS.body_bytes // MIB, "--max-body-mb"), default=32, metavar="MB",
+    serve.add_argument("--max-body-mb", type=bounded_int(1, LIMITS.body_bytes // MIB, "--max-body-mb"), default=32, metavar="MB",
                        help="request bodies larger than this are refused before they are read (default: 32)")
     serve.add_argument("--no-preload", action="store_true",
                        help="load each model at its first request instead of before listening")
@@ -124,17 +125,4 @@ def _rows(text: str) -> tuple[Optional[str], int]:
     modality, _, count = text.rpartition("=")
     if modality and modality not in BATCHED:
         raise argparse.ArgumentTypeError(f"--continuous-batch {text!r}: the modality must be one of {list(BATCHED)}")
-    return (modality or None), _bounded(0, MAX_ROWS, "--continuous-batch")(count)
-
-
-def _bounded(low: int, high: int, flag: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{flag} must be in [{low}, {high}], got {value}")
-        return value
-
-    return parse
+    return (modality or None), bounded_int(0, MAX_ROWS, "--continuous-batch")(count)

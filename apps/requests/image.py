@@ -22,7 +22,7 @@ from mmgen.sampling import make_generator
 
 from .bounds import LIMITS, MAX_SEED, integer, sampler, shown
 from .catalog import COMPANION_SUFFIXES, Catalog, model_folder
-from .runs import BASELINE_LABEL, Result
+from .runs import BASELINE_LABEL, PerUnit, Result
 
 MAX_STEPS = 256  # MAR masked steps
 MAX_IMAGES = LIMITS.images  # hard cap, whatever --max-images says
@@ -124,7 +124,7 @@ class ImageRequest:
 
 
 @dataclass
-class ImageRun:
+class ImageRun(PerUnit):
     """One decoding of the request: its label ("sjd", "ar (baseline)"), images and stats. For
     next-scale models also the tokens each step (scale) emits per image and the models of the
     decoder's schedule, in order (`stats.stage_forwards` says how many steps each ran)."""
@@ -144,9 +144,6 @@ class ImageRun:
     def seconds(self) -> float:
         return self.stats.wall_time_s
 
-    @property
-    def ms_per_unit(self) -> Optional[float]:
-        return 1000 * self.seconds / self.units if self.units else None
 
     def step_rows(self) -> list[dict[str, Any]]:
         """(step, tokens, model) per step of a next-scale run: the tokens the step emitted per

@@ -19,18 +19,23 @@ R = TypeVar("R")
 BASELINE_LABEL = "ar (baseline)"
 
 
+class PerUnit:
+    """What a modality's run adds to its `units` (output made) and `seconds` (time taken): the
+    milliseconds per unit that comparisons use."""
+
+    @property
+    def ms_per_unit(self) -> Optional[float]:
+        return 1000 * self.seconds / self.units if self.units else None
+
+
 @dataclass
-class Run:
+class Run(PerUnit):
     """One decoding of a request: its label ("sjd", "ar (baseline)"), how many output `units`
     it made (`unit` names them) and the seconds it took to make them."""
 
     label: str
     units: int
     seconds: float
-
-    @property
-    def ms_per_unit(self) -> Optional[float]:
-        return 1000 * self.seconds / self.units if self.units else None
 
 
 class Result:

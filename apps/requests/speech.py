@@ -25,7 +25,7 @@ from mmgen.sampling import make_generator
 
 from .bounds import LIMITS, MAX_SEED, checked_text, integer, sampler, shown
 from .catalog import Catalog, folder_field, model_folder
-from .runs import BASELINE_LABEL, Result, finish, relay
+from .runs import BASELINE_LABEL, PerUnit, Result, finish, relay
 
 DRAFT_SUFFIX = "-draft"
 MAX_NEW_FRAMES = LIMITS.new_frames  # hard cap of a run's decoder frames, whatever --max-new-frames says
@@ -138,7 +138,7 @@ class SpeechRequest:
 
 
 @dataclass
-class SpeechRun:
+class SpeechRun(PerUnit):
     """One decoding of the request: its label ("sjd", "ar (baseline)"), waveform (mono float32 at
     `sampling_rate`) and the pipeline's numbers."""
 
@@ -163,9 +163,6 @@ class SpeechRun:
         """Seconds decoding took (the codec's included)."""
         return self.decode_s
 
-    @property
-    def ms_per_unit(self) -> Optional[float]:
-        return 1000 * self.decode_s / self.frames if self.frames else None
 
     @property
     def frames_per_forward(self) -> float:

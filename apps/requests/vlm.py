@@ -17,7 +17,7 @@ from mmgen.vlm.cli import read_image
 
 from .bounds import LIMITS, MAX_SEED, MAX_TEMPERATURE, check_pixels, checked_text, integer, items, number, shown
 from .catalog import COMPANION_SUFFIXES, Catalog, folder_field, model_folder
-from .runs import BASELINE_LABEL, Result, finish, relay
+from .runs import BASELINE_LABEL, PerUnit, Result, finish, relay
 
 #: The bundled model the demo serves when given none (its drafter `emoji-vlm-draft` comes along).
 DEFAULT_MODEL = "emoji-vlm"
@@ -120,7 +120,7 @@ class ChatRequest:
 
 
 @dataclass
-class ChatRun:
+class ChatRun(PerUnit):
     """One decoding of the request: its label ("sjd · fastv 0.25", "ar (baseline)"), answer and
     stats, and the visual tokens the model kept (None: the pipeline reported none, no dropping)."""
 
@@ -138,9 +138,6 @@ class ChatRun:
     def seconds(self) -> float:
         return self.stats.wall_time_s
 
-    @property
-    def ms_per_unit(self) -> Optional[float]:
-        return 1000 * self.seconds / self.units if self.units else None
 
 
 @dataclass
