@@ -4,7 +4,8 @@ on the same request layer as the Gradio demos (`mmgen.apps.requests`).
     POST /v1/images/generations   class-conditional images (prompt = a class name), b64_json
     POST /v1/chat/completions     vision-language chat; image_url parts as data: URLs; SSE streaming
     POST /v1/audio/speech         speech, streamed as its frames decode (wav or raw pcm16)
-    POST /v1/videos               a video job; GET /v1/videos/{id} its status, .../content the MP4
+    POST /v1/videos               a video job; GET /v1/videos/{id} its status, .../content the MP4,
+                                  .../events its blocks as they commit (server-sent events)
     GET  /v1/models, /health, /metrics (Prometheus)
 
 Every request is checked by the request layer before it waits for or takes a model (`dry_run`),
@@ -51,6 +52,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -73,6 +75,7 @@ MAX_MESSAGES = 2 * LIMITS.turns
 #: Extra worker threads beyond one per model slot: request checks and response assembly.
 SPARE_THREADS = 16
 WAV_UNKNOWN_SIZE = 0xFFFFFFFF  # a streamed WAV's RIFF and data sizes: not known until it ends
+EVENT_POLL_S = 0.05  # how often a video job's event stream looks for a newly committed block
 
 
 def catalog_classes() -> dict[str, Any]:
@@ -764,6 +767,9 @@ class VideoJob:
     error: Optional[dict] = None
     mp4: Optional[bytes] = None
     task: Optional[asyncio.Task] = None
+    #: Each committed block, as `/v1/videos/{id}/events` sends it: its index, frame range,
+    #: seconds since the job started and its frames as base64 PNGs (none when decoded at the end).
+    blocks: list = field(default_factory=list)
 
     def view(self) -> dict:
         """The job as OpenAI's video object, with mmgen's fields: progress in blocks, frames, seed."""
@@ -1148,6 +1154,11 @@ class Service:
             pull = Pull(begin(), self.limiter)
             while (item := await pull.next()) is not _END:
                 timing.first_output()
+                frames = [] if item.frames is None else await self.thread(
+                    lambda: [png_base64(Image.fromarray(frame)) for frame in item.frames])
+                job.blocks.append({"block": item.index, "num_blocks": item.num_blocks, "start_frame": item.start,
+                                   "end_frame": item.start + len(frames), "seconds": round(item.seconds, 4),
+                                   "frames": frames})
                 job.blocks_done, job.num_blocks = item.index + 1, item.num_blocks
             result = pull.result
             job.mp4 = await self.thread(result.mp4)
@@ -1175,6 +1186,28 @@ class Service:
 
     async def video_status(self, video_id: str) -> JSONResponse:
         return JSONResponse(self.job(video_id).view())
+
+    async def video_events(self, video_id: str) -> StreamingResponse:
+        """The job's blocks as server-sent events, each as it commits (those already committed
+        first), then one event with the job's final state and `data: [DONE]`: a viewer shows
+        the video while it is made. A client that goes away stops only its own stream."""
+        job = self.job(video_id)
+
+        async def events() -> AsyncIterator[str]:
+            sent = 0
+            while True:
+                done = job.status in ("completed", "failed")  # read before the blocks: none is missed
+                while sent < len(job.blocks):
+                    yield f"data: {json.dumps({'object': 'video.block', 'id': job.id, **job.blocks[sent]})}\n\n"
+                    sent += 1
+                if done:
+                    break
+                await asyncio.sleep(EVENT_POLL_S)
+            yield f"data: {json.dumps({**job.view(), 'object': 'video.done'})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def video_content(self, video_id: str, variant: Optional[str] = None) -> Response:
         job = self.job(video_id)
@@ -1332,6 +1365,7 @@ def create_app(catalogs: Mapping[str, Any], settings: ServerSettings = ServerSet
     app.add_api_route("/v1/videos", service.create_video, methods=["POST"])
     app.add_api_route("/v1/videos/{video_id}", service.video_status, methods=["GET"])
     app.add_api_route("/v1/videos/{video_id}/content", service.video_content, methods=["GET"])
+    app.add_api_route("/v1/videos/{video_id}/events", service.video_events, methods=["GET"])
     return app
 
 

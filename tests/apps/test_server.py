@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import json
 import socket
 import threading
 import time
 from contextlib import contextmanager
 
 import httpx
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -556,3 +558,21 @@ def test_serve_command_runs_uvicorn_on_the_given_models(monkeypatch):
     assert service.catalogs["speech"].continuous_batch == 3 and service.settings.api_key == "k"
     with pytest.raises(ValueError, match="neither a bundled model"):
         discover_catalogs(["no-such-model"])
+
+
+def test_a_video_jobs_blocks_stream_as_server_sent_events_and_make_up_its_video(client, http, catalogs):
+    """`GET /v1/videos/{id}/events`: each committed block (its frames as PNGs) as it commits,
+    then the job's final state and [DONE]; the blocks' frames are the video's frames."""
+    job = client.videos.create(model="emoji-motion", prompt="a smiling face", extra_body={"num_frames": 9, "seed": 3})
+    with http.stream("GET", f"/v1/videos/{job.id}/events", timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    blocks, done = [json.loads(e) for e in events[:-2]], json.loads(events[-2])
+    assert done["object"] == "video.done" and done["status"] == "completed"
+    assert [b["block"] for b in blocks] == list(range(done["num_blocks"])) and len(blocks) > 1
+    assert [b["start_frame"] for b in blocks[1:]] == [b["end_frame"] for b in blocks[:-1]]
+    frames = [np.asarray(Image.open(io.BytesIO(base64.b64decode(f)))) for b in blocks for f in b["frames"]]
+    layer = video.run_request(video.VideoRequest("emoji-motion", "a smiling face", num_frames=9, seed=3), catalogs["video"])
+    assert len(frames) == layer.frames.shape[0] == 9 and all(np.array_equal(a, b) for a, b in zip(frames, layer.frames))
+    assert error_of(http.get("/v1/videos/video_nope/events"), 404)["code"] == "not_found"
