@@ -11,7 +11,6 @@ under it, which stops the run at its next output and returns only when the model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Generator, Iterator, Optional, Sequence, TypeVar
 
 R = TypeVar("R")
@@ -28,19 +27,10 @@ class PerUnit:
         return 1000 * self.seconds / self.units if self.units else None
 
 
-@dataclass
-class Run(PerUnit):
-    """One decoding of a request: its label ("sjd", "ar (baseline)"), how many output `units`
-    it made (`unit` names them) and the seconds it took to make them."""
-
-    label: str
-    units: int
-    seconds: float
-
-
 class Result:
-    """The runs of one request, the baseline first in compare mode. `unit` names what the runs
-    count ("token", "frame")."""
+    """The runs of one request, the baseline first in compare mode: each a `PerUnit` with a
+    `label`, the `units` it made and the `seconds` it took. `unit` names what the runs count
+    ("token", "frame")."""
 
     unit: str = "token"
     runs: Sequence[Any]
@@ -53,7 +43,7 @@ class Result:
     def baseline(self) -> Optional[Any]:
         return self.runs[0] if len(self.runs) > 1 else None
 
-    def speed_columns(self, run: Run) -> dict[str, Any]:
+    def speed_columns(self, run: PerUnit) -> dict[str, Any]:
         """A run's time per output unit and, in compare mode, its speedup over the baseline per
         unit: runs that make different amounts of output are compared fairly."""
         columns = {f"ms/{self.unit}": None if run.ms_per_unit is None else round(run.ms_per_unit, 2)}

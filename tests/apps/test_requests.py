@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from mmgen.apps.requests.bounds import checked_text, integer, number, sampler, shown
 from mmgen.apps.requests.catalog import Catalog
-from mmgen.apps.requests.runs import Result, Run, finish, relay
+from mmgen.apps.requests.runs import PerUnit, Result, finish, relay
 from mmgen.streaming import stream_from_thread
 
 
@@ -76,8 +78,15 @@ def test_default_method_is_the_measured_fastest_lossless_one(tmp_path):
 
 @pytest.mark.parametrize("folder, default", [("audio/assets/speech-tts", "ar"), ("vlm/assets/emoji-vlm", "draft")])
 def test_bundled_models_name_a_measured_default(folder, default):
-    record = json.loads((__import__("pathlib").Path(__file__).parents[2] / folder / "decoding.json").read_text())
+    record = json.loads((Path(__file__).parents[2] / folder / "decoding.json").read_text())
     assert record["default"] == default and "benchmarks." in record["measured"]
+
+
+@dataclass
+class Run(PerUnit):
+    label: str
+    units: int
+    seconds: float
 
 
 def test_runs_compare_per_output_unit_not_per_call():
