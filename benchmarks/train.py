@@ -115,6 +115,8 @@ def train_loop(
     model.train()
     started = time.time()
     stop = args.steps if args.run_steps is None else min(args.steps, start + args.run_steps)
+    minutes = getattr(args, "minutes", None)
+    deadline = None if minutes is None else started + 60 * minutes
     eval_every = getattr(args, "eval_every", 0) or 0
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for step, index in zip(range(start, stop), batches(n, args.batch_size, args.seed, start)):
@@ -129,7 +131,8 @@ def train_loop(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         done = step + 1
-        if done % args.log_every == 0 or done == args.steps:
+        out_of_time = deadline is not None and time.time() >= deadline
+        if done % args.log_every == 0 or done == args.steps or out_of_time:
             record = {"step": done, "loss": loss.item(), **metrics, "seconds": round(time.time() - started, 1)}
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -139,8 +142,11 @@ def train_loop(
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
-        if done % args.save_every == 0 or done == stop:
+        if done % args.save_every == 0 or done == stop or out_of_time:
             save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}, checkpoint)
+        if out_of_time:
+            print(f"stopped after {minutes} minutes at step {done} of {args.steps}; the same command resumes", flush=True)
+            break
     model.eval()
 
 
@@ -421,6 +427,8 @@ def add_training_arguments(p: argparse.ArgumentParser, lr: float, batch: int) ->
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--run-steps", type=int, help="train at most this many steps in this invocation, then "
                    "checkpoint and exit; the same command resumes (bounded CPU sessions)")
+    p.add_argument("--minutes", type=float, help="train at most this many minutes of wall clock in this invocation, "
+                   "then checkpoint and exit; the same command resumes (borrowed GPU windows)")
 
 
 if __name__ == "__main__":

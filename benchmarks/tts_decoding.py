@@ -52,14 +52,17 @@ def transformers_generate(pipe, conditions, frames: int, greedy: bool = True, **
     """transformers' `generate` on the pipeline's conditions: greedy, or sampled as the model's
     generation config says; `options` go to `generate` (assistant_model=, ...)."""
     model = pipe.model
+    # The pipeline's conditions are device-free (its token model moves them); generate's are not.
+    on_model = lambda t: t.to(model.device)
     sampling = {"do_sample": False} if greedy else {}
     if pipe.family.__class__.__name__ == "DiaSpeech":
-        return model.generate(input_ids=conditions.input_ids, attention_mask=conditions.attention_mask,
-                              decoder_input_ids=conditions.decoder_input_ids, decoder_attention_mask=conditions.decoder_attention_mask,
+        return model.generate(input_ids=on_model(conditions.input_ids), attention_mask=on_model(conditions.attention_mask),
+                              decoder_input_ids=on_model(conditions.decoder_input_ids),
+                              decoder_attention_mask=on_model(conditions.decoder_attention_mask),
                               max_new_tokens=frames, guidance_scale=conditions.guidance_scale, **sampling, **options)
     depth = {"depth_decoder_do_sample": False} if greedy else {}
-    return model.generate(input_ids=conditions.input_ids, attention_mask=conditions.attention_mask, max_new_tokens=frames,
-                          **sampling, **depth, **options)
+    return model.generate(input_ids=on_model(conditions.input_ids), attention_mask=on_model(conditions.attention_mask),
+                          max_new_tokens=frames, **sampling, **depth, **options)
 
 
 def step_latency(pipe, conditions, width: int, repeats: int) -> float:

@@ -19,8 +19,11 @@ def test_resumed_gpt_training_equals_an_uninterrupted_run(tmp_path, monkeypatch)
              class_names=np.array([f"c{i}" for i in range(74)]))
     common = ["gpt", "--preset", "draft", "--codes", codes, "--batch-size", 16, "--warmup", 2, "--log-every", 1, "--threads", 1]
     run([*common, "--out", tmp_path / "straight", "--steps", 6], monkeypatch)
-    # The same 6-step command stopped after 3 steps (as a kill after a checkpoint would), then again.
-    run([*common, "--out", tmp_path / "resumed", "--steps", 6, "--run-steps", 3], monkeypatch)
+    # The same 6-step command stopped by its clock (no minutes left: after one step), then after 3
+    # steps (as a kill after a checkpoint would), then again.
+    run([*common, "--out", tmp_path / "resumed", "--steps", 6, "--minutes", 0], monkeypatch)
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["step"] == 1
+    run([*common, "--out", tmp_path / "resumed", "--steps", 6, "--run-steps", 2], monkeypatch)
     assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["step"] == 3
     run([*common, "--out", tmp_path / "resumed", "--steps", 6], monkeypatch)
 

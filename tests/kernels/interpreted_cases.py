@@ -370,13 +370,19 @@ def test_lossy_rules_decode_the_same_tokens_with_the_kernel_step(monkeypatch, na
     Sampled only: greedy laws are one-hot, and a one-hot law moves no mass."""
     decoder, config = LOSSY_DECODERS[name](), LOOP_SAMPLING["sampled"]
     labels = torch.tensor([1], device=DEVICE)  # one row: the interpreter runs a program per row and block
-    run = lambda: decoder.generate(FLAT, labels, 16, config, make_generator(3, DEVICE))
+    # A seed whose decode the rule changes (not SJD's tokens), so the comparison has teeth; which
+    # seeds do depends on the device's random stream (seed 3 does on the CPU, not on an H200).
+    sjd = make_decoder("sjd", window=6, adapt=False)
+    monkeypatch.setenv("MMGEN_KERNELS", "twin")
+    seed = next((s for s in range(3, 13) if not torch.equal(
+        decoder.generate(FLAT, labels, 16, config, make_generator(s, DEVICE)).tokens,
+        sjd.generate(FLAT, labels, 16, config, make_generator(s, DEVICE)).tokens)), None)
+    assert seed is not None, "the rule should move mass: on seeds 3..12 it decodes SJD's tokens"
+    run = lambda: decoder.generate(FLAT, labels, 16, config, make_generator(seed, DEVICE))
     twin, kernel, launches = decode_both(monkeypatch, run)
     assert torch.equal(kernel.tokens, twin.tokens) and kernel.stats.accepted_histogram == twin.stats.accepted_histogram
     assert "_verify_kernel" in launches and ("_grouped_kernel" in launches) == (name == "gsd")
     assert ("_target_kernel" in launches) == name.startswith("lantern")
-    sjd = make_decoder("sjd", window=6, adapt=False).generate(FLAT, labels, 16, config, make_generator(3, DEVICE))
-    assert not torch.equal(sjd.tokens, twin.tokens), "the rule should move mass: not SJD's decode"
 
 
 # --------------------------------------------------------------------------------------------

@@ -64,13 +64,14 @@ def fake_latents(path, n=12):
     np.savez(path, latents=rng.standard_normal((n, 8, 3, 4, 4)).astype(np.float16), captions=np.array(captions), indices=np.arange(n))
 
 
-def straight_and_resumed(tmp_path, common, steps, stops):
+def straight_and_resumed(tmp_path, common, steps, stops, resumed_options=()):
     """Run `common` for `steps` steps at once, and again stopped after each of `stops` (as a
-    kill after a checkpoint would) and resumed; both checkpoints."""
+    kill after a checkpoint would) and resumed, with `resumed_options` added; both checkpoints."""
     main([*common, "--out", str(tmp_path / "straight"), "--steps", str(steps)])
+    resumed = [*common, *resumed_options, "--out", str(tmp_path / "resumed"), "--steps", str(steps)]
     for stop in stops:
-        main([*common, "--out", str(tmp_path / "resumed"), "--steps", str(steps), "--run-steps", str(stop)])
-    main([*common, "--out", str(tmp_path / "resumed"), "--steps", str(steps)])
+        main([*resumed, "--run-steps", str(stop)])
+    main(resumed)
     load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
     straight, resumed = load("straight"), load("resumed")
     assert straight["step"] == resumed["step"] == steps
@@ -106,7 +107,8 @@ def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
 def test_resumed_vae_training_equals_an_uninterrupted_run(tmp_path):
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
               "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1"]
-    straight_and_resumed(tmp_path, common, 3, [1])
+    # Resumed with clips drawn ahead in two worker processes: the same clips, so the same weights.
+    straight_and_resumed(tmp_path, common, 3, [1], resumed_options=["--workers", "2"])
     config = json.loads((tmp_path / "straight" / "vae" / "config.json").read_text())
     assert len(config["latents_std"]) == 8 and all(s > 0 for s in config["latents_std"])
     assert json.loads((tmp_path / "resumed" / "eval.json").read_text()) == json.loads((tmp_path / "straight" / "eval.json").read_text())
