@@ -8,9 +8,9 @@ on the same request layer as the Gradio demos (`mmgen.apps.requests`).
                                   .../events its blocks as they commit (server-sent events)
     GET  /v1/models, /health, /metrics (Prometheus)
 
-Every request is checked by the request layer before it waits for or takes a model (`dry_run`),
-so bad input is one JSON error in OpenAI's shape (`{"error": {"message", "type", "param",
-"code"}}`) with a 4xx status and never a traceback; an unexpected failure is logged here and
+Every request is checked by the request layer (its modality's `check_request`) before it waits
+for or takes a model, so bad input is one JSON error in OpenAI's shape (`{"error": {"message",
+"type", "param", "code"}}`) with a 4xx status and never a traceback; an unexpected failure is logged here and
 answered with a generic 500. Requests queue per model in a bounded waiting room: a model takes as
 many requests at once as its catalogue's continuous batch has rows (one without), and a request
 that would wait when `max_queue` requests already wait is refused with 429 and `Retry-After`.
@@ -28,9 +28,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import copy
 import hmac
-import inspect
 import io
 import json
 import logging
@@ -428,31 +426,6 @@ class Ticket:
 # --------------------------------------------------------------------------------------------
 
 
-class _ModelTaken(Exception):
-    """Raised where a dry run's request would take its model: every check has passed."""
-
-
-def _take_no_model(names: Any) -> Any:
-    raise _ModelTaken()
-
-
-def dry_run(check: Callable[[Any], Any], catalog: Any) -> None:
-    """Run `check(view)` (a request function of the layer, on a view of `catalog`) up to where
-    it would take a model: the layer checks every input before that (ValueError with one line),
-    so this refuses bad input exactly as the run will, before the request waits for a model.
-    The view shares the catalogue's loaded pipelines but offers no shared batch and no model."""
-    view = copy.copy(catalog)
-    view.server = lambda *args, **kwargs: None
-    view.using = _take_no_model
-    try:
-        outcome = check(view)
-        if inspect.isgenerator(outcome):
-            next(outcome)
-    except _ModelTaken:
-        return
-    raise RuntimeError("the request layer ran without taking its model: the server's dry run no longer applies")
-
-
 _END = object()
 
 
@@ -817,16 +790,17 @@ class Service:
         """The request's seed, or a fresh one (reported back, so that the output can be made again)."""
         return secrets.randbelow(MAX_SEED + 1) if value is None else value
 
-    async def admitted(self, ticket: Ticket, catalog: Any, check: Callable[[Any], Any]) -> Ticket:
-        """Check an admitted request (400 before any model work) and wait for its model's slot;
-        the ticket is given up when either fails."""
+    async def admitted(self, ticket: Ticket, check: Callable[[], Any]) -> Any:
+        """Check an admitted request with the request layer's `check_request` (400 before any
+        model work), then wait for its model's slot; the ticket is given up when either fails.
+        Returns the checked request."""
         try:
-            await self.thread(dry_run, check, catalog)
+            checked = await self.thread(check)
             await ticket.start()
         except BaseException:
             ticket.done()
             raise
-        return ticket
+        return checked
 
     # ---- images ----------------------------------------------------------------------------
 
@@ -853,9 +827,10 @@ class Service:
                          top_k=body.top_k, top_p=body.top_p, num_steps=body.num_steps)
         limit = self.settings.max_images
         rows = body.n if 1 <= body.n <= limit else 1
-        ticket = await self.admitted(self.admission.admit("image", model, rows), catalog, partial(self._image_run, ask))
+        ticket = self.admission.admit("image", model, rows)
+        checked = await self.admitted(ticket, partial(image.check_request, ask, catalog, self.settings.max_images))
         try:
-            result = await self.thread(self._image_run, ask, catalog)
+            result = await self.thread(image.run_checked, checked, catalog)
             data = await self.thread(lambda: [{"b64_json": png_base64(p), "revised_prompt": None} for p in result.method.images])
         finally:
             ticket.done()
@@ -863,9 +838,6 @@ class Service:
         timing.end(run.units, ask.method, run.stats.forwards)
         return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png", "size": f"{side}x{side}",
                              "seed": seed})
-
-    def _image_run(self, ask: Any, catalog: Any) -> Any:
-        return image.run_request(ask, catalog, self.settings.max_images)
 
     @staticmethod
     def _class_name(body: ImageBody, names: list[str]) -> Any:
@@ -904,8 +876,6 @@ class Service:
         budget = next((b for b in (body.max_completion_tokens, body.max_tokens) if b is not None), None)
         seed = self.seed(body.seed)
         method = body.decoding or await self.thread(catalog.default_method, model)
-        start = partial(vlm.stream_request, max_images=self.settings.max_images,
-                        max_new_tokens=self.settings.max_new_tokens)
         ticket = self.admission.admit("vlm", model)  # before the images are decoded: their memory is bounded by the queue
         try:
             talk = await self.thread(conversation_of, body.messages, self.settings.max_images)
@@ -915,8 +885,9 @@ class Service:
         ask = request_of(vlm.ChatRequest, model=model, message=talk.message, images=talk.images, history=talk.history,
                          history_images=talk.history_images, method=method, temperature=body.temperature, seed=seed,
                          max_new_tokens=self.settings.max_new_tokens if budget is None else budget)
-        await self.admitted(ticket, catalog, partial(start, ask))
-        pull = Pull(start(ask, catalog), self.limiter)
+        checked = await self.admitted(ticket, partial(vlm.check_request, ask, catalog, max_images=self.settings.max_images,
+                                                      max_new_tokens=self.settings.max_new_tokens))
+        pull = Pull(vlm.stream_checked(checked, catalog), self.limiter)
         answer = StopText(stops)
         chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         try:
@@ -1056,9 +1027,10 @@ class Service:
         ask = request_of(speech.SpeechRequest, model=model, text=body.input, voice=voice, voice_text=body.voice_text,
                          method=method, max_new_frames=budget, temperature=body.temperature, top_k=body.top_k,
                          top_p=body.top_p, seed=seed)
-        start = partial(speech.stream_request, max_new_frames=self.settings.max_new_frames)
-        ticket = await self.admitted(self.admission.admit("speech", model), catalog, partial(start, ask))
-        pull = Pull(start(ask, catalog), self.limiter)
+        ticket = self.admission.admit("speech", model)
+        checked = await self.admitted(ticket, partial(speech.check_request, ask, catalog,
+                                                      max_new_frames=self.settings.max_new_frames))
+        pull = Pull(speech.stream_checked(checked, catalog), self.limiter)
         try:
             first = await pull.next()
             rate = int(first.sampling_rate if first is not _END else catalog.pipeline(model).sampling_rate)
@@ -1109,17 +1081,17 @@ class Service:
         ask = request_of(video.VideoRequest, model=model, prompt=body.prompt, num_frames=frames, method=method,
                          large_steps=body.large_steps, cache_policy=body.cache_policy, cache_threshold=body.cache_threshold,
                          drop_threshold=body.drop_threshold, seed=seed)
-        start = partial(video.stream_request, max_frames=self.settings.max_frames)
         ticket = self.admission.admit("video", model)
         try:
-            await self.thread(dry_run, partial(start, ask), catalog)
+            checked = await self.thread(video.check_request, ask, catalog, self.settings.max_frames)
         except BaseException:
             ticket.done()
             raise  # the job waits for its slot in the background (`_run_video`)
         blocks = math.ceil(pipe.latent_frames(frames) / pipe.block_frames)
         job = VideoJob(f"video_{uuid.uuid4().hex}", model, ask.prompt, seed, frames, float(pipe.fps), size, blocks)
         self._keep(job)
-        job.task = asyncio.get_running_loop().create_task(self._run_video(job, ticket, timing, partial(start, ask, catalog)))
+        job.task = asyncio.get_running_loop().create_task(self._run_video(job, ticket, timing,
+                                                                            partial(video.stream_checked, checked, catalog)))
         return JSONResponse(job.view())
 
     @staticmethod
@@ -1375,5 +1347,5 @@ def _version() -> str:
     return str(getattr(mmgen, "__version__", "0"))
 
 
-__all__ = ["ApiError", "ServerSettings", "Service", "create_app", "discover_catalogs", "dry_run", "preload",
+__all__ = ["ApiError", "ServerSettings", "Service", "create_app", "discover_catalogs", "preload",
            "wav_header", "pcm16", "MODALITIES"]

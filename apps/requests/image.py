@@ -183,9 +183,28 @@ class ImageResult(Result):
         return (run or self.method).step_rows()
 
 
-def run_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 4) -> ImageResult:
-    """Check `request` (ValueError with a message for the user), generate, and return images
-    and stats; in compare mode autoregressive decoding runs first on the same seed."""
+@dataclass(frozen=True)
+class CheckedImage:
+    """An image request whose every input passed its checks (`check_request`), in the model's
+    terms. Making one loads the model's pipeline if needed, and runs nothing; the decoding
+    options themselves are read when the decoder is built."""
+
+    request: ImageRequest
+    pipe: Any
+    label: int  # the class id
+    seed: int
+    count: int
+    sampling: dict
+    name: str  # the decoding method
+    options: dict  # its options, the catalogue's companion paired in
+    overrides: dict  # MAR: its masked steps, from the steps control
+    scales: dict  # next-scale models: each step's tokens and the models that run them
+    method: str  # the run's label: the method and its options as given
+
+
+def check_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 4) -> CheckedImage:
+    """Every check of `request` (ValueError with a message for the user) but the decoding
+    options' own, before any work: the server calls it before the request waits for its model."""
     pipe = catalog.main_pipeline(request.model)
     info = model_info(pipe)
     label = _class_label(request.class_name, info.class_names)
@@ -197,7 +216,6 @@ def run_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 
     if companion is not None:  # pair with the demo's cached companion unless the options name one
         if companion.option not in options and request.model + companion.suffix in catalog.names:
             options[companion.option] = request.model + companion.suffix
-    source = catalog.main[request.model]  # decoder_from_spec looks for bundled companions by this name
     scales: dict[str, Any] = {}
     if info.family == "scale":  # what the chart shows: each step's tokens and the model that ran it
         others = [str(options.get(companion.option, request.model + companion.suffix))] if companion else []
@@ -209,24 +227,40 @@ def run_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 
             raise ValueError(f"set {family}'s {setting} with the steps control, not as a decoding option")
         steps = info.defaults.get(keyword) if request.num_steps is None else request.num_steps
         overrides[setting] = sampling[keyword] = integer(f"{family} steps", steps, 1, MAX_STEPS)
+    return CheckedImage(request, pipe, label, seed, count, sampling, name, options, overrides, scales,
+                        _spec_text(name, request.options))
+
+
+def run_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 4) -> ImageResult:
+    """Check `request` (ValueError with a message for the user), generate, and return images
+    and stats; in compare mode autoregressive decoding runs first on the same seed."""
+    return run_checked(check_request(request, catalog, max_images), catalog)
+
+
+def run_checked(checked: CheckedImage, catalog: ImageCatalog) -> ImageResult:
+    """`run_request` of a request `check_request` passed."""
+    request, pipe, options, scales = checked.request, checked.pipe, checked.options, checked.scales
+    source = catalog.main[request.model]  # decoder_from_spec looks for bundled companions by this name
     named = companion_options(pipe)
     companions = [v for k, v in options.items() if k in named]
-    method = _spec_text(name, request.options)
     with catalog.using([request.model, *companions]):
         built = {k: catalog.pipeline(v) if k in named else v for k, v in options.items()}
-        decoder = decoder_from_spec(name, pipe, source, catalog.device, **{**built, **overrides})
+        decoder = decoder_from_spec(checked.name, pipe, source, catalog.device, **{**built, **checked.overrides})
         # Compare mode times its two runs, so it never shares a batch with other requests.
         shares = not request.compare and hasattr(pipe, "serve")  # MAR and VAR pipelines decode alone
-        server = catalog.server(request.model, method, decoder, sampling=pipe.sampling_config(**sampling)) if shares else None
-        plan = [(BASELINE_LABEL, decoder_from_spec("ar", pipe, source, catalog.device, **overrides),
+        server = catalog.server(request.model, checked.method, decoder, sampling=pipe.sampling_config(**checked.sampling)) \
+            if shares else None
+        plan = [(BASELINE_LABEL, decoder_from_spec("ar", pipe, source, catalog.device, **checked.overrides),
                  {**scales, "stage_models": scales.get("stage_models", ())[:1]})] if request.compare else []
-        plan.append((method, decoder, scales))
+        plan.append((checked.method, decoder, scales))
         runs = []
         for run_label, run_decoder, run_scales in plan if server is None else ():
-            output = pipe([label] * count, decoding=run_decoder, generator=make_generator(seed, catalog.device), **sampling)
+            output = pipe([checked.label] * checked.count, decoding=run_decoder,
+                          generator=make_generator(checked.seed, catalog.device), **checked.sampling)
             runs.append(ImageRun(run_label, list(output.images), output.stats, **run_scales))
     if server is not None:  # outside the model's lock, which the shared batch takes while it decodes
-        runs = [shared_run(server, f"{method} (continuous batch)", label, count, seed, pipe.device)]
+        runs = [shared_run(server, f"{checked.method} (continuous batch)", checked.label, checked.count, checked.seed,
+                           pipe.device)]
     return ImageResult(runs)
 
 

@@ -199,17 +199,28 @@ class Progress:
     seconds: float
 
 
-def run_request(request: SpeechRequest, catalog: SpeechCatalog,
-                max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> SpeechResult:
-    """Check `request` (ValueError with a one-line message), speak it and return the runs."""
-    return finish(stream_request(request, catalog, max_new_frames))
+@dataclass(frozen=True)
+class CheckedSpeech:
+    """A speech request whose every input passed its checks (`check_request`): what the runs
+    read, in the model's terms. Making one loads the model's pipeline if needed, and runs
+    nothing."""
+
+    request: SpeechRequest
+    pipe: Any
+    text: str
+    frame_limit: int  # the shared batch's frame budget (the server's or the model's cap)
+    budget: int
+    seed: int
+    sampling: dict
+    voice: Optional[tuple]
+    voice_text: Optional[str]
+    plan: tuple  # (label, method) of each run, the baseline first in compare mode
 
 
-def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
-                   max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> Iterator[Progress]:
-    """`run_request`, yielding each run's waveform chunks as frames commit (`TTSPipeline.stream`);
-    returns the `SpeechResult` (the generator's return value). Every input is checked before
-    any decoding."""
+def check_request(request: SpeechRequest, catalog: SpeechCatalog,
+                  max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> CheckedSpeech:
+    """Every check of `request` (ValueError with a one-line message), before any decoding: the
+    server calls it before the request waits for its model."""
     pipe = catalog.main_pipeline(request.model)
     text = checked_text("the text", request.text, MAX_TEXT_CHARS, empty="type a text to speak (the text is empty)")
     limit = max(1, min(int(max_new_frames), MAX_NEW_FRAMES, int(pipe.family.default_max_frames())))
@@ -223,15 +234,37 @@ def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
         raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
     voice = _voice(request.voice, pipe.sampling_rate)
     voice_text = _voice_text(request.voice_text, voice)
-    plan = [(BASELINE_LABEL, "ar")] if request.compare else []
-    plan.append((request.method, request.method))
+    plan = ((BASELINE_LABEL, "ar"),) if request.compare else ()
+    return CheckedSpeech(request, pipe, text, limit, budget, seed, sampling, voice, voice_text,
+                         plan + ((request.method, request.method),))
+
+
+def run_request(request: SpeechRequest, catalog: SpeechCatalog,
+                max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> SpeechResult:
+    """Check `request` (ValueError with a one-line message), speak it and return the runs."""
+    return finish(stream_request(request, catalog, max_new_frames))
+
+
+def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
+                   max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> Iterator[Progress]:
+    """`run_request`, yielding each run's waveform chunks as frames commit (`TTSPipeline.stream`);
+    returns the `SpeechResult` (the generator's return value). Every input is checked before
+    any decoding."""
+    return (yield from stream_checked(check_request(request, catalog, max_new_frames), catalog))
+
+
+def stream_checked(checked: CheckedSpeech, catalog: SpeechCatalog) -> Iterator[Progress]:
+    """`stream_request` of a request `check_request` passed."""
+    request, pipe, plan = checked.request, checked.pipe, list(checked.plan)
     runs = []
     # Compare mode times its two runs, so it never shares a batch with other requests.
     shared = None if request.compare else catalog.server(
-        request.model, request.method, catalog.decoder(request.method, request.model), max_new_frames=limit, **sampling)
+        request.model, request.method, catalog.decoder(request.method, request.model), max_new_frames=checked.frame_limit,
+        **checked.sampling)
     if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
         label = f"{request.method} (continuous batch)"
-        stream = shared.stream(text, voice, voice_text, make_generator(seed, catalog.device), budget)
+        stream = shared.stream(checked.text, checked.voice, checked.voice_text, make_generator(checked.seed, catalog.device),
+                               checked.budget)
         audio, frames, stats = yield from relay(stream, _audio_so_far(0, label, pipe.sampling_rate))
         seconds = audio.numel() / pipe.sampling_rate
         runs.append(SpeechRun(label, audio.float().numpy(), pipe.sampling_rate, len(frames), stats, stats.wall_time_s,
@@ -240,9 +273,9 @@ def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
     with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, DRAFT_SUFFIX)])] if plan else []):
         decoders = [catalog.decoder(method, request.model) for _, method in plan]  # all checked before any run
         for index, ((label, _), decoder) in enumerate(zip(plan, decoders)):
-            call = dict(voice=voice, voice_text=voice_text, max_new_frames=budget, decoding=decoder,
-                        generator=make_generator(seed, catalog.device), **sampling)
-            stream = pipe.stream(text, **call)
+            call = dict(voice=checked.voice, voice_text=checked.voice_text, max_new_frames=checked.budget, decoding=decoder,
+                        generator=make_generator(checked.seed, catalog.device), **checked.sampling)
+            stream = pipe.stream(checked.text, **call)
             output = yield from relay(stream, _audio_so_far(index, label, pipe.sampling_rate, lambda item: item[1]))
             runs.append(SpeechRun(label, output.audio[0].float().numpy(), output.sampling_rate, int(output.lengths[0]),
                                   output.stats, float(output.decode_s), float(output.real_time_factor)))

@@ -231,16 +231,26 @@ def size_text(size: int) -> str:
     return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
-def run_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = DEFAULT_MAX_FRAMES) -> VideoResult:
-    """Check `request` (ValueError with a one-line message), make the video and return it."""
-    return finish(stream_request(request, catalog, max_frames))
+@dataclass(frozen=True)
+class CheckedVideo:
+    """A video request whose every input passed its checks (`check_request`), in the model's
+    terms. Making one loads the model's pipeline if needed, and runs nothing."""
+
+    request: VideoRequest
+    pipe: Any
+    prompt: str
+    num_frames: int
+    cache_policy: str
+    label: str
+    options: dict  # the decoder's options (collaborative: large_steps)
+    thresholds: dict  # cache_threshold, drop_threshold
+    seed: int
+    small: Optional[str]  # the small model's name, for collaborative denoising
 
 
-def stream_request(request: VideoRequest, catalog: VideoCatalog,
-                   max_frames: int = DEFAULT_MAX_FRAMES) -> Iterator[Progress]:
-    """`run_request`, yielding a `Progress` per block as it is committed (the pipeline runs in a
-    thread); returns the `VideoResult` (the generator's return value). Every input is checked
-    before any work. Closed early (the page went away), the run stops after its current block."""
+def check_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = DEFAULT_MAX_FRAMES) -> CheckedVideo:
+    """Every check of `request` (ValueError with a one-line message), before any work: the server
+    calls it before the job waits for its model."""
     pipe = catalog.main_pipeline(request.model)
     prompt = checked_text("the prompt", request.prompt, MAX_PROMPT_CHARS, empty="type a prompt (the prompt is empty)")
     limit = max(1, min(int(max_frames), MAX_FRAMES))
@@ -267,18 +277,37 @@ def stream_request(request: VideoRequest, catalog: VideoCatalog,
                          "cache policy 'none'")
     seed = integer("seed", request.seed, 0, MAX_SEED)
     small = catalog.companion_of(request.model, SMALL_SUFFIX) if request.method == COLLABORATIVE else None
-    with catalog.using([request.model, *filter(None, [small])]):
+    return CheckedVideo(request, pipe, prompt, frames, policy, label, options, thresholds, seed, small)
+
+
+def run_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = DEFAULT_MAX_FRAMES) -> VideoResult:
+    """Check `request` (ValueError with a one-line message), make the video and return it."""
+    return finish(stream_request(request, catalog, max_frames))
+
+
+def stream_request(request: VideoRequest, catalog: VideoCatalog,
+                   max_frames: int = DEFAULT_MAX_FRAMES) -> Iterator[Progress]:
+    """`run_request`, yielding a `Progress` per block as it is committed (the pipeline runs in a
+    thread); returns the `VideoResult` (the generator's return value). Every input is checked
+    before any work. Closed early (the page went away), the run stops after its current block."""
+    return (yield from stream_checked(check_request(request, catalog, max_frames), catalog))
+
+
+def stream_checked(checked: CheckedVideo, catalog: VideoCatalog) -> Iterator[Progress]:
+    """`stream_request` of a request `check_request` passed."""
+    request, pipe, options = checked.request, checked.pipe, dict(checked.options)
+    with catalog.using([request.model, *filter(None, [checked.small])]):
         from mmgen.loading import decoder_from_spec
 
-        if small is not None:
-            options["small"] = catalog.pipeline(small)
+        if checked.small is not None:
+            options["small"] = catalog.pipeline(checked.small)
         decoder = decoder_from_spec(request.method, pipe, catalog.main[request.model], catalog.device, **options)
         # block b's latent frames [b, b + block) decode to video frames [first_frame(b), first_frame(b + block))
         spans = [(pipe.first_frame(b), pipe.first_frame(b + pipe.block_frames))
-                 for b in range(0, pipe.latent_frames(frames), pipe.block_frames)]
-        call = dict(prompt=prompt, num_frames=frames, decoding=decoder, cache_policy=policy,
-                    decode="block" if request.decode_per_block else "end", generator=make_generator(seed, catalog.device),
-                    **thresholds)
+                 for b in range(0, pipe.latent_frames(checked.num_frames), pipe.block_frames)]
+        call = dict(prompt=checked.prompt, num_frames=checked.num_frames, decoding=decoder, cache_policy=checked.cache_policy,
+                    decode="block" if request.decode_per_block else "end",
+                    generator=make_generator(checked.seed, catalog.device), **checked.thresholds)
         started = time.perf_counter()
 
         def block(item: tuple) -> Progress:
@@ -289,7 +318,7 @@ def stream_request(request: VideoRequest, catalog: VideoCatalog,
         stream = stream_from_thread(lambda emit: pipe(**call, callback=lambda index, latents, frames: emit(
             (index, None if frames is None else frames[0].numpy()))), name=WORKER)
         output = yield from relay(stream, block)
-    return VideoResult(label, output.frames[0].numpy(), float(output.fps), spans, output.profile, output.stats)
+    return VideoResult(checked.label, output.frames[0].numpy(), float(output.fps), spans, output.profile, output.stats)
 
 
 def _threshold(what: str, value: Any, high: float) -> Optional[float]:

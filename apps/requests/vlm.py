@@ -170,19 +170,32 @@ class Progress:
     text: str
 
 
-def run_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
-                max_new_tokens: int = MAX_NEW_TOKENS) -> ChatResult:
-    """Check `request` (ValueError with a one-line message), answer it and return the runs."""
-    return finish(stream_request(request, catalog, max_images, max_new_tokens))
+@dataclass(frozen=True)
+class CheckedChat:
+    """A chat request whose every input passed its checks (`check_request`): the conversation,
+    its images and the runs to make. Making one loads the model's pipeline if needed, and runs
+    nothing."""
+
+    request: ChatRequest
+    pipe: Any
+    conversation: list
+    images: list
+    prompt: Any  # what the pipeline takes: the message alone for a first turn, else the conversation
+    token_limit: int  # the shared batch's token budget (the server's or the layer's cap)
+    budget: int
+    seed: int
+    temperature: float
+    plan: tuple  # (label, method, dropping policy) of each run, the baseline first in compare mode
 
 
-def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
-                   max_new_tokens: int = MAX_NEW_TOKENS) -> Iterator[Progress]:
-    """`run_request`, yielding each run's answer so far as tokens commit; returns the
-    `ChatResult` (the generator's return value). Every input is checked before any decoding."""
+def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
+                  max_new_tokens: int = MAX_NEW_TOKENS) -> CheckedChat:
+    """Every check of `request` (ValueError with a one-line message), before any decoding: the
+    server calls it before the request waits for its model."""
     pipe = catalog.main_pipeline(request.model)
     message = checked_text("the message", request.message, MAX_MESSAGE_CHARS, empty="type a question (the message is empty)")
-    budget = integer("max new tokens", request.max_new_tokens, 1, max(1, min(int(max_new_tokens), MAX_NEW_TOKENS)))
+    cap = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
+    budget = integer("max new tokens", request.max_new_tokens, 1, cap)
     seed = integer("seed", request.seed, 0, MAX_SEED)
     temperature = number("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
     offered = catalog.methods(request.model)
@@ -198,35 +211,54 @@ def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 
     if sum(m["role"] == "user" for m in history) >= MAX_TURNS:
         raise ValueError(f"at most {MAX_TURNS} turns per conversation: clear the chat to start again")
     turn = {"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": message}]}
-    conversation, all_images = [*history, turn], [*history_images, *images]
+    conversation = [*history, turn]
     # One turn goes in as text (what every VLMPipeline takes), a longer chat as the conversation.
     prompt = [conversation] if history else message
     label = request.method + (f" · {dropping}" if dropping else "")
-    plan = [(BASELINE_LABEL, "ar", None)] if request.compare else []
-    plan.append((label, request.method, dropping))
+    plan = ((BASELINE_LABEL, "ar", None),) if request.compare else ()
+    return CheckedChat(request, pipe, conversation, [*history_images, *images], prompt, cap, budget, seed, temperature,
+                       plan + ((label, request.method, dropping),))
+
+
+def run_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
+                max_new_tokens: int = MAX_NEW_TOKENS) -> ChatResult:
+    """Check `request` (ValueError with a one-line message), answer it and return the runs."""
+    return finish(stream_request(request, catalog, max_images, max_new_tokens))
+
+
+def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
+                   max_new_tokens: int = MAX_NEW_TOKENS) -> Iterator[Progress]:
+    """`run_request`, yielding each run's answer so far as tokens commit; returns the
+    `ChatResult` (the generator's return value). Every input is checked before any decoding."""
+    return (yield from stream_checked(check_request(request, catalog, max_images, max_new_tokens), catalog))
+
+
+def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[Progress]:
+    """`stream_request` of a request `check_request` passed."""
+    request, pipe, plan = checked.request, checked.pipe, list(checked.plan)
     runs = []
     # Compare mode times its two runs and dropping prunes each prefill, so neither shares a batch.
-    cap = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
-    shared = None if request.compare or dropping else catalog.server(
-        request.model, request.method, catalog.decoder(request.method, request.model), max_new_tokens=cap,
-        temperature=temperature)
+    shared = None if request.compare or plan[-1][2] else catalog.server(
+        request.model, request.method, catalog.decoder(request.method, request.model), max_new_tokens=checked.token_limit,
+        temperature=checked.temperature)
     if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
-        run_label = f"{label} (continuous batch)"
-        stream = shared.stream(prompt, all_images or None, make_generator(seed, catalog.device), budget)
+        run_label = f"{plan[-1][0]} (continuous batch)"
+        stream = shared.stream(checked.prompt, checked.images or None, make_generator(checked.seed, catalog.device),
+                               checked.budget)
         text, tokens, stats = yield from relay(stream, _answer_so_far(0, run_label))
         runs.append(ChatRun(run_label, text, len(tokens), stats))
         plan = []
     with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, "-draft")])] if plan else []):
         for index, (run_label, method, policy) in enumerate(plan):
-            call = dict(max_new_tokens=budget, decoding=catalog.decoder(method, request.model),
-                        temperature=temperature, generator=make_generator(seed, catalog.device))
+            call = dict(max_new_tokens=checked.budget, decoding=catalog.decoder(method, request.model),
+                        temperature=checked.temperature, generator=make_generator(checked.seed, catalog.device))
             if policy is not None:
                 call["dropping"] = policy
-            stream = pipe.stream(prompt, all_images or None, **call)
+            stream = pipe.stream(checked.prompt, checked.images or None, **call)
             answer = yield from relay(stream, _answer_so_far(index, run_label, lambda item: item[1]))
             runs.append(ChatRun(run_label, answer.texts[0], int(answer.lengths[0]), answer.stats, _tokens_kept(answer)))
     reply = {"role": "assistant", "content": [{"type": "text", "text": runs[-1].text}]}
-    return ChatResult(runs, [*conversation, reply], all_images)
+    return ChatResult(runs, [*checked.conversation, reply], checked.images)
 
 
 def _answer_so_far(index: int, label: str, piece_of: Any = lambda item: item):

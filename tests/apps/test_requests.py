@@ -124,3 +124,37 @@ def test_relay_returns_the_streams_value_and_a_close_stops_the_run_before_return
     events.close()  # the client went away
     assert released.is_set()  # the run ended before close returned: the model is free
     assert len(steps) < 1000
+
+
+@pytest.mark.parametrize("modality", ["image", "vlm", "speech", "video"])
+def test_check_request_checks_everything_and_runs_nothing(modality, monkeypatch):
+    """`check_request` is what the server runs before a request waits for its model: a valid
+    request comes back checked without taking a model or a shared batch, and a bad value is
+    refused there, in one line."""
+    import importlib
+
+    from PIL import Image
+
+    layer = importlib.import_module(f"mmgen.apps.requests.{modality}")
+    names = {"image": "Image", "vlm": "VLM", "speech": "Speech", "video": "Video"}
+    catalog = getattr(layer, names[modality] + "Catalog").discover()
+    model = next(iter(catalog.main))
+    good, bad = {
+        "image": (dict(class_name="face-smiling", method="ar"), dict(num_images=99)),
+        "vlm": (dict(message="What is this?", images=[Image.new("RGB", (64, 64))]), dict(temperature="hot")),
+        "speech": (dict(text="Hello there.", max_new_frames=100), dict(max_new_frames=10**9)),
+        "video": (dict(prompt="red heart moving left"), dict(cache_policy="sometimes")),
+    }[modality]
+    request_class = getattr(layer, "ChatRequest" if modality == "vlm" else names[modality] + "Request")
+    make = lambda **fields: request_class(model=model, **fields)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the check took a model or a shared batch")
+
+    monkeypatch.setattr(catalog, "using", forbidden)
+    monkeypatch.setattr(catalog, "server", forbidden)
+    checked = layer.check_request(make(**good), catalog)
+    assert checked.request == make(**good) and checked.pipe is catalog.main_pipeline(model)
+    with pytest.raises(ValueError) as caught:
+        layer.check_request(make(**{**good, **bad}), catalog)
+    assert "\n" not in str(caught.value)

@@ -208,7 +208,7 @@ def test_an_unexpected_failure_is_a_generic_500(http, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("internal detail at 0xdeadbeef")
 
-    monkeypatch.setattr(image, "run_request", broken)
+    monkeypatch.setattr(image, "run_checked", broken)
     error = error_of(http.post("/v1/images/generations", json={"prompt": "face-smiling"}), 500)
     assert error["type"] == "server_error" and "0xdeadbeef" not in error["message"]
 
@@ -384,8 +384,8 @@ def test_a_client_that_goes_away_closes_its_stream_and_frees_its_row(http, monke
         ends.append("finished")
         return result
 
-    speech_stream = speech.stream_request
-    monkeypatch.setattr(speech, "stream_request", watched)
+    speech_stream = speech.stream_checked
+    monkeypatch.setattr(speech, "stream_checked", watched)
     with http.stream("POST", "/v1/audio/speech", json=speak(max_new_frames=250, seed=8)) as response:
         assert response.status_code == 200
         next(response.iter_raw())
