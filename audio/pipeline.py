@@ -413,18 +413,23 @@ class TTSServer:
 
 
 class FrameAudio:
-    """A row's frames -> codec codes -> audio chunks (`CodecStream`), until its end frame."""
+    """A row's frames -> codec codes -> audio chunks (`CodecStream`), until its end frame.
+
+    It keeps only the frames from the first audio frame not yet sent, so each push costs the
+    frames it completes, not the row so far: an adapter's `codes(frames)` reads frames from any
+    audio frame on as it reads the whole row (no end before it), which Dia's delay pattern and
+    CSM's frames both do."""
 
     def __init__(self, family: Any, codec: Codec, window: StreamWindow):
-        self.family, self.frames, self.sent = family, [], 0
+        self.family, self.pending = family, []
         self.stream = CodecStream(codec, window)
 
     def push(self, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(the audio the new frames complete, whether the row's end frame came)."""
-        self.frames.append(new)
-        codes, ended = self.family.codes(torch.cat(self.frames))
-        chunk = self.stream.push(codes[:, self.sent:])
-        self.sent = codes.shape[1]
+        frames = torch.cat([*self.pending, new])
+        codes, ended = self.family.codes(frames)
+        self.pending = [frames[codes.shape[1]:]]
+        chunk = self.stream.push(codes)
         return (torch.cat([chunk, self.stream.flush()]), True) if ended else (chunk, False)
 
     def flush(self) -> torch.Tensor:
