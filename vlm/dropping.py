@@ -20,7 +20,9 @@ tables and the mask at layer K and hands the shorter ones to every later layer. 
 SDPA: the few scores a policy needs are recomputed from the attention module's own projections
 and rotary function on its captured inputs. Every kept token keeps its ORIGINAL position ids
 (1-D for LLaVA / Idefics3, the 3-D M-RoPE ids transformers computed on the full sequence for
-Qwen2.5-VL), so keep_ratio 1.0 computes exactly what the unpruned model does.
+Qwen2.5-VL), so keep_ratio 1.0 computes exactly what the unpruned model does. Video tokens are
+visual tokens like image tokens (each policy counts, scores and drops them; MustDrop never
+merges an image token with a video's).
 
 After the prefill all layers hold the same kept slots (the core's `SlotKVCache` has one slot
 axis): layers before K are gathered to the final kept set, so at decode new tokens no longer
@@ -40,7 +42,7 @@ import torch
 from mmgen.decoding import parse_decoding
 from mmgen.hooks import ModelHook, hooks_attached
 
-from mmgen.vlm.layout import image_token_id
+from mmgen.vlm.layout import visual_token_ids
 
 
 # -------------------------------------------------------------------------------- policies
@@ -144,7 +146,7 @@ def make_dropping(spec: Union[None, str, Policy]) -> Optional[Policy]:
 # -------------------------------------------------------------------------------- report
 @dataclass
 class DroppingReport:
-    """What one prefill dropped. Per row: `image_tokens` (visual tokens of the prompt),
+    """What one prefill dropped. Per row: `image_tokens` (visual tokens of the prompt, video tokens included),
     `kept_tokens` (visual tokens in the cache after the prefill), `prompt_tokens` (unpadded,
     before / `kept_prompt_tokens` after), `merged_tokens` (merged into a neighbour or a
     contextual token before the LM), `evicted_tokens` (visual KV evicted at decode) and
@@ -266,14 +268,18 @@ def pack_mask(mask: Any, index: torch.Tensor, valid: torch.Tensor) -> Any:
 
 
 class Capture(ModelHook):
-    """Remembers a module's keyword inputs (attention modules are called with keywords)."""
+    """Remembers a module's keyword inputs (attention modules are called with keywords); with
+    `every`, the inputs of each call in order (a vision tower runs once for images, once for videos)."""
 
-    def __init__(self, store: dict, key: str):
+    def __init__(self, store: dict, key: str, every: bool = False):
         super().__init__()
-        self.store, self.key = store, key
+        self.store, self.key, self.every = store, key, every
 
     def pre_forward(self, module, *args, **kwargs):
-        self.store[self.key] = (args, kwargs)
+        if self.every:
+            self.store.setdefault(self.key, []).append((args, kwargs))
+        else:
+            self.store[self.key] = (args, kwargs)
         return args, kwargs
 
 
@@ -301,7 +307,11 @@ class Prefill:
         self.layer = getattr(policy, "layer", None)
         if self.layer is not None and self.layer >= layers:
             raise ValueError(f"dropping layer {self.layer} is past the language model's {layers} layers")
-        self.image = (input_ids == image_token_id(model.config)) & mask.bool()  # [R, S] visual slots
+        # [R, S] visual slots: image and video tokens alike, by kind in the order the model
+        # encodes them (images, then videos), the tower's calls in VisionZip
+        self.kinds = [(input_ids == token) & mask.bool() for token in visual_token_ids(model.config)]
+        self.image = torch.stack(self.kinds).any(0)
+        self.visual_ids = torch.where(self.image, input_ids, -1)  # each visual slot's token, -1 elsewhere
         self.mask = mask.bool()
         rows, s = mask.shape
         self.index = torch.arange(s, device=mask.device).expand(rows, s)  # current slots -> original
@@ -318,10 +328,10 @@ class Prefill:
             hooks[self.trunk] = _Call(self._pre_lm)
         if isinstance(p, VisionZip):
             attn, kind = self._vision_attention()
-            hooks[attn] = Capture(self.store, "vision")
+            hooks[attn] = Capture(self.store, "vision", every=True)
             self.vision_kind = kind
             if kind == "qwen":  # its grid gives the window order the scores come in
-                hooks[self.model.model.visual] = Capture(self.store, "visual")
+                hooks[self.model.model.visual] = Capture(self.store, "visual", every=True)
         if self.layer is not None:
             layers = self.trunk.layers
             if self.layer > 0:
@@ -376,7 +386,11 @@ class Prefill:
         budget = torch.ceil(n_image.double() * p.keep_ratio).long()
         n_ctx = torch.floor(budget.double() * p.contextual).long()
         scores = torch.zeros(self.image.shape, device=embeds.device)
-        scores[self.image] = self._vision_scores().to(embeds.device)
+        flat, start = self._vision_scores().to(embeds.device), 0
+        for kind in self.kinds:  # images' scores, then videos' (the model encodes them in that order)
+            count = int(kind.sum())
+            scores[kind] = flat[start:start + count]
+            start += count
         dominant = top_per_row(scores, self.image, budget - n_ctx)
         keep, embeds = dominant.clone(), embeds.clone()
         for r in range(embeds.shape[0]):  # contextual merge: small, per row
@@ -402,7 +416,8 @@ class Prefill:
         e = torch.nn.functional.normalize(embeds.float(), dim=-1)
         sim = (e[:, 1:] * e[:, :-1]).sum(-1)
         link = torch.zeros_like(self.image)
-        link[:, 1:] = self.image[:, 1:] & self.image[:, :-1] & (sim > self.policy.merge_threshold)
+        same = self.visual_ids[:, 1:] == self.visual_ids[:, :-1]  # an image token never merges into a video's
+        link[:, 1:] = self.image[:, 1:] & self.image[:, :-1] & same & (sim > self.policy.merge_threshold)
         group = (~link).long().cumsum(1) - 1  # [R, S]: each slot's group (the anchor's rank)
         rows, s, d = embeds.shape
         flat = (group + torch.arange(rows, device=group.device)[:, None] * s).view(-1)
@@ -416,8 +431,9 @@ class Prefill:
     def _vision_attention(self):
         inner = self.model.model
         if hasattr(inner, "image_newline"):
-            raise ValueError("VisionZip is not available for LLaVA-NeXT: its any-resolution tiles, unpadding and newline "
-                             "tokens do not map the vision tower's attention onto the prompt's image tokens; use fastv or mustdrop")
+            raise ValueError(f"VisionZip is not available for LLaVA-NeXT's layout (model_type {self.model.config.model_type!r}): "
+                             "its any-resolution tiles, unpadding and newline tokens do not map the vision tower's attention "
+                             "onto the prompt's image tokens; use fastv or mustdrop")
         if hasattr(inner, "vision_tower"):  # LLaVA: CLIP, the layer whose output is the feature
             tower = inner.vision_tower
             layers = (tower.vision_model if hasattr(tower, "vision_model") else tower).encoder.layers
@@ -427,19 +443,29 @@ class Prefill:
             return layers[select if select >= 0 else len(layers) + select].self_attn, "cls"
         if hasattr(inner, "vision_model"):  # Idefics3 / SmolVLM: SigLIP, no CLS
             return inner.vision_model.encoder.layers[-1].self_attn, "mean"
-        if hasattr(getattr(inner, "visual", None), "blocks"):  # Qwen2-VL / Qwen2.5-VL: no CLS, patch merger
+        if hasattr(getattr(inner, "visual", None), "blocks"):  # Qwen2-VL / Qwen2.5-VL / Qwen3-VL: no CLS, patch merger
             return inner.visual.blocks[-1].attn, "qwen"
         raise ValueError(f"VisionZip is not available for {self.model.config.model_type}: it reads a CLIP, SigLIP or Qwen "
                          "vision encoder's attention (LLaVA, Idefics3, Qwen2-VL); use fastv or mustdrop")
 
     def _vision_scores(self) -> torch.Tensor:
-        """Each visual token's score, flat in the model's feature order: the CLS token's
-        attention (CLIP) or the mean attention received (SigLIP, pooled over the connector's
-        pixel-shuffle groups), head mean, recomputed from the captured layer input."""
+        """Each visual token's score, flat in the model's feature order (the tower runs once for
+        a batch's images, then once for its videos)."""
+        present = sum(bool(kind.any()) for kind in self.kinds)
+        calls = len(self.store["vision"])
+        if calls != present:
+            raise ValueError(f"VisionZip read {calls} vision tower run(s) for {present} kind(s) of visual tokens in "
+                             f"{self.model.config.model_type}; use fastv or mustdrop")
+        return torch.cat([self._tower_scores(call) for call in range(calls)])
+
+    def _tower_scores(self, call: int) -> torch.Tensor:
+        """The scores of the tower's `call`-th run: the CLS token's attention (CLIP) or the mean
+        attention received (SigLIP, pooled over the connector's pixel-shuffle groups), head
+        mean, recomputed from the captured layer input."""
         attn = self._vision_attention()[0]
         if self.vision_kind == "qwen":
-            return self._qwen_vision_scores(attn)
-        args, kwargs = self.store["vision"]
+            return self._qwen_vision_scores(attn, call)
+        args, kwargs = self.store["vision"][call]
         h = kwargs.get("hidden_states", args[0] if args else None)
         n, s, _ = h.shape
         heads = attn.num_heads
@@ -456,13 +482,13 @@ class Prefill:
         pooled = connector.pixel_shuffle(received[..., None], self.model.config.scale_factor)
         return pooled.sum(-1).reshape(-1)
 
-    def _qwen_vision_scores(self, attn) -> torch.Tensor:
+    def _qwen_vision_scores(self, attn, call: int) -> torch.Tensor:
         """Mean attention each merged visual token receives in the vision tower's last block
         (Qwen has no CLS): the block's packed sequence [patches, dim] is split by its
         `cu_seqlens` (whole images, or windows for a windowed block), the patches' received
         attention summed over each merger group, and Qwen2.5-VL's window order undone, so the
-        scores line up with the image tokens of the prompt."""
-        args, kwargs = self.store["vision"]
+        scores line up with the image (or video) tokens of the prompt."""
+        args, kwargs = self.store["vision"][call]
         h = kwargs.get("hidden_states", args[0] if args else None)
         cu = kwargs.get("cu_seqlens", args[1] if len(args) > 1 else None)
         cos, sin = kwargs["position_embeddings"]
@@ -476,7 +502,7 @@ class Prefill:
         visual = self.model.model.visual
         merged = torch.cat(received).view(-1, visual.spatial_merge_unit).sum(1)
         if hasattr(visual, "fullatt_block_indexes"):  # Qwen2.5-VL ran its blocks in window order
-            v_args, v_kwargs = self.store["visual"]
+            v_args, v_kwargs = self.store["visual"][call]
             grid = v_kwargs.get("grid_thw", v_args[1] if len(v_args) > 1 else None)
             window_index, _ = sys.modules[type(visual).__module__].get_vision_window_index(
                 grid, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,

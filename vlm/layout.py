@@ -20,6 +20,18 @@ def image_token_id(config: Any) -> Optional[int]:
     return getattr(config, "image_token_index", None) if value is None else value
 
 
+def video_token_id(config: Any) -> Optional[int]:
+    """The prompt token that video features replace (`video_token_id`, or LLaVA-OneVision's
+    `video_token_index`); None for a config with neither."""
+    value = getattr(config, "video_token_id", None)
+    return getattr(config, "video_token_index", None) if value is None else value
+
+
+def visual_token_ids(config: Any) -> list[int]:
+    """Every prompt token that visual features replace: the image token and the video token."""
+    return [t for t in (image_token_id(config), video_token_id(config)) if t is not None]
+
+
 def logit_softcap(model: Any) -> Optional[float]:
     """The cap the model's own forward applies to its logits (`tanh(x / cap) * cap`), None when
     it applies none. Read from the forward's code: the text config's `final_logit_softcapping`

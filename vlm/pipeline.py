@@ -1,4 +1,4 @@
-"""`VLMPipeline`: images and a question in, text out, through transformers' own VLMs.
+"""`VLMPipeline`: images (or videos) and a question in, text out, through transformers' own VLMs.
 
 The model and processor are transformers' (`AutoModelForImageTextToText`, `AutoProcessor`);
 mmgen adds the decoding core, so the same checkpoint decodes with any token decoder of the core
@@ -30,8 +30,9 @@ from mmgen.streaming import CallbackStreamer, stream_from_thread
 
 from mmgen.vlm.dropping import DroppingReport, make_dropping
 from mmgen.vlm.images import as_image
-from mmgen.vlm.layout import image_token_id
+from mmgen.vlm.layout import image_token_id, video_token_id
 from mmgen.vlm.token_model import VLMTokenModel
+from mmgen.vlm.videos import as_video, is_video, video_batch_check, video_family_check
 
 #: One row's input: a question, or a chat conversation (transformers' message format).
 Prompt = Union[str, Sequence[dict]]
@@ -124,28 +125,39 @@ class VLMPipeline(Pipeline):
         self.processor.save_pretrained(path)
 
     # ---------------------------------------------------------------- inputs
-    def prepare_inputs(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any = None) -> dict:
+    def prepare_inputs(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any = None, videos: Any = None) -> dict:
         """The processor's left-padded batch, one row per prompt, through the chat template.
 
-        A prompt is a question (one user turn: its images, then the text) or a whole
+        A prompt is a question (one user turn: its images, its videos, then the text) or a whole
         conversation in transformers' chat format (a list of {"role", "content"} messages whose
-        `{"type": "image"}` entries take the row's images in order), ending with a user turn.
+        `{"type": "image"}` / `{"type": "video"}` entries take the row's images / videos in
+        order), ending with a user turn.
         """
-        prompts, per_row = _rows(prompts, images)
-        texts = [self.render(prompt, len(row)) for prompt, row in zip(prompts, per_row)]
+        prompts, per_row, per_row_videos = self._rows(prompts, images, videos)
+        texts = [self.render(prompt, len(row), len(clips)) for prompt, row, clips in zip(prompts, per_row, per_row_videos)]
         # Nested per prompt: processors that count images per row (Idefics3) need it, the others flatten it.
         nested = per_row if any(per_row) else None
-        inputs = dict(self.processor(images=nested, text=texts, padding=True, return_tensors="pt"))
+        clips = [clip for row in per_row_videos for clip in row]
+        extra = {}
+        if clips:
+            video_batch_check(self.model.config.model_type, clips)
+            extra["videos"] = clips
+        inputs = dict(self.processor(images=nested, text=texts, padding=True, return_tensors="pt", **extra))
         inputs.pop("labels", None)  # PaliGemma's processor makes training labels; the model would compute a loss
         return inputs
 
-    def render(self, prompt: Prompt, num_images: int) -> str:
+    def _rows(self, prompts: Union[Prompt, Sequence[Prompt]], images: Any, videos: Any) -> tuple[list, list[list], list[list]]:
+        """(prompts, each one's images, each one's videos) of a call, checked (ValueError) before any work.
+        Without videos only the processor is read (a training script builds prompts that way)."""
+        return _rows(prompts, images, videos, None if videos is None else self.model.config.model_type)
+
+    def render(self, prompt: Prompt, num_images: int, num_videos: int = 0) -> str:
         """One row's prompt text: the conversation through the processor's chat template; for
         a model without one (PaliGemma), a question after one image token per image (the
         processor adds what follows the images)."""
         from jinja2.exceptions import TemplateError
 
-        conversation = _conversation(prompt, num_images)
+        conversation = _conversation(prompt, num_images, num_videos)
         if getattr(self.processor, "chat_template", None) is not None:
             try:
                 return self.processor.apply_chat_template(conversation, add_generation_prompt=True)
@@ -167,11 +179,15 @@ class VLMPipeline(Pipeline):
         if context is None:
             return
         lengths = inputs["attention_mask"].sum(1)
-        image_token = image_token_id(self.model.config)
+        config = self.model.config
         for row, length in enumerate(lengths.tolist()):
             if length + max_new_tokens > context:
-                visual = int((inputs["input_ids"][row] == image_token).sum()) if image_token is not None else 0
-                images = f" ({visual} of them for its images: fewer or smaller images help)" if visual else ""
+                ids = inputs["input_ids"][row]
+                counts = {kind: int((ids == token).sum()) for kind, token in
+                          (("images", image_token_id(config)), ("videos", video_token_id(config))) if token is not None}
+                visual = sum(counts.values())
+                kinds = " and ".join(kind for kind, n in counts.items() if n)
+                images = f" ({visual} of them for its {kinds}: fewer or smaller ones help)" if visual else ""
                 raise ValueError(f"prompt {row}: {length} tokens{images} + max_new_tokens {max_new_tokens} exceed the "
                                  f"model's context of {context} tokens")
 
@@ -200,6 +216,7 @@ class VLMPipeline(Pipeline):
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
         images: Any = None,
+        videos: Any = None,
         max_new_tokens: int = 64,
         decoding: Union[str, Decoder] = "ar",
         temperature: float = 0.0,
@@ -211,12 +228,17 @@ class VLMPipeline(Pipeline):
         dropping: Any = None,
         draft_dropping: Any = None,
     ) -> VLMOutput:
-        """Answer each prompt about its images.
+        """Answer each prompt about its images and videos.
 
         Args:
             prompts: one question or chat conversation, or a list of them (one row each).
             images: for one prompt an image or a list of images; for several prompts one image or
-                list per prompt; None for text only.
+                list per prompt (None or [] for a row without); None for text only.
+            videos: as `images`, for the families that take video (`mmgen.vlm.videos.VIDEO_FAMILIES`:
+                Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision). A video is a list of frames (PIL
+                images or [H, W, 3] uint8 arrays, all of one size), a [T, H, W, 3] uint8 array or
+                tensor, or a local video file's path (decoded through PyAV); a question puts its
+                videos after its images. Video tokens are visual tokens to `dropping`.
             max_new_tokens: per-row budget; a row also ends at its first stop token.
             decoding: a token decoder or shortcut ("ar", "sjd", "lookup", ...).
             temperature: 0 (default) is greedy; top_k / top_p filter when sampling.
@@ -225,6 +247,7 @@ class VLMPipeline(Pipeline):
             streamer: a core `Streamer` receiving each row's new token ids as they commit.
             dropping: visual token dropping for this model: a policy (`mmgen.vlm.dropping`:
                 FastV, VisionZip, MustDrop) or a spec ("fastv:layer=2,keep_ratio=0.25"); lossy.
+                It prunes image and video tokens alike.
             draft_dropping: dropping for the drafter of a draft decoder only (SpecVLM): the
                 target still verifies on the full image, so decoding stays exact.
         """
@@ -244,7 +267,7 @@ class VLMPipeline(Pipeline):
         drafter = drafter.pipe if isinstance(drafter, PrunedView) else drafter
         if isinstance(drafter, VLMPipeline):
             self.check_companion(drafter, self.companions["draft"])
-        inputs = self.prepare_inputs(prompts, images)
+        inputs = self.prepare_inputs(prompts, images, videos)
         self.check_context(inputs, max_new_tokens)
         sampling, stopping = self._sampling(max_new_tokens, temperature, top_k, top_p, stop_token_ids)
         model = self.token_model(dropping=policy)
@@ -276,22 +299,24 @@ class VLMPipeline(Pipeline):
         top_k: int = 0,
         top_p: float = 1.0,
         stop_token_ids: Optional[Sequence[int]] = None,
+        videos: Any = None,
     ) -> VLMOutput:
         """Each prompt answered from its own generator by continuous batching
         (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all), and
         a row whose answer ends takes the next prompt, prefilled alone. Answer i is the one a
-        call with prompt i alone (and its images) and `generators[i]` gives (the decoder needs a
-        fixed window: `adapt=False`; no token dropping). `on_answer(i, text, token_ids, stats)`
-        receives each answer as it ends, with its own stats (a batch-1 decode's). The output's
-        stats are the run's."""
+        call with prompt i alone (and its images and videos) and `generators[i]` gives (the
+        decoder needs a fixed window: `adapt=False`; no token dropping).
+        `on_answer(i, text, token_ids, stats)` receives each answer as it ends, with its own
+        stats (a batch-1 decode's). The output's stats are the run's."""
         check_budget(max_new_tokens)
         decoder = resolve_decoder(decoding)
         check_continuous(decoder)
-        prompts, per_row = _rows(prompts, images)
+        prompts, per_row, per_row_videos = self._rows(prompts, images, videos)
         if len(generators) != len(prompts):
             raise ValueError(f"{len(generators)} generators for {len(prompts)} prompts: give one generator per prompt")
         generators = self.generator_for(list(generators), per_output=True)
-        inputs = [self.prepare_inputs(prompt, row or None) for prompt, row in zip(prompts, per_row)]
+        inputs = [self.prepare_inputs(prompt, [row], [clips])
+                  for prompt, row, clips in zip(prompts, per_row, per_row_videos)]
         for x in inputs:
             self.check_context(x, max_new_tokens)
         sampling, stopping = self._sampling(max_new_tokens, temperature, top_k, top_p, stop_token_ids)
@@ -366,27 +391,28 @@ class VLMServer:
         self.pipe, self.server, self.max_new_tokens = pipe, server, max_new_tokens
 
     def submit(self, prompt: Prompt, images: Any = None, generator: Optional[torch.Generator] = None,
-               max_new_tokens: Optional[int] = None, streamer: Any = None) -> Future:
-        """Answer `prompt` about `images` from `generator` in the shared batch; at most
-        `max_new_tokens` (default the server's cap); `streamer` receives its tokens as they commit."""
+               max_new_tokens: Optional[int] = None, streamer: Any = None, videos: Any = None) -> Future:
+        """Answer `prompt` about `images` (and `videos`) from `generator` in the shared batch; at
+        most `max_new_tokens` (default the server's cap); `streamer` receives its tokens as they commit."""
         budget = self.max_new_tokens if max_new_tokens is None else max_new_tokens
         check_budget(budget)
         if budget > self.max_new_tokens:
             raise ValueError(f"max_new_tokens {budget} exceeds the server's cap of {self.max_new_tokens}")
-        prompts, per_row = _rows(prompt, images)
+        prompts, per_row, per_row_videos = self.pipe._rows(prompt, images, videos)
         if len(prompts) != 1:
             raise ValueError("submit takes one prompt; submit each prompt of a list on its own")
-        inputs = self.pipe.prepare_inputs(prompts[0], per_row[0] or None)
+        inputs = self.pipe.prepare_inputs(prompts[0], [per_row[0]], [per_row_videos[0]])
         self.pipe.check_context(inputs, budget)
         return self.server.submit(Request(inputs, self.pipe.generator_for(generator), budget, streamer))
 
     def stream(self, prompt: Prompt, images: Any = None, generator: Optional[torch.Generator] = None,
-               max_new_tokens: Optional[int] = None) -> Generator[str, None, tuple[str, torch.Tensor, DecodeStats]]:
+               max_new_tokens: Optional[int] = None,
+               videos: Any = None) -> Generator[str, None, tuple[str, torch.Tensor, DecodeStats]]:
         """Text pieces of the answer as its tokens commit (they concatenate to its text); the
         generator's return value is the submitted future's result. Closed early (the client
         went away), the request is cancelled: its row is freed at the batch's next forward."""
         queue = TokenQueueStreamer(timeout=600)
-        future = self.submit(prompt, images, generator, max_new_tokens, queue)  # a failed decode ends the queue
+        future = self.submit(prompt, images, generator, max_new_tokens, queue, videos)  # a failed decode ends the queue
         try:
             for _, piece in text_pieces(self.pipe.processor.tokenizer, queue):
                 yield piece
@@ -441,22 +467,40 @@ def check_sampling(temperature: Any, top_k: Any, top_p: Any) -> SamplingConfig:
     return SamplingConfig(temperature=float(temperature), top_k=top_k, top_p=float(top_p))
 
 
-def _rows(prompts: Union[Prompt, Sequence[Prompt]], images: Any) -> tuple[list, list[list]]:
-    """(prompts, each one's list of images) from a call's arguments, checked (ValueError)."""
+def _rows(prompts: Union[Prompt, Sequence[Prompt]], images: Any, videos: Any = None,
+          model_type: Optional[str] = None) -> tuple[list, list[list], list[list]]:
+    """(prompts, each one's list of images, each one's list of videos) from a call's arguments,
+    checked (ValueError): videos only for a family that takes them (`model_type`)."""
     prompts = [prompts] if _is_prompt(prompts) else list(prompts)
     if not prompts or not all(_is_prompt(p) for p in prompts):
         raise ValueError("prompts must be one non-empty string or chat conversation, or a list of them")
-    as_list = lambda x: list(x) if isinstance(x, (list, tuple)) else [x]
-    if images is None:
-        return prompts, [[] for _ in prompts]
-    if len(prompts) == 1:  # its images, or (as for a batch) a list holding its image list
-        nested = isinstance(images, (list, tuple)) and len(images) == 1 and isinstance(images[0], (list, tuple))
-        per_row = [as_list(images[0] if nested else images)]
-    elif not isinstance(images, (list, tuple)) or len(images) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts need a list of {len(prompts)} images (or image lists)")
-    else:
-        per_row = [as_list(i) for i in images]
-    return prompts, [[as_image(x, f"prompt {r}'s image {i}") for i, x in enumerate(row)] for r, row in enumerate(per_row)]
+    per_row = _per_row(len(prompts), images, lambda x: not isinstance(x, (list, tuple)), "image")
+    per_row_videos = _per_row(len(prompts), videos, is_video, "video")
+    if any(per_row_videos):
+        video_family_check(model_type)
+    return (prompts, [[as_image(x, f"prompt {r}'s image {i}") for i, x in enumerate(row)] for r, row in enumerate(per_row)],
+            [[as_video(x, f"prompt {r}'s video {i}") for i, x in enumerate(row)] for r, row in enumerate(per_row_videos)])
+
+
+def _per_row(n: int, value: Any, single: Callable[[Any], bool], noun: str) -> list[list]:
+    """Each of `n` rows' items (images or videos) from a call's argument: for one row an item
+    (`single`), a list of them or (as for a batch) a list holding that list; for several rows
+    one item, list, or None per row; None for none."""
+    def row(x: Any) -> list:
+        if x is None:
+            return []
+        return list(x) if isinstance(x, (list, tuple)) and not single(x) else [x]
+
+    if value is None:
+        return [[] for _ in range(n)]
+    if n == 1:
+        # its items, or (as for a batch) a list holding its item list
+        nested = isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0], (list, tuple))
+        nested = nested and not single(value[0])
+        return [row(value[0] if nested else value)]
+    if single(value) or not isinstance(value, (list, tuple)) or len(value) != n:
+        raise ValueError(f"{n} prompts need a list of {n} {noun}s (or {noun} lists)")
+    return [row(x) for x in value]
 
 
 def _is_prompt(value: Any) -> bool:
@@ -466,20 +510,23 @@ def _is_prompt(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(isinstance(m, dict) for m in value)
 
 
-def _conversation(prompt: Prompt, num_images: int) -> list[dict]:
-    """A chat conversation for one row: a question becomes one user turn with its images first;
-    a conversation is checked to end on a user turn and to have one placeholder per image."""
+def _conversation(prompt: Prompt, num_images: int, num_videos: int = 0) -> list[dict]:
+    """A chat conversation for one row: a question becomes one user turn with its images first,
+    then its videos; a conversation is checked to end on a user turn and to have one
+    placeholder per image and per video."""
     if isinstance(prompt, str):
-        return [{"role": "user", "content": [*({"type": "image"} for _ in range(num_images)), {"type": "text", "text": prompt}]}]
+        return [{"role": "user", "content": [*({"type": "image"} for _ in range(num_images)),
+                                             *({"type": "video"} for _ in range(num_videos)), {"type": "text", "text": prompt}]}]
     if any(not isinstance(m.get("content"), (str, list)) or m.get("role") not in ("system", "user", "assistant")
            for m in prompt):
         raise ValueError("a conversation is a list of {'role': 'system'|'user'|'assistant', 'content': ...} messages")
     if prompt[-1]["role"] != "user":
         raise ValueError("a conversation must end with a user turn (the model answers it)")
-    placeholders = sum(1 for m in prompt if isinstance(m["content"], list)
-                       for c in m["content"] if isinstance(c, dict) and c.get("type") == "image")
-    if placeholders != num_images:
-        raise ValueError(f"the conversation has {placeholders} image placeholder(s) but {num_images} image(s) were given")
+    for kind, given in (("image", num_images), ("video", num_videos)):
+        placeholders = sum(1 for m in prompt if isinstance(m["content"], list)
+                           for c in m["content"] if isinstance(c, dict) and c.get("type") == kind)
+        if placeholders != given:
+            raise ValueError(f"the conversation has {placeholders} {kind} placeholder(s) but {given} {kind}(s) were given")
     return list(prompt)
 
 

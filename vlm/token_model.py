@@ -6,8 +6,8 @@ the core's `SlotKVCache` over a transformers `DynamicCache` (the Janus adapter's
 advance by their own accepted counts and speculative decoders can rewind. Positions follow
 transformers' `generate`: prompt tokens at `cumsum(attention_mask) - 1`, new tokens right after
 their row's own prompt (its slot minus the row's left padding). Models with multimodal rotary
-positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL M-RoPE: a `get_rope_index`) compute an image
-prompt's 3-D positions themselves in the prefill; each new token then sits at the row's own
+positions (Qwen2-VL / Qwen2.5-VL / Qwen3-VL M-RoPE: a `get_rope_index`) compute an image or
+video prompt's 3-D positions themselves in the prefill; each new token then sits at the row's own
 prompt length plus its `rope_deltas` on all three axes, as in transformers (the deltas count
 from the unpadded prompt; a text-only prompt is the text's positions on all three axes).
 
@@ -49,7 +49,7 @@ class VLMTokenModel:
     """`AutoModelForImageTextToText` models with a text trunk (`model.language_model`, or
     `model.text_model` in Idefics3 / SmolVLM) and an `lm_head`: every family of
     `mmgen.vlm.MODEL_TYPES`. Conditions are the processor's batch (`input_ids`, `attention_mask` with left
-    padding, `pixel_values` and any other image inputs)."""
+    padding, `pixel_values` and any other image inputs, `pixel_values_videos` and the other video inputs)."""
 
     def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0, dropping: Any = None):
         self.model = model
