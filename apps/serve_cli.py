@@ -2,8 +2,10 @@
 
     mmgen serve                                   # the bundled models of every modality, on 127.0.0.1:8000
     mmgen serve --model emoji-vlm --model speech-tts --continuous-batch speech=16 --api-key KEY
+    mmgen serve --ray --replicas 2                # two copies behind Ray Serve's proxy (`mmgen.apps.ray_serve`)
 
-FastAPI and uvicorn are imported only when the server runs, so building the `mmgen` parser stays cheap.
+FastAPI and uvicorn are imported only when the server runs, and Ray only with --ray, so building the
+`mmgen` parser stays cheap.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
+import time
 from typing import Optional
 
 from mmgen.apps.cli import bounded_int
@@ -23,6 +27,7 @@ DEFAULT_ROWS = 8
 MAX_ROWS = 64
 API_KEY_ENV = "MMGEN_API_KEY"
 MIB = 1024 * 1024
+MAX_REPLICAS = 1024
 
 
 def register(commands, groups) -> None:
@@ -62,8 +67,15 @@ def register(commands, groups) -> None:
                        help="request bodies larger than this are refused before they are read (default: 32)")
     serve.add_argument("--no-preload", action="store_true",
                        help="load each model at its first request instead of before listening")
+    serve.add_argument("--ray", action="store_true",
+                       help="serve through Ray Serve (pip install 'mmgen[ray]'): a local Ray instance on 127.0.0.1 runs "
+                            "--replicas copies of this server, each loading its own models, behind Serve's HTTP proxy "
+                            "on --host and --port")
+    serve.add_argument("--replicas", type=bounded_int(1, MAX_REPLICAS, "--replicas"), default=None, metavar="N",
+                       help="with --ray: copies of the server (default: one per GPU with --device cuda, each on its "
+                            "own GPU, else 1); the machine's CPUs are shared evenly among them")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                       help="uvicorn's log level (default: info)")
+                       help="uvicorn's log level, or with --ray Ray Serve's (default: info)")
     serve.set_defaults(run=run_serve)
 
 
@@ -93,23 +105,69 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_device(args.device)  # a bad device fails here, in one line, before any model loads
     settings = settings_of(args)
+    if args.replicas is not None and not args.ray:
+        raise ValueError("--replicas runs copies of the server under Ray Serve: add --ray")
+    if args.ray:
+        return run_ray(args, settings)
     from mmgen.apps.server import create_app, discover_catalogs, preload
 
     catalogs = discover_catalogs(args.model, device=args.device, continuous_batch=continuous_batch(args.continuous_batch))
     if not args.no_preload:
         preload(catalogs)
     app = create_app(catalogs, settings)
-    for modality, catalog in catalogs.items():
-        rows = catalog.continuous_batch
-        print(f"mmgen serve: {modality} models {list(catalog.main)} (companions {list(catalog.companions)}), "
-              f"continuous batch {rows or 'off'}")
-    if settings.api_key is None and not _loopback(args.host):
-        print(f"mmgen serve: warning: listening on {args.host} without an API key: anyone who reaches it may use "
-              f"the models (set ${API_KEY_ENV})")
+    _describe(catalogs, settings, args.host)
     import uvicorn
 
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def run_ray(args: argparse.Namespace, settings) -> int:
+    """`mmgen serve --ray`: a local Ray instance on 127.0.0.1, `--replicas` copies of the server on
+    it, Serve's proxy on --host:--port, until Ctrl-C or SIGTERM; then Serve and Ray stop."""
+    try:
+        from mmgen.apps import ray_serve
+
+        ray_serve.require_ray()
+    except ImportError as error:
+        raise ValueError(str(error)) from None
+    from mmgen.apps.server import discover_catalogs
+
+    rows = continuous_batch(args.continuous_batch)
+    replicas, cpus = ray_serve.replica_plan(args.device, args.replicas)
+    app = ray_serve.deployment(args.model, device=args.device, replicas=replicas, settings=settings,
+                               continuous_batch=rows, preload=not args.no_preload, cpus_per_replica=cpus)
+    catalogs = discover_catalogs(args.model, device=args.device, continuous_batch=rows)
+    _describe(catalogs, settings, args.host)
+    if "video" in catalogs and replicas > 1:
+        print(f"mmgen serve: warning: a video job lives in the replica that made it, and Serve may send its "
+              f"GET /v1/videos/{{id}} to another of the {replicas} (404); serve video models with one replica")
+    ray_serve.check_port(args.host, args.port)  # before Ray's start, which takes seconds
+    try:
+        ray_serve.start_local_ray(num_cpus=ray_serve.available_cpus())
+        signal.signal(signal.SIGTERM, _interrupt)  # after Ray's start, which sets a handler that aborts
+        url = ray_serve.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        print(f"mmgen serve: {replicas} replica(s) ready behind Ray Serve on {url} (Ctrl-C stops them)", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        ray_serve.shutdown()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the Ray server as Ctrl-C does, Ray included
+
+
+def _describe(catalogs, settings, host: str) -> None:
+    for modality, catalog in catalogs.items():
+        rows = catalog.continuous_batch
+        print(f"mmgen serve: {modality} models {list(catalog.main)} (companions {list(catalog.companions)}), "
+              f"continuous batch {rows or 'off'}")
+    if settings.api_key is None and not _loopback(host):
+        print(f"mmgen serve: warning: listening on {host} without an API key: anyone who reaches it may use "
+              f"the models (set ${API_KEY_ENV})")
 
 
 def _loopback(host: str) -> bool:
