@@ -207,11 +207,15 @@ def train_codec(args) -> None:
     train_loop(model, loss_fn, len(train), args, {"dac": config.to_dict(), "params": params, "args": vars(args)})
 
 
-def load_codec(run: str) -> Any:
-    from transformers import DacConfig
+def load_codec(run: str | Path) -> Any:
+    """A codec run of `codec` (checkpoint.pt + config.json) or a transformers DacModel folder
+    (`export`'s `<out>/codec`, a bundle's `codec/`)."""
+    from transformers import DacConfig, DacModel
 
+    if not (Path(run) / "checkpoint.pt").exists():
+        return DacModel.from_pretrained(str(run), dtype=torch.float32).eval()
     config = DacConfig.from_dict(json.loads((Path(run) / "config.json").read_text())["dac"])
-    return load_trained(new_codec(config, 0), run)
+    return load_trained(new_codec(config, 0), str(run))
 
 
 @torch.no_grad()

@@ -78,6 +78,12 @@ TEXT_DROPOUT = 0.1
 SAMPLING = dict(do_sample=True, temperature=1.0, top_k=32, top_p=1.0, guidance_scale=3.0)
 
 
+#: Guided attention (Tachibana et al. 2018, "Efficiently Trainable Text-to-Speech System Based on
+#: Deep Convolutional Networks with Guided Attention"): the penalty on attending text position
+#: s/S at frame t/T is 1 - exp(-(s/S - t/T)^2 / (2 g^2)); g is its width.
+GUIDE_WIDTH = 0.2
+
+
 def delay_pattern(num_codebooks: int) -> list[int]:
     """Codebook c delayed by c frames: each residual codebook sees the coarser ones of its frame."""
     return list(range(num_codebooks))
@@ -233,22 +239,72 @@ def split_by_length(batch: dict[str, torch.Tensor], parts: int) -> list[tuple[di
     return out
 
 
+def guided_attention_loss(cross_attentions: tuple, text_mask: torch.Tensor, frame_mask: torch.Tensor,
+                          width: float = GUIDE_WIDTH) -> torch.Tensor:
+    """The mean over every layer, head and unpadded decoder position of the cross-attention
+    mass far from the diagonal (`GUIDE_WIDTH`): 0 for a monotonic alignment that reads the text
+    at the speech's pace. Small attention models learn to align slowly (the bundled model never
+    did); this prior makes the text matter from the first steps."""
+    S, L = text_mask.sum(1, keepdim=True).clamp_min(1), frame_mask.sum(1, keepdim=True).clamp_min(1)
+    s = torch.arange(text_mask.shape[1], device=text_mask.device)[None] / S
+    t = torch.arange(frame_mask.shape[1], device=frame_mask.device)[None] / L
+    penalty = 1 - torch.exp(-(s[:, None, :] - t[:, :, None]).pow(2) / (2 * width ** 2))  # [B, L, S]
+    penalty = penalty * text_mask[:, None, :] * frame_mask[:, :, None]
+    queries = frame_mask.sum()
+    per_layer = [(a.float() * penalty[:, None]).sum() / (a.shape[1] * queries) for a in cross_attentions]
+    return torch.stack(per_layer).mean()
+
+
+def part_loss(model: Any, part: dict[str, torch.Tensor], guide: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the model's loss, the guided attention loss) of one group of rows; the latter is zero
+    without computing attention weights when `guide` is 0."""
+    if not guide:
+        return model(**part).loss, torch.zeros(())
+    out = model(**part, output_attentions=True)
+    return out.loss, guided_attention_loss(out.cross_attentions, part["attention_mask"], part["decoder_attention_mask"])
+
+
+@torch.no_grad()
+def held_out_figures(model: Any, data: CodesData) -> dict[str, Any]:
+    """Teacher-forced loss on the held-out split with its text and with the text zeroed (the gap is
+    what the model reads from the text), and the cross-attention's distance from the diagonal;
+    the score (for `best.pt`) is the gap."""
+    with_text, no_text = held_out_loss(model, data), held_out_loss(model, data, drop_text=True)
+    guide = []
+    for start in range(0, len(data), 32):
+        inputs = data.batch(torch.arange(start, min(start + 32, len(data))))
+        guide.append(part_loss(model, inputs, 1.0)[1].item())
+    gap = no_text["loss"] - with_text["loss"]
+    return {"loss": round(with_text["loss"], 4), "no_text": round(no_text["loss"], 4), "gap": round(gap, 4),
+            "guided": round(float(np.mean(guide)), 4), "score": gap}
+
+
 def train_model(args) -> None:
     train = CodesData(args.codes, "train")
     config = dia_config(args.job, train.codebook_size, train.num_codebooks)
     model = new_model(config, args.seed)
+    if args.guided_attention or args.eval_every:
+        model.set_attn_implementation("eager")  # attention weights to guide and to measure; the same function
     clock = steps_per_second()
 
     def loss_fn(index, generator):
         batch = train.batch(index, generator, args.text_dropout)
-        loss = sum(model(**part).loss * share for part, share in split_by_length(batch, args.micro_batches))
-        return loss, {"steps_per_s": clock()}
+        parts = [(part_loss(model, part, args.guided_attention), share)
+                 for part, share in split_by_length(batch, args.micro_batches)]
+        lm = sum(loss * share for (loss, _), share in parts)
+        guided = sum(g * share for (_, g), share in parts)
+        metrics = {"steps_per_s": clock()}
+        if args.guided_attention:
+            metrics.update(lm=round(lm.item(), 4), guided=round(guided.item(), 4))
+        return lm + args.guided_attention * guided, metrics
 
     params = parameters(model)
     print(f"{args.job}: {params / 1e6:.2f}M parameters, {len(train)} training utterances, "
           f"{train.num_codebooks} codebooks x {train.codebook_size}, delay {config.delay_pattern}")
+    held_out = CodesData(args.codes, "eval") if args.eval_every else None
     train_loop(model, loss_fn, len(train), args, {"preset": args.job, "dia": config.to_dict(), "params": params,
-                                                  "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}})
+                                                  "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}},
+               heldout=(lambda: held_out_figures(model, held_out)) if held_out is not None else None)
 
 
 @torch.no_grad()
@@ -276,23 +332,13 @@ def held_out_loss(model: Any, data: CodesData, batch: int = 32, drop_text: bool 
 # ---------------------------------------------------------------------------- export, card
 
 
-def load_codec_any(source: str | Path) -> Any:
-    """A codec run of `train_speech.py codec` (checkpoint.pt) or a transformers DacModel folder."""
-    source = Path(source)
-    if (source / "checkpoint.pt").exists():
-        from benchmarks.train_speech import load_codec
-
-        return load_codec(str(source))
-    from transformers import DacModel
-
-    return DacModel.from_pretrained(source, dtype=torch.float32).eval()
-
-
 @torch.no_grad()
 def export(args) -> None:
     """`<out>/speech-tts` and `<out>/speech-tts-draft`: each the model (`save_pretrained`) and the
     codec in `codec/`, in `--dtype` (float16 by default; weights rounded first)."""
-    codec = load_codec_any(args.codec)
+    from benchmarks.train_speech import load_codec
+
+    codec = load_codec(args.codec)
     half = args.dtype == "float16"
     if half:
         codec = round_to_half(codec).half()
@@ -423,6 +469,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
         p.add_argument("--micro-batches", type=int, default=4, help="forward each batch in this many groups of "
                        "similar length (less padding; the same loss)")
+        p.add_argument("--guided-attention", type=float, default=0.0, help="weight of the guided attention loss on the "
+                       "decoder's cross-attention (0: off)")
+        p.add_argument("--eval-every", type=int, default=0, help="held-out figures every N steps (0: never): loss with "
+                       "and without the text, distance from the diagonal; best.pt keeps the best gap")
         add_training_arguments(p, lr, 16)
         p.set_defaults(steps=steps, log_every=25, save_every=200)
     exp = jobs.add_parser("export", help="write the two pipeline folders")

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import torch
 
-from benchmarks.train_tts import SAMPLING, CodesData, delay_pattern, delayed_row, main
+from benchmarks.train_tts import SAMPLING, CodesData, delay_pattern, delayed_row, guided_attention_loss, main
 from tests.audio.tiny import RATE, V, tiny_dac
 
 C = 3  # codebooks of the tiny codec
@@ -57,7 +57,7 @@ def test_rows_match_the_processor_and_resumed_training_equals_an_uninterrupted_r
         assert torch.equal(text, data.text_ids[i]) or not text.any()
 
     common = ["draft", "--codes", str(data_path), "--batch-size", "4", "--warmup", "2", "--log-every", "1", "--threads", "1",
-              "--steps", "4", "--text-dropout", "0.5"]
+              "--steps", "4", "--text-dropout", "0.5", "--guided-attention", "2.0", "--eval-every", "2"]
     main([*common, "--out", str(tmp_path / "straight")])
     # The same 4-step command stopped after 2 steps (as a kill after a checkpoint would), then again.
     main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "2"])
@@ -69,7 +69,27 @@ def test_rows_match_the_processor_and_resumed_training_equals_an_uninterrupted_r
     for key, tensor in straight["model"].items():
         assert torch.equal(tensor, resumed["model"][key]), key
     logs = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in logs] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) for r in logs)
+    steps = [r for r in logs if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and all(np.isfinite(r["loss"]) and 0 < r["guided"] < 1 for r in steps)
+    held_out = [r for r in logs if "heldout" in r]
+    assert [r["step"] for r in held_out] == [2, 4]
+    assert all(abs(r["heldout"]["gap"] - (r["heldout"]["no_text"] - r["heldout"]["loss"])) < 2e-4 for r in held_out)
+
+
+def test_guided_attention_loss_is_zero_on_the_diagonal_and_ignores_padding():
+    """Attention that reads text position s at frame t with s/S = t/T costs nothing; attention
+    that reads the text backwards costs much; padded text and frames count for nothing."""
+    S, L = 6, 12
+    text_mask, frame_mask = torch.ones(1, S + 2), torch.ones(1, L + 3)
+    text_mask[:, S:], frame_mask[:, L:] = 0, 0
+    diagonal, backwards = torch.zeros(1, 2, L + 3, S + 2), torch.zeros(1, 2, L + 3, S + 2)
+    for t in range(L):
+        diagonal[..., t, t * S // L] = 1
+        backwards[..., t, S - 1 - t * S // L] = 1
+    diagonal[..., L:, S:] = backwards[..., L:, S:] = 1.0  # padding: ignored
+    near, far = guided_attention_loss((diagonal,), text_mask, frame_mask), guided_attention_loss((backwards,), text_mask, frame_mask)
+    assert near < 0.05 and far > 0.5
+    assert torch.isclose(guided_attention_loss((diagonal, backwards), text_mask, frame_mask), (near + far) / 2)
 
 
 def test_export_loads_through_the_pipeline_and_speaks(tmp_path):
