@@ -2,7 +2,7 @@
 on the same request layer as the Gradio demos (`mmgen.apps.requests`).
 
     POST /v1/images/generations   class-conditional images (prompt = a class name), b64_json
-    POST /v1/chat/completions     vision-language chat; image_url parts as data: URLs; SSE streaming
+    POST /v1/chat/completions     vision-language chat; image_url and video_url parts as data: URLs; SSE streaming
     POST /v1/audio/speech         speech, streamed as its frames decode (wav or raw pcm16)
     POST /v1/videos               a video job; GET /v1/videos/{id} its status, .../content the MP4,
                                   .../events its blocks as they commit (server-sent events)
@@ -549,21 +549,29 @@ def decode_base64(text: str, what: str, param: str, limit: int) -> bytes:
     return data
 
 
+def data_url_bytes(url: Any, param: str, kind: str) -> bytes:
+    """The bytes of a `data:<kind>/...;base64,...` URL (`kind` "image" or "video"), bounded by the
+    upload limit before they are decoded; anything else is refused, and nothing is ever fetched."""
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ApiError(400, f"{param}: only data: URLs are accepted (the {kind} inside the request, base64); this "
+                            "server never fetches a URL", param=param, code="unsupported_url")
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64"):
+        example = {"image": "image/png", "video": "video/mp4"}.get(kind, kind)
+        raise ApiError(400, f"{param}: a data: URL must be base64 (data:{example};base64,...)", param=param)
+    media = header[len("data:"):].split(";")[0]
+    if media and not media.startswith(f"{kind}/"):
+        raise ApiError(400, f"{param}: a data: URL of {shown(media)}, not {'an' if kind[0] in 'aeiou' else 'a'} {kind}",
+                       param=param)
+    return decode_base64(payload, f"{param}'s {kind}", param, LIMITS.upload_bytes)
+
+
 def image_from_data_url(url: Any, param: str) -> Any:
     """An RGB image from a `data:image/...;base64,...` URL; anything else is refused, and nothing
     is ever fetched. Bounded in bytes and pixels before its pixels are decoded."""
     from mmgen.vlm.images import read_image
 
-    if not isinstance(url, str) or not url.startswith("data:"):
-        raise ApiError(400, f"{param}: only data: URLs are accepted (the image inside the request, base64); this "
-                            "server never fetches a URL", param=param, code="unsupported_url")
-    header, comma, payload = url.partition(",")
-    if not comma or not header.endswith(";base64"):
-        raise ApiError(400, f"{param}: a data: URL must be base64 (data:image/png;base64,...)", param=param)
-    kind = header[len("data:"):].split(";")[0]
-    if kind and not kind.startswith("image/"):
-        raise ApiError(400, f"{param}: a data: URL of {shown(kind)}, not an image", param=param)
-    data = decode_base64(payload, f"{param}'s image", param, LIMITS.upload_bytes)
+    data = data_url_bytes(url, param, "image")
     try:
         return read_image(io.BytesIO(data), param, LIMITS.image_pixels)
     except ValueError as error:
@@ -573,30 +581,29 @@ def image_from_data_url(url: Any, param: str) -> Any:
 @dataclass
 class Conversation:
     """OpenAI chat messages in the request layer's terms: the earlier turns (transformers' chat
-    format) and their images, and the last user turn's text and images."""
+    format) and their images and videos, and the last user turn's text, images and videos. A
+    video is its file's bytes: the request layer reads it (`vlm.check_request`)."""
 
     history: list[dict] = field(default_factory=list)
     history_images: list = field(default_factory=list)
+    history_videos: list = field(default_factory=list)
     message: str = ""
     images: list = field(default_factory=list)
-
-    def prompt(self) -> tuple[Any, list]:
-        """What the pipeline is prompted with (as the request layer builds it), and all images."""
-        turn = {"role": "user", "content": [*({"type": "image"} for _ in self.images),
-                                            {"type": "text", "text": self.message.strip()}]}
-        prompt = [[*self.history, turn]] if self.history else self.message.strip()
-        return prompt, [*self.history_images, *self.images]
+    videos: list = field(default_factory=list)
 
 
-def conversation_of(messages: Sequence[Mapping[str, Any]], max_images: int) -> Conversation:
+def conversation_of(messages: Sequence[Mapping[str, Any]], max_images: int,
+                    max_videos: int = vlm.MAX_VIDEOS) -> Conversation:
     """Check and convert OpenAI messages: user and assistant turns alternating, starting and
-    ending with a user turn; a user turn's parts are text and image_url (data: URLs only)."""
+    ending with a user turn; a user turn's parts are text, image_url and video_url (data: URLs
+    only; a video_url as vLLM takes it: `{"type": "video_url", "video_url": {"url": ...}}`)."""
     if not messages:
         raise ApiError(400, "messages must hold at least one user message", param="messages")
-    count = sum(1 for m in messages if isinstance(m.get("content"), list)
-                for part in m["content"] if isinstance(part, dict) and part.get("type") == "image_url")
-    if count > max_images:  # before any image is decoded
-        raise ApiError(400, f"at most {max_images} images per conversation on this server, got {count}", param="messages")
+    for kind, limit, noun in (("image_url", max_images, "images"), ("video_url", max_videos, "videos")):
+        count = sum(1 for m in messages if isinstance(m.get("content"), list)
+                    for part in m["content"] if isinstance(part, dict) and part.get("type") == kind)
+        if count > limit:  # before any is decoded
+            raise ApiError(400, f"at most {limit} {noun} per conversation on this server, got {count}", param="messages")
     out = Conversation()
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -614,40 +621,46 @@ def conversation_of(messages: Sequence[Mapping[str, Any]], max_images: int) -> C
         if unknown:
             raise ApiError(400, f"{where}: unknown field {unknown[0]!r}: this server does not take it",
                            param=f"{where}.{unknown[0]}")
-        texts, pictures = _parts(message.get("content"), role, where)
+        texts, pictures, clips = _parts(message.get("content"), role, where)
         text = "\n".join(texts)
         if i == len(messages) - 1:
             if role != "user":
                 raise ApiError(400, "the last message must be a user message", param=f"{where}.role")
-            out.message, out.images = text, pictures
-        elif role == "user":
+            out.message, out.images, out.videos = text, pictures, clips
+        elif role == "user":  # placeholders in the request layer's order: images, videos, text
             out.history.append({"role": "user", "content": [*({"type": "image"} for _ in pictures),
+                                                             *({"type": "video"} for _ in clips),
                                                              {"type": "text", "text": text}]})
             out.history_images.extend(pictures)
+            out.history_videos.extend(clips)
         else:
             out.history.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
     return out
 
 
-def _parts(content: Any, role: str, where: str) -> tuple[list[str], list]:
+def _parts(content: Any, role: str, where: str) -> tuple[list[str], list, list[bytes]]:
+    """A message's texts, images (decoded) and videos (their files' bytes)."""
     if isinstance(content, str):
-        return [content], []
+        return [content], [], []
     if not isinstance(content, list):
         raise ApiError(400, f"{where}.content must be text or a list of parts", param=f"{where}.content")
-    texts, pictures = [], []
+    texts, pictures, clips = [], [], []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
-        elif kind == "image_url" and role == "user":
-            ref = part.get("image_url")
+        elif kind in ("image_url", "video_url") and role == "user":
+            ref = part.get(kind)
             url = ref.get("url") if isinstance(ref, dict) else None
-            pictures.append(image_from_data_url(url, f"{at}.image_url.url"))
+            if kind == "image_url":
+                pictures.append(image_from_data_url(url, f"{at}.image_url.url"))
+            else:
+                clips.append(data_url_bytes(url, f"{at}.video_url.url", "video"))
         else:
             raise ApiError(400, f"{at}: a {role} message's parts are text"
-                                f"{' and image_url' if role == 'user' else ''}, got {shown(kind)}", param=at)
-    return texts, pictures
+                                f"{', image_url and video_url' if role == 'user' else ''}, got {shown(kind)}", param=at)
+    return texts, pictures, clips
 
 
 class StopText:
@@ -876,14 +889,15 @@ class Service:
         budget = next((b for b in (body.max_completion_tokens, body.max_tokens) if b is not None), None)
         seed = self.seed(body.seed)
         method = body.decoding or await self.thread(catalog.default_method, model)
-        ticket = self.admission.admit("vlm", model)  # before the images are decoded: their memory is bounded by the queue
+        ticket = self.admission.admit("vlm", model)  # before images and videos are decoded: the queue bounds their memory
         try:
             talk = await self.thread(conversation_of, body.messages, self.settings.max_images)
         except BaseException:
             ticket.done()
             raise
         ask = request_of(vlm.ChatRequest, model=model, message=talk.message, images=talk.images, history=talk.history,
-                         history_images=talk.history_images, method=method, temperature=body.temperature, seed=seed,
+                         history_images=talk.history_images, videos=talk.videos, history_videos=talk.history_videos,
+                         method=method, temperature=body.temperature, seed=seed,
                          max_new_tokens=self.settings.max_new_tokens if budget is None else budget)
         checked = await self.admitted(ticket, partial(vlm.check_request, ask, catalog, max_images=self.settings.max_images,
                                                       max_new_tokens=self.settings.max_new_tokens))
@@ -914,9 +928,9 @@ class Service:
             return tokens["completion"]
 
         async def usage() -> dict:
-            pipe = await self.thread(catalog.pipeline, model)
-            prompt, pictures = talk.prompt()
-            inputs = await self.thread(pipe.prepare_inputs, prompt, pictures or None)
+            # The prompt as the run saw it: the checked conversation, its images and videos (read once).
+            inputs = await self.thread(checked.pipe.prepare_inputs, checked.prompt, checked.images or None,
+                                       checked.videos or None)
             mask = inputs.get("attention_mask")
             prompt_tokens = int(mask.sum()) if mask is not None else int(inputs["input_ids"].shape[-1])
             completion = await completion_tokens()

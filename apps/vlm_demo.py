@@ -1,9 +1,9 @@
-"""The VLM demo: a Gradio chat about uploaded images (`mmgen demo vlm`).
+"""The VLM demo: a Gradio chat about uploaded images and videos (`mmgen demo vlm`).
 
 The layout only wires widgets to `handle_send` / `handle_model` / `handle_clear`, which turn
 widget values into a `ChatRequest` and the answers `stream_request` (`requests/vlm.py`, where
 inputs are checked) streams into the chat. The conversation the model sees (transformers'
-chat format and its images) lives in a per-session `gr.State`, never in what the page sends:
+chat format, its images and videos) lives in a per-session `gr.State`, never in what the page sends:
 an API caller cannot hand the server file paths as "earlier images". In compare mode a second
 chat shows plain autoregressive decoding without token dropping, answering the same
 conversation with the same seed.
@@ -15,6 +15,7 @@ whose theme, CSS and `plain_message` this module uses).
 from __future__ import annotations
 
 import logging
+import mimetypes
 import os
 from functools import partial
 from typing import Any, Optional
@@ -31,6 +32,7 @@ from mmgen.apps.requests.vlm import (  # noqa: E402
     MAX_IMAGES,
     MAX_MESSAGE_CHARS,
     MAX_NEW_TOKENS,
+    MAX_VIDEOS,
     NO_DROPPING,
     ChatRequest,
     ChatResult,
@@ -47,8 +49,14 @@ STATS_COLUMNS = ["run", "forwards", "tokens", "tokens/forward", "time (s)", "ms/
 
 
 def empty_state() -> dict:
-    """A new conversation: what the model sees (`history`, `images`) and what the two chats show."""
-    return {"history": [], "images": [], "chat": [], "baseline": []}
+    """A new conversation: what the model sees (`history`, `images`, `videos`) and what the two chats show."""
+    return {"history": [], "images": [], "videos": [], "chat": [], "baseline": []}
+
+
+def is_video_file(path: Any) -> bool:
+    """Whether an upload is a video (by its file name's type): it goes to the request's videos."""
+    kind = mimetypes.guess_type(str(path))[0] if isinstance(path, (str, os.PathLike)) else None
+    return bool(kind and kind.startswith("video/"))
 
 
 def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, message: Any, state: Optional[dict],
@@ -60,9 +68,11 @@ def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, messa
     message = message if isinstance(message, dict) else {"text": message, "files": []}
     files = [f if isinstance(f, str) else f.get("path") if isinstance(f, dict) else getattr(f, "path", f)
              for f in message.get("files") or []]
-    request = ChatRequest(model=model, message=message.get("text"), images=files, history=state["history"],
-                          history_images=state["images"], method=method, dropping=dropping, keep_ratio=keep_ratio,
-                          temperature=temperature, seed=seed, max_new_tokens=budget, compare=bool(compare))
+    request = ChatRequest(model=model, message=message.get("text"), images=[f for f in files if not is_video_file(f)],
+                          videos=[f for f in files if is_video_file(f)], history=state["history"],
+                          history_images=state["images"], history_videos=state.get("videos", []), method=method,
+                          dropping=dropping, keep_ratio=keep_ratio, temperature=temperature, seed=seed,
+                          max_new_tokens=budget, compare=bool(compare))
     events = stream_request(request, catalog, max_images, max_new_tokens)
     shown_turn = {"role": "user", "content": [*({"path": f} for f in files), request.message]}
     chats = {BASELINE_LABEL: [*state["baseline"], shown_turn], "method": [*state["chat"], shown_turn]}
@@ -80,7 +90,8 @@ def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, messa
     for i, run in enumerate(result.runs):
         answers[i] = run.text
     method_chat, baseline_chat = _chats(chats, answers, request.compare)
-    new_state = {"history": result.history, "images": result.history_images, "chat": method_chat,
+    new_state = {"history": result.history, "images": result.history_images, "videos": result.history_videos,
+                 "chat": method_chat,
                  "baseline": baseline_chat if request.compare else state["baseline"]}
     yield (_chat_update(method_chat, result.method.label), gr.update(value=baseline_chat, visible=request.compare),
            pd.DataFrame(result.stats_rows(), columns=STATS_COLUMNS), new_state, gr.update(value=None))
@@ -128,7 +139,8 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
     offered = catalog.methods(first)
     companions = ", ".join(catalog.companions) or "none"
     with gr.Blocks(title="mmgen VLM demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
-        gr.Markdown("## mmgen: fast vision-language decoding\nUpload images and ask about them. Pick a decoding "
+        gr.Markdown("## mmgen: fast vision-language decoding\nUpload images (or videos, for models that take them: "
+                    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision) and ask about them. Pick a decoding "
                     "method and a visual-token dropping policy; *compare* answers the same conversation with plain "
                     f"autoregressive decoding and no dropping beside it. Drafter models: {companions}.")
         state = gr.State(empty_state())
@@ -155,8 +167,9 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
                     baseline_chat = gr.Chatbot(label=f"baseline: {BASELINE_LABEL}, no dropping", visible=False,
                                                elem_id="baseline-chat", height=360, buttons=["copy"])
                     chat = gr.Chatbot(label="method", elem_id="chat", height=360, buttons=["copy"])
-                message = gr.MultimodalTextbox(placeholder=f"Ask about the images (up to {max_images} per conversation)",
-                                               file_types=["image"], file_count="multiple", sources=["upload"],
+                message = gr.MultimodalTextbox(placeholder=f"Ask about the images or videos (up to {max_images} images and "
+                                                           f"{MAX_VIDEOS} videos per conversation)",
+                                               file_types=["image", "video"], file_count="multiple", sources=["upload"],
                                                max_plain_text_length=MAX_MESSAGE_CHARS, show_label=False, elem_id="message")
                 stats = gr.Dataframe(headers=STATS_COLUMNS, label="Stats", interactive=False, wrap=True, elem_id="stats")
         cleared = [chat, baseline_chat, stats, state]

@@ -1,4 +1,4 @@
-"""`mmgen batch` for text jobs: answers to prompts about images from a JSONL job file, resumable
+"""`mmgen batch` for text jobs: answers to prompts about images or videos from a JSONL job file, resumable
 and sharded over the ranks of a torchrun job, like the image jobs (`mmgen.image_ar.batch`).
 
     mmgen batch questions.jsonl --out answers/ [--batch-size 8] [--on-error stop|skip]
@@ -7,16 +7,21 @@ One job per line (a job with a `prompt` is a text job):
 
     {"prompt": "What is this emoji?", "images": ["cat.png"], "output": "cat-name"}
     {"model": "emoji-vlm", "prompt": "Which colour is it?", "images": ["cat.png"], "decoding": "draft", "output": "cat-colour"}
+    {"model": "path/to/qwen2.5-vl", "prompt": "What happens?", "videos": ["clip.mp4"], "output": "clip"}
 
 Required: `prompt` (a question, or a chat conversation in transformers' message format) and
 `output` (a file-name stem, unique in the file: the answer goes to `<out>/<output>.json`).
 Optional: `model` (default the bundled `emoji-vlm`), `images` (image files, relative to the
-working directory as on the command line), `decoding` (a `generate text --decoding` spec,
-default "ar"), `seed` (default 0), `max_new_tokens` (default 64), `temperature`, `top_k`,
-`top_p`, `dropping`, `keep_ratio`, `draft_dropping` (as the `mmgen generate text` flags). Every
-line is checked before any work (JSON, fields, images readable, models load, decoding and
-dropping specs valid, `max_new_tokens` within the model's context, `temperature` in [0, 100],
-`top_k` >= 0, `top_p` in (0, 1]); `--on-error` as for image jobs.
+working directory as on the command line), `videos` (video files, likewise, after the images;
+for the families that take video, as `generate text --video`), `decoding` (a `generate text
+--decoding` spec, default "ar"), `seed` (default 0), `max_new_tokens` (default 64),
+`temperature`, `top_k`, `top_p`, `dropping`, `keep_ratio`, `draft_dropping` (as the `mmgen
+generate text` flags). Every line is checked before any work (JSON, fields, images and videos
+readable, models load and take the line's videos, decoding and dropping specs valid,
+`max_new_tokens` within the model's context with the line's images and videos, `temperature`
+in [0, 100], `top_k` >= 0, `top_p` in (0, 1]); `--on-error` as for image jobs. Images are kept
+from the check to the run; videos are read again when their group runs (only a group's are in
+memory at once).
 
 Groups and seeds: jobs of one model and options are packed in file order into calls of up to
 `--batch-size` rows with one generator seeded from their seeds (`mmgen.batch.group_seed`: a
@@ -50,26 +55,29 @@ from mmgen.cli import check_seed
 
 from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags
 from mmgen.vlm.images import read_image
+from mmgen.vlm.videos import read_video, video_family_check
 
 REQUIRED = {"prompt": "prompt", "output": "str"}
-OPTIONAL = {"model": "str", "images": "paths", "decoding": "str", "seed": "int", "max_new_tokens": "int",
-            "temperature": "float", "top_k": "int", "top_p": "float", "dropping": "str", "keep_ratio": "float",
-            "draft_dropping": "str"}
+OPTIONAL = {"model": "str", "images": "paths", "videos": "paths", "decoding": "str", "seed": "int",
+            "max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float", "dropping": "str",
+            "keep_ratio": "float", "draft_dropping": "str"}
 KINDS = {
     **FIELD_KINDS,
     "paths": ("a list of file paths", lambda v: isinstance(v, list) and all(isinstance(p, str) for p in v)),
     "prompt": ("a non-empty string or a list of chat messages", lambda v: (isinstance(v, str) and bool(v.strip()))
                or (isinstance(v, list) and bool(v) and all(isinstance(m, dict) for m in v))),
 }
-DEFAULTS = {"model": DEFAULT_MODEL, "images": [], "decoding": "ar", "seed": 0, "max_new_tokens": 64, "temperature": 0.0,
-            "top_k": 0, "top_p": 1.0, "dropping": None, "keep_ratio": None, "draft_dropping": None}
+DEFAULTS = {"model": DEFAULT_MODEL, "images": [], "videos": [], "decoding": "ar", "seed": 0, "max_new_tokens": 64,
+            "temperature": 0.0, "top_k": 0, "top_p": 1.0, "dropping": None, "keep_ratio": None, "draft_dropping": None}
 
 
 @dataclass(frozen=True, eq=False)
 class TextJob(FileJob):
-    """One valid line, with its defaults filled in (`fields`) and its images read."""
+    """One valid line, with its defaults filled in (`fields`), its images read and its videos'
+    paths (checked, read when its group runs)."""
 
     images: tuple = ()
+    videos: tuple = ()
     CALL_FIELDS = ("model", "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "dropping", "keep_ratio",
                    "draft_dropping")
     SUFFIX = ".json"
@@ -99,7 +107,8 @@ class TextCall:
     def __call__(self, jobs: list[TextJob], seed: int, device: str):
         from mmgen.sampling import make_generator
 
-        return self.pipe([job.fields["prompt"] for job in jobs], _images(jobs), generator=make_generator(seed, device),
+        return self.pipe([job.fields["prompt"] for job in jobs], _per_job([job.images for job in jobs]),
+                         videos=_per_job([job.videos for job in jobs]), generator=make_generator(seed, device),
                          **self.options)
 
     def each(self, jobs: list[TextJob], device: str, batch_size: int, on_result) -> None:
@@ -108,18 +117,19 @@ class TextCall:
         from mmgen.sampling import make_generator
 
         options = {name: self.options[name] for name in ("max_new_tokens", "decoding", "temperature", "top_k", "top_p")}
-        self.pipe.answer_each([job.fields["prompt"] for job in jobs], _images(jobs),
+        self.pipe.answer_each([job.fields["prompt"] for job in jobs], _per_job([job.images for job in jobs]),
                               [make_generator(job.fields["seed"], device) for job in jobs], batch_size,
-                              lambda i, text, ids, stats: on_result(i, (text, ids, stats)), **options)
+                              lambda i, text, ids, stats: on_result(i, (text, ids, stats)),
+                              videos=_per_job([job.videos for job in jobs]), **options)
 
 
-def _images(jobs: list[TextJob]) -> Any:
-    """The pipeline's `images` argument for these jobs: None without any, one prompt's list for
-    one job, else one list per job."""
-    images = [list(job.images) for job in jobs]
-    if not any(images):
+def _per_job(inputs: list[tuple]) -> Any:
+    """The pipeline's `images` or `videos` argument from each job's: None without any, one
+    prompt's list for one job, else one list per job."""
+    lists = [list(x) for x in inputs]
+    if not any(lists):
         return None
-    return images[0] if len(jobs) == 1 else images
+    return lists[0] if len(lists) == 1 else lists
 
 
 def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype, continuous: bool = False) -> TextCall:
@@ -154,11 +164,17 @@ def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = Fa
     pipes = model_memo(lambda model: load_pipeline(model, device=device, dtype=dtype))
 
     def make_job(line: int, spec: dict, fields: dict) -> TextJob:
-        return TextJob(line, spec, fields, tuple(read_image(p, f"image {p}") for p in fields["images"]))
+        return TextJob(line, spec, fields, tuple(read_image(p, f"image {p}") for p in fields["images"]),
+                       tuple(fields["videos"]))
 
     def check_inputs(job: TextJob, call: TextCall) -> None:
+        # The model's family takes video, then each video through the pipeline's reader (dropped after the check).
+        videos = None
+        if job.videos:
+            video_family_check(getattr(call.pipe.model.config, "model_type", None))
+            videos = [read_video(p, f"video {p}") for p in job.videos]
         # Conversations and placeholders, and the prompt plus its budget within the model's context.
-        inputs = call.pipe.prepare_inputs(job.fields["prompt"], list(job.images) or None)
+        inputs = call.pipe.prepare_inputs(job.fields["prompt"], list(job.images) or None, videos)
         call.pipe.check_context(inputs, job.fields["max_new_tokens"])
 
     return load_file_jobs(path, check_fields, make_job,

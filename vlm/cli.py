@@ -1,7 +1,8 @@
-"""`mmgen generate text`: answer a prompt about images with a vision-language model.
+"""`mmgen generate text`: answer a prompt about images (or videos) with a vision-language model.
 
     mmgen generate text --image cat.png --prompt "what is this emoji?" [--model emoji-vlm] [--decoding draft]
         [--dropping fastv --keep-ratio 0.25] [--stream]
+    mmgen generate text --model Qwen/Qwen2.5-VL-3B-Instruct --video clip.mp4 --prompt "what happens?"
 
 The default model is the bundled `emoji-vlm` (offline); `--decoding draft` pairs it with the
 bundled `emoji-vlm-draft`. Any transformers image-text-to-text folder or Hub repo of a family
@@ -14,6 +15,7 @@ The pipeline (and transformers) is imported only when the command runs, so build
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Optional
 
 from mmgen.cli import DTYPES, add_json_flag, report, seed_arg
@@ -30,7 +32,11 @@ def register(commands, groups) -> None:
                       help=f"a bundled model (default {DEFAULT_MODEL}), a transformers image-text-to-text folder or a "
                            "Hugging Face repo id (LLaVA, LLaVA-NeXT, LLaVA-OneVision, Qwen2/2.5/3-VL, Idefics3, SmolVLM, "
                            "Gemma3, PaliGemma, InternVL, Mistral3, AyaVision)")
-    text.add_argument("--image", nargs="*", default=[], metavar="PATH", help="image files the prompt is about (any number)")
+    text.add_argument("--image", nargs="*", action="extend", default=[], metavar="PATH",
+                      help="image files the prompt is about (any number; repeatable)")
+    text.add_argument("--video", nargs="*", action="extend", default=[], metavar="PATH",
+                      help="video files the prompt is about, after its images (any number; repeatable), decoded through "
+                           "PyAV; for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and LLaVA-OneVision models")
     text.add_argument("--prompt", required=True, help="the question or instruction")
     text.add_argument("--decoding", default="ar", metavar="SPEC",
                       help="a token decoder: ar (default), sjd, sjd-coupled, lookup, gsd, draft (the model's bundled "
@@ -76,6 +82,7 @@ def generate_text(args: argparse.Namespace) -> int:
     cls = pipeline_class_of(args.model)
     if getattr(cls, "conditions", None) != "prompt" or not hasattr(cls, "stream"):
         raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a vision-language model")
+    videos = read_videos(args.model, args.video)
     if args.drafter is not None and parse_decoding(args.decoding)[0] not in cls.companions:
         raise ValueError(f"--drafter is for --decoding draft, not {args.decoding!r}")
     if args.drafter is not None:
@@ -94,7 +101,7 @@ def generate_text(args: argparse.Namespace) -> int:
     given = {"drafter": args.drafter} if args.drafter is not None else {}
     decoder = decoder_from_spec(args.decoding, pipe, args.model, args.device, dtype, **given)
     call = dict(max_new_tokens=args.max_new_tokens, decoding=decoder, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, dropping=dropping, draft_dropping=draft_dropping)
+                top_p=args.top_p, dropping=dropping, draft_dropping=draft_dropping, videos=videos or None)
     if args.stream:
         for _, piece in pipe.stream(args.prompt, images or None, generator=make_generator(args.seed, args.device), **call):
             print(piece, end="", flush=True)
@@ -108,6 +115,26 @@ def generate_text(args: argparse.Namespace) -> int:
                               "kept_tokens": out.dropping.kept_tokens}
     report(args, [out.texts[0]], record)
     return 0
+
+
+def read_videos(model: str, paths: list[str]) -> list:
+    """The --video files as [T, H, W, 3] uint8 arrays (`mmgen.vlm.videos.read_video`: the
+    pipeline's own reader and bounds), once the model's config.json says its family takes video:
+    both before any weights load. ValueError naming the file or the model_type otherwise."""
+    if not paths:
+        return []
+    from mmgen.hub import read_json, resolve_path
+    from mmgen.loading import resolve_model
+    from mmgen.vlm.videos import read_video, video_family_check
+
+    source = resolve_model(model)  # a folder, or a Hub repo id (only its config.json is fetched)
+    config = source / "config.json" if isinstance(source, Path) else resolve_path(source, "config.json")
+    model_type = read_json(config).get("model_type")
+    try:
+        video_family_check(model_type)
+    except ValueError as error:
+        raise ValueError(f"--video: {error}") from None
+    return [read_video(path, f"--video {path}") for path in paths]
 
 
 def dropping_from_flags(spec: Optional[str], keep_ratio: Optional[float]):

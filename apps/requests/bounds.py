@@ -22,15 +22,17 @@ class Limits:
     """What one request may ask for, whichever surface it came through. A surface may lower a
     limit (`--max-images`), never raise it above these."""
 
-    upload_bytes: int = 16 * 1024 * 1024  # one uploaded file (an image, a voice), refused before it is read
-    body_bytes: int = 64 * 1024 * 1024  # one HTTP request body (images travel inside it as data: URLs)
+    upload_bytes: int = 16 * 1024 * 1024  # one uploaded file (an image, a voice, a video), refused before it is read
+    body_bytes: int = 64 * 1024 * 1024  # one HTTP request body (images and videos travel inside it as data: URLs)
     image_pixels: int = 4096 * 4096  # an image larger than this is refused before it is decoded
     audio_seconds: float = 30.0  # a voice prompt
     text_chars: int = 2000  # a prompt, a message, a text to speak
     images: int = 16  # images made by one request, or read by one conversation
     new_tokens: int = 512  # an answer
     new_frames: int = 4096  # decoder frames of an utterance
-    video_frames: int = 321  # frames of a video (20 s at 16 fps)
+    video_frames: int = 321  # frames of a video, made or read (20 s at 16 fps)
+    video_pixels: int = 1 << 25  # a video read, over all its frames (~100 MB as RGB): refused while it decodes
+    videos: int = 4  # videos read by one conversation
     turns: int = 16  # user turns of one conversation
 
 

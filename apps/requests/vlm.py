@@ -1,11 +1,14 @@
-"""Vision-language requests: check a chat turn's inputs, answer the conversation so far with the
-chosen decoding method and token dropping (and, in compare mode, with plain autoregressive
-decoding and no dropping on the same seed first), streaming each answer as its tokens commit.
+"""Vision-language requests: check a chat turn's inputs (text, images, videos), answer the
+conversation so far with the chosen decoding method and token dropping (and, in compare mode,
+with plain autoregressive decoding and no dropping on the same seed first), streaming each
+answer as its tokens commit.
 Shared by the VLM demo and `mmgen serve`'s `/v1/chat/completions`; importing it needs no gradio.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -14,6 +17,7 @@ from mmgen import registry
 from mmgen.decoding import DecodeStats
 from mmgen.sampling import make_generator
 from mmgen.vlm.cli import read_image
+from mmgen.vlm.videos import as_video, read_video, video_family_check
 
 from .bounds import LIMITS, MAX_SEED, MAX_TEMPERATURE, check_pixels, checked_text, integer, items, number, shown
 from .catalog import COMPANION_SUFFIXES, Catalog, folder_field, model_folder
@@ -24,6 +28,10 @@ DEFAULT_MODEL = "emoji-vlm"
 MAX_NEW_TOKENS = LIMITS.new_tokens  # hard cap of an answer's length, whatever --max-new-tokens says
 MAX_IMAGES = 8  # hard cap of a conversation's images, whatever --max-images says
 MAX_IMAGE_PIXELS = LIMITS.image_pixels  # an upload larger than this is refused before it is decoded
+MAX_VIDEOS = LIMITS.videos  # hard cap of a conversation's videos
+MAX_VIDEO_BYTES = LIMITS.upload_bytes  # a video file larger than this is refused before it is read
+MAX_VIDEO_FRAMES = LIMITS.video_frames  # a video's frames and pixels: past either, its decoding stops with a refusal
+MAX_VIDEO_PIXELS = LIMITS.video_pixels
 MAX_MESSAGE_CHARS = LIMITS.text_chars
 MAX_TURNS = LIMITS.turns  # user turns in one conversation
 NO_DROPPING = "none"
@@ -102,14 +110,19 @@ class ChatRequest:
     """One press of Send: the new user turn, the conversation before it, and the settings.
 
     `history` is transformers' chat format ([{"role": "user", "content": [{"type": "image"},
-    {"type": "text", "text": ...}]}, {"role": "assistant", "content": [...]}, ...]) and
-    `history_images` the images of its image placeholders, in order."""
+    {"type": "video"}, {"type": "text", "text": ...}]}, {"role": "assistant", "content": [...]},
+    ...]) and `history_images` / `history_videos` the images and videos of its placeholders, in
+    order. A video is a file's path (an upload), a file's bytes (a data: URL's) or what the
+    pipeline takes (a [T, H, W, 3] uint8 array, a list of frames); only the families that take
+    video (`mmgen.vlm.videos.VIDEO_FAMILIES`) accept one."""
 
     model: str
     message: str
     images: Sequence[Any] = ()  # this turn's images: PIL images or file paths
     history: Sequence[dict] = ()
     history_images: Sequence[Any] = ()
+    videos: Sequence[Any] = ()  # this turn's videos (after its images)
+    history_videos: Sequence[Any] = ()
     method: str = "ar"
     dropping: str = NO_DROPPING
     keep_ratio: float = 0.25
@@ -148,6 +161,7 @@ class ChatResult(Result):
     runs: list[ChatRun]
     history: list[dict] = field(default_factory=list)
     history_images: list = field(default_factory=list)
+    history_videos: list = field(default_factory=list)  # [T, H, W, 3] uint8 arrays, as read
     unit = "token"
 
     def stats_rows(self) -> list[dict[str, Any]]:
@@ -173,13 +187,14 @@ class Progress:
 @dataclass(frozen=True)
 class CheckedChat:
     """A chat request whose every input passed its checks (`check_request`): the conversation,
-    its images and the runs to make. Making one loads the model's pipeline if needed, and runs
-    nothing."""
+    its images and videos (read) and the runs to make. Making one loads the model's pipeline if
+    needed, and runs nothing."""
 
     request: ChatRequest
     pipe: Any
     conversation: list
     images: list
+    videos: list  # [T, H, W, 3] uint8 arrays, the conversation's in order
     prompt: Any  # what the pipeline takes: the message alone for a first turn, else the conversation
     token_limit: int  # the shared batch's token budget (the server's or the layer's cap)
     budget: int
@@ -202,7 +217,7 @@ def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4
     if not isinstance(request.method, str) or request.method not in offered:
         raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
     dropping = _dropping(request.dropping, request.keep_ratio)
-    history, history_images = _history(request.history, request.history_images)
+    history, history_images, history_videos = _history(request.history, request.history_images, request.history_videos)
     images = [_image(image) for image in items("images", request.images)]
     limit = max(1, min(int(max_images), MAX_IMAGES))
     if len(history_images) + len(images) > limit:
@@ -210,14 +225,17 @@ def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4
                          "clear the chat to start again")
     if sum(m["role"] == "user" for m in history) >= MAX_TURNS:
         raise ValueError(f"at most {MAX_TURNS} turns per conversation: clear the chat to start again")
-    turn = {"role": "user", "content": [*({"type": "image"} for _ in images), {"type": "text", "text": message}]}
+    new_videos = items("videos", request.videos)
+    videos = _videos(pipe, [*history_videos, *new_videos])
+    turn = {"role": "user", "content": [*({"type": "image"} for _ in images), *({"type": "video"} for _ in new_videos),
+                                        {"type": "text", "text": message}]}
     conversation = [*history, turn]
     # One turn goes in as text (what every VLMPipeline takes), a longer chat as the conversation.
     prompt = [conversation] if history else message
     label = request.method + (f" · {dropping}" if dropping else "")
     plan = ((BASELINE_LABEL, "ar", None),) if request.compare else ()
-    return CheckedChat(request, pipe, conversation, [*history_images, *images], prompt, cap, budget, seed, temperature,
-                       plan + ((label, request.method, dropping),))
+    return CheckedChat(request, pipe, conversation, [*history_images, *images], videos, prompt, cap, budget, seed,
+                       temperature, plan + ((label, request.method, dropping),))
 
 
 def run_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
@@ -244,7 +262,7 @@ def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[Progre
     if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
         run_label = f"{plan[-1][0]} (continuous batch)"
         stream = shared.stream(checked.prompt, checked.images or None, make_generator(checked.seed, catalog.device),
-                               checked.budget)
+                               checked.budget, videos=checked.videos or None)
         text, tokens, stats = yield from relay(stream, _answer_so_far(0, run_label))
         runs.append(ChatRun(run_label, text, len(tokens), stats))
         plan = []
@@ -254,11 +272,11 @@ def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[Progre
                         temperature=checked.temperature, generator=make_generator(checked.seed, catalog.device))
             if policy is not None:
                 call["dropping"] = policy
-            stream = pipe.stream(checked.prompt, checked.images or None, **call)
+            stream = pipe.stream(checked.prompt, checked.images or None, videos=checked.videos or None, **call)
             answer = yield from relay(stream, _answer_so_far(index, run_label, lambda item: item[1]))
             runs.append(ChatRun(run_label, answer.texts[0], int(answer.lengths[0]), answer.stats, _tokens_kept(answer)))
     reply = {"role": "assistant", "content": [{"type": "text", "text": runs[-1].text}]}
-    return ChatResult(runs, [*checked.conversation, reply], checked.images)
+    return ChatResult(runs, [*checked.conversation, reply], checked.images, checked.videos)
 
 
 def _answer_so_far(index: int, label: str, piece_of: Any = lambda item: item):
@@ -290,26 +308,64 @@ def _image(image: Any) -> Any:
     raise ValueError(f"an image must be an image file or a PIL image, got {shown(image)}")
 
 
-def _history(history: Any, images: Any) -> tuple[list[dict], list]:
-    """The earlier turns, checked: alternating user/assistant messages of text and image
-    placeholders, as many images as placeholders."""
-    messages, pictures = items("history", history), items("history images", images)
-    placeholders = 0
+def _videos(pipe: Any, videos: list) -> list:
+    """A conversation's videos read (`_video`), after their count and the model's family (one
+    line naming its model_type when it takes none) are checked: before any is decoded."""
+    if not videos:
+        return []
+    if len(videos) > MAX_VIDEOS:
+        raise ValueError(f"at most {MAX_VIDEOS} videos per conversation, got {len(videos)}: clear the chat to start again")
+    video_family_check(getattr(getattr(getattr(pipe, "model", None), "config", None), "model_type", None))
+    return [_video(video, f"video {k + 1} of the conversation") for k, video in enumerate(videos)]
+
+
+def _video(video: Any, label: str) -> Any:
+    """A [T, H, W, 3] uint8 array through the pipeline's own video checks (`mmgen.vlm.videos`),
+    bounded in frames and pixels while it decodes. A file (an upload's path: named by its file
+    name, never its server-side path) or a file's bytes (a data: URL's, read from a private
+    temporary file removed after) is bounded in bytes before it is read."""
+    if isinstance(video, (str, os.PathLike)):
+        path = Path(video)
+        if not path.is_file():  # not a regular file: a device, a folder or nothing
+            raise ValueError(f"{path.name}: not a video file")
+        if path.stat().st_size > MAX_VIDEO_BYTES:
+            raise ValueError(f"{path.name} is {path.stat().st_size} bytes; a video may have at most {MAX_VIDEO_BYTES}")
+        return read_video(path, path.name, MAX_VIDEO_FRAMES, MAX_VIDEO_PIXELS)
+    if isinstance(video, (bytes, bytearray)):
+        if len(video) > MAX_VIDEO_BYTES:
+            raise ValueError(f"{label} is over {MAX_VIDEO_BYTES} bytes; at most {MAX_VIDEO_BYTES} are accepted")
+        descriptor, name = tempfile.mkstemp(prefix="mmgen-video-")  # readable by this user only
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(video)
+            return read_video(name, label, MAX_VIDEO_FRAMES, MAX_VIDEO_PIXELS)
+        finally:
+            os.unlink(name)
+    return as_video(video, label, MAX_VIDEO_FRAMES, MAX_VIDEO_PIXELS)
+
+
+def _history(history: Any, images: Any, videos: Any = ()) -> tuple[list[dict], list, list]:
+    """The earlier turns, checked: alternating user/assistant messages of text and image and
+    video placeholders, as many images and videos as placeholders (the videos not read yet)."""
+    messages, pictures, clips = items("history", history), items("history images", images), items("history videos", videos)
+    placeholders = {"image": 0, "video": 0}
     for i, message in enumerate(messages):
         role = "user" if i % 2 == 0 else "assistant"
         if not isinstance(message, dict) or message.get("role") != role or not isinstance(message.get("content"), list):
             raise ValueError(f"history message {i} must be a {role} message in transformers' chat format")
         for part in message["content"]:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "image" and role == "user":
-                placeholders += 1
+            if kind in placeholders and role == "user" and set(part) == {"type"}:  # bare: no path or URL rides along
+                placeholders[kind] += 1
             elif kind != "text" or not isinstance(part.get("text"), str) or len(part["text"]) > MAX_MESSAGE_CHARS * 2:
                 raise ValueError(f"history message {i} has an unexpected part {shown(part)}")
     if len(messages) % 2:
         raise ValueError("the history must end with an assistant message")
-    if placeholders != len(pictures):
-        raise ValueError(f"the history has {placeholders} image placeholders but {len(pictures)} images")
-    return messages, [_image(image) for image in pictures]
+    if placeholders["image"] != len(pictures):
+        raise ValueError(f"the history has {placeholders['image']} image placeholders but {len(pictures)} images")
+    if placeholders["video"] != len(clips):
+        raise ValueError(f"the history has {placeholders['video']} video placeholders but {len(clips)} videos")
+    return messages, [_image(image) for image in pictures], clips
 
 
 def _dropping(policy: Any, keep_ratio: Any) -> Optional[str]:
