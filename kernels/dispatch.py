@@ -5,8 +5,11 @@ and its torch twin (the core's own code path) everywhere else.
 "auto" (the default), "twin" or "triton". Forcing "triton" on CPU tensors runs Triton's
 interpreter, which needs TRITON_INTERPRET=1 set before triton is first imported (the tests do
 that in a subprocess). Nothing here imports triton or the kernel modules until an op runs, so
-`import mmgen.kernels` works without triton, and the decoding loop may import this package
-(the kernel modules import the loop's own functions, so the loop must not import them directly).
+`import mmgen.kernels` works without triton (and without the decoders: it loads the sampling
+module alone). The kernel modules import the core's rules (`mmgen.decoding.acceptance`,
+`mmgen.decoding.finalise`), never the decoding loop, which imports this package and `step.py`
+when a decode starts: the two never import each other's modules in a cycle
+(tests/test_import_rules.py).
 """
 
 from __future__ import annotations

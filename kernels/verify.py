@@ -20,9 +20,9 @@ the bonus tokens [B]. The acceptance decisions are bit-identical to the twin's (
 IEEE division and comparisons); the residual's normalising sum is the kernel's own, so the
 resampled token matches the twin's for the same noise up to float32 near-ties.
 
-Only the exact rule is fused here. Grouped (GSD) and relaxed (LANTERN) acceptance need the
-draft's probability rank or its codebook neighbours at every position and are not fused yet;
-neither are frames of K > 1 codebooks.
+Only the exact rule is verified here. A bounded lossy rule (GSD's groups, LANTERN's
+neighbourhoods) is this exact verify against its relaxed target, which `kernels/grouped.py` and
+`kernels/relaxed.py` build first (`step.ExactStep`). Frames of K > 1 codebooks are not fused.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from typing import Any, Optional, Union
 
 from mmgen import registry
 from mmgen.cache import StaticKVCache
-from mmgen.decoding import Autoregressive, DecodeStats, ExactAcceptance, SpeculativeJacobi, resolve_decoder
 from mmgen.modeling import ContinuousModel, ContinuousState, DecodeState, HeadSample, ScaleModel, ScaleState, TokenModel
 from mmgen.registry import pipeline_class, register_pipeline
 from mmgen.sampling import ConstantGuidance, IntervalGuidance, LinearProgressGuidance, Logits, RampGuidance, SamplingConfig
@@ -36,7 +35,16 @@ except metadata.PackageNotFoundError:  # a source tree that was never installed
 
 
 
+#: Names re-exported from `mmgen.decoding`, imported on first use: `import mmgen.kernels` (which
+#: the decoding loop imports lazily) then loads no decoder, so neither package loads the other.
+_DECODING = ("Autoregressive", "DecodeStats", "ExactAcceptance", "SpeculativeJacobi", "resolve_decoder")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DECODING:
+        import mmgen.decoding
+
+        return getattr(mmgen.decoding, name)
     # Pipeline classes resolve through the registry, importing their module on first use.
     if name.endswith("Pipeline") and registry.is_pipeline_name(name):
         return registry.pipeline_class(name)  # not cached: the registry stays the one truth
@@ -44,7 +52,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(registry.pipeline_names()))
+    return sorted(set(globals()) | set(_DECODING) | set(registry.pipeline_names()))
 
 
 def load_pipeline(name_or_path: Union[str, os.PathLike], device: Union[str, Any, None] = None,

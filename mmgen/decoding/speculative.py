@@ -10,11 +10,19 @@ Every token decoder of the core is this loop with two roles filled in (gpt-fast'
 - an **acceptance rule** (`mmgen.decoding.acceptance`) says which drafts survive and what to
   resample at the first rejection.
 
-The loop owns the rest, once: the prefill token, per-row positions, the finalise step (accepted
-prefix + one resampled or bonus token; the rule is `finalise.py`'s), stopping (per-row stop
-tokens and lengths, nothing after a stop is ever emitted or committed; `stopping.py`),
-streaming, stats and the one host sync per forward. The tensor helpers for rows of tokens or
-frames are `frames.py`'s, shared with entropy switching.
+The loop (`speculative_decode`) reads as those four steps; the rest is small collaborators,
+each behind a narrow interface:
+
+- `DecodeRun`: the rows' tokens and positions, shared with the proposer.
+- `VerifyStep`: verify and finalise one forward: the rule on the drafts, then the accepted
+  prefix plus one resampled or bonus token (`finalise.py`'s rule); the fused kernels' step
+  (`mmgen.kernels.step`) in its place where it covers the case, with the same draws.
+- `stopping.RowEnds`: each row's budget and stop tokens; nothing after a stop is ever emitted
+  or committed.
+- `window.window_chooser`: each forward's draft count (`AdaptiveWindow`, or fixed).
+- the rows: `BatchRows` (one batch: the prefill's token 0, progress and streaming after each
+  forward) or `feed.FeedRows` (continuous batching: rows that finish take the next request).
+- `frames.py`: the tensor helpers for rows of tokens or frames, shared with entropy switching.
 
 Frames. A model with `num_codebooks = K > 1` emits K tokens per position (codec TTS). Drafts,
 laws and samples then carry a codebook axis ([B, k, K], [B, k, K, V]); the rule runs on the
@@ -33,14 +41,14 @@ K = 1 is the plain token case, bit for bit.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance, NeighbourhoodAcceptance
 from mmgen.decoding.base import DecodeOutput, Decoder, Progress, check_num_tokens, raise_if_masked
+from mmgen.decoding.feed import FeedRows, RowFeed
 from mmgen.decoding.finalise import finalise
 from mmgen.decoding.frames import (
     complete_frame,
@@ -50,32 +58,11 @@ from mmgen.decoding.frames import (
     sampler_probs,
     sampling_per_codebook,
 )
-from mmgen.decoding.stats import DecodeStats, StatsRecorder
-from mmgen.decoding.stopping import Stopping, Streamer, TokenReporter, stop_mask
-from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
+from mmgen.decoding.stats import StatsRecorder
+from mmgen.decoding.stopping import RowEnds, Stopping, Streamer, TokenReporter
+from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive, window_chooser
 from mmgen.modeling import DecodeState, TokenModel
-from mmgen.sampling import RowGenerators, SamplingConfig, sample
-
-
-# --------------------------------------------------------------------------------------------
-# Continuous batching's feed
-# --------------------------------------------------------------------------------------------
-
-
-class RowFeed(Protocol):
-    """Continuous batching (`mmgen.decoding.batching`): the loop hands each finished row's
-    output to `finish` and asks `refill` for requests to start on free rows. A request has
-    `conditions` (one row's, as `TokenModel.start` takes them), `generator` (its own, so its
-    tokens are those of a batch-1 decode with that generator), `max_new_tokens` (or None),
-    `streamer` (or None) and `cancelled` (a `threading.Event`): once it is set, the loop stops
-    decoding the request's row after the forward under way, ends its streamer and tells `drop`
-    instead of `finish`; the row then takes the next request."""
-
-    def refill(self, rows: list[int]) -> list[tuple[int, Any]]: ...
-
-    def finish(self, row: int, tokens: torch.Tensor, stats: Any, masked: bool) -> None: ...
-
-    def drop(self, row: int) -> None: ...
+from mmgen.sampling import SamplingConfig, sample
 
 
 # --------------------------------------------------------------------------------------------
@@ -106,6 +93,23 @@ class DecodeRun:
     num_codebooks: int
     per_codebook: Optional[list] = None  # one SamplingConfig per codebook (frames)
 
+    @classmethod
+    def begin(cls, model: TokenModel, conditions: Any, num_tokens: int,
+              sampling: Union[SamplingConfig, Sequence[SamplingConfig]], generator: torch.Generator, num_draft: int,
+              capacity: Optional[int] = None) -> "DecodeRun":
+        """`model` prefilled on `conditions` (`TokenModel.start`, room for `capacity` tokens: by
+        default `num_tokens` and two windows), with a token buffer that a last window may run
+        past the end of, and no token yet."""
+        K = int(getattr(model, "num_codebooks", 1))
+        per_codebook = sampling_per_codebook(sampling, K)
+        capacity = capacity if capacity is not None else num_tokens + 2 * min(num_draft + 1, num_tokens)
+        state = model.start(conditions, capacity, any(s.uses_guidance for s in per_codebook))
+        B, device = state.batch_size, state.device
+        tokens = torch.zeros(B, num_tokens + 2 * (num_draft + 1), *(() if K == 1 else (K,)), dtype=torch.long, device=device)
+        return cls(model, state, conditions, per_codebook[0], generator, tokens, torch.zeros(B, dtype=torch.long, device=device),
+                   torch.ones(B, dtype=torch.bool, device=device), num_tokens, capacity, num_draft, model.vocab_size, K,
+                   per_codebook)
+
     def probs(self, logits, index: torch.Tensor) -> torch.Tensor:
         """The sampler's probabilities of `logits` at generated-token `index` [B, n] (frames:
         each codebook through its own config)."""
@@ -118,6 +122,11 @@ class DecodeRun:
     @property
     def device(self) -> torch.device:
         return self.tokens.device
+
+    @property
+    def guided(self) -> bool:
+        """Whether the model runs guided (both halves of the batch fed)."""
+        return any(s.uses_guidance for s in self.per_codebook or [self.sampling])
 
     def newest(self) -> torch.Tensor:
         """Each row's newest finalised token [B, 1(, K)]: the first slot of every window."""
@@ -237,136 +246,140 @@ def speculative_decode(
     check_num_tokens(num_tokens)
     if feed is not None:
         check_row_feed(model, proposer, adapt)
-    k = proposer.num_draft
-    K = int(getattr(model, "num_codebooks", 1))
-    sampling = sampling_per_codebook(sampling, K)
-    uses_guidance = any(s.uses_guidance for s in sampling)
-    capacity = capacity if capacity is not None else num_tokens + 2 * min(k + 1, num_tokens)
-    state = model.start(conditions, capacity, uses_guidance)
-    B, device, V = state.batch_size, state.device, model.vocab_size
+    run = DecodeRun.begin(model, conditions, num_tokens, sampling, generator, proposer.num_draft, capacity)
+    B, k, K, state, device = run.batch_size, run.num_draft, run.num_codebooks, run.state, run.device
     recorder = StatsRecorder(device, max_accepted=k + 1)
-    slots = torch.arange(k + 2, device=device)
-    frame = () if K == 1 else (K,)
-    tokens = torch.zeros(B, num_tokens + 2 * (k + 1), *frame, dtype=torch.long, device=device)
-    limit = (stopping or Stopping()).limits(B, num_tokens, device)
-    stop_ids = stopping.stop_ids(device) if stopping is not None else None
-    variable = stopping is not None
-    run = DecodeRun(model, state, conditions, sampling[0], generator, tokens, torch.zeros(B, dtype=torch.long, device=device),
-                    torch.ones(B, dtype=torch.bool, device=device), num_tokens, capacity, k, V, K, sampling)
-
-    def probs(logits, index):
-        return sampler_probs(sampling, logits, index)
-
-    # Token 0 comes from the prefill.
-    zero = torch.zeros(B, 1, dtype=torch.long, device=device)
-    complete = getattr(model, "complete_frame", None)
-    emitted = torch.ones(B, dtype=torch.long, device=device)  # tokens finalised per row
-    if feed is None:
-        p0 = probs(state.first_logits, zero)
-        bad = rows_with_invalid_laws(p0)
-        tokens[:, 0] = proposer.draw(run, p0, zero)[:, 0]
-        if complete is not None:
-            tokens[:, 0] = complete_frame(complete, state, sampling, zero[:, 0], tokens[:, 0], torch.ones_like(limit), generator, zero)[0]
-        run.active = ~(stop_mask(tokens[:, :1], stop_ids, stopping)[:, 0] | (limit <= 1))
-        proposer.start(run)
-        recorder.record(torch.ones(B, dtype=torch.long, device=device), torch.ones(B, dtype=torch.bool, device=device))
-    else:
-        bad = torch.zeros(B, dtype=torch.bool, device=device)
-        rows = _RowCounters(B, k, device)  # each request's own histogram: its stats equal a batch-1 decode's
-        run.active = torch.zeros(B, dtype=torch.bool, device=device)
-        proposer.start(run)
-        admit = _Admission(feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens)
-        admit(list(range(B)))
-    report = TokenReporter(num_tokens, limit, progress, streamer)
+    ends = RowEnds(stopping, B, num_tokens, device)
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
-    synced = k > 0 or variable or streamer is not None or feed is not None
-    slowest = report(tokens, emitted, run.active, synced) if feed is None else admit.left(num_tokens)
-
-    ones, no_drafts = torch.ones(B, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device)
-    chooser = None
-    if adapt is not None and k > 0:  # a model's measured window costs are for batch 1
-        chooser = adapt.start(k, B * (2 if uses_guidance else 1), device, getattr(model, "window_cost", None) if B == 1 else None)
-    kernels = _kernel_step(sampling, rule, proposer, K, complete, device)
+    synced = k > 0 or stopping is not None or streamer is not None or feed is not None
+    if feed is None:
+        rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)
+    else:
+        rows = FeedRows(feed, run, proposer, ends, streamer)
+    slowest = rows.start()  # every row's token 0
+    chooser = window_chooser(adapt, k, B, run.guided, device, getattr(model, "window_cost", None))
+    verify = VerifyStep(run, proposer, rule)
+    slots, ones = torch.arange(k + 2, device=device), torch.ones(B, dtype=torch.long, device=device)
     while slowest < num_tokens:
         active = run.active
-        d = k if chooser is None else chooser.choose()  # drafts verified by this forward
-        run.num_draft = d
+        # Propose: d drafts per row and the laws they were drawn from (d = 0: an autoregressive step).
+        d = run.num_draft = chooser.choose()
+        drafts = q = None
         if d > 0:
             drafts, q = proposer.propose(run)
             drafts, q = drafts[:, :d], (None if q is None else q[:, :d])
-            window = torch.cat([run.newest(), drafts], 1)
-        else:
-            window = run.newest()
-        index = run.pos[:, None] + 1 + slots[: d + 1]  # generated-token index each slot predicts
-        logits = model.forward(state, window)
-        every = proposer.samples_every_slot or K > 1
-        if kernels is not None and (d == 0 or q is not None):  # the same draws, in two kernel launches
-            p, fresh, n_acc, next_token = kernels(logits, index, drafts if d > 0 else None, q if d > 0 else None, generator, every)
-        else:
-            p = probs(logits, index)
-            if d > 0:
-                accepted, residual = _verify(rule, p[:, :-1], q, drafts, generator, index[:, :-1], run)
-            fresh = proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
-            if d > 0:
-                resampled = fresh[:, :-1] if residual is None else proposer.draw(run, residual, index[:, :-1])
-                n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, K)
-                if complete is not None:
-                    next_token = complete_frame(complete, state, sampling, n_acc, next_token, known, generator,
-                                                index.gather(1, n_acc[:, None]))[0]
-            else:  # autoregressive: the newest token's sample
-                n_acc, next_token = no_drafts, fresh[:, -1]
-                if complete is not None:
-                    next_token = complete_frame(complete, state, sampling, no_drafts, next_token, ones, generator, index)[0]
-        bad |= rows_with_invalid_laws(p) & active
-        # Write [newest, accepted drafts, next token] from `pos`; later slots are scratch.
+        window = run.newest() if d == 0 else torch.cat([run.newest(), drafts], 1)
+        index = run.pos[:, None] + 1 + slots[: d + 1]  # the generated-token index each slot predicts
+        # Verify and finalise: one forward scores the window, the rule keeps a prefix of the drafts
+        # and one more token is final (resampled at the first rejection, else the bonus sample).
+        p, fresh, n_acc, next_token = verify(model.forward(state, window), index, drafts, q)
+        # Commit: [newest, accepted drafts, next token] from `pos` (later slots are scratch), each
+        # row cut at its end; then the cache, the rows, the proposer and the window move on.
         if d > 0:
             written = torch.cat([window, fresh[:, -1:]], 1)
-            written = written.scatter(1, frame_index((n_acc + 1)[:, None], K), next_token[:, None])
-            step = n_acc + 1
+            written, step = written.scatter(1, frame_index((n_acc + 1)[:, None], K), next_token[:, None]), n_acc + 1
         else:
             written, step = torch.cat([window, next_token[:, None]], 1), ones
-        tokens.scatter_(1, frame_index(run.pos[:, None] + slots[: d + 2], K), written)
-        still = active
-        if variable:
-            # Cut each row at its budget, and just after its first stop token among the new ones.
-            step = torch.minimum(step, limit - emitted)
-            stops = stop_mask(written[:, 1:], stop_ids, stopping) & (slots[1 : d + 2] <= step[:, None])
-            hit = stops.any(1)
-            step = torch.where(hit, stops.long().argmax(1) + 1, step)
-            still = still & ~hit
+        run.tokens.scatter_(1, frame_index(run.pos[:, None] + slots[: d + 2], K), written)
+        step, still = ends.cut(step, written, slots, active)
         if synced:  # unsynced loops (fixed-length autoregressive) have no idle rows
             step = torch.where(active, step, 0)
         model.commit(state, step)
         recorder.record(step, active)
         run.pos = run.pos + step
-        emitted += step  # in place: `_Admission` holds this tensor
-        run.active = still & (emitted < limit)
+        run.active = still & ends.advance(step)
         proposer.update(run, n_acc, next_token, fresh, p, active)
-        if chooser is not None:  # tokens finalised per row still decoding (one more sync, while it measures)
-            chooser.observe(float((step * active).sum() / active.sum().clamp_min(1)) if chooser.measuring else None)
-        if feed is None:
-            slowest = report(tokens, emitted, run.active, synced)
-            continue
-        rows.record(step, active)
-        admit((active & ~run.active).nonzero().flatten().tolist())  # the host sync of this forward
-        slowest = admit.left(num_tokens)
-
-    if streamer is not None:
-        streamer.end()
-    if feed is None:
-        raise_if_masked(bad)
-    # With stop tokens, autoregressive decoding of this batch takes as many forwards as its longest row.
-    stats = recorder.finish(int(emitted.max()) if variable else num_tokens, B, state.cache_bytes + proposer.cache_bytes)
+        chooser.after(step, active)
+        slowest = rows.forwarded(step, active, p)
+    rows.end()
+    stats = recorder.finish(ends.tokens(), B, state.cache_bytes + proposer.cache_bytes)
     proposer.finish(stats)
-    if chooser is not None:
-        stats.drafts_per_forward = chooser.chosen
-    if not variable:
-        return DecodeOutput(tokens[:, :num_tokens], stats)
-    # Nothing after a row's end is output: pad it.
-    past = torch.arange(num_tokens, device=device)[None] >= emitted[:, None]
-    out = tokens[:, :num_tokens].masked_fill(frame_index(past, K), stopping.pad_token)
-    return DecodeOutput(out, stats, emitted)
+    chooser.finish(stats)
+    return ends.output(run.tokens, stats)
+
+
+# --------------------------------------------------------------------------------------------
+# The loop's collaborators
+# --------------------------------------------------------------------------------------------
+
+
+class BatchRows:
+    """The loop's rows when it decodes one batch once (no feed): every row's token 0 from the
+    prefill, progress and streaming after every forward (`TokenReporter`), and at the end a
+    ValueError if a row met a law with no valid token (`raise_if_masked`). Continuous
+    batching's rows (`feed.FeedRows`) have the same three calls."""
+
+    def __init__(self, run: DecodeRun, proposer: Proposer, ends: RowEnds, recorder: StatsRecorder,
+                 reporter: TokenReporter, synced: bool):
+        self.run, self.proposer, self.ends, self.recorder, self.report, self.synced = run, proposer, ends, recorder, reporter, synced
+
+    def start(self) -> int:
+        """Token 0 of every row, drawn from the prefill's laws; the slowest row's token count."""
+        run, B, ends = self.run, self.run.batch_size, self.ends
+        zero = torch.zeros(B, 1, dtype=torch.long, device=run.device)
+        p0 = run.probs(run.state.first_logits, zero)
+        self.bad = rows_with_invalid_laws(p0)
+        run.tokens[:, 0] = self.proposer.draw(run, p0, zero)[:, 0]
+        complete = getattr(run.model, "complete_frame", None)
+        if complete is not None:
+            run.tokens[:, 0] = complete_frame(complete, run.state, run.per_codebook, zero[:, 0], run.tokens[:, 0],
+                                              torch.ones_like(ends.limit), run.generator, zero)[0]
+        run.active = ~ends.done_at_first(run.tokens[:, :1], ends.limit)
+        self.proposer.start(run)
+        self.recorder.record(torch.ones(B, dtype=torch.long, device=run.device), torch.ones(B, dtype=torch.bool, device=run.device))
+        return self.report(run.tokens, ends.emitted, run.active, self.synced)
+
+    def forwarded(self, step: torch.Tensor, active: torch.Tensor, p: torch.Tensor) -> int:
+        """After a forward of the rows `active` [B] from laws `p`: progress and streaming; the
+        slowest active row's token count (`num_tokens` once none is)."""
+        self.bad |= rows_with_invalid_laws(p) & active
+        return self.report(self.run.tokens, self.ends.emitted, self.run.active, self.synced)
+
+    def end(self) -> None:
+        if self.report.streamer is not None:
+            self.report.streamer.end()
+        raise_if_masked(self.bad)
+
+
+class VerifyStep:
+    """One forward's verify and finalise, from the logits of its window: the target's laws p
+    [B, d + 1(, K), V], its own samples `fresh` (at every slot, or the bonus slot only), the
+    accepted draft prefix n_acc [B] and the token finalised after it [B(, K)]: the bonus sample
+    when every draft passed, else the resample at the first rejection (`finalise`). A model with
+    `complete_frame` then samples the codebooks of that frame the rule could not finalise.
+    Where the fused kernels cover the step (`_kernel_step`) they do this work, with the same
+    draws in the same order."""
+
+    def __init__(self, run: DecodeRun, proposer: Proposer, rule: Any):
+        self.run, self.proposer, self.rule, K = run, proposer, rule, run.num_codebooks
+        self.every = proposer.samples_every_slot or K > 1  # the target's sample at every slot, not just the bonus
+        self.complete = getattr(run.model, "complete_frame", None)
+        self.fused = _kernel_step(run.per_codebook, rule, proposer, K, self.complete, run.device)
+        self.no_drafts = torch.zeros(run.batch_size, dtype=torch.long, device=run.device)
+        self.ones = torch.ones(run.batch_size, dtype=torch.long, device=run.device)
+
+    def __call__(self, logits, index: torch.Tensor, drafts: Optional[torch.Tensor],
+                 q: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(p, fresh, n_acc, next_token) for the window whose slots predict generated-token
+        `index` [B, d + 1], with `drafts` [B, d(, K)] drawn from laws `q` (None: d = 0, or a
+        proposer without laws)."""
+        run, d, every = self.run, index.shape[1] - 1, self.every
+        if self.fused is not None and (d == 0 or q is not None):  # the same draws, in two kernel launches
+            return self.fused(logits, index, drafts, q, run.generator, every)
+        p = run.probs(logits, index)
+        if d > 0:
+            accepted, residual = _verify(self.rule, p[:, :-1], q, drafts, run.generator, index[:, :-1], run)
+        fresh = self.proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
+        if d == 0:  # autoregressive: the newest token's sample
+            n_acc, next_token, known = self.no_drafts, fresh[:, -1], self.ones
+        else:
+            resampled = fresh[:, :-1] if residual is None else self.proposer.draw(run, residual, index[:, :-1])
+            n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, run.num_codebooks)
+        if self.complete is not None:
+            at = index if d == 0 else index.gather(1, n_acc[:, None])
+            next_token = complete_frame(self.complete, run.state, run.per_codebook, n_acc, next_token, known, run.generator, at)[0]
+        return p, fresh, n_acc, next_token
 
 
 def check_row_feed(model: TokenModel, proposer: Proposer, adapt: Optional[AdaptiveWindow]) -> None:
@@ -384,133 +397,6 @@ def check_row_feed(model: TokenModel, proposer: Proposer, adapt: Optional[Adapti
     if adapt is not None:
         raise ValueError("continuous batching needs a fixed draft window (adapt=False): the adaptive window picks one "
                          "width for the whole batch, so a row's draws would depend on its neighbours")
-
-
-class _RowCounters:
-    """Per-row histograms of finalised tokens per forward (the prefill counts one), reset when
-    a row takes a new request."""
-
-    def __init__(self, B: int, k: int, device):
-        self.histogram = torch.zeros(B, k + 2, dtype=torch.long, device=device)
-        self.started = [0.0] * B
-
-    def reset(self, row: int) -> None:
-        self.histogram[row] = 0
-        self.histogram[row, 1] = 1
-        self.started[row] = time.perf_counter()
-
-    def record(self, step: torch.Tensor, active: torch.Tensor) -> None:
-        self.histogram.scatter_add_(1, step.clamp(0, self.histogram.shape[1] - 1)[:, None], active.long()[:, None])
-
-    def stats(self, row: int, tokens: int) -> DecodeStats:
-        histogram = self.histogram[row].tolist()
-        return DecodeStats(forwards=sum(histogram), tokens=tokens, rows=1, accepted_histogram=histogram,
-                           wall_time_s=time.perf_counter() - self.started[row])
-
-
-class _Admission:
-    """Continuous batching: hands finished rows to the feed, frees the rows of cancelled
-    requests and starts free rows on the feed's next requests. Row b's prefill runs alone
-    (`model.restart`) and every draw for it comes from its request's generator, in a batch-1
-    decode's order, so what it decodes does not depend on the other rows (up to the forward's
-    own batch invariance)."""
-
-    def __init__(self, feed, model, state, run, proposer, probs, limit, emitted, bad, rows, stopping, stop_ids, num_tokens):
-        self.feed, self.restart, self.state, self.run, self.proposer, self.probs = feed, model.restart, state, run, proposer, probs
-        self.complete = getattr(model, "complete_frame", None)
-        self.limit, self.emitted, self.bad, self.rows = limit, emitted, bad, rows
-        self.stopping, self.stop_ids, self.num_tokens = stopping, stop_ids, num_tokens
-        self.requests: list = [None] * run.batch_size  # the request each row decodes (None: free)
-        self.streamed = [0] * run.batch_size  # tokens each has been handed
-        # Idle rows still draw (shapes are fixed): from this one, never from a finished request's
-        # generator, which the caller gets back as a batch-1 decode would leave it.
-        self.idle = torch.Generator(device=run.device).manual_seed(0)
-
-    def left(self, num_tokens: int) -> int:
-        """The loop's test value: 0 while a row decodes a request, else `num_tokens` (no sync:
-        after admission a row decodes exactly when it holds a request)."""
-        return 0 if any(r is not None for r in self.requests) else num_tokens
-
-    def __call__(self, ended: list[int]) -> None:
-        run, zero = self.run, torch.zeros(1, 1, dtype=torch.long, device=self.run.device)
-        while True:
-            self.stream()
-            self.drop_cancelled()
-            for row in ended:
-                if self.requests[row] is not None:
-                    n = int(torch.minimum(self.emitted[row], self.limit[row]))  # a last window may run past the end
-                    stats = self.rows.stats(row, n)
-                    self.release(row)
-                    self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
-            started = []
-            # Every free row asks, not only those that just ended: a feed whose requests arrive
-            # while others decode (a server's queue) has them started at the next forward.
-            free = [row for row, request in enumerate(self.requests) if request is None]
-            for row, request in self.feed.refill(free) if free else ():
-                p0 = self.probs(self.restart(self.state, row, request.conditions), zero)
-                run.generator[row] = request.generator
-                run.tokens[row] = 0
-                run.tokens[row, 0] = sample(p0, request.generator)[0, 0]
-                if self.complete is not None:
-                    run.tokens[row, 0] = self.completed(row, run.tokens[row, 0])
-                run.pos[row] = 0
-                self.emitted[row] = 1
-                self.limit[row] = self.num_tokens if request.max_new_tokens is None else min(request.max_new_tokens, self.num_tokens)
-                self.bad[row] = rows_with_invalid_laws(p0)[0]
-                self.rows.reset(row)
-                self.requests[row], self.streamed[row] = request, 0
-                started.append(row)
-            if not started:  # (the rows started before this pass had their token 0 streamed at its top)
-                return
-            at = torch.tensor(started, device=run.device)
-            first = run.tokens[at, :1]
-            run.active[at] = ~(stop_mask(first, self.stop_ids, self.stopping)[:, 0] | (self.limit[at] <= 1))
-            self.proposer.restart(run, at)
-            ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
-
-    def completed(self, row: int, frame: torch.Tensor) -> torch.Tensor:
-        """Frame 0 [K] of the request starting on `row`, its later codebooks sampled by the
-        model (`complete_frame`, from the row's prefill state that `restart` left at slot 0).
-        The other rows know their whole frame and draw from the idle generator, so only this
-        request's generator draws, as in its batch-1 decode."""
-        run, K = self.run, self.run.num_codebooks
-        frames = run.tokens[:, 0].clone()
-        frames[row] = frame
-        known = torch.full((run.batch_size,), K, dtype=torch.long, device=run.device)
-        known[row] = 1
-        generators = RowGenerators([self.idle] * run.batch_size)
-        generators[row] = run.generator[row]
-        zero = torch.zeros(run.batch_size, dtype=torch.long, device=run.device)
-        return complete_frame(self.complete, self.state, run.per_codebook, zero, frames, known, generators, zero[:, None])[0][row]
-
-    def release(self, row: int) -> None:
-        """Free `row`: its request's streamer ends, and the row draws from the idle generator."""
-        streamer = self.requests[row].streamer
-        if streamer is not None:
-            streamer.end()
-        self.requests[row] = None
-        self.run.generator[row] = self.idle
-
-    def drop_cancelled(self) -> None:
-        """Stop decoding the rows whose request was cancelled, and tell the feed (no result)."""
-        for row, request in enumerate(self.requests):
-            if request is not None and request.cancelled.is_set():
-                self.run.active[row] = False
-                self.release(row)
-                self.feed.drop(row)
-
-    def stream(self) -> None:
-        """Hand each live request with a streamer the tokens committed since its last call (one
-        host read, only while such a request runs); a cancelled one gets no more."""
-        streaming = [(row, r.streamer) for row, r in enumerate(self.requests)
-                     if r is not None and r.streamer is not None and not r.cancelled.is_set()]
-        if not streaming:
-            return
-        ends = torch.minimum(self.emitted, self.limit).tolist()
-        for row, streamer in streaming:
-            if ends[row] > self.streamed[row]:
-                streamer.put([self.run.tokens[row, self.streamed[row] : ends[row]].clone()])
-                self.streamed[row] = ends[row]
 
 
 def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: int, complete, device):

@@ -1,5 +1,6 @@
-"""When rows end, and who hears of their tokens: `Stopping`, streamers and the reporter that
-the token loops (`speculative_decode`, `EntropySwitch`) call after every forward."""
+"""When rows end, and who hears of their tokens: `Stopping`, the speculative loop's `RowEnds`,
+streamers and the reporter that the token loops (`speculative_decode`, `EntropySwitch`) call
+after every forward."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 
-from mmgen.decoding.base import Progress
+from mmgen.decoding.base import DecodeOutput, Progress
+from mmgen.decoding.frames import frame_index
 
 
 @dataclass
@@ -49,6 +51,58 @@ def stop_mask(new: torch.Tensor, stop_ids: Optional[torch.Tensor], stopping: Opt
             return (new[..., list(codebooks), None] == stop_ids).any(-1).all(-1)
         new = new[..., codebooks]
     return (new[..., None] == stop_ids).any(-1)
+
+
+class RowEnds:
+    """Where each row of the speculative loop ends: its budget `limit` [B] (at most
+    `num_tokens`) and its first stop token, from a `Stopping`; `emitted` [B] counts each row's
+    finalised tokens (token 0, the prefill's, included). Without a `Stopping` every row decodes
+    `num_tokens` tokens and nothing is cut. `limit` and `emitted` change in place: continuous
+    batching (`feed.FeedRows`) starts a row over on each new request."""
+
+    def __init__(self, stopping: Optional[Stopping], batch: int, num_tokens: int, device):
+        self.stopping, self.num_tokens = stopping, num_tokens
+        self.limit = (stopping or Stopping()).limits(batch, num_tokens, device)
+        self.stop_ids = stopping.stop_ids(device) if stopping is not None else None
+        self.emitted = torch.ones(batch, dtype=torch.long, device=device)
+
+    def done_at_first(self, first: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+        """Which rows end with their token 0 `first` [n, 1(, K)]: a stop token, or a `limit` [n] of 1."""
+        return stop_mask(first, self.stop_ids, self.stopping)[:, 0] | (limit <= 1)
+
+    def cut(self, step: torch.Tensor, written: torch.Tensor, slots: torch.Tensor,
+            active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of the `step` [B] tokens each row finalised, those it keeps: up to its budget, and up
+        to its first stop token among them. `written` [B, n + 1(, K)] holds the row's newest
+        token, then the new ones; `slots` = 0, 1, ... (at least n + 1). Also which of the rows
+        `active` [B] did not stop."""
+        if self.stopping is None:
+            return step, active
+        n = written.shape[1] - 1
+        step = torch.minimum(step, self.limit - self.emitted)
+        stops = stop_mask(written[:, 1:], self.stop_ids, self.stopping) & (slots[1 : n + 1] <= step[:, None])
+        hit = stops.any(1)
+        return torch.where(hit, stops.long().argmax(1) + 1, step), active & ~hit
+
+    def advance(self, step: torch.Tensor) -> torch.Tensor:
+        """Count `step` [B] more tokens per row; which rows are still within budget."""
+        self.emitted += step  # in place: `FeedRows` holds this tensor
+        return self.emitted < self.limit
+
+    def tokens(self) -> int:
+        """The stats' tokens per row: the longest row's (with a `Stopping`, the forwards
+        autoregressive decoding of the batch takes), else `num_tokens`."""
+        return int(self.emitted.max()) if self.stopping is not None else self.num_tokens
+
+    def output(self, tokens: torch.Tensor, stats: Any) -> DecodeOutput:
+        """Each row's first `num_tokens` of `tokens` [B, T(, K)]; with a `Stopping`, padded after
+        the row's end (nothing after it is output) and with each row's length."""
+        out = tokens[:, : self.num_tokens]
+        if self.stopping is None:
+            return DecodeOutput(out, stats)
+        past = torch.arange(self.num_tokens, device=tokens.device)[None] >= self.emitted[:, None]
+        K = tokens.shape[2] if tokens.ndim == 3 else 1
+        return DecodeOutput(out.masked_fill(frame_index(past, K), self.stopping.pad_token), stats, self.emitted)
 
 
 class Streamer(Protocol):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -210,11 +210,12 @@ def _powers(max_draft: int) -> list[int]:
 
 class WindowChooser:
     """One decode's figures and choices: `choose()` before a forward, `observe(tokens)` after it
-    with the mean tokens each active row finalised. Levels index `widths`; level 0 is
-    autoregressive, worth 1 token per unit of cost by definition. A width's figure is a ratio
-    of decayed sums (tokens over cost): Jacobi's gains come in bursts (a forward that accepts
-    its whole window, then one whose drafts are all fresh), which a ratio over ~20 forwards
-    weighs right."""
+    with the mean tokens each active row finalised (None while not `measuring`), `chosen` the
+    draft counts so far (an `AdaptiveWindow` subclass may return any chooser with these four).
+    Levels index `widths`; level 0 is autoregressive, worth 1 token per unit of cost by
+    definition. A width's figure is a ratio of decayed sums (tokens over cost): Jacobi's gains
+    come in bursts (a forward that accepts its whole window, then one whose drafts are all
+    fresh), which a ratio over ~20 forwards weighs right."""
 
     def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float]):
         self.policy, self.widths, self.cost = policy, widths, cost
@@ -338,6 +339,51 @@ class WindowChooser:
         self.home, self.growing, self.since_probe, self.jumped_from = level, growing, 0, None
         self.interval = self.policy.probe_every
         self._reset()
+
+
+class FixedWindow:
+    """The speculative loop's window without an `AdaptiveWindow` (or without drafts): every
+    forward verifies all `num_draft` drafts, and nothing is measured."""
+
+    def __init__(self, num_draft: int):
+        self.num_draft = num_draft
+
+    def choose(self) -> int:
+        return self.num_draft
+
+    def after(self, step: torch.Tensor, active: torch.Tensor) -> None:
+        pass
+
+    def finish(self, stats: Any) -> None:
+        pass
+
+
+class AdaptingWindow:
+    """The speculative loop's window under an `AdaptiveWindow`: its chooser's `choose()` before
+    each forward; after it, the mean tokens each row still decoding finalised (one host read,
+    only while the chooser is `measuring`); at the end each forward's draft count in the stats
+    (`drafts_per_forward`)."""
+
+    def __init__(self, chooser: WindowChooser):
+        self.chooser, self.choose = chooser, chooser.choose
+
+    def after(self, step: torch.Tensor, active: torch.Tensor) -> None:
+        """`step` [B] tokens finalised per row, counted over the rows `active` [B] in that forward."""
+        chooser = self.chooser
+        chooser.observe(float((step * active).sum() / active.sum().clamp_min(1)) if chooser.measuring else None)
+
+    def finish(self, stats: Any) -> None:
+        stats.drafts_per_forward = self.chooser.chosen
+
+
+def window_chooser(adapt: Optional[AdaptiveWindow], max_draft: int, batch: int, guided: bool, device,
+                   window_cost: Optional[WindowCost] = None) -> Union[AdaptingWindow, FixedWindow]:
+    """The draft counts of one decode of `batch` rows (`guided`: both halves of a guided batch
+    are fed): `adapt`'s, or a fixed window without one or without drafts. A model's measured
+    `window_cost` is for batch 1, so only a batch-1 decode uses it."""
+    if adapt is None or max_draft == 0:
+        return FixedWindow(max_draft)
+    return AdaptingWindow(adapt.start(max_draft, batch * (2 if guided else 1), device, window_cost if batch == 1 else None))
 
 
 def resolve_adaptive(adapt) -> Optional[AdaptiveWindow]:
