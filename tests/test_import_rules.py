@@ -52,8 +52,9 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_the_kernels_never_reach_the_speculative_loop():
     """Module to module. `mmgen/decoding/__init__.py`, which re-exports every decoder, is not
-    followed: `import mmgen` runs it before any kernel module loads, so it says nothing about
-    what the kernels depend on."""
+    followed: it runs when any module of the package is first imported, so it says nothing about
+    what the kernels themselves depend on (and `import mmgen.kernels` alone does not run it:
+    mmgen's decoding names load on first use)."""
     known = modules()
     graph = {}
     for name, path in known.items():
@@ -73,3 +74,15 @@ def test_the_kernels_never_reach_the_speculative_loop():
                     todo.append(target)
         assert "mmgen.decoding.speculative" not in seen, start
     assert "mmgen.kernels.step" in graph["mmgen.decoding.speculative"]  # the other direction, lazily
+
+
+def test_importing_the_kernels_loads_no_decoding_module():
+    """In a fresh process: `import mmgen.kernels` (the dispatch) loads neither the loop nor any
+    other decoding module; mmgen's re-exported decoding names load on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mmgen.kernels; loaded = [m for m in sys.modules if m.startswith('mmgen.decoding')]; "
+            "assert not loaded, loaded; from mmgen import Autoregressive; assert 'mmgen.decoding.speculative' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
