@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from mmgen.decoding import CausalContinuousSpeculative, resolve_decoder
+from mmgen.decoding import CausalContinuousSpeculative
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -100,7 +100,7 @@ class LatentTTSPipeline(TTSPipeline):
         commit). `max_new_frames` counts latents (7.5 per second); `final_std` is the standard
         deviation of the head's last step (0: VibeVoice's deterministic ODE sampler given its
         noise; "cspd" needs it > 0), scaled by `temperature`."""
-        decoder = resolve_decoder(decoding, self.decoders())
+        decoder = self.decoder(decoding)
         drafter = decoder.drafter
         if isinstance(drafter, TTSPipeline):
             self.check_companion(drafter, self.companions["cspd"])

@@ -23,7 +23,7 @@ from typing import Any, Callable, Generator, Optional, Sequence, Union
 import torch
 
 from mmgen import registry
-from mmgen.decoding import DecodeStats, Decoder, resolve_decoder
+from mmgen.decoding import DecodeStats, Decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.hub import read_json
@@ -114,6 +114,7 @@ class TTSPipeline(Pipeline):
             return opener.from_pretrained(source, torch_dtype, device, **kwargs)
         model, tokenizer, codec = _adapter(config.model_type).load(source, torch_dtype, **kwargs)
         pipe = cls(model.eval(), tokenizer, codec.eval())
+        pipe.name_or_path = source
         return pipe.to(device) if device is not None else pipe
 
     def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
@@ -215,7 +216,7 @@ class TTSPipeline(Pipeline):
             generator: every random draw; None seeds one from OS entropy.
             streamer: a core `Streamer` receiving each row's new frames as they commit.
         """
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         for companion in self.companions.values():
             other = getattr(decoder, companion.option, None)
             if isinstance(other, TTSPipeline):
@@ -257,7 +258,7 @@ class TTSPipeline(Pipeline):
         as its speech ends, with its frames [n, C] and its own stats (a batch-1 decode's). The
         output's stats are the run's; `decode_s` leaves out the codec decoding of finished rows,
         as `__call__`'s does."""
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         check_continuous(decoder, self.token_model())
         texts = [text] if isinstance(text, str) else list(text)
         if not texts:
@@ -305,7 +306,7 @@ class TTSPipeline(Pipeline):
         (default the model's context); a request may ask for fewer. (A call narrows its window
         to a budget below it; such a request decodes as its text alone at the cap's window.)
         `lock` (a context manager) is held while the batch decodes."""
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         check_continuous(decoder, self.token_model())
         check_int("batch_size", batch_size, 1)
         cap = self.family.default_max_frames() if max_new_frames is None else max_new_frames

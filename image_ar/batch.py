@@ -239,7 +239,7 @@ def run_batch(args: argparse.Namespace) -> int:
                  "members": [row.file for row in rows]}
         group["command"] = reproduce_command(rows, group["seed"], args)
         command_files = image_file_names(group["class_ids"], rows[0].job.spec["model"], group["seed"], rows[0].job.options,
-                                         call.pipe.default_decoding)
+                                         call.spec)
         output = call(group["class_ids"], group["seed"], device)
         if len(output.images) != len(rows):
             raise RuntimeError(f"the pipeline returned {len(output.images)} images for {len(rows)} rows")
@@ -262,7 +262,7 @@ def run_batch(args: argparse.Namespace) -> int:
             run.record(row, png_bytes(image), {
                 "index": row.index, "class_id": row.job.class_id, "seed": row.seed,
                 "command": reproduce_command([row], row.seed, args),
-                "command_file": image_file_names([row.job.class_id], model, row.seed, row.job.options, call.pipe.default_decoding)[0],
+                "command_file": image_file_names([row.job.class_id], model, row.seed, row.job.options, call.spec)[0],
                 "stats": stats.to_dict(per_forward=False)})
 
         call.each([row.job.class_id for row in todo], [row.seed for row in todo], device, args.batch_size, write)

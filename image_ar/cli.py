@@ -137,7 +137,7 @@ def generate_image(args: argparse.Namespace) -> int:
     if args.compile:
         compile_companions(pipe, call.decoder)
     inputs = args.prompt if prompts else [pipe.class_index(label) for label in args.class_labels]
-    paths = [out / name for name in image_file_names(inputs, args.model or DEFAULT_MODEL, args.seed, options, pipe.default_decoding, prompts)]
+    paths = [out / name for name in image_file_names(inputs, args.model or DEFAULT_MODEL, args.seed, options, call.spec, prompts)]
     check_targets(paths, args.overwrite)
     output = call(inputs, args.seed, args.device)
     out.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,7 @@ class ImageCall:
     pipe: Any
     decoder: Any
     options: dict
+    spec: str  # the decoding spec the decoder came from (the pipeline's default when none was given)
 
     def __call__(self, inputs: Sequence[Union[int, str]], seed: int, device: Union[str, torch.device]):
         return self.pipe(list(inputs), decoding=self.decoder, generator=make_generator(seed, device), **self.options)
@@ -130,7 +131,7 @@ def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, de
     spec = pipe.default_decoding if options.decoding is None else options.decoding
     settings = {"window": options.window, **{setting: given.get(kw) for kw, setting in pipe.decoder_settings.items()}}
     decoder = decoder_from_spec(spec, pipe, model, device, dtype, **{k: v for k, v in settings.items() if v is not None})
-    return ImageCall(pipe, decoder, given)
+    return ImageCall(pipe, decoder, given, spec)
 
 
 def compile_companions(pipe, decoder) -> None:
@@ -150,15 +151,14 @@ CALL_OPTIONS = ("guidance_scale", "temperature", "top_k", "top_p", "cfg_interval
 
 
 def image_file_names(inputs: Sequence[Union[int, str]], model: Union[str, os.PathLike], seed: int,
-                     options: ImageOptions, default_decoding: str, prompts: bool = False) -> list[str]:
+                     options: ImageOptions, spec: str, prompts: bool = False) -> list[str]:
     """The PNG names `generate image` writes: position, class id or prompt, model, seed,
     decoding spec and any other option, e.g. `000_class7_emoji64_seed0_sjd.png` or
     `001_class3_var-emoji64_seed2_code-draft_steps=4_pruning=5=0.5.png`, so that runs with other
     seeds, decoders, options or models do not collide. Settings longer than 60 characters are
     cut and end in a hash of the whole, and so do settings that name a path or hold characters a
     file name cannot (only the spec's ':' and ',' become '-'), so that no two settings share a
-    name: `lantern++` keeps its '+'s."""
-    spec = default_decoding if options.decoding is None else options.decoding
+    name: `lantern++` keeps its '+'s. `spec` is the call's decoding spec (`ImageCall.spec`)."""
     flags = [flag.removeprefix("--") for flag in replace(options, decoding=None).flags()]
     text = "_".join([spec, *flags])
     settings = _file_slug(text, keep="+")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -72,8 +72,27 @@ def load_pipeline(name_or_path: PathLike, device=None, dtype=None) -> Pipeline:
     source = resolve_model(name_or_path)
     # mmgen folders take `dtype`, transformers-backed pipelines `torch_dtype`.
     if "torch_dtype" in inspect.signature(cls.from_pretrained).parameters:
-        return cls.from_pretrained(source, torch_dtype=dtype, device=device)
-    return cls.from_pretrained(source, device=device, dtype=dtype)
+        pipe = cls.from_pretrained(source, torch_dtype=dtype, device=device)
+    else:
+        pipe = cls.from_pretrained(source, device=device, dtype=dtype)
+    pipe.name_or_path = os.fspath(name_or_path)
+    return pipe
+
+
+def companion_of(model: Optional[PathLike], suffix: str) -> Optional[str]:
+    """The companion `<model><suffix>` a model has without being told: the bundled one of a
+    bundled model, named or by its installed folder; None for any other model (a folder's
+    companion is named in the spec: `draft:drafter=PATH`)."""
+    if model is None:
+        return None
+    bundled = registry.bundled_models()
+    name = os.fspath(model)
+    if name + suffix in bundled:
+        return name + suffix
+    folder = Path(name)
+    if folder.name in bundled and folder.name + suffix in bundled and Path(bundled[folder.name]).resolve() == folder.resolve():
+        return folder.name + suffix
+    return None
 
 
 #: Decoder options that generation flags (and batch job fields) also set, with the flag's name
@@ -93,8 +112,8 @@ def merge_decoding_options(spec: str, named: dict, given: dict) -> dict:
     return merged
 
 
-def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: PathLike, device="cpu",
-                      dtype=torch.float32, **overrides):
+def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: Optional[PathLike], device="cpu",
+                      dtype=torch.float32, companions: Optional[dict] = None, **overrides):
     """A decoder for `pipe` (a pipeline or its class) from a command-line spec ("lantern:delta=0.2",
     "draft:drafter=emoji64-draft", "code:draft_steps=4"), among the shortcuts the pipeline
     declares (`Pipeline.decoders`). `overrides` are settings given besides the spec (a spec that
@@ -105,8 +124,9 @@ def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: PathLike, d
     Decoders that pair the model with a second one (`Pipeline.companions`: draft,
     entropy-switch, code, cspd) take it by name or path, loaded as a pipeline of the same
     decoder family and checked by `pipe.check_companion` (same tokenizer, ...); without one they
-    use the bundled companion `<model><suffix>` (`emoji64-draft`, `emoji-vlm-draft`) when it
-    exists.
+    use `companion_of(model, suffix)`, the bundled companion of a bundled model (`emoji64-draft`,
+    `emoji-vlm-draft`). `companions` (a dict) memoises the loaded
+    companions by (source, device, dtype) across calls (`Pipeline.decoder` keeps one per pipeline).
     """
     from mmgen.decoding import make_decoder, parse_decoding
 
@@ -117,13 +137,15 @@ def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: PathLike, d
     options = merge_decoding_options(spec, named, overrides)
     companion = pipe.companions.get(name)
     if companion is not None and name in shortcuts:
-        bundled = f"{model}{companion.suffix}"
-        other = options.get(companion.option) or (bundled if bundled in registry.bundled_models() else None)
+        other = options.get(companion.option) or companion_of(model, companion.suffix)
         if other is None:
-            raise ValueError(f"decoding {name!r} needs {companion.role} of the same tokenizer: add {companion.option}=NAME_OR_PATH "
+            raise ValueError(f"decoding {name!r} needs {companion.role}: add {companion.option}=NAME_OR_PATH "
                              f"(e.g. '{name}:{companion.option}=PATH')")
         if isinstance(other, (str, os.PathLike)):
-            other = load_pipeline(other, device, dtype)
+            key, memo = (os.fspath(other), str(device), str(dtype)), ({} if companions is None else companions)
+            if key not in memo:
+                memo[key] = load_pipeline(other, device, dtype)
+            other = memo[key]
         if isinstance(other, Pipeline) and other.decoder_family != pipe.decoder_family:
             raise ValueError(f"{companion.option}={options.get(companion.option)!s}: {type(other).__name__} decodes "
                              f"{other.decoder_family} models, not {pipe.decoder_family} ones like {_class_of(pipe).__name__}")

@@ -82,6 +82,9 @@ class Pipeline:
     #: The model's measured forward costs by window width (`mmgen.decoding.window.WindowCost`),
     #: saved in model_index.json's config; a subclass's `token_model()` hands it on (LlamaGen).
     window_cost: Optional[dict] = None
+    #: Where the pipeline was loaded from (a bundled name, a folder, a Hub id; set by the loaders):
+    #: a shortcut that pairs a second model finds its bundled or sibling companion by it.
+    name_or_path: Optional[str] = None
 
     @classmethod
     def decoders(cls) -> dict[str, Any]:
@@ -89,6 +92,23 @@ class Pipeline:
         from mmgen.decoding import FAMILY_DECODERS
 
         return FAMILY_DECODERS[cls.decoder_family]
+
+    def decoder(self, decoding: Any) -> Any:
+        """The decoder a call's `decoding` names, one rule for every pipeline and surface: a
+        decoder object of this pipeline's family as given; a shortcut or spec ("sjd",
+        "lantern:delta=0.2", "draft") as the command line reads it (`mmgen.loading.decoder_from_spec`),
+        so a method that pairs a second model takes the one its spec names, else the bundled
+        companion of a bundled model (`emoji64` -> `emoji64-draft`), loaded once per pipeline."""
+        from mmgen.decoding import resolve_decoder
+
+        if not isinstance(decoding, str):
+            return resolve_decoder(decoding, self.decoders())
+        from mmgen.loading import decoder_from_spec
+
+        parameter = next((p for m in self.module_components() for p in m.parameters()), None)
+        dtype = parameter.dtype if parameter is not None else torch.float32
+        loaded = self.__dict__.setdefault("_companions", {})
+        return decoder_from_spec(decoding, self, self.name_or_path, self.device, dtype, companions=loaded)
 
     def check_companion(self, other: "Pipeline", companion: Companion) -> None:
         """ValueError when `other` cannot serve as this pipeline's `companion` beyond sharing
@@ -245,7 +265,7 @@ class Pipeline:
         config = dict(index.get("config", {}))
         window_cost = parse_window_cost(config.pop("window_cost", None), f"{index_path} window_cost")
         pipe = cls(**components, **cls.config_from_index(config))
-        pipe.window_cost = window_cost
+        pipe.window_cost, pipe.name_or_path = window_cost, os.fspath(path_or_repo)
         return pipe.to(device, dtype) if (device is not None or dtype is not None) else pipe
 
     @classmethod

@@ -89,7 +89,7 @@ def test_every_decoder_and_option_gets_its_own_name():
 
     specs = ["lantern", "lantern++", "lantern++:delta=0.2", "lantern:delta=0.2", "draft:drafter=./a/b",
              "draft:drafter=./a-b", "draft:drafter=a b", "sjd-8", "sjd:window=8"]
-    names = [image_file_names([0], "m", 1, ImageOptions(decoding=spec), "sjd")[0] for spec in specs]
+    names = [image_file_names([0], "m", 1, ImageOptions(decoding=spec), spec)[0] for spec in specs]
     assert len(set(names)) == len(specs), names
     assert names[:2] == ["000_class0_m_seed1_lantern.png", "000_class0_m_seed1_lantern++.png"]
     assert names[-1] == "000_class0_m_seed1_sjd-window=8.png"
@@ -137,7 +137,7 @@ def test_long_settings_are_cut_and_hashed():
 
     long = ImageOptions(decoding="draft:drafter=/a/very/long/path/to/some/drafter/folder/that/goes/on/and/on")
     other = ImageOptions(decoding="draft:drafter=/a/very/long/path/to/some/drafter/folder/that/goes/on/and/on2")
-    (a,), (b,) = (image_file_names([2], "m", 1, o, "sjd") for o in (long, other))
+    (a,), (b,) = (image_file_names([2], "m", 1, o, o.decoding) for o in (long, other))
     assert a != b and len(a) < 100 and a.startswith("000_class2_m_seed1_draft-drafter=-a-very-long")
 
 
@@ -465,3 +465,37 @@ def test_load_pipeline_opens_bundled_names_and_folders(model_dir, mar_dir, tmp_p
         mmgen.load_pipeline(tmp_path / "empty")
     with pytest.raises(ValueError, match="unknown pipeline class 'Nope'"):
         mmgen.pipeline_class("Nope")
+
+
+def test_a_pipeline_call_reads_a_decoding_spec_as_the_command_line_does(tmp_path):
+    """`pipe(decoding="draft")` pairs the bundled drafter as `mmgen generate image --decoding
+    draft` does (one rule for a spec: `Pipeline.decoder`), loaded once per pipeline, also when
+    the pipeline was loaded from the bundled folder's path; a copy elsewhere is told, in one
+    line, to name its drafter, and takes it in the spec."""
+    import shutil
+
+    import torch
+
+    import mmgen
+    from mmgen.decoding import DraftSpeculative
+
+    pipe = mmgen.load_pipeline("emoji64")
+    pipe.set_progress_bar_config(disable=True)
+    drafter = mmgen.load_pipeline("emoji64-draft")
+    by_name = pipe([3], decoding="draft", generator=torch.Generator().manual_seed(0))
+    given = pipe([3], decoding=DraftSpeculative(drafter=drafter), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(by_name.tokens, given.tokens) and by_name.stats.drafted > 0
+    pipe([3], decoding="draft:num_draft=3", generator=torch.Generator().manual_seed(0))
+    assert len(pipe._companions) == 1  # loaded once, whatever the options
+    bundled = mmgen.registry.bundled_models()
+    by_folder = mmgen.load_pipeline(bundled["emoji64"])
+    by_folder.set_progress_bar_config(disable=True)
+    assert torch.equal(by_folder([3], decoding="draft", generator=torch.Generator().manual_seed(0)).tokens, by_name.tokens)
+    for name in ("emoji64", "emoji64-draft"):
+        shutil.copytree(bundled[name], tmp_path / name)
+    copy = mmgen.load_pipeline(tmp_path / "emoji64")
+    copy.set_progress_bar_config(disable=True)
+    with pytest.raises(ValueError, match="needs a draft model of the same tokenizer: add drafter="):
+        copy([3], decoding="draft")  # one line, before any work
+    spec = f"draft:drafter={tmp_path / 'emoji64-draft'}"
+    assert torch.equal(copy([3], decoding=spec, generator=torch.Generator().manual_seed(0)).tokens, by_name.tokens)

@@ -26,7 +26,7 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from transformers import AutoTokenizer, UMT5EncoderModel
 
 from mmgen.cache import CachePolicy
-from mmgen.decoding import FAMILY_DECODERS, BlockStats, FlowSchedule, resolve_decoder
+from mmgen.decoding import BlockStats, FlowSchedule
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.video.export import to_uint8
@@ -242,7 +242,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
         switches = self._switch_blocks(prompt_switches or {}, num_frames, num_blocks, block_frames, len(prompts))
         negative = self.negative_prompt if negative_prompt is None else negative_prompt
         self.check_prompts([*prompts, *(p for ps in switches.values() for p in ps), negative])
-        decoder = resolve_decoder(self.default_decoding if decoding is None else decoding, FAMILY_DECODERS["block-diffusion"])
+        decoder = self.decoder(self.default_decoding if decoding is None else decoding)
         model = self.block_model(block_frames=block_frames, latent_size=(height // self.spatial_ratio, width // self.spatial_ratio),
                                  cache_policy=cache_policy, cache_threshold=cache_threshold, drop_threshold=drop_threshold)
         generator = self.generator_for(generator)

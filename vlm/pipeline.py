@@ -20,7 +20,7 @@ from typing import Any, Callable, Generator, Iterable, Optional, Sequence, Union
 import torch
 
 from mmgen import registry
-from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer, resolve_decoder
+from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.pipeline import Companion, Pipeline
@@ -80,7 +80,7 @@ class VLMPipeline(Pipeline):
     default_decoding = "ar"
     #: Image-aware drafting: the drafter gets the same processor batch, image included (what
     #: transformers' assisted generation does not give its assistant).
-    companions = {"draft": Companion("drafter", "-draft", "a smaller VLM")}
+    companions = {"draft": Companion("drafter", "-draft", "a smaller VLM of the same tokenizer")}
 
     @classmethod
     def decoders(cls) -> dict[str, Any]:
@@ -117,6 +117,7 @@ class VLMPipeline(Pipeline):
         model = AutoModelForImageTextToText.from_pretrained(source, config=config, dtype=torch_dtype, trust_remote_code=False,
                                                             **kwargs)
         pipe = cls(model.eval(), processor)
+        pipe.name_or_path = source
         return pipe.to(device) if device is not None else pipe
 
     def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
@@ -253,7 +254,7 @@ class VLMPipeline(Pipeline):
         """
         check_budget(max_new_tokens)
         policy, draft_policy = make_dropping(dropping), make_dropping(draft_dropping)
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         if draft_policy is not None:
             if getattr(decoder, "drafter", None) is None:
                 raise ValueError("draft_dropping needs a draft decoder with a drafter (decoding=\"draft\" or DraftSpeculative(drafter=...))")
@@ -309,7 +310,7 @@ class VLMPipeline(Pipeline):
         `on_answer(i, text, token_ids, stats)` receives each answer as it ends, with its own
         stats (a batch-1 decode's). The output's stats are the run's."""
         check_budget(max_new_tokens)
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         check_continuous(decoder)
         prompts, per_row, per_row_videos = self._rows(prompts, images, videos)
         if len(generators) != len(prompts):
@@ -368,7 +369,7 @@ class VLMPipeline(Pipeline):
         as its prompt alone at the cap, stopped at its budget.) `lock` (a context manager) is
         held while the batch decodes."""
         check_budget(max_new_tokens)
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         check_continuous(decoder, self.token_model())
         check_int("batch_size", batch_size, 1)
         sampling, stopping = self._sampling(max_new_tokens, temperature, top_k, top_p, stop_token_ids)

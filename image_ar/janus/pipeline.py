@@ -12,7 +12,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mmgen.decoding import Decoder, resolve_decoder
+from mmgen.decoding import Decoder
 from mmgen.pipeline import Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import ConstantGuidance, SamplingConfig, make_generator
@@ -153,7 +153,7 @@ class JanusPipeline(Pipeline):
         prompts = self.check_inputs(prompt)
         check_output_type(output_type)
         sampling = SamplingConfig(temperature, 0 if top_k is None else top_k, top_p, ConstantGuidance(guidance_scale))
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         device = self.device
         if generator is None:
             generator = make_generator(None, device)

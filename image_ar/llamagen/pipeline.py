@@ -11,7 +11,7 @@ from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from mmgen.decoding import Decoder, resolve_decoder
+from mmgen.decoding import Decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode, split_rows
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
@@ -50,8 +50,8 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
     default_decoding = "sjd"  # lossless speculative Jacobi decoding
     compilable = True
     companions = {
-        "draft": Companion("drafter", "-draft", "a draft model"),
-        "entropy-switch": Companion("small", "-draft", "a small model"),
+        "draft": Companion("drafter", "-draft", "a draft model of the same tokenizer"),
+        "entropy-switch": Companion("small", "-draft", "a small model of the same tokenizer"),
     }
 
     def __init__(self, transformer: LlamaGenTransformer, vq: VQModel, sampling_defaults: Optional[dict] = None, **others: Any):
@@ -123,7 +123,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         """Decode one image per condition row with `decoding`, then run the VQ decoder. With a
         list of generators (one per row), continuous batching: see `generate_each`."""
         check_output_type(output_type)
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         generator = self.generator_for(generator, per_output=True)
         if isinstance(generator, list):
             return self.generate_each(conditions, decoder, sampling, generator, output_type, official_attention, batch_size, on_image)
@@ -153,7 +153,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         `adapt=False`). `on_image(i, image, stats)` receives each image as soon as it is decoded,
         with its own stats (those of a batch-1 decode); the output then holds no images (a long
         run keeps none in memory), only tokens and the run's stats."""
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         rows = split_rows(conditions)
         if len(generators) != len(rows):
             raise ValueError(f"{len(generators)} generators for {len(rows)} images: give one generator per image")
@@ -189,7 +189,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         one a call with that row alone and that generator makes; requests that overlap in time
         share one continuous batch of up to `batch_size` rows. `lock` (a context manager) is
         held while the batch decodes, to keep other users of this pipeline off it."""
-        decoder = resolve_decoder(decoding)
+        decoder = self.decoder(decoding)
         check_continuous(decoder)
         check_output_type(output_type)
         check_int("batch_size", batch_size, 1)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5EncoderModel
 
-from mmgen.decoding import Decoder, resolve_decoder
+from mmgen.decoding import Decoder
 from mmgen.hub import CheckpointError, PathLike
 from mmgen.registry import register_pipeline
 
@@ -171,7 +171,7 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
         # Every argument is checked before the text encoder runs.
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_interval, temperature, top_k, top_p)
-        decoder, generator = resolve_decoder(decoding), self.generator_for(generator, per_output=True)
+        decoder, generator = self.decoder(decoding), self.generator_for(generator, per_output=True)
         return self.generate(self.encode_prompt(prompt), decoder, sampling, generator, output_type, batch_size=batch_size,
                              on_image=on_image)
 

@@ -7,7 +7,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mmgen.decoding import CONTINUOUS_DECODERS, ContinuousDecoder, ContinuousSpeculative, resolve_decoder
+from mmgen.decoding import ContinuousDecoder, ContinuousSpeculative
 from mmgen.hub import CheckpointError, PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
@@ -38,7 +38,7 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
 
     component_types = {"transformer": (MAR, MARConfig), "vae": (KLVAE, KLVAEConfig)}
     decoder_family = "continuous"
-    companions = {"cspd": Companion("drafter", "-draft", "a draft model")}
+    companions = {"cspd": Companion("drafter", "-draft", "a draft model of the same tokenizer")}
     decoder_settings = {"num_iter": "num_steps"}  # masked steps
     official_sampling = OFFICIAL_SAMPLING
 
@@ -108,7 +108,7 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         labels = self.check_class_labels(class_labels)
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, cfg_schedule, temperature)
-        decoder = resolve_decoder(decoding, CONTINUOUS_DECODERS)
+        decoder = self.decoder(decoding)
         if num_iter is not None:
             decoder = replace(decoder, num_steps=num_iter)
         model = self.continuous_model(stochastic_last_step=isinstance(decoder, ContinuousSpeculative))

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from mmgen.decoding import SCALE_DECODERS, Collaborative, ScaleDecoder, resolve_decoder
+from mmgen.decoding import Collaborative, ScaleDecoder
 from mmgen.decoding.pruning import CachedTokenPruning
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.pipeline import Companion, Pipeline
@@ -47,7 +47,7 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
 
     component_types = {"transformer": (VARTransformer, VARConfig), "vqvae": (MultiScaleVQVAE, VQVAEConfig)}
     decoder_family = "scale"
-    companions = {"code": Companion("refiner", "-small", "a small refiner model")}
+    companions = {"code": Companion("refiner", "-small", "a small refiner model of the same tokenizer")}
     official_sampling = VAR_PRESETS["fid"]
 
     def __init__(
@@ -131,7 +131,7 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         check_output_type(output_type)
         sampling = self.sampling_config(guidance_scale, temperature, top_k, top_p, preset)
         smooth = self.preset(preset)["more_smooth"] if more_smooth is None else more_smooth
-        decoder = resolve_decoder(decoding, SCALE_DECODERS)
+        decoder = self.decoder(decoding)
         if pruning is not None and isinstance(decoder, Collaborative) and hasattr(decoder.refiner, "scale_model"):
             # The pruned (largest) scales are the refiner's: it prunes them.
             decoder = replace(decoder, refiner=decoder.refiner.scale_model(pruning))

@@ -206,7 +206,7 @@ def test_guidance_batches_and_collaboration(pipe):
     mixed = pipe(PROMPT, decoding=CollaborativeDenoising(small=small, large_steps=2), generator=seeded())
     assert mixed.stats.denoise_forwards == {"large": 4, "small": 4} and mixed.stats.commit_forwards == {"large": 2, "small": 2}
     assert not torch.equal(mixed.latents, plain.latents)
-    with pytest.raises(ValueError, match="small model"):
+    with pytest.raises(ValueError, match="needs a smaller denoiser of the same VAE"):
         pipe(PROMPT, decoding="collaborative", generator=seeded())
 
 

@@ -178,11 +178,16 @@ def test_image_aware_drafting_is_exact_in_distribution():
 
 def test_grouped_acceptance_runs_on_vlms(pipe):
     """GSD groups tokens by the language model's input embeddings; LANTERN's latent proximity is
-    an image-token notion (it needs a tokenizer codebook) and is refused with a clear error."""
+    an image-token notion (it needs a tokenizer codebook): a VLM does not offer it, by name
+    (`VLMPipeline.decoders`) or as an object."""
+    from mmgen.decoding import make_decoder
+
     out = pipe(PROMPTS, images(3), max_new_tokens=6, decoding="gsd", stop_token_ids=[])
     assert out.lengths.tolist() == [6, 6, 6] and out.stats.forwards <= 6
-    with pytest.raises(ValueError, match=r"does not provide `codebook\(\)`"):
+    with pytest.raises(ValueError, match=r"unknown decoding 'lantern': use one of \['ar', 'draft', 'gsd'"):
         pipe(PROMPTS[0], images(1)[0], max_new_tokens=4, decoding="lantern")
+    with pytest.raises(ValueError, match=r"does not provide `codebook\(\)`"):
+        pipe(PROMPTS[0], images(1)[0], max_new_tokens=4, decoding=make_decoder("lantern"))
 
 
 @pytest.mark.parametrize("build", list(BUILDERS.values()), ids=list(BUILDERS))
