@@ -133,7 +133,7 @@ def handle_model(catalog: ImageCatalog, model: str) -> tuple:
         gr.update(value=d.get("temperature")),
         gr.update(value=d.get("top_k", 0), maximum=info.vocab_size or 1, visible=has_top),
         gr.update(value=d.get("top_p", 1.0), visible=has_top),
-        gr.update(value=d.get("num_iter", 64), visible=info.family == "continuous"),
+        gr.update(value=d.get("num_iter", 64), visible=info.decoder_family == "continuous"),
     )
 
 
@@ -174,7 +174,7 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
                 top_p = numeric(gr.Slider(0.01, 1.0, value=d.get("top_p", 1.0), step=0.01, label="Top-p (1 = off)",
                                   visible=info.vocab_size is not None))
                 steps = numeric(gr.Slider(1, MAX_STEPS, value=d.get("num_iter", 64), step=1, label="MAR steps",
-                                  visible=info.family == "continuous"))
+                                  visible=info.decoder_family == "continuous"))
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 with gr.Row():

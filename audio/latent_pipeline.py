@@ -42,11 +42,11 @@ class LatentTTSPipeline(TTSPipeline):
     def __init__(self, model: Any, processor: Any):
         Pipeline.__init__(self, model=model)
         self.tokenizer = self.processor = processor
-        self.family = VibeVoiceSpeech(model, processor)
+        self.adapter = VibeVoiceSpeech(model, processor)
 
     @property
     def sampling_rate(self) -> int:
-        return self.family.sampling_rate
+        return self.adapter.sampling_rate
 
     @classmethod
     def from_pretrained(cls, repo_or_path: Union[str, os.PathLike], torch_dtype: Optional[torch.dtype] = None,

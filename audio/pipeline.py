@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,7 +85,15 @@ class TTSPipeline(Pipeline):
     def __init__(self, model: Any, tokenizer: Any, codec: Any):
         super().__init__(model=model)
         self.tokenizer, self.codec = tokenizer, Codec(codec)
-        self.family = _adapter(model.config.model_type)(model, tokenizer, self.codec)
+        # The family's adapter (`DiaSpeech`, `CsmSpeech`, ...): "family" names the registered kind,
+        # the adapter is this pipeline's object of it.
+        self.adapter = _adapter(model.config.model_type)(model, tokenizer, self.codec)
+
+    @property
+    def family(self) -> Any:
+        """Deprecated name of `adapter` (kept for one release)."""
+        warnings.warn("TTSPipeline.family is now TTSPipeline.adapter", DeprecationWarning, stacklevel=2)
+        return self.adapter
 
     @property
     def sampling_rate(self) -> int:
@@ -121,7 +130,7 @@ class TTSPipeline(Pipeline):
         """transformers' layout: the model (and its tokenizer files) in one folder, the codec in
         `codec/` unless the model owns it (CSM)."""
         self.model.save_pretrained(path)
-        if hasattr(self.tokenizer, "save_pretrained") and self.family.saves_tokenizer:
+        if hasattr(self.tokenizer, "save_pretrained") and self.adapter.saves_tokenizer:
             self.tokenizer.save_pretrained(path)
         if getattr(self.model, "codec_model", None) is not self.codec.model:
             self.codec.model.save_pretrained(Path(path) / CODEC_FOLDER)
@@ -134,14 +143,14 @@ class TTSPipeline(Pipeline):
 
     def check_companion(self, other: Pipeline, companion: Companion) -> None:
         """A drafter must speak the same codec frames: same family, codebooks and vocabulary."""
-        mine, theirs = self.family.frame_layout(), getattr(getattr(other, "family", None), "frame_layout", lambda: None)()
+        mine, theirs = self.adapter.frame_layout(), getattr(getattr(other, "adapter", None), "frame_layout", lambda: None)()
         if mine != theirs:
             raise ValueError(f"the {companion.option} has another codec layout than the model ({theirs} against {mine}): "
                              "its drafts must be this model's frames")
 
     def token_model(self) -> Any:
         """The core's view of the model."""
-        return self.family.token_model()
+        return self.adapter.token_model()
 
     # ---------------------------------------------------------------- generation
     def sampling(self, temperature: Optional[float], top_k: Optional[int], top_p: Optional[float]) -> SamplingConfig:
@@ -174,10 +183,10 @@ class TTSPipeline(Pipeline):
         if any(v is None and vt is not None for v, vt in zip(voices, voice_texts)):
             raise ValueError("voice_text is the transcript of a voice prompt: give the voice too")
         waves = [None if v is None else read_audio(v, self.sampling_rate) for v in voices]
-        budget = self.family.default_max_frames() if max_new_frames is None else max_new_frames
+        budget = self.adapter.default_max_frames() if max_new_frames is None else max_new_frames
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise ValueError(f"max_new_frames must be an integer >= 1, got {max_new_frames!r}")
-        conditions = self.family.conditions(texts, waves, voice_texts, budget, self._guidance(guidance_scale))
+        conditions = self.adapter.conditions(texts, waves, voice_texts, budget, self._guidance(guidance_scale))
         return conditions, budget
 
     def _guidance(self, scale: Optional[float]) -> tuple[Optional[float], Optional[int]]:
@@ -223,7 +232,7 @@ class TTSPipeline(Pipeline):
                 self.check_companion(other, companion)
         conditions, budget = self.prepare(text, voice, voice_text, max_new_frames, guidance_scale)
         sampling = self.sampling(temperature, top_k, top_p)
-        stopping = self.family.stopping(budget)
+        stopping = self.adapter.stopping(budget)
         begin = time.perf_counter()
         result = decoder.generate(self.token_model(), conditions, budget, sampling, self.generator_for(generator),
                                   stopping=stopping, streamer=streamer)
@@ -269,7 +278,7 @@ class TTSPipeline(Pipeline):
         voices, voice_texts = _per_row(voice, len(texts), "voice"), _per_row(voice_text, len(texts), "voice_text")
         prepared = [self.prepare(t, v, vt, max_new_frames, guidance_scale) for t, v, vt in zip(texts, voices, voice_texts)]
         budget = prepared[0][1]
-        sampling, stopping = self.sampling(temperature, top_k, top_p), self.family.stopping(budget)
+        sampling, stopping = self.sampling(temperature, top_k, top_p), self.adapter.stopping(budget)
         rows: list = [None] * len(texts)
         codec_s = 0.0
 
@@ -309,9 +318,9 @@ class TTSPipeline(Pipeline):
         decoder = self.decoder(decoding)
         check_continuous(decoder, self.token_model())
         check_int("batch_size", batch_size, 1)
-        cap = self.family.default_max_frames() if max_new_frames is None else max_new_frames
+        cap = self.adapter.default_max_frames() if max_new_frames is None else max_new_frames
         check_int("max_new_frames", cap, 1)
-        sampling, stopping = self.sampling(temperature, top_k, top_p), self.family.stopping(cap)
+        sampling, stopping = self.sampling(temperature, top_k, top_p), self.adapter.stopping(cap)
 
         def decode(queue) -> None:
             continuous_decode(decoder, self.token_model(), queue, cap, sampling, batch_size, stopping=stopping)
@@ -356,12 +365,12 @@ class TTSPipeline(Pipeline):
 
     def _speech(self, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(codec codes [C, T], waveform) of one row's generated frames [n, C]."""
-        codes = self.family.codes(frames)[0]
+        codes = self.adapter.codes(frames)[0]
         return codes, (self.codec.decode(codes) if codes.shape[1] else torch.zeros(0))
 
     def _row_audio(self, window: StreamWindow) -> "FrameAudio":
         """One row's streaming decoder: frames in, waveform chunks out."""
-        return FrameAudio(self.family, self.codec, window)
+        return FrameAudio(self.adapter, self.codec, window)
 
 
 class TTSServer:
@@ -421,14 +430,14 @@ class FrameAudio:
     audio frame on as it reads the whole row (no end before it), which Dia's delay pattern and
     CSM's frames both do."""
 
-    def __init__(self, family: Any, codec: Codec, window: StreamWindow):
-        self.family, self.pending = family, []
+    def __init__(self, adapter: Any, codec: Codec, window: StreamWindow):
+        self.adapter, self.pending = adapter, []
         self.stream = CodecStream(codec, window)
 
     def push(self, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(the audio the new frames complete, whether the row's end frame came)."""
         frames = torch.cat([*self.pending, new])
-        codes, ended = self.family.codes(frames)
+        codes, ended = self.adapter.codes(frames)
         self.pending = [frames[codes.shape[1]:]]
         chunk = self.stream.push(codes)
         return (torch.cat([chunk, self.stream.flush()]), True) if ended else (chunk, False)

@@ -55,7 +55,7 @@ def transformers_generate(pipe, conditions, frames: int, greedy: bool = True, **
     # The pipeline's conditions are device-free (its token model moves them); generate's are not.
     on_model = lambda t: t.to(model.device)
     sampling = {"do_sample": False} if greedy else {}
-    if pipe.family.__class__.__name__ == "DiaSpeech":
+    if pipe.adapter.__class__.__name__ == "DiaSpeech":
         return model.generate(input_ids=on_model(conditions.input_ids), attention_mask=on_model(conditions.attention_mask),
                               decoder_input_ids=on_model(conditions.decoder_input_ids),
                               decoder_attention_mask=on_model(conditions.decoder_attention_mask),
@@ -101,7 +101,7 @@ def main() -> None:
     def mmgen(spec):  # the frames only, as `generate` returns them: no codec decode in the timing
         decoder = resolve_decoder(spec)
         return lambda: decoder.generate(pipe.token_model(), conditions, budget, SamplingConfig(temperature=0),
-                                        torch.Generator().manual_seed(0), stopping=pipe.family.stopping(budget))
+                                        torch.Generator().manual_seed(0), stopping=pipe.adapter.stopping(budget))
 
     methods = {
         "transformers generate": lambda: transformers_generate(pipe, conditions, args.frames),

@@ -90,7 +90,7 @@ def test_a_speech_family_registered_here_loads_generates_and_serves(speech_famil
 
     dia, folder = speech_family
     pipe = mmgen.load_pipeline(folder)
-    assert type(pipe) is TTSPipeline and type(pipe.family) is ToySpeech and pipe.model.config.model_type == "toy_dia"
+    assert type(pipe) is TTSPipeline and type(pipe.adapter) is ToySpeech and pipe.model.config.model_type == "toy_dia"
     audio = pipe(TEXT, max_new_frames=FRAMES, temperature=0).audio[0]
     # the toy's adapter ran: its speaker rule, over Dia's weights, is Dia told "[S2]"
     assert torch.equal(audio, dia(f"[S2] {TEXT}", max_new_frames=FRAMES, temperature=0).audio[0])
@@ -111,7 +111,7 @@ def test_a_speech_family_registered_here_loads_generates_and_serves(speech_famil
     assert list(catalog.main) == ["toy-tts"]
     result = run_request(SpeechRequest(model="toy-tts", text=TEXT, max_new_frames=FRAMES, temperature=0.0, method="sjd",
                                        compare=True), catalog)
-    assert type(catalog.pipeline("toy-tts").family) is ToySpeech
+    assert type(catalog.pipeline("toy-tts").adapter) is ToySpeech
     assert np.array_equal(result.baseline.audio, audio.numpy()) and np.array_equal(result.method.audio, audio.numpy())
 
     registry.unregister_family("speech", "toy_dia")  # the same folder, unregistered: refused at every entry

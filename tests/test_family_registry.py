@@ -190,7 +190,7 @@ def test_the_demo_request_function_serves_the_family(toy_family):
     catalog = ImageCatalog.discover([str(folder), str(drafter)])
     assert list(catalog.main) == ["toy"] and list(catalog.companions) == ["toy-draft"]
     info = model_info(catalog.pipeline("toy"))
-    assert info.family == "token" and info.default_method == "sjd" and info.class_names == ["a", "b", "c"]
+    assert info.decoder_family == "token" and info.default_method == "sjd" and info.class_names == ["a", "b", "c"]
     assert "sjd" in info.methods and "code" not in info.methods and info.vocab_size is None  # no top-k in its call
     result = run_request(ImageRequest(model="toy", class_name="c", method="draft", seed=3, compare=True, temperature=0.0), catalog)
     baseline, method = result.runs

@@ -87,7 +87,7 @@ def _checked_entry(entry: str) -> str:
 class ModelInfo:
     """What the UI shows for a model: its classes, methods, and sampler defaults and bounds."""
 
-    family: str  # the pipeline's decoder family: "token", "scale" or "continuous"
+    decoder_family: str  # the pipeline's decoder family: "token", "scale" or "continuous"
     class_names: list[str]
     methods: list[str]
     default_method: str
@@ -217,7 +217,7 @@ def check_request(request: ImageRequest, catalog: ImageCatalog, max_images: int 
         if companion.option not in options and request.model + companion.suffix in catalog.names:
             options[companion.option] = request.model + companion.suffix
     scales: dict[str, Any] = {}
-    if info.family == "scale":  # what the chart shows: each step's tokens and the model that ran it
+    if info.decoder_family == "scale":  # what the chart shows: each step's tokens and the model that ran it
         others = [str(options.get(companion.option, request.model + companion.suffix))] if companion else []
         scales = dict(step_sizes=tuple(pipe.transformer.config.step_sizes), stage_models=(request.model, *others))
     overrides = {}

@@ -106,11 +106,11 @@ def sampling_defaults(catalog: SpeechCatalog, model: str) -> dict[str, Any]:
     pipe = catalog.pipeline(model)
     config = pipe.sampling(None, None, None)
     return {"temperature": float(config.temperature), "top_k": int(config.top_k), "top_p": float(config.top_p),
-            "max_top_k": _vocab_size(pipe), "max_new_frames": int(pipe.family.default_max_frames())}
+            "max_top_k": _vocab_size(pipe), "max_new_frames": int(pipe.adapter.default_max_frames())}
 
 
 def _vocab_size(pipe: Any) -> int:
-    layout = pipe.family.frame_layout()
+    layout = pipe.adapter.frame_layout()
     size = layout[2] if len(layout) > 2 else None
     return int(size) if isinstance(size, int) and size > 0 else MAX_TOP_K
 
@@ -223,7 +223,7 @@ def check_request(request: SpeechRequest, catalog: SpeechCatalog,
     server calls it before the request waits for its model."""
     pipe = catalog.main_pipeline(request.model)
     text = checked_text("the text", request.text, MAX_TEXT_CHARS, empty="type a text to speak (the text is empty)")
-    limit = max(1, min(int(max_new_frames), MAX_NEW_FRAMES, int(pipe.family.default_max_frames())))
+    limit = max(1, min(int(max_new_frames), MAX_NEW_FRAMES, int(pipe.adapter.default_max_frames())))
     budget = integer("max new frames", request.max_new_frames, 1, limit)
     seed = integer("seed", request.seed, 0, MAX_SEED)
     sampling = sampler(request.temperature, request.top_k, request.top_p, _vocab_size(pipe))

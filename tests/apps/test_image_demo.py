@@ -81,7 +81,7 @@ def test_catalog_takes_pipeline_folders_and_rejects_others(tmp_path):
 def test_methods_come_from_the_core_registries(catalog, monkeypatch):
     token, scale = model_info(catalog.pipeline("emoji64")), model_info(catalog.pipeline("var-emoji64"))
     assert token.methods == list(DECODERS) and token.default_method == "sjd" and token.vocab_size == 512
-    assert scale.methods == list(SCALE_DECODERS) and scale.family == "scale"
+    assert scale.methods == list(SCALE_DECODERS) and scale.decoder_family == "scale"
     assert len(token.class_names) == 74 and "cat-face" in token.class_names
     monkeypatch.setitem(DECODERS, "brand-new", Autoregressive)
     assert "brand-new" in model_info(catalog.pipeline("emoji64")).methods
@@ -167,7 +167,7 @@ def test_continuous_models_take_bounded_steps(tmp_path):
     pipe.save_pretrained(tmp_path / "mar")
     catalog = ImageCatalog.discover([str(tmp_path / "mar")])
     info = model_info(catalog.pipeline("mar"))
-    assert info.family == "continuous" and info.vocab_size is None and info.default_method == "ar"
+    assert info.decoder_family == "continuous" and info.vocab_size is None and info.default_method == "ar"
     out = run_request(ImageRequest("mar", "c2", "ar", num_steps=3, top_k=99999), catalog)  # top-k: not a MAR option
     assert out.method.stats.forwards == 3
     with pytest.raises(ValueError, match=r"MAR steps must be an integer in \[1, 256\]"):

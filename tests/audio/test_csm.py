@@ -35,7 +35,7 @@ def transformers_frames(pipe, conditions, frames):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_greedy_equals_transformers_generate(pipe, rows):
     out = pipe(TEXTS[:rows], max_new_frames=16, temperature=0)
-    ref = transformers_frames(pipe, pipe.family.conditions(TEXTS[:rows], [None] * rows, [None] * rows, 16, (None, None)), 16)
+    ref = transformers_frames(pipe, pipe.adapter.conditions(TEXTS[:rows], [None] * rows, [None] * rows, 16, (None, None)), 16)
     for b, n in enumerate(out.lengths.tolist()):  # generate keeps decoding finished rows; mmgen pads them
         assert torch.equal(out.frames[b, :n], ref[b, :n])
         ends = (ref[b, :, :-1] == 0).all(-1).nonzero()
@@ -45,7 +45,7 @@ def test_greedy_equals_transformers_generate(pipe, rows):
 
 def test_audio_is_cut_where_generate_cuts_it(pipe):
     out = pipe(TEXTS[0], max_new_frames=30, temperature=0)
-    conditions = pipe.family.conditions(TEXTS[:1], [None], [None], 30, (None, None))
+    conditions = pipe.adapter.conditions(TEXTS[:1], [None], [None], 30, (None, None))
     audio = pipe.model.generate(input_ids=conditions.input_ids, attention_mask=conditions.attention_mask, max_new_tokens=30,
                                 do_sample=False, depth_decoder_do_sample=False, output_audio=True)[0]
     assert torch.allclose(out.audio[0], audio.reshape(-1).float(), atol=rounding(out.audio[0]), rtol=0)
@@ -104,7 +104,7 @@ def test_frame_speculation_over_dependent_codebooks_is_exact_in_distribution(pip
 
     sampling = SamplingConfig(temperature=0.15, top_k=2)
     model = CsmTokenModel(pipe.model)
-    conditions = lambda rows: pipe.family.conditions([TEXTS[0]] * rows, [None] * rows, [None] * rows, 20, (None, None))
+    conditions = lambda rows: pipe.adapter.conditions([TEXTS[0]] * rows, [None] * rows, [None] * rows, 20, (None, None))
     zero = lambda n: torch.zeros(n, 1, dtype=torch.long)
 
     def first_law(frames, k):
@@ -180,7 +180,7 @@ def test_voice_prompt_equals_transformers_processor_and_generate(pipe):
     proc = CsmProcessor(feature_extractor=EncodecFeatureExtractor(feature_size=1, sampling_rate=RATE), tokenizer=pipe.tokenizer)
     inputs = proc(text="<|begin_of_text|>[0]Hi.<|end_of_text|><|AUDIO|><|audio_eos|><|begin_of_text|>[0]Hello there.<|end_of_text|>",
                   audio=[voice], encoded_length_kwargs=CSM_MIMI_LENGTHS, sampling_rate=RATE)
-    ours = pipe.family.conditions(["Hello there."], [torch.from_numpy(voice)], ["Hi."], 20, (None, None))
+    ours = pipe.adapter.conditions(["Hello there."], [torch.from_numpy(voice)], ["Hi."], 20, (None, None))
     assert torch.equal(ours.input_ids, inputs["input_ids"])
     ref = pipe.model.generate(**inputs, max_new_tokens=20, do_sample=False, depth_decoder_do_sample=False)
     n = int(out.lengths[0])

@@ -86,7 +86,7 @@ def test_frame_speculation_is_exact_in_distribution(pipe, decoding, rule_name, l
     model = DiaTokenModel(pipe.model)
 
     def conditions(rows):
-        return pipe.family.conditions([TEXTS[0]] * rows, [None] * rows, [None] * rows, 20, (3.0, 50))
+        return pipe.adapter.conditions([TEXTS[0]] * rows, [None] * rows, [None] * rows, 20, (3.0, 50))
 
     state = model.start(conditions(4), 8, False)
     p0 = sampling.probs(state.first_logits, torch.zeros(4, 1, dtype=torch.long))[0, 0, 0]
@@ -241,3 +241,14 @@ def test_grouped_acceptance_groups_each_codebook_by_its_own_embeddings(pipe):
 
     wide = GroupedAcceptance(prob_threshold=1.0, distance_threshold=1e9)
     assert accepted_per_forward(wide) > accepted_per_forward(ExactAcceptance())
+
+
+def test_the_adapter_was_called_family_and_that_name_warns():
+    """`TTSPipeline.adapter` is the family's adapter object; the old name `family` still
+    returns it for one release, with a DeprecationWarning."""
+    from mmgen.audio.dia import DiaSpeech
+
+    pipe = tiny_dia(0)
+    assert isinstance(pipe.adapter, DiaSpeech)
+    with pytest.warns(DeprecationWarning, match="TTSPipeline.family is now TTSPipeline.adapter"):
+        assert pipe.family is pipe.adapter

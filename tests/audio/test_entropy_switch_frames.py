@@ -38,7 +38,7 @@ def stop_frames(stopping, frames: torch.Tensor) -> torch.Tensor:
 
 
 def assert_rows_end_at_their_stop_frame(pipe, frames: torch.Tensor, lengths: torch.Tensor, budget: int) -> None:
-    stopping = pipe.family.stopping(budget)
+    stopping = pipe.adapter.stopping(budget)
     for b, n in enumerate(lengths.tolist()):
         stops = stop_frames(stopping, frames[b, :n])
         assert not stops[:-1].any() and (bool(stops[-1]) or n == budget)  # through the first stop frame only
@@ -120,7 +120,7 @@ def test_mixed_threshold_ends_rows_and_counts_the_large_model_honestly(pipes, fa
     large = Recording(pipe.token_model())
     out = EntropySwitch(small=small, threshold=mixed["threshold"]).generate(
         large, conditions, budget, pipe.sampling(mixed["temperature"], mixed["top_k"], None),
-        torch.Generator().manual_seed(0), stopping=pipe.family.stopping(budget))
+        torch.Generator().manual_seed(0), stopping=pipe.adapter.stopping(budget))
     assert_rows_end_at_their_stop_frame(pipe, out.tokens, out.lengths, budget)
     lengths, stats = out.lengths, out.stats
     total = int(lengths.sum())

@@ -100,7 +100,7 @@ def test_restart_grows_the_encoder_axis_and_the_prompt_region(pipe, monkeypatch)
     monkeypatch.setattr(DiaTokenModel, "_place_encoder", staticmethod(spy))
     model = pipe.token_model()
     conditions = [pipe.prepare(t, v, vt, 30)[0] for t, v, vt in zip(TEXTS, VOICES, VOICE_TEXTS)]
-    sampling, stopping = SamplingConfig(temperature=1.0, top_k=20), pipe.family.stopping(30)
+    sampling, stopping = SamplingConfig(temperature=1.0, top_k=20), pipe.adapter.stopping(30)
     done, _ = continuous_decode(make_decoder("ar"), model, [Request(c, g) for c, g in zip(conditions, generators(3))], 30, sampling, 2, stopping=stopping)
     assert any(after > before for before, _, after, _ in seen)  # the encoder axis grew
     assert all(after == keys == max(before, solo) for before, solo, after, keys in seen)
@@ -113,7 +113,7 @@ def test_requests_must_share_the_batch_guidance(pipe):
     second = pipe.prepare(TEXTS[1], max_new_frames=20, guidance_scale=2.0)[0]
     with pytest.raises(ValueError, match="one guidance setting"):
         continuous_decode(make_decoder("ar"), model, [Request(first, torch.Generator()), Request(second, torch.Generator())], 20,
-                          SamplingConfig(temperature=0), 1, stopping=pipe.family.stopping(20))
+                          SamplingConfig(temperature=0), 1, stopping=pipe.adapter.stopping(20))
 
 
 def test_bad_calls_are_refused_before_any_work(pipe, monkeypatch):

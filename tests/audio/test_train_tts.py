@@ -108,7 +108,7 @@ def test_export_loads_through_the_pipeline_and_speaks(tmp_path):
     pipe = TTSPipeline.from_pretrained(tmp_path / "assets" / "speech-tts")
     drafter = TTSPipeline.from_pretrained(tmp_path / "assets" / "speech-tts-draft")
     assert pipe.model.dtype == drafter.model.dtype == pipe.codec.dtype == torch.float16
-    assert pipe.sampling_rate == RATE and pipe.family.delay == delay_pattern(C)
+    assert pipe.sampling_rate == RATE and pipe.adapter.delay == delay_pattern(C)
     assert {k: getattr(pipe.model.generation_config, k) for k in SAMPLING} == SAMPLING
     # The pipeline reads the text exactly as the trainer fed it.
     conditions, _ = pipe.prepare("thing number 0", max_new_frames=8)
