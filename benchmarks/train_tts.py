@@ -147,10 +147,11 @@ class CodesData:
         return {"eos": v, "pad": v + 1, "bos": v + 2}
 
     def batch(self, index: torch.Tensor, generator: torch.Generator | None = None,
-              text_dropout: float = 0.0) -> dict[str, torch.Tensor]:
+              text_dropout: float = 0.0, code_noise: float = 0.0) -> dict[str, torch.Tensor]:
         """Model inputs with `labels` [B * C, L] (the processor's layout): text ids right padded
         with 0 and its mask; decoder rows right padded with PAD (mask 0, labels -100); rows drawn
-        under `text_dropout` read all-zero text."""
+        under `text_dropout` read all-zero text; with `code_noise`, that share of the decoder's
+        input codes (never BOS, EOS or PAD; labels untouched) is replaced by random codes."""
         t = self.tokens
         delay = delay_pattern(self.num_codebooks)
         rows = [delayed_row(self.codes[i], delay, t["eos"], t["pad"], t["bos"]) for i in index.tolist()]
@@ -166,6 +167,11 @@ class CodesData:
         if text_dropout:
             drop = torch.rand(B, generator=generator) < text_dropout
             ids[drop] = 0
+        if code_noise:
+            # Tacotron's always-on prenet dropout, for a token decoder: the past frames cannot
+            # be trusted alone, so the model has to read where the text says it is.
+            noisy = (torch.rand(decoder.shape, generator=generator) < code_noise) & (decoder < self.codebook_size)
+            decoder = torch.where(noisy, torch.randint(0, self.codebook_size, decoder.shape, generator=generator), decoder)
         return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder,
                 "decoder_attention_mask": decoder_mask, "labels": labels.transpose(1, 2).reshape(B * C, L)}
 
@@ -288,7 +294,7 @@ def train_model(args) -> None:
     clock = steps_per_second()
 
     def loss_fn(index, generator):
-        batch = train.batch(index, generator, args.text_dropout)
+        batch = train.batch(index, generator, args.text_dropout, args.code_noise)
         parts = [(part_loss(model, part, args.guided_attention), share)
                  for part, share in split_by_length(batch, args.micro_batches)]
         lm = sum(loss * share for (loss, _), share in parts)
@@ -469,6 +475,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
         p.add_argument("--micro-batches", type=int, default=4, help="forward each batch in this many groups of "
                        "similar length (less padding; the same loss)")
+        p.add_argument("--code-noise", type=float, default=0.0, help="share of the decoder's input codes replaced by random "
+                       "codes while training (labels kept): the past alone cannot predict the next frame, the text must")
         p.add_argument("--guided-attention", type=float, default=0.0, help="weight of the guided attention loss on the "
                        "decoder's cross-attention (0: off)")
         p.add_argument("--eval-every", type=int, default=0, help="held-out figures every N steps (0: never): loss with "

@@ -123,3 +123,19 @@ def test_export_loads_through_the_pipeline_and_speaks(tmp_path):
     drafted = pipe("thing number 1", max_new_frames=12, temperature=0,
                    decoding=make_decoder("draft", drafter=drafter, num_draft=2))
     assert torch.equal(drafted.frames, ar.frames)
+
+
+def test_code_noise_replaces_only_codes_of_the_inputs(tmp_path):
+    """`code_noise` corrupts a share of the decoder's input codes; BOS, EOS, PAD, the text and
+    the labels are those of the clean batch."""
+    data_path = tmp_path / "codes.npz"
+    fake_codes(data_path, n=40)
+    data = CodesData(data_path)
+    index = torch.arange(12)
+    clean = data.batch(index, torch.Generator().manual_seed(1))
+    noisy = data.batch(index, torch.Generator().manual_seed(1), code_noise=0.5)
+    for key in ("input_ids", "attention_mask", "decoder_attention_mask", "labels"):
+        assert torch.equal(clean[key], noisy[key]), key
+    codes = clean["decoder_input_ids"] < V
+    changed = clean["decoder_input_ids"] != noisy["decoder_input_ids"]
+    assert not changed[~codes].any() and 0.3 < changed[codes].float().mean() < 0.6  # a few draws hit the same code
