@@ -1,5 +1,7 @@
 """Train the speech side of the bundled text-to-speech pair on espeak-ng speech: a neural audio
-codec (transformers' own `DacModel`) and a CTC phoneme recogniser (the quality proxy).
+codec (transformers' own `DacModel`) and a CTC phoneme recogniser (the quality proxy; the model
+is `mmgen.audio.recogniser.PhonemeRecogniser`, and `export` writes the folder bundled as
+`audio/assets/phoneme-recogniser`).
 
 Data comes from `benchmarks/data/speech.py` (16 kHz, phonemes per utterance, a fixed 5%
 held-out split that is never trained on). The loop, checkpointing and data order are
@@ -14,6 +16,11 @@ resumed run ends with the weights of one that never stopped.
         --recogniser runs/speech-phonemes --out runs/speech-calibration.json
     python -m benchmarks.train_speech export --codec runs/speech-codec --recogniser runs/speech-phonemes \
         --out runs/speech-export
+    python -m benchmarks.train_speech bundle-recogniser --recogniser runs/speech-phonemes --data data/speech16k.npz \
+        --out audio/assets/phoneme-recogniser
+
+`calibrate` takes exported folders too: `--codec audio/assets/speech-tts/codec --half --recogniser
+audio/assets/phoneme-recogniser` measures the bundled (float16) recogniser on the held-out audio.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ import torch
 import torch.nn.functional as F
 import torchaudio
 
-from benchmarks.data.speech import PHONEMES, SAMPLE_RATE, load_corpus, utterance
+from benchmarks.data.speech import SAMPLE_RATE, load_corpus, utterance
 from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+from mmgen.audio.phonemes import PHONEMES, reduce_phonemes
+from mmgen.audio.recogniser import PhonemeRecogniser, phoneme_error_rate
 
 #: The codec: DAC's architecture at toy scale, 50 frames/s (hop 320) of 8 codes from 256 each.
 CODEC = dict(encoder_hidden_size=8, decoder_hidden_size=96, downsampling_ratios=[2, 4, 5, 8], n_codebooks=8,
@@ -238,49 +247,6 @@ def tokenize(args) -> None:
 # ---------------------------------------------------------------------------- phoneme recogniser
 
 
-class PhonemeRecogniser(torch.nn.Module):
-    """Log-mel -> conv (stride 2) -> conv -> BiGRU -> phoneme logits at 50 frames/s (CTC, blank last)."""
-
-    def __init__(self, n_mels: int, n_fft: int, hop: int, channels: int, hidden: int, layers: int, classes: int):
-        super().__init__()
-        self.mel = torchaudio.transforms.MelSpectrogram(SAMPLE_RATE, n_fft=n_fft, hop_length=hop, n_mels=n_mels)
-        self.hop = hop
-        self.conv1 = torch.nn.Conv1d(n_mels, channels, 5, stride=2, padding=2)
-        self.conv2 = torch.nn.Conv1d(channels, channels, 5, padding=2)
-        self.norm1, self.norm2 = torch.nn.LayerNorm(channels), torch.nn.LayerNorm(channels)
-        self.rnn = torch.nn.GRU(channels, hidden, num_layers=layers, bidirectional=True, batch_first=True)
-        self.head = torch.nn.Linear(2 * hidden, classes)
-
-    def features(self, wave: torch.Tensor) -> torch.Tensor:
-        """[B, T] -> log-mel [B, n_mels, frames]."""
-        return torch.log(self.mel(wave) + 1e-6)
-
-    def frames(self, lengths: torch.Tensor) -> torch.Tensor:
-        """Output frames for waveforms of `lengths` samples."""
-        return (lengths // self.hop + 1 + 1) // 2
-
-    def forward(self, mel: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Log-mel [B, n_mels, frames] of waveforms of `lengths` samples -> log-probs [B, frames', classes]."""
-        x = F.gelu(self.norm1(self.conv1(mel).transpose(1, 2))).transpose(1, 2)
-        x = F.gelu(self.norm2(self.conv2(x).transpose(1, 2)))
-        frames = self.frames(lengths).clamp(max=x.shape[1])
-        packed = torch.nn.utils.rnn.pack_padded_sequence(x, frames, batch_first=True, enforce_sorted=False)
-        x = torch.nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
-        return self.head(x).log_softmax(-1)
-
-    @torch.no_grad()
-    def transcribe(self, waves: list[torch.Tensor], batch: int = 32) -> list[str]:
-        """Greedy CTC: space-joined phonemes of each waveform."""
-        out = []
-        for start in range(0, len(waves), batch):
-            wave, lengths = pad_batch(waves[start:start + batch])
-            logp = self(self.features(wave), lengths)
-            for row, n in zip(logp.argmax(-1), self.frames(lengths).clamp(max=logp.shape[1]).tolist()):
-                ids = torch.unique_consecutive(row[:n]).tolist()
-                out.append(" ".join(PHONEMES[i] for i in ids if i < len(PHONEMES)))
-        return out
-
-
 def augment(wave: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Random gain (-6..+2 dB) and white noise (30-50 dB below the speech), per utterance."""
     b = len(wave)
@@ -312,21 +278,14 @@ def ctc_loss(model: PhonemeRecogniser, mel: torch.Tensor, lengths: torch.Tensor,
     frames = model.frames(lengths).clamp(max=logp.shape[1])
     targets = torch.cat(labels)
     return F.ctc_loss(logp.transpose(0, 1), targets, frames, torch.tensor([len(l) for l in labels]),
-                      blank=len(PHONEMES), zero_infinity=True)
-
-
-def phoneme_error_rate(references: list[str], hypotheses: list[str]) -> float:
-    """PER: jiwer's word error rate over space-joined phonemes (errors over all reference phonemes)."""
-    import jiwer
-
-    return float(jiwer.wer(references, hypotheses))
+                      blank=model.blank, zero_infinity=True)
 
 
 def train_phonemes(args) -> None:
     data = load_corpus(args.data)
     train, held_out = Speech(data, "train"), Speech(data, "eval")
     torch.manual_seed(args.seed)
-    model = PhonemeRecogniser(**RECOGNISER)
+    model = PhonemeRecogniser(**RECOGNISER, sample_rate=SAMPLE_RATE)
     clock = steps_per_second()
 
     def loss_fn(index, generator):
@@ -339,13 +298,23 @@ def train_phonemes(args) -> None:
     print(f"recogniser: {params / 1e6:.2f}M parameters, {len(train)} training utterances")
     train_loop(model, loss_fn, len(train), args, {"recogniser": RECOGNISER, "inventory": list(PHONEMES),
                                                   "params": params, "args": vars(args)})
-    per = phoneme_error_rate(held_out.phonemes, model.transcribe(held_out.waves))
+    per = phoneme_error_rate(held_out.phonemes, model.transcribe(held_out.waves, SAMPLE_RATE))
     print(json.dumps({"held_out_per": round(per, 4), "held_out": len(held_out)}))
 
 
-def load_recogniser(run: str) -> PhonemeRecogniser:
-    config = json.loads((Path(run) / "config.json").read_text())["recogniser"]
-    return load_trained(PhonemeRecogniser(**config), run)
+def load_recogniser(run: str | Path | None = None) -> PhonemeRecogniser:
+    """A run of `phonemes` (checkpoint.pt + config.json), or a recogniser folder (`export`'s
+    `<out>/phoneme-recogniser`; None: the bundled one)."""
+    if run is None or not (Path(run) / "checkpoint.pt").exists():
+        return PhonemeRecogniser.from_pretrained(run)
+    config = json.loads((Path(run) / "config.json").read_text())
+    model = PhonemeRecogniser(**config["recogniser"], sample_rate=SAMPLE_RATE, inventory=config.get("inventory", PHONEMES))
+    return load_trained(model, run)
+
+
+def trained_step(run: str | Path) -> int | None:
+    """The step of a training run's checkpoint; None for an exported folder."""
+    return last_log(str(run))["final"]["step"] if (Path(run) / "checkpoint.pt").exists() else None
 
 
 # ---------------------------------------------------------------------------- calibration, export
@@ -365,15 +334,10 @@ def time_shuffled(wave: torch.Tensor, generator: torch.Generator, chunk: int = 8
 
 
 @torch.no_grad()
-def calibrate(args) -> None:
+def calibration(held_out: Speech, recogniser: PhonemeRecogniser, codec: Any) -> dict[str, Any]:
     """PER of the recogniser on held-out audio as it is, after the codec, and on two controls (the
     audio scored against another utterance's phonemes; its 50 ms chunks shuffled), plus the
     codec's held-out reconstruction error (mel L1 as in training, SI-SNR) and codes used per book."""
-    held_out = Speech(load_corpus(args.data), "eval")
-    recogniser = load_recogniser(args.recogniser)
-    codec = load_codec(args.codec)
-    if args.half:
-        round_to_half(codec)
     mel_loss = MelLoss()
     recon, codes = roundtrip(codec, held_out.waves)
     codes = torch.cat(codes)
@@ -381,40 +345,200 @@ def calibrate(args) -> None:
     snr = [float(si_snr(audio, wave)) for audio, wave in zip(recon, held_out.waves)]
     generator = torch.Generator().manual_seed(0)
     refs = held_out.phonemes
-    real = recogniser.transcribe(held_out.waves)
+    real = recogniser.transcribe(held_out.waves, SAMPLE_RATE)
     result = {
-        "held_out": len(refs), "codec_run": str(args.codec), "codec_half": bool(args.half),
-        "codec_step": last_log(args.codec)["final"]["step"], "recogniser_step": last_log(args.recogniser)["final"]["step"],
-        "per_real": phoneme_error_rate(refs, real),
-        "per_codec": phoneme_error_rate(refs, recogniser.transcribe(recon)),
+        "held_out": len(refs), "per_real": phoneme_error_rate(refs, real),
+        "per_codec": phoneme_error_rate(refs, recogniser.transcribe(recon, SAMPLE_RATE)),
         "per_mismatched": phoneme_error_rate(refs[1:] + refs[:1], real),
-        "per_time_shuffled": phoneme_error_rate(refs, recogniser.transcribe([time_shuffled(w, generator) for w in held_out.waves])),
+        "per_time_shuffled": phoneme_error_rate(
+            refs, recogniser.transcribe([time_shuffled(w, generator) for w in held_out.waves], SAMPLE_RATE)),
         "codec_mel_l1": float(np.mean(mel)), "codec_si_snr_db": float(np.mean(snr)),
         "codec_codes_used": [len(torch.unique(book)) for book in codes.T],
     }
-    result = {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def calibrate(args) -> None:
+    """`calibration` of a recogniser (run or folder) and a codec (run or folder, `--half`: rounded
+    to float16 first), printed and written to `--out`."""
+    codec = load_codec(args.codec)
+    if args.half:
+        round_to_half(codec)
+    figures = calibration(Speech(load_corpus(args.data), "eval"), load_recogniser(args.recogniser), codec)
+    result = {"held_out": figures.pop("held_out"), "codec_run": str(args.codec), "codec_half": bool(args.half),
+              "codec_step": trained_step(args.codec), "recogniser": str(args.recogniser),
+              "recogniser_step": trained_step(args.recogniser), **figures}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
 
 
+#: Everyday sentences outside the corpus (its texts are emoji names, numbers and template
+#: sentences over a small vocabulary): how the recogniser does on words it never heard.
+UNSEEN_TEXTS = (
+    "Hello there, how are you today?", "The weather was much warmer than we expected.",
+    "Please bring three thick jackets for the journey north.", "She measured the treasure with a golden ruler.",
+    "My brother enjoys fishing at the quiet village pond.", "We should finish the chapter before midnight.",
+    "Can you imagine a garage full of purple bicycles?", "The teacher asked the children to sing louder.",
+    "Strong coffee helps me think during early meetings.", "Nobody knew why the old bridge had been closed.",
+    "Jump over the fence and follow the narrow path.", "His voice sounded calm, although the news was bad.",
+    "The library opens at nine on weekday mornings.", "Fresh bread smells wonderful in the kitchen.",
+    "They played chess by the window until it got dark.", "Our neighbour's dog barks whenever the postman arrives.",
+    "I usually walk to work when it isn't raining.", "The museum shows paintings from several centuries.",
+    "Thank you for the lovely birthday present.", "Sugar and salt look alike but taste very different.",
+)
+
+
+@torch.no_grad()
+def unseen_per(recogniser: PhonemeRecogniser, texts: tuple[str, ...] = UNSEEN_TEXTS) -> float:
+    """PER on `texts` spoken as the corpus speaks a text (voice, speed and pitch from its hash;
+    16 kHz; trimmed), against the phonemes espeak-ng spoke."""
+    from benchmarks.data.speech import speak, to_16k, voice_for
+
+    waves, refs = [], []
+    for text in texts:
+        audio, rate, ipa = speak(text, *voice_for(text))
+        waves.append(torch.from_numpy(to_16k(audio, rate).astype(np.float32) / 32768))
+        refs.append(" ".join(reduce_phonemes(ipa)))
+    return phoneme_error_rate(refs, recogniser.transcribe(waves, SAMPLE_RATE))
+
+
+def wall_clock(run: str | Path) -> tuple[float, int]:
+    """Training seconds of a run summed over its invocations (each restarts the log's clock, so a
+    drop in `seconds` starts a new one; time after an invocation's last record is not counted),
+    and the number of invocations."""
+    records = [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines()]
+    total, last, invocations = 0.0, 0.0, 1
+    for seconds in (r["seconds"] for r in records if "seconds" in r):
+        if seconds < last:
+            total, invocations = total + last, invocations + 1
+        last = seconds
+    return total + last, invocations
+
+
+def recogniser_card(f: dict[str, Any]) -> str:
+    """The bundled recogniser's MODEL_CARD.md from the figures `bundle_recogniser` measured."""
+    a, c = f["args"], f["calibration"]
+    stopped = "" if f["step"] >= a["steps"] else (
+        f"\n\n**These weights are the run's step-{f['step']} checkpoint, exported while it was still training\n"
+        f"towards {a['steps']} steps** (re-run the last command below when it ends).")
+    return f"""# phoneme-recogniser: the project's speech intelligibility meter
+
+A CTC phoneme recogniser (`mmgen.audio.recogniser.PhonemeRecogniser`): log-mel (80 bins, 25 ms
+window, 10 ms hop, 16 kHz) -> two convolutions (the first halves the rate) with LayerNorm and
+GELU -> a {f['recogniser']['layers']}-layer bidirectional GRU ({f['recogniser']['hidden']} per direction) -> {len(f['inventory'])} phonemes plus the CTC blank at 50 frames/s,
+greedy decoding. {f['params'] / 1e6:.2f}M parameters, stored in float16 ({f['bytes'] / 1e6:.1f} MB), computed in float32.
+`mmgen eval per AUDIO --text TEXT` scores any audio against the phonemes espeak-ng gives for its
+text (`mmgen.audio.phonemes.text_phonemes`, the reduction the training data used).
+
+## Data
+
+`benchmarks/data/speech.py` (`data/speech16k.npz`): English texts the project makes itself (emoji
+names, spelled-out numbers, short template sentences) spoken by Debian's espeak-ng 1.51 with
+{len(f['voices'])} voices ({', '.join(f['voices'])}), 140-200 words per minute, pitch 35-65, chosen by a hash
+of the text; 16 kHz, 0.5-3 s each. Labels are the phonemes espeak-ng spoke (its IPA for the
+voice's accent), reduced to the {len(f['inventory'])}-symbol inventory. {f['train']} training utterances ({f['train_hours']:.2f} h),
+{c['held_out']} held out (5% by a hash of the text, never trained on).
+
+## Training
+
+`benchmarks/train_speech.py phonemes`: CTC loss, AdamW (betas 0.9/0.95, weight decay
+{a['weight_decay']}), peak learning rate {a['lr']} with {a['warmup']} warm-up steps and a cosine schedule to step {a['steps']},
+batch {a['batch_size']}, gradient clipping 1.0, seed {a['seed']}. Augmentation per utterance: gain -6..+2 dB, white
+noise 30-50 dB below the speech, SpecAugment (2 time masks up to 8 frames, 2 mel masks up to 8
+bins). {f['step']} steps on {a['threads']} CPU thread(s) of this project's shared 2-core machine, {f['wall_clock'] / 60:.0f} minutes of
+wall clock ({f['invocations']} invocation(s); other jobs shared the cores), last logged training loss {f['loss']:.3f}.{stopped}
+
+## Held-out phoneme error rate
+
+PER = (substitutions + deletions + insertions) / reference phonemes, over all {c['held_out']} held-out
+utterances together, greedy CTC, batches of 32 (`transcribe`'s default), the float16 weights as
+shipped:
+
+| audio | PER |
+|---|---|
+| real espeak-ng audio | {c['per_real']:.2%} |
+| round trip through the bundled speech codec (`{f['codec']}`, float16) | {c['per_codec']:.2%} |
+| control: scored against another utterance's phonemes | {c['per_mismatched']:.1%} |
+| control: the audio's 50 ms chunks shuffled in time | {c['per_time_shuffled']:.1%} |
+
+The float32 weights score {f['per_float32']:.2%} on the real audio; {f['differ']} of {c['held_out']} transcripts change
+when the weights are rounded to float16. The codec's held-out mel L1 is {c['codec_mel_l1']:.3f}, its SI-SNR
+{c['codec_si_snr_db']:.1f} dB.
+
+Words it never heard: on {f['unseen_count']} everyday sentences outside the corpus (`UNSEEN_TEXTS` in
+`benchmarks/train_speech.py`, spoken by espeak-ng as the corpus speaks a text), PER {f['unseen']:.1%}.
+
+## Limits
+
+- English only, and only espeak-ng's voices: it learned espeak's synthetic speech (8 voice
+  variants under Data). On human speech or other text-to-speech voices its error rate is
+  unmeasured and surely higher; compare models under it, not against human listeners.
+- The expected phonemes follow an accent: `--voice` (en-us by default; en-gb, en-gb-x-rp,
+  en-gb-scotland) should match the one spoken, or accent differences count as errors.
+- Trained on 0.5-3 s utterances over a small vocabulary; new words score worse (the sentences
+  above), longer audio is transcribed whole, unmeasured beyond a few seconds.
+- It hears phonemes, not prosody, voice quality or naturalness; no language model, so a
+  plausible-sounding wrong word scores its phoneme edits only.
+- Sounds outside the inventory are mapped to the nearest symbols espeak's reduction gives; a text
+  whose espeak phonemes fall outside it is refused in one line.
+
+## Reproduce
+
+```bash
+apt-get install espeak-ng unicode-data
+python -m benchmarks.data.speech --out data/speech16k.npz
+python -m benchmarks.train_speech phonemes --data data/speech16k.npz --out runs/speech-phonemes --threads 1
+python -m benchmarks.train_speech bundle-recogniser --recogniser runs/speech-phonemes --data data/speech16k.npz \\
+    --codec {f['codec']} --out audio/assets/phoneme-recogniser
+```
+
+The last command exports the float16 folder, measures every figure above on it and writes this
+card (torch {f['torch']}).
+"""
+
+
+@torch.no_grad()
+def bundle_recogniser(args) -> None:
+    """Export a recogniser run as a float16 folder, measure it (`calibration` with the codec rounded
+    to float16, and the float32 run on the same audio) and write the folder's MODEL_CARD.md."""
+    from benchmarks.data.speech import VOICES
+
+    data = load_corpus(args.data)
+    held_out = Speech(data, "eval")
+    trained = load_recogniser(args.recogniser)
+    folder = trained.save_pretrained(args.out, torch.float16)
+    shipped = PhonemeRecogniser.from_pretrained(folder)
+    figures = calibration(held_out, shipped, round_to_half(load_codec(args.codec)))
+    full, half = (model.transcribe(held_out.waves, SAMPLE_RATE) for model in (trained, shipped))
+    run = last_log(args.recogniser)
+    config = json.loads((Path(args.recogniser) / "config.json").read_text())
+    seconds, invocations = wall_clock(args.recogniser)
+    train = ~data["is_eval"].astype(bool)
+    lengths = np.diff(data["offsets"])
+    card = recogniser_card({
+        "args": run["args"], "step": run["final"]["step"], "loss": run["final"]["loss"], "params": config["params"],
+        "recogniser": shipped.config, "inventory": shipped.inventory, "bytes": (folder / "model.safetensors").stat().st_size,
+        "voices": VOICES, "train": int(train.sum()), "train_hours": float(lengths[train].sum()) / SAMPLE_RATE / 3600,
+        "wall_clock": seconds, "invocations": invocations, "calibration": figures, "codec": str(args.codec),
+        "per_float32": phoneme_error_rate(held_out.phonemes, full), "differ": sum(a != b for a, b in zip(full, half)),
+        "unseen": unseen_per(shipped), "unseen_count": len(UNSEEN_TEXTS), "torch": torch.__version__})
+    (folder / "MODEL_CARD.md").write_text(card)
+    print(json.dumps({"folder": str(folder), "step": run["final"]["step"], **figures}))
+    print(f"wrote {folder / 'MODEL_CARD.md'}")
+
+
 @torch.no_grad()
 def export(args) -> None:
-    """The codec as a transformers folder (float16) and the recogniser as safetensors + config.json."""
-    from safetensors.torch import save_file
-
+    """The codec as a transformers folder and the recogniser as safetensors + config.json (the
+    format of `audio/assets/phoneme-recogniser`), both float16; `--recogniser-only` skips the codec."""
     out = Path(args.out)
-    codec = round_to_half(load_codec(args.codec)).half()
-    codec.save_pretrained(out / "codec")
-    recogniser = load_recogniser(args.recogniser)
-    folder = out / "phoneme-recogniser"
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in recogniser.state_dict().items() if not k.startswith("mel.")}
-    save_file(state, folder / "model.safetensors")
-    config = {"recogniser": RECOGNISER | json.loads((Path(args.recogniser) / "config.json").read_text())["recogniser"],
-              "inventory": list(PHONEMES), "blank": len(PHONEMES), "sample_rate": SAMPLE_RATE}
-    (folder / "config.json").write_text(json.dumps(config, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {out / 'codec'} and {folder}")
+    if not args.recogniser_only:
+        codec = round_to_half(load_codec(args.codec)).half()
+        codec.save_pretrained(out / "codec")
+        print(f"wrote {out / 'codec'}")
+    folder = load_recogniser(args.recogniser).save_pretrained(out / "phoneme-recogniser", torch.float16)
+    print(f"wrote {folder}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -442,13 +566,24 @@ def main(argv: list[str] | None = None) -> None:
     cal.add_argument("--recogniser", required=True)
     cal.add_argument("--out")
     exp = jobs.add_parser("export")
-    for name in ("--codec", "--recogniser", "--out"):
+    exp.add_argument("--codec")
+    for name in ("--recogniser", "--out"):
         exp.add_argument(name, required=True)
+    exp.add_argument("--recogniser-only", action="store_true", help="export the recogniser alone (no --codec)")
+    bundle = jobs.add_parser("bundle-recogniser", help="export a recogniser run as the bundled float16 folder, "
+                             "measured, with its model card")
+    for name in ("--recogniser", "--data", "--out"):
+        bundle.add_argument(name, required=True)
+    bundle.add_argument("--codec", default="audio/assets/speech-tts/codec",
+                        help="the codec whose round trip the card reports (rounded to float16)")
+    bundle.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.job == "export" and not (args.codec or args.recogniser_only):
+        parser.error("export needs --codec (or --recogniser-only)")
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     {"codec": train_codec, "phonemes": train_phonemes, "tokenize": tokenize, "calibrate": calibrate,
-     "export": export}[args.job](args)
+     "export": export, "bundle-recogniser": bundle_recogniser}[args.job](args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ with the drafter, where Dia's `generate` takes it) against mmgen's frame decoder
 `TTSPipeline` (AR, SJD, the drafter, entropy switching), on the same weights, in one process.
 
     python -m benchmarks.tts_bundled --model audio/assets/speech-tts --draft audio/assets/speech-tts-draft \
-        --codes runs/speech-codes-long.npz --recogniser runs/speech-phonemes --utterances 20 --threads 1 \
+        --codes runs/speech-codes-long.npz --utterances 20 --threads 1 \
         --out runs/tts-bundled.json [--greedy] [--data data/speech16k.npz]
 
 Sampling is the model's own generation config (read from the pipeline: Dia samples at its
@@ -21,7 +21,8 @@ decoder frame (decode time, from the conditions to the last frame, codec decodin
 sides, over the frames decoded, the delay tail included) with its spread across utterances (IQR
 and min-max: utterance length moves it too), and the real-time factor (decode seconds over
 seconds of audio); and the phoneme error rate of the generated audio against the utterances'
-reference phonemes under the project's CTC recogniser (`train_speech.py`), over all utterances.
+reference phonemes under the project's CTC recogniser (`mmgen.audio.recogniser`: the bundled one
+unless `--recogniser` names a folder or a `train_speech.py phonemes` run), over all utterances.
 Target forwards are the target's alone (the drafter's are in the JSON); under entropy switching the
 target runs only where the drafter is unsure, and the share of frames it sampled is printed.
 For scale: the PER of the corpus codes decoded by the bundle's codec, and with `--data` of the real
@@ -44,9 +45,10 @@ import numpy as np
 import torch
 
 from benchmarks.data.speech import SAMPLE_RATE
-from benchmarks.train_speech import load_recogniser, phoneme_error_rate
+from benchmarks.train_speech import load_recogniser
 from benchmarks.train_tts import CodesData
 from benchmarks.tts_decoding import transformers_generate
+from mmgen.audio.recogniser import phoneme_error_rate
 
 GENERATE = "transformers generate"
 
@@ -77,18 +79,18 @@ def methods(target: Any, drafter: Any, greedy: bool, num_draft: int,
     """name -> f(text, seed, max_new_frames) -> Decoded, for batch-1 calls."""
     from mmgen.decoding import DraftSpeculative, EntropySwitch
 
-    family = target.family
+    adapter = target.adapter
 
     def hf(**extra):
         def run(text, seed, frames):
             conditions, budget = target.prepare(text, max_new_frames=frames)
-            prefix = conditions.decoder_input_ids.shape[1] - max(family.delay)  # rows before the first generated frame
+            prefix = conditions.decoder_input_ids.shape[1] - max(adapter.delay)  # rows before the first generated frame
             torch.manual_seed(seed)  # transformers draws from the global generator
             begun = time.perf_counter()
             out = transformers_generate(target, conditions, budget, greedy, **extra)
             seconds = time.perf_counter() - begun
             generated = out[0, prefix:]
-            codes = family.codes(generated)[0]
+            codes = adapter.codes(generated)[0]
             audio = target.codec.decode(codes) if codes.shape[1] else torch.zeros(0)
             return Decoded(generated, audio, seconds, len(generated), target_frames=len(generated))
         return run
@@ -111,17 +113,6 @@ def methods(target: Any, drafter: Any, greedy: bool, num_draft: int,
         f"mmgen draft ({num_draft})": ours(DraftSpeculative(drafter=drafter, num_draft=num_draft)),
         "mmgen entropy-switch": ours(EntropySwitch(small=drafter, **({} if threshold is None else {"threshold": threshold}))),
     }
-
-
-def transcribe(recogniser: Any, waves: list[torch.Tensor], rate: int) -> list[str]:
-    """Recognised phonemes of waveforms at `rate` (resampled to the recogniser's; empty audio reads as nothing)."""
-    import torchaudio
-
-    if rate != SAMPLE_RATE:
-        waves = [torchaudio.functional.resample(w, rate, SAMPLE_RATE) for w in waves]
-    keep = [i for i, w in enumerate(waves) if len(w) >= recogniser.hop]
-    heard = dict(zip(keep, recogniser.transcribe([waves[i] for i in keep])))
-    return [heard.get(i, "") for i in range(len(waves))]
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -156,7 +147,7 @@ def reference_per(pipe: Any, recogniser: Any, utterances: list[dict[str, Any]], 
     corpus waveforms) of the real espeak-ng audio."""
     refs = [u["phonemes"] for u in utterances]
     decoded = [pipe.codec.decode(u["codes"].T) for u in utterances]
-    out = {"codec round trip": phoneme_error_rate(refs, transcribe(recogniser, decoded, pipe.sampling_rate))}
+    out = {"codec round trip": phoneme_error_rate(refs, recogniser.transcribe(decoded, pipe.sampling_rate))}
     if data:
         from benchmarks.data.speech import load_corpus, utterance
 
@@ -165,7 +156,7 @@ def reference_per(pipe: Any, recogniser: Any, utterances: list[dict[str, Any]], 
         if [str(corpus["text"][i]) for i in index] != [u["text"] for u in utterances]:
             raise ValueError(f"{data} is not the corpus of the codes file")
         waves = [torch.from_numpy(utterance(corpus, i).astype(np.float32) / 32768) for i in index]
-        out["real espeak-ng audio"] = phoneme_error_rate(refs, transcribe(recogniser, waves, SAMPLE_RATE))
+        out["real espeak-ng audio"] = phoneme_error_rate(refs, recogniser.transcribe(waves, SAMPLE_RATE))
     return out
 
 
@@ -198,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", required=True, help="the target's pipeline folder (speech-tts)")
     p.add_argument("--draft", required=True, help="the drafter's pipeline folder (speech-tts-draft)")
     p.add_argument("--codes", required=True, help="codes file of `train_speech.py tokenize` (text, phonemes, is_eval)")
-    p.add_argument("--recogniser", required=True, help="run of `train_speech.py phonemes`")
+    p.add_argument("--recogniser", default=None, help="a phoneme recogniser folder or a run of `train_speech.py "
+                   "phonemes` (default: the bundled audio/assets/phoneme-recogniser)")
     p.add_argument("--data", default=None, help="the corpus waveforms (data/speech16k.npz): also report the PER of real audio")
     p.add_argument("--utterances", type=int, default=20, help="the first N held-out utterances")
     p.add_argument("--max-frames", type=int, default=None, help="frame budget per utterance (default: the model's context)")
@@ -251,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
                     f"utterance {i}: greedy mmgen ar differs from generate"
     rate = target.sampling_rate
     rows = [summarise(name, decoded[name], decoded.get(GENERATE), refs,
-                      transcribe(recogniser, [d.audio for d in decoded[name]], rate), rate) for name in names]
+                      recogniser.transcribe([d.audio for d in decoded[name]], rate), rate) for name in names]
     references = reference_per(target, recogniser, utterances, args.data)
     command = "python -m benchmarks.tts_bundled " + shlex.join(sys.argv[1:] if argv is None else argv)
     sampling = target.sampling(0.0 if args.greedy else None, None, None)

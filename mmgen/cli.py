@@ -5,6 +5,7 @@
     mmgen convert llamagen --gpt-checkpoint c2i_B_256.pt --vq-checkpoint vq_ds16_c2i.pt --out DIR
     mmgen bench --methods ar sjd-8 sjd-16 --batch-sizes 1 4 --json out/bench.json
     mmgen batch jobs.jsonl --out out/ --batch-size 8       (torchrun ... -m mmgen.cli batch ... for many GPUs)
+    mmgen eval per hello.wav --text "Hello there."       (speech intelligibility: phoneme error rate)
 
 The core has no static dependency on any modality: each modality package contributes its
 subcommands through a `register(commands, groups)` function in a module named in
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
     import torch
 
 #: Modules that add subcommands (`register(commands, groups)`), one per modality package.
-COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.batch", "mmgen.vlm.cli", "mmgen.audio.cli", "mmgen.video.cli", "mmgen.apps.cli",
-                   "mmgen.apps.serve_cli")
+COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.batch", "mmgen.vlm.cli", "mmgen.audio.cli", "mmgen.audio.eval_cli",
+                   "mmgen.video.cli", "mmgen.apps.cli", "mmgen.apps.serve_cli")
 #: Seeds are torch generator seeds: 0 <= seed < 2**63.
 SEED_LIMIT = 2**63
 #: Weight dtypes every `--dtype` flag offers.
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups = {
         "generate": commands.add_parser("generate", help="generate samples with a pipeline").add_subparsers(dest="target", required=True),
         "convert": commands.add_parser("convert", help="convert official checkpoints into a pipeline folder").add_subparsers(dest="target", required=True),
+        "eval": commands.add_parser("eval", help="measure generated samples (e.g. speech's phoneme error rate)").add_subparsers(dest="target", required=True),
     }
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(commands, groups)

@@ -15,11 +15,10 @@ the voice's accent. Audio is scaled by 0.8 (headroom), resampled to 16 kHz, trim
 silence at both ends; utterances outside 0.5-3 s are dropped. The held-out split (5%) is a hash
 of the text alone. The full set: 5,089 utterances (267 held out), 2.1 hours, about 195 MB.
 
-Phonemes are reduced to the fixed inventory `PHONEMES` (57 symbols): stress marks (ˈ ˌ) and length
-marks (ː) are dropped, and so are combining diacritics (nasal ɑ̃, syllabic n̩, dental t̪, palatal
-ʲ); ᵻ (reduced vowel) reads as ɪ; compound symbols espeak emits for r-coloured or syllabic sounds
-are split into inventory symbols by longest match (ɑːɹ -> ɑ ɹ, əl -> ə l, aɪɚ -> aɪ ɚ). An unknown
-symbol is an error.
+Phonemes are reduced to the recogniser's fixed inventory (57 symbols) by
+`mmgen.audio.phonemes.reduce_phonemes` (stress, length and diacritics dropped, compound symbols
+split by longest match; see that module), the same reduction `mmgen eval per` applies to the texts
+it scores. An unknown symbol is an error.
 
 Same arguments, same bytes: the order is a hash order of the texts, espeak and the resampler are
 deterministic, and the npz is written with fixed zip timestamps.
@@ -35,7 +34,6 @@ import hashlib
 import io
 import os
 import re
-import subprocess
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from itertools import product
@@ -44,8 +42,9 @@ from typing import Iterable
 
 import numpy as np
 
+from mmgen.audio.phonemes import PHONEMES, espeak, reduce_phonemes
+
 SAMPLE_RATE = 16000
-ESPEAK = "espeak-ng"
 VARIANTS = Path("/usr/lib/x86_64-linux-gnu/espeak-ng-data/voices/!v")
 #: Accent + voice variant (espeak-ng-data/voices/!v); the accent decides the phonemes.
 VOICES = ("en-us", "en-us+f3", "en-us+m3", "en-gb", "en-gb+f2", "en-gb-x-rp+f4", "en-gb-scotland", "en-gb-scotland+f5")
@@ -54,18 +53,6 @@ PITCHES = tuple(range(35, 66, 5))  # espeak 0-99, 50 is the voice's default
 MIN_SECONDS, MAX_SECONDS, MARGIN_SECONDS = 0.5, 3.0, 0.08
 GAIN = 0.8  # espeak peaks near full scale; headroom so the resampler's overshoot never clips
 EVAL_PERCENT = 5
-
-#: The phoneme inventory (index = class id; a CTC model adds a blank after these).
-PHONEMES = (
-    # consonants
-    "p", "b", "t", "d", "k", "ɡ", "f", "v", "θ", "ð", "s", "z", "ʃ", "ʒ", "h", "tʃ", "dʒ",
-    "m", "n", "ŋ", "l", "ɹ", "r", "w", "ʍ", "j", "ɾ", "ʔ", "x",
-    # vowels
-    "i", "ɪ", "e", "ɛ", "æ", "a", "ɑ", "ɒ", "ɔ", "o", "ʊ", "u", "ʉ", "ʌ", "ə", "ɐ", "ɜ", "ɚ",
-    # diphthongs
-    "eɪ", "aɪ", "ɔɪ", "aʊ", "oʊ", "əʊ", "ʌʉ", "iə", "eə", "ʊə",
-)
-_DROP = re.compile("[ˈˌː:\u0303\u0329\u032a\u02b2]")
 
 # ---------------------------------------------------------------------------- texts
 
@@ -162,30 +149,13 @@ def is_eval(text: str) -> bool:
 # ---------------------------------------------------------------------------- synthesis
 
 
-def normalise_phonemes(ipa: str) -> list[str]:
-    """espeak's space-separated IPA -> symbols of `PHONEMES` (see the module docstring)."""
-    out = []
-    for token in ipa.split():
-        token = _DROP.sub("", token).replace("ᵻ", "ɪ")
-        while token:
-            match = next((token[:k] for k in (3, 2, 1) if token[:k] in PHONEMES), None)
-            if match is None:
-                raise ValueError(f"phoneme {token!r} (from {ipa!r}) is not in the inventory")
-            out.append(match)
-            token = token[len(match):]
-    return out
-
-
 def speak(text: str, voice: str, speed: int, pitch: int) -> tuple[np.ndarray, int, str]:
     """espeak-ng's waveform (int16), its sample rate, and the IPA phonemes it spoke."""
     import soundfile
 
-    result = subprocess.run(
-        [ESPEAK, "-v", voice, "-s", str(speed), "-p", str(pitch), "--ipa", "--sep= ", "--phonout=/dev/stderr",
-         "--stdout", text], capture_output=True, check=True,
-    )
-    audio, rate = soundfile.read(io.BytesIO(result.stdout), dtype="int16")
-    return audio, rate, result.stderr.decode()
+    ipa, wav = espeak(text, voice, speed, pitch, audio=True)
+    audio, rate = soundfile.read(io.BytesIO(wav), dtype="int16")
+    return audio, rate, ipa
 
 
 def to_16k(audio: np.ndarray, rate: int) -> np.ndarray:
@@ -224,7 +194,7 @@ def build(limit: int | None = None, workers: int = 2) -> dict[str, np.ndarray]:
         for (kind, text), (voice, speed, pitch), (audio, rate, ipa) in zip(items, settings, spoken):
             wave = to_16k(audio, rate)
             if MIN_SECONDS <= len(wave) / SAMPLE_RATE <= MAX_SECONDS:
-                rows.append((kind, text, voice, speed, pitch, wave, " ".join(normalise_phonemes(ipa))))
+                rows.append((kind, text, voice, speed, pitch, wave, " ".join(reduce_phonemes(ipa))))
     lengths = np.array([len(r[5]) for r in rows], dtype=np.int64)
     return {
         "audio": np.concatenate([r[5] for r in rows]) if rows else np.zeros(0, np.int16),
