@@ -13,6 +13,7 @@ from mmgen.decoding import make_decoder
 from mmgen.hooks import ModelHook, hooks_attached
 from mmgen.vlm.dropping import FastV, MustDrop, VisionZip, layer_flops, make_dropping
 from tests.vlm.test_vlm_pipeline import BUILDERS, PROMPTS, images, tiny_idefics3, tiny_llava, tiny_qwen
+from tests.vlm.tiny import qwen_visionzip_reference
 
 
 @pytest.fixture(scope="module", params=list(BUILDERS))
@@ -233,22 +234,6 @@ def test_qwen_visionzip_scores_follow_the_prompts_image_tokens(monkeypatch):
     monkeypatch.setattr(dropping.Prefill, "_vision_scores", lambda self: seen.setdefault("scores", original(self)))
     pipe(PROMPTS[:2], imgs, max_new_tokens=2, stop_token_ids=[], dropping="visionzip:keep_ratio=0.5")
 
-    inputs, visual = pipe.prepare_inputs(PROMPTS[:2], imgs), pipe.model.model.visual
-    store = {}
-    hook = visual.blocks[-1].attn.register_forward_pre_hook(lambda m, a, k: store.update(a=a, k=k), with_kwargs=True)
-    with torch.no_grad():
-        tower = visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-        hook.remove()
-        attn, h = visual.blocks[-1].attn, (store["a"] or (store["k"]["hidden_states"],))[0]
-        cu, (cos, sin) = store["k"]["cu_seqlens"], store["k"]["position_embeddings"]
-        q, k, _ = attn.qkv(h).reshape(h.shape[0], 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = __import__(type(attn).__module__, fromlist=["x"]).apply_rotary_pos_emb_vision(q, k, cos, sin)
-        received = torch.zeros(h.shape[0])
-        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):  # eager attention, one image (or window) at a time
-            logits = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * attn.scaling
-            received[start:end] = logits.softmax(-1).mean(0).mean(0)
-        block_order = received.view(-1, visual.spatial_merge_unit).sum(1)
-        merged = visual.merger(tower.last_hidden_state)  # block order
-        order = torch.cdist(tower.pooler_output.float(), merged.float()).argmin(1)  # pooled row -> block row
-    assert sorted(order.tolist()) == list(range(len(order))) and not torch.equal(order, torch.arange(len(order)))
-    torch.testing.assert_close(seen["scores"], block_order[order], rtol=1e-5, atol=1e-6)
+    inputs = pipe.prepare_inputs(PROMPTS[:2], imgs)
+    expected = qwen_visionzip_reference(pipe, inputs["pixel_values"], inputs["image_grid_thw"])
+    torch.testing.assert_close(seen["scores"], expected, rtol=1e-5, atol=1e-6)

@@ -103,7 +103,7 @@ def tiny_qwen(seed: int = 0, std=None, small: bool = False, version: str = "2_5"
     """Qwen2.5-VL (`version="2_5"`), Qwen2-VL ("2") or Qwen3-VL ("3"): their vision towers and
     M-RoPE language models, 16-pixel patches merged 2 x 2."""
     import transformers
-    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor
 
     vocab, tokenizer = word_tokenizer({"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
                                        "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"}, QWEN_TOKENS)
@@ -329,3 +329,29 @@ def images(n: int, sizes=None):
     g = torch.Generator().manual_seed(n)
     sizes = sizes or [(40, 36 + 4 * i) for i in range(n)]
     return [Image.fromarray((torch.rand(h, w, 3, generator=g) * 255).byte().numpy()) for w, h in sizes]
+
+
+def qwen_visionzip_reference(pipe, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """VisionZip's scores of a Qwen vision tower's merged tokens, recomputed outside mmgen: the
+    attention each token receives in the tower's last block (eager attention, heads and queries
+    averaged, one image / frame group or window at a time), summed per merged token and put in
+    the pooled output's row order. Checks that the tower ran once and that the pooled order is
+    not the block order (a test of the reordering needs both)."""
+    visual, store = pipe.model.model.visual, {}
+    hook = visual.blocks[-1].attn.register_forward_pre_hook(lambda m, a, k: store.update(a=a, k=k), with_kwargs=True)
+    with torch.no_grad():
+        tower = visual(pixel_values, grid_thw=grid_thw)
+        hook.remove()
+        attn, h = visual.blocks[-1].attn, (store["a"] or (store["k"]["hidden_states"],))[0]
+        cu, (cos, sin) = store["k"]["cu_seqlens"], store["k"]["position_embeddings"]
+        q, k, _ = attn.qkv(h).reshape(h.shape[0], 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = __import__(type(attn).__module__, fromlist=["x"]).apply_rotary_pos_emb_vision(q, k, cos, sin)
+        received = torch.zeros(h.shape[0])
+        for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            logits = torch.einsum("qhd,khd->hqk", q[start:end].float(), k[start:end].float()) * attn.scaling
+            received[start:end] = logits.softmax(-1).mean(0).mean(0)
+        block_order = received.view(-1, visual.spatial_merge_unit).sum(1)
+        merged = visual.merger(tower.last_hidden_state)  # block order
+        order = torch.cdist(tower.pooler_output.float(), merged.float()).argmin(1)  # pooled row -> block row
+    assert sorted(order.tolist()) == list(range(len(order))) and not torch.equal(order, torch.arange(len(order)))
+    return block_order[order]
