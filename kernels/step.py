@@ -14,7 +14,9 @@ The step draws from the generator exactly what the torch path draws, in its orde
 acceptance uniforms [B, n - 1], the fresh tokens' Exp(1) noise, the residuals' noise
 [B, n - 1, V]. So for the same generator state both paths accept the same drafts (the same
 float32 ratios) and pick the same tokens, up to float32 near-ties in the probabilities (the
-kernels sum and exponentiate in their own order).
+kernels sum and exponentiate in their own order). Greedy decoding (temperature 0, the exact rule
+or none) draws nothing on either path: the laws are one-hot, a draft is accepted exactly when it
+is the argmax and the token after the accepted prefix is the argmax there.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class ExactStep:
         self.sampling = sampling
         self.relaxed = rule if getattr(rule, "lossy", False) else None
         self.backend = backend
+        self.greedy = sampling.temperature == 0 and self.relaxed is None
 
     def __call__(self, logits: Logits, index: torch.Tensor, drafts: Optional[torch.Tensor], q: Optional[torch.Tensor],
                  generator: torch.Generator, every: bool):
@@ -45,6 +48,10 @@ class ExactStep:
         d, V, device = n - 1, logits.cond.shape[-1], logits.cond.device
         config = self.sampling
         scale = config.guidance.scales(index) if logits.uncond is not None else None
+        if self.greedy:
+            p, picks = sample_logits(logits, scale, torch.ones(B, n, V, device=device), 0.0, backend=self.backend)
+            n_acc = (drafts == picks[:, :-1]).long().cumprod(-1).sum(-1) if d > 0 else torch.zeros(B, dtype=torch.long, device=device)
+            return p, picks if every else picks[:, -1:], n_acc, picks.gather(1, n_acc[:, None])[:, 0]
         uniforms = uniform((B, d), generator, device) if d > 0 else None
         noise = exponential_noise((B, n if every else 1, V), generator, device)
         if not every and d > 0:  # only the bonus slot is sampled; the others race unit noise, unread

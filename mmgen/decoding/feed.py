@@ -133,7 +133,7 @@ class FeedRows:
                 p0 = run.probs(self.restart(run.state, row, request.conditions), zero)
                 run.generator[row] = request.generator
                 run.tokens[row] = 0
-                run.tokens[row, 0] = sample(p0, request.generator)[0, 0]
+                run.tokens[row, 0] = (p0.argmax(-1) if run.greedy else sample(p0, request.generator))[0, 0]
                 if self.complete is not None:
                     run.tokens[row, 0] = self.completed(row, run.tokens[row, 0])
                 run.pos[row] = 0

@@ -116,6 +116,19 @@ class DecodeRun:
         return sampler_probs(self.per_codebook or [self.sampling], logits, index)
 
     @property
+    def greedy(self) -> bool:
+        """Whether every law is one-hot (temperature 0 for every codebook): the race of `sample`
+        then picks the argmax whatever its noise, so the target's draws need none."""
+        return all(s.temperature == 0 for s in self.per_codebook or [self.sampling])
+
+    def draw(self, proposer: "Proposer", probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The target's token draw from its own laws `probs` [B, n(, K), V] (the proposer's
+        `draw`). Greedy decoding draws nothing from the generator: the argmax is the sample."""
+        if self.greedy and type(proposer).draw is Proposer.draw:
+            return probs.argmax(-1)
+        return proposer.draw(self, probs, index)
+
+    @property
     def batch_size(self) -> int:
         return self.tokens.shape[0]
 
@@ -320,7 +333,7 @@ class BatchRows:
         zero = torch.zeros(B, 1, dtype=torch.long, device=run.device)
         p0 = run.probs(run.state.first_logits, zero)
         self.bad = rows_with_invalid_laws(p0)
-        run.tokens[:, 0] = self.proposer.draw(run, p0, zero)[:, 0]
+        run.tokens[:, 0] = run.draw(self.proposer, p0, zero)[:, 0]
         complete = getattr(run.model, "complete_frame", None)
         if complete is not None:
             run.tokens[:, 0] = complete_frame(complete, run.state, run.per_codebook, zero[:, 0], run.tokens[:, 0],
@@ -356,6 +369,7 @@ class VerifyStep:
         self.every = proposer.samples_every_slot or K > 1  # the target's sample at every slot, not just the bonus
         self.complete = getattr(run.model, "complete_frame", None)
         self.fused = _kernel_step(run.per_codebook, rule, proposer, K, self.complete, run.device)
+        self.greedy_exact = run.greedy and type(rule) is ExactAcceptance and type(proposer).draw is Proposer.draw
         self.no_drafts = torch.zeros(run.batch_size, dtype=torch.long, device=run.device)
         self.ones = torch.ones(run.batch_size, dtype=torch.long, device=run.device)
 
@@ -368,13 +382,21 @@ class VerifyStep:
         if self.fused is not None and (d == 0 or q is not None):  # the same draws, in two kernel launches
             return self.fused(logits, index, drafts, q, run.generator, every)
         p = run.probs(logits, index)
-        if d > 0:
-            accepted, residual = _verify(self.rule, p[:, :-1], q, drafts, run.generator, index[:, :-1], run)
-        fresh = self.proposer.draw(run, p if every else p[:, -1:], index if every else index[:, -1:])
+        if d > 0 and self.greedy_exact:
+            # One-hot laws: the exact rule accepts a draft exactly when it is the argmax (ratio
+            # 1, else 0) and the residual at the first rejection is that argmax, so no uniform
+            # and no residual is drawn.
+            picks = p.argmax(-1)
+            accepted, residual, fresh = drafts == picks[:, :-1], None, picks if every else picks[:, -1:]
+        else:
+            if d > 0:
+                accepted, residual = _verify(self.rule, p[:, :-1], q, drafts, run.generator, index[:, :-1], run)
+            fresh = run.draw(self.proposer, p if every else p[:, -1:], index if every else index[:, -1:])
         if d == 0:  # autoregressive: the newest token's sample
             n_acc, next_token, known = self.no_drafts, fresh[:, -1], self.ones
         else:
-            resampled = fresh[:, :-1] if residual is None else self.proposer.draw(run, residual, index[:, :-1])
+            resampled = picks[:, :-1] if self.greedy_exact else (
+                fresh[:, :-1] if residual is None else self.proposer.draw(run, residual, index[:, :-1]))
             n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, run.num_codebooks)
         if self.complete is not None:
             at = index if d == 0 else index.gather(1, n_acc[:, None])

@@ -111,6 +111,22 @@ def test_stop_tokens_end_rows_and_nothing_after_is_committed_or_emitted(name):
         assert out.stats.forwards == max(expected) and out.stats.step_compression == 1.0
 
 
+@pytest.mark.parametrize("name", sorted(decoders()))
+def test_temperature_zero_decodes_greedily_without_drawing(name):
+    """Temperature 0 gives the one-hot laws top-k 1 gives (the same tokens under every decoder),
+    and the target draws nothing for them: decoders whose drafts are not random leave the
+    generator where it was."""
+    conditions = torch.tensor([1, 5, 7])
+    expected = Autoregressive().generate(LlamaGenTokenModel(tiny_transformer()), conditions, 48, GREEDY, torch.Generator()).tokens
+    generator = torch.Generator().manual_seed(3)
+    before = generator.get_state()
+    out = decoders()[name].generate(LlamaGenTokenModel(tiny_transformer()), conditions, 48,
+                                    SamplingConfig(temperature=0.0, guidance=4.0), generator)
+    assert torch.equal(out.tokens, expected)
+    if name in ("ar", "lookup"):
+        assert torch.equal(generator.get_state(), before)
+
+
 # Coupled decoding has its own rule (a match of coupled draws) and no residual to get wrong.
 STOP_CASES = [(name, *case) for name in ("sjd", "draft", "lookup") for case in RULE_CASES] + [("coupled", "exact", True)]
 
