@@ -76,11 +76,11 @@ class TTSPipeline(Pipeline):
 
     @classmethod
     def decoders(cls) -> dict[str, Any]:
-        """Frame decoders: LANTERN needs a latent codebook per token and prompt lookup a text-like
-        sequence, which a frame of codebooks does not offer. Grouped acceptance (gsd) groups codes
-        by each codebook's embedding table; entropy switching measures a frame's entropy as the
-        mean of its codebooks'."""
-        return {name: make for name, make in super().decoders().items() if name not in ("lantern", "lantern++", "lookup")}
+        """Frame decoders: LANTERN needs a latent codebook per token, which a frame of codebooks
+        does not offer. Grouped acceptance (gsd) groups codes by each codebook's embedding table;
+        entropy switching measures a frame's entropy as the mean of its codebooks'; prompt lookup
+        copies whole frames (pauses, loops)."""
+        return {name: make for name, make in super().decoders().items() if name not in ("lantern", "lantern++")}
 
     def __init__(self, model: Any, tokenizer: Any, codec: Any):
         super().__init__(model=model)

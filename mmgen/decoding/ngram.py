@@ -24,11 +24,21 @@ from mmgen.sampling import one_hot
 def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, max_ngram: int) -> torch.Tensor:
     """For each row of `sequence` [B, S] (valid up to `length` [B]), the `num_draft` tokens after
     the latest earlier match of its last n tokens (longest n first); rows with no match repeat
-    their last token. Positions past a row's valid tokens are never read as context."""
+    their last token. Positions past a row's valid tokens are never read as context. Frames
+    [B, S, K] match only whole (every codebook), and the drafts are frames [B, num_draft, K]."""
+    if sequence.ndim == 2:
+        return sequence.gather(1, lookup_positions(sequence, length, num_draft, max_ngram))
+    frame_ids = torch.unique(sequence.flatten(0, 1), dim=0, return_inverse=True)[1].view(sequence.shape[:2])
+    at = lookup_positions(frame_ids, length, num_draft, max_ngram)
+    return sequence.gather(1, at[..., None].expand(-1, -1, sequence.shape[-1]))
+
+
+def lookup_positions(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, max_ngram: int) -> torch.Tensor:
+    """Where `lookup_drafts` copies each row's drafts from: positions [B, num_draft] in `sequence`."""
     B, S = sequence.shape
     device = sequence.device
     last = (length - 1).clamp_min(0)
-    drafts = sequence.gather(1, last[:, None]).expand(B, num_draft).clone()
+    at = last[:, None].expand(B, num_draft).clone()
     found = torch.zeros(B, dtype=torch.bool, device=device)
     for n in range(min(max_ngram, S - 1), 0, -1):
         tail = sequence.gather(1, (length[:, None] - n + torch.arange(n, device=device)).clamp(0, S - 1))  # [B, n]
@@ -39,13 +49,12 @@ def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, 
         latest = torch.where(match, starts[None], -1).max(1).values
         hit = (latest >= 0) & ~found
         follow = (latest[:, None] + n + torch.arange(num_draft, device=device)).clamp(0, S - 1)
-        copied = sequence.gather(1, follow)
         # Past the row's valid tokens the copy has nothing to follow: repeat its last copied token.
         valid = follow < length[:, None]
-        copied = torch.where(valid, copied, copied.gather(1, (valid.sum(1, keepdim=True) - 1).clamp_min(0)))
-        drafts = torch.where(hit[:, None], copied, drafts)
+        follow = torch.where(valid, follow, follow.gather(1, (valid.sum(1, keepdim=True) - 1).clamp_min(0)))
+        at = torch.where(hit[:, None], follow, at)
         found |= hit
-    return drafts
+    return at
 
 
 class NGramProposer(Proposer):
@@ -59,8 +68,8 @@ class NGramProposer(Proposer):
 
     def propose(self, run: DecodeRun):
         B = run.batch_size
-        context = self.context if self.context is not None else run.tokens.new_zeros(B, 0)
-        context = context.to(run.device).expand(B, -1)
+        context = self.context if self.context is not None else run.tokens.new_zeros(B, 0, *run.tokens.shape[2:])
+        context = context.to(run.device).expand(B, *context.shape[1:])
         sequence = torch.cat([context, run.tokens], 1)
         drafts = lookup_drafts(sequence, context.shape[1] + run.pos + 1, run.num_draft, self.max_ngram)
         return drafts, one_hot(drafts, run.vocab_size)
@@ -69,8 +78,9 @@ class NGramProposer(Proposer):
 @dataclass
 class PromptLookup(SpeculativeDecoder):
     """Prompt-lookup speculative decoding (`NGramProposer`), lossless with `ExactAcceptance`.
-    `context` is the prompt's token ids ([P] or [B, P]); without it only the generated tokens
-    are searched (repeating image rows, audio loops)."""
+    `context` is the prompt's token ids ([P] or [B, P]; frames [P, K] or [B, P, K] for a model
+    of K codebooks); without it only the generated tokens are searched (repeating image rows,
+    audio loops: a frame matches only whole)."""
 
     num_draft: int = 8
     max_ngram: int = 3
@@ -88,8 +98,12 @@ class PromptLookup(SpeculativeDecoder):
         return self.num_draft + 1
 
     def roles(self, model, num_tokens, generator):
-        context = self.context
+        context, K = self.context, int(getattr(model, "num_codebooks", 1))
         if context is not None:
             context = torch.as_tensor(context, dtype=torch.long)
-            context = context[None] if context.ndim == 1 else context
+            one_row = 1 if K == 1 else 2  # [P] tokens, or [P, K] frames
+            context = context[None] if context.ndim == one_row else context
+            if context.ndim != one_row + 1 or (K > 1 and context.shape[-1] != K):
+                shape = "[P] or [B, P] token ids" if K == 1 else f"[P, {K}] or [B, P, {K}] frames"
+                raise ValueError(f"lookup context must be {shape}, got shape {tuple(context.shape)}")
         return NGramProposer(min(self.num_draft, num_tokens), self.max_ngram, context), self.acceptance.bind(model)

@@ -51,7 +51,7 @@ def test_audio_is_cut_where_generate_cuts_it(pipe):
     assert torch.allclose(out.audio[0], audio.reshape(-1).float(), atol=rounding(out.audio[0]), rtol=0)
 
 
-@pytest.mark.parametrize("decoding", ["sjd:window=4", "draft", "draft-self"])
+@pytest.mark.parametrize("decoding", ["sjd:window=4", "draft", "draft-self", "lookup"])
 def test_lossless_frame_decoders_equal_ar_under_greedy(pipe, decoding):
     ar = pipe(TEXTS, max_new_frames=16, temperature=0)
     if decoding.startswith("draft"):

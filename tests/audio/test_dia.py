@@ -47,7 +47,7 @@ def test_frame_budget_forces_the_end_as_generate_does():
     assert out.lengths.tolist() == [12, 12] and [c.shape[1] for c in out.codes] == [12 - max(DELAY) - 1] * 2
 
 
-@pytest.mark.parametrize("decoding", ["sjd", "sjd-coupled", "sjd:window=3", "draft"])
+@pytest.mark.parametrize("decoding", ["sjd", "sjd-coupled", "sjd:window=3", "draft", "lookup"])
 def test_lossless_frame_decoders_equal_ar_under_greedy(pipe, decoding):
     ar = pipe(TEXTS, max_new_frames=30, temperature=0)
     options = {"drafter": tiny_dia(3, eos_boost=2.0), "num_draft": 3} if decoding == "draft" else {}

@@ -281,20 +281,25 @@ def test_frames_greedy_jacobi_equals_ar():
     assert out.stats.forwards < ar.stats.forwards
 
 
-@pytest.mark.parametrize("name,rule_name,lossless", [("ar", "exact", True)] + [("sjd", *case) for case in RULE_CASES])
+@pytest.mark.parametrize("name,rule_name,lossless",
+                         [("ar", "exact", True)] + [(name, *case) for name in ("sjd", "lookup") for case in RULE_CASES])
 def test_frames_sampling_matches_exact_distribution(name, rule_name, lossless):
     """K = 2 codebooks of 2 tokens, 4 frames: 256 outcomes; per-codebook temperatures. Four
     frames through a 3-frame window: after the first forward's random drafts, the drafts
     verified are the frames the previous forward sampled (Jacobi's carried drafts, drawn under
-    another context), where the residual is what keeps the law; the wrong residual fails."""
+    another context), where the residual is what keeps the law; the wrong residual fails.
+    Prompt lookup drafts the frames that followed the last frame's earlier occurrence (one-hot
+    laws: its rejections are where the residual matters)."""
     model = ToyFrameModel(num_codebooks=2)
     sampling = [SamplingConfig(temperature=t) for t in (1.0, 0.8)]
     length, n = 4, 16000
     seqs, joint = exact_frame_joint(model, 1, length, sampling)
     acceptance = rule(rule_name)
-    decoder = Autoregressive() if name == "ar" else SpeculativeJacobi(window=3, adapt=False, acceptance=acceptance)
+    decoder = {"ar": lambda: Autoregressive(),
+               "sjd": lambda: SpeculativeJacobi(window=3, adapt=False, acceptance=acceptance),
+               "lookup": lambda: PromptLookup(num_draft=2, max_ngram=1, adapt=False, acceptance=acceptance)}[name]()
     out = decoder.generate(model, torch.full((n,), 1), length, sampling, torch.Generator().manual_seed(0))
-    if name == "sjd":
+    if name != "ar":
         assert acceptance.speculated(), acceptance.counts
         # Forwards that accepted both drafted frames, and some that accepted one: carried frames pass too.
         assert min(out.stats.accepted_histogram[2:]) > 0.03 * n, out.stats.accepted_histogram
@@ -312,6 +317,16 @@ def test_frames_sampling_matches_exact_distribution(name, rule_name, lossless):
 # ------------------------------------------------------------------------------------------
 # Prompt lookup
 # ------------------------------------------------------------------------------------------
+
+
+def test_lookup_drafts_of_frames_match_whole_frames():
+    """Frames [B, S, K]: the latest earlier frame equal in every codebook; a frame equal in one
+    codebook only is no match."""
+    seq = torch.tensor([[[1, 1], [2, 2], [3, 3], [1, 0], [4, 4], [1, 1], [0, 0]]])
+    drafts = lookup_drafts(seq, torch.tensor([6]), num_draft=2, max_ngram=1)
+    assert drafts.tolist() == [[[2, 2], [3, 3]]]  # [1, 1] last at 0 (not [1, 0] at 3)
+    none = lookup_drafts(seq, torch.tensor([5]), num_draft=2, max_ngram=1)
+    assert none.tolist() == [[[4, 4], [4, 4]]]  # [4, 4] never occurred before: the last frame repeats
 
 
 def test_lookup_drafts_copy_what_followed_the_latest_match():
