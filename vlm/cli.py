@@ -118,7 +118,7 @@ def generate_text(args: argparse.Namespace) -> int:
 
 
 def read_videos(model: str, paths: list[str]) -> list:
-    """The --video files as [T, H, W, 3] uint8 arrays (`mmgen.vlm.videos.read_video`: the
+    """The --video files as `Video`s at their own frame rates (`mmgen.vlm.videos.read_video`: the
     pipeline's own reader and bounds), once the model's config.json says its family takes video:
     both before any weights load. ValueError naming the file or the model_type otherwise."""
     if not paths:

@@ -142,7 +142,9 @@ class VLMPipeline(Pipeline):
         extra = {}
         if clips:
             video_batch_check(self.model.config.model_type, clips)
-            extra["videos"] = clips
+            extra["videos"] = [clip.frames for clip in clips]
+            if any(clip.fps is not None for clip in clips):
+                extra["video_metadata"] = [clip.metadata() for clip in clips]
         inputs = dict(self.processor(images=nested, text=texts, padding=True, return_tensors="pt", **extra))
         inputs.pop("labels", None)  # PaliGemma's processor makes training labels; the model would compute a loss
         return inputs
@@ -238,7 +240,9 @@ class VLMPipeline(Pipeline):
             videos: as `images`, for the families that take video (`mmgen.vlm.videos.VIDEO_FAMILIES`:
                 Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision). A video is a list of frames (PIL
                 images or [H, W, 3] uint8 arrays, all of one size), a [T, H, W, 3] uint8 array or
-                tensor, or a local video file's path (decoded through PyAV); a question puts its
+                tensor, a local video file's path (decoded through PyAV, at its own frame rate) or
+                a `mmgen.vlm.videos.Video` (frames and their fps: Qwen2.5-VL and Qwen3-VL place
+                video tokens in time by it, 24 fps where none is known); a question puts its
                 videos after its images. Video tokens are visual tokens to `dropping`.
             max_new_tokens: per-row budget; a row also ends at its first stop token.
             decoding: a token decoder or shortcut ("ar", "sjd", "lookup", ...).

@@ -1,14 +1,21 @@
 """A VLM's video inputs: a call's videos checked (or a local file decoded through PyAV) before any work.
 
 A video is a sequence of frames (PIL images or [H, W, 3] uint8 arrays, each read as an image
-is: `mmgen.vlm.images.as_image`), a [T, H, W, 3] uint8 array or tensor, or a local video file's
-path. Each becomes one [T, H, W, 3] uint8 numpy array (what every video processor takes), its
-frames all of one size, bounded in frame count and pixels; URLs are never fetched.
+is: `mmgen.vlm.images.as_image`), a [T, H, W, 3] uint8 array or tensor, a local video file's
+path, or a `Video` (frames with their frame rate). Each becomes one `Video`: a [T, H, W, 3]
+uint8 numpy array (what every video processor takes), its frames all of one size, bounded in
+frame count and pixels, and its frames per second where known (a file's own rate); URLs are
+never fetched.
+
+The frame rate matters to Qwen2.5-VL and Qwen3-VL, which place video tokens in time by it
+(M-RoPE's temporal positions, Qwen3-VL's timestamps): the processor reads it from the video's
+metadata, and takes 24 frames per second where none is given (transformers' `VideoMetadata`).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 #: The model types whose video tokens mmgen places (tested against their own `generate`):
@@ -27,6 +34,19 @@ MAX_VIDEO_PIXELS = 1 << 28
 STACKED_VIDEOS = ("llava_onevision",)
 
 
+@dataclass(frozen=True)
+class Video:
+    """A video's frames [T, H, W, 3] (uint8 numpy, or any form `as_video` takes) and its frames
+    per second (None: unknown, the processor's default)."""
+
+    frames: Any
+    fps: Optional[float] = None
+
+    def metadata(self) -> dict:
+        """transformers' `VideoMetadata` fields for the processor: every frame is a sampled frame."""
+        return {"total_num_frames": len(self.frames), "fps": self.fps, "frames_indices": list(range(len(self.frames)))}
+
+
 def video_family_check(model_type: Optional[str]) -> None:
     """ValueError naming `model_type` when mmgen takes no video input for it."""
     if model_type not in VIDEO_FAMILIES:
@@ -35,7 +55,7 @@ def video_family_check(model_type: Optional[str]) -> None:
 
 def video_batch_check(model_type: str, videos: list) -> None:
     """ValueError when a family that stacks a batch's videos gets videos of several frame counts."""
-    counts = sorted({len(v) for v in videos})
+    counts = sorted({len(v.frames) for v in videos})
     if model_type in STACKED_VIDEOS and len(counts) > 1:
         raise ValueError(f"{model_type} takes a batch's videos at one frame count only, got {counts} frames: give them "
                          "in separate calls (or answer_each, each prompt alone)")
@@ -56,22 +76,33 @@ def is_video(value: Any) -> bool:
     import numpy as np
     import torch
 
-    if isinstance(value, (str, os.PathLike)):
+    if isinstance(value, (str, os.PathLike, Video)):
         return True
     if isinstance(value, (np.ndarray, torch.Tensor)):
         return value.ndim == 4
     return isinstance(value, (list, tuple)) and len(value) > 0 and all(is_frame(f) for f in value)
 
 
-def as_video(value: Any, label: str, max_frames: int = MAX_FRAMES, max_pixels: int = MAX_VIDEO_PIXELS):
-    """The [T, H, W, 3] uint8 numpy array of a video (see the module); ValueError naming
-    `label` for anything else: a wrong type, no frames, frames of different sizes, a dtype other
-    than uint8, more than `max_frames` frames or `max_pixels` pixels."""
+def as_video(value: Any, label: str, max_frames: int = MAX_FRAMES, max_pixels: int = MAX_VIDEO_PIXELS) -> Video:
+    """A video (see the module) as a `Video` of a [T, H, W, 3] uint8 numpy array; ValueError
+    naming `label` for anything else: a wrong type, no frames, frames of different sizes, a dtype
+    other than uint8, more than `max_frames` frames or `max_pixels` pixels, a frame rate that is
+    not a positive number."""
+    if isinstance(value, Video):
+        fps = value.fps
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps < float("inf")):
+            raise ValueError(f"{label}'s fps must be a positive number, got {fps!r}")
+        return Video(_frames(value.frames, label, max_frames, max_pixels), None if fps is None else float(fps))
+    if isinstance(value, (str, os.PathLike)):
+        return read_video(value, f"{label} ({os.fspath(value)})", max_frames, max_pixels)
+    return Video(_frames(value, label, max_frames, max_pixels))
+
+
+def _frames(value: Any, label: str, max_frames: int, max_pixels: int):
+    """`as_video`'s frames: the [T, H, W, 3] uint8 numpy array of frames given in any form."""
     import numpy as np
     import torch
 
-    if isinstance(value, (str, os.PathLike)):
-        return read_video(value, f"{label} ({os.fspath(value)})", max_frames, max_pixels)
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().numpy()
     if isinstance(value, np.ndarray) and value.ndim == 4:  # one array: its frames are of one size
@@ -106,10 +137,11 @@ def as_video(value: Any, label: str, max_frames: int = MAX_FRAMES, max_pixels: i
 
 
 def read_video(path: Union[str, os.PathLike], label: Optional[str] = None, max_frames: int = MAX_FRAMES,
-               max_pixels: int = MAX_VIDEO_PIXELS):
-    """The frames of a local video file as a [T, H, W, 3] uint8 array, decoded through PyAV.
-    Only a regular file is opened (no URL, device or FIFO); the frame size is checked before
-    any frame is decoded and the count while decoding, so a bound stops the read early."""
+               max_pixels: int = MAX_VIDEO_PIXELS) -> Video:
+    """The frames of a local video file as a [T, H, W, 3] uint8 array, decoded through PyAV,
+    with the stream's average frame rate. Only a regular file is opened (no URL, device or
+    FIFO); the frame size is checked before any frame is decoded and the count while decoding,
+    so a bound stops the read early."""
     import av
     import numpy as np
 
@@ -122,6 +154,8 @@ def read_video(path: Union[str, os.PathLike], label: Optional[str] = None, max_f
             if not container.streams.video:
                 raise ValueError(f"{label}: not a readable video (no video stream)")
             stream = container.streams.video[0]
+            rate = stream.average_rate or stream.guessed_rate
+            fps = float(rate) if rate and float(rate) > 0 else None
             width, height = stream.codec_context.width, stream.codec_context.height
             if width * height > MAX_FRAME_PIXELS:
                 raise ValueError(f"{label}: a frame may have at most {MAX_FRAME_PIXELS} pixels, got {width}x{height}")
@@ -136,7 +170,7 @@ def read_video(path: Union[str, os.PathLike], label: Optional[str] = None, max_f
         raise ValueError(f"{label} has no frames")
     if any(f.shape != frames[0].shape for f in frames):
         raise ValueError(f"{label}'s frames differ in size")
-    return np.stack(frames)
+    return Video(np.stack(frames), fps)
 
 
 def _frame_array(frame: Any, label: str):

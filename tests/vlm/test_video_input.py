@@ -18,6 +18,7 @@ from PIL import Image
 from mmgen.decoding import make_decoder
 from mmgen.sampling import make_generator
 from mmgen.vlm.layout import video_token_id
+from mmgen.vlm.videos import Video
 
 from tests.vlm.test_families import speculated
 from tests.vlm.tiny import BUILDERS, PROMPTS, drafter_for, images, qwen_visionzip_reference, tiny_llava
@@ -189,12 +190,34 @@ def test_a_video_file_a_conversation_and_the_batch_form_are_the_same_video(famil
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
     call = dict(max_new_tokens=6, stop_token_ids=[])
-    expected = pipe(PROMPTS[0], videos=video, **call).token_ids
+    at_rate = Video(video, 4.0)  # the file's frames at the file's rate
+    expected = pipe(PROMPTS[0], videos=at_rate, **call).token_ids
     chat = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPTS[0]}]}]
     assert torch.equal(pipe(PROMPTS[0], videos=tmp_path / "clip.mkv", **call).token_ids, expected)
-    assert torch.equal(pipe(chat, videos=video, **call).token_ids, expected)
-    assert torch.equal(pipe([PROMPTS[0]], videos=[[video]], **call).token_ids, expected)
-    assert torch.equal(pipe(PROMPTS[0], videos=[list(video)], **call).token_ids, expected)
+    assert torch.equal(pipe(chat, videos=at_rate, **call).token_ids, expected)
+    assert torch.equal(pipe([PROMPTS[0]], videos=[[at_rate]], **call).token_ids, expected)
+    assert torch.equal(pipe(PROMPTS[0], videos=[Video(list(video), 4)], **call).token_ids, expected)
+
+
+def test_a_videos_frame_rate_reaches_the_processor(family, monkeypatch):
+    """Qwen2.5-VL spaces a video's temporal positions by 2 frames / fps, Qwen3-VL writes each
+    frame pair's timestamp into the prompt: from the file's own rate, or a `Video`'s; frames
+    alone read as transformers' default 24 fps."""
+    name, pipe, _ = family
+    texts = []
+    tokenize = type(pipe.processor.tokenizer).__call__
+    monkeypatch.setattr(type(pipe.processor.tokenizer), "__call__",
+                        lambda self, text=None, *args, **kwargs: texts.append(text) or tokenize(self, text, *args, **kwargs))
+    video = clip(4, 32, 32, 9)
+    at_4, at_24, plain = (pipe.prepare_inputs(PROMPTS[0], None, v) for v in (Video(video, 4.0), Video(video, 24), video))
+    assert torch.equal(at_24["input_ids"], plain["input_ids"]) and texts[1] == texts[2]
+    if name == "qwen2_5_vl":
+        assert at_4["second_per_grid_ts"].tolist() == [0.5] and plain["second_per_grid_ts"].tolist() == [pytest.approx(2 / 24)]
+    if name == "qwen3_vl":  # frames 0-1 and 2-3: at 4 fps their midpoints are 0.1 s and 0.6 s
+        assert "<0.1 seconds>" in str(texts[0]) and "<0.6 seconds>" in str(texts[0]) and "<0.6 seconds>" not in str(texts[2])
+    for fps in (0, -1.0, float("nan"), "4", True):
+        with pytest.raises(ValueError, match=f"^prompt 0's video 0's fps must be a positive number, got {fps!r}$"):
+            pipe(PROMPTS[0], videos=Video(video, fps), max_new_tokens=1)
 
 
 @pytest.fixture(scope="module")
