@@ -1,9 +1,10 @@
 """Neural audio codecs (transformers' `DacModel`, `MimiModel`): codes in, waveform out, one-shot
 or streamed as frames arrive.
 
-Streaming decodes a window of codes around each new chunk and keeps the chunk's samples.
-DAC's decoder is non-causal (centred convolutions both sides), Mimi's is causal. A window
-whose left and right context cover the decoder's reach gives the one-shot samples; the reach
+Streaming decodes each new chunk of codes with context frames on both sides and keeps the
+chunk's samples (`StreamChunking`). DAC's decoder is non-causal (centred convolutions both
+sides), Mimi's is causal. Left and right context that cover the decoder's reach give the
+one-shot samples; the reach
 is measured once per codec (`decoder_reach`: how many frames a change to one code moves the
 output on each side), so the default stream is exact up to float rounding and the right
 context is the latency it costs. Smaller contexts trade exactness for speed (tests bound it).
@@ -70,19 +71,20 @@ class Codec:
             after = int(moved.max()) - mid if moved.numel() else 0
             if before >= mid or after >= probe_frames - mid - 1:
                 if probe_frames >= 1024:
-                    raise ValueError("the codec decoder's reach exceeds 1024 frames: stream with an explicit StreamWindow")
+                    raise ValueError("the codec decoder's reach exceeds 1024 frames: stream with an explicit StreamChunking")
                 return self.decoder_reach(probe_frames * 2)
             self._reach = (before, after)
         return self._reach
 
 
 @dataclass
-class StreamWindow:
-    """Context, in frames, decoded around each streamed chunk: None measures the decoder's
-    reach (exact); smaller values are faster and approximate. Chunks double from one frame up
-    to `max_chunk` frames: the first audio goes out as soon as its first frame is final, and
-    the codec decodes a frame's context about log2(max_chunk) + n / max_chunk times over n
-    frames, not once per frame (a chunk per frame made streaming 4x slower than one call)."""
+class StreamChunking:
+    """How codes stream to audio: the context, in frames, decoded around each chunk (`left`,
+    `right`; None measures the decoder's reach: exact; smaller values are faster and
+    approximate), and chunks that double from one frame up to `max_chunk` frames: the first
+    audio goes out as soon as its first frame is final, and the codec decodes a frame's context
+    about log2(max_chunk) + n / max_chunk times over n frames, not once per frame (a chunk per
+    frame made streaming 4x slower than one call)."""
 
     left: Optional[int] = None
     right: Optional[int] = None
@@ -92,24 +94,24 @@ class StreamWindow:
 class CodecStream:
     """Incremental decoding of one row: `push(codes [C, n])` returns the samples that are final
     so far, `flush()` the rest. Concatenated, they equal `Codec.decode` of all codes when the
-    window covers the decoder's reach. Decoders are shift-equivariant away from their edges, so
-    window sample j is one-shot sample j + (window start) x hop; a decoder that returns a few
-    samples short (odd strides) is short at its end only, in the window as in one shot."""
+    context covers the decoder's reach. Decoders are shift-equivariant away from their edges, so
+    sample j of a decoded span is one-shot sample j + (span start) x hop; a decoder that returns
+    a few samples short (odd strides) is short at its end only, in a span as in one shot."""
 
-    def __init__(self, codec: Codec, window: StreamWindow = StreamWindow()):
-        before, after = codec.decoder_reach() if window.left is None or window.right is None else (0, 0)
+    def __init__(self, codec: Codec, chunking: StreamChunking = StreamChunking()):
+        before, after = codec.decoder_reach() if chunking.left is None or chunking.right is None else (0, 0)
         self.codec = codec
         # Frame t's samples depend on codes t - after .. t + before.
-        self.left = after if window.left is None else window.left
-        self.right = before if window.right is None else window.right
+        self.left = after if chunking.left is None else chunking.left
+        self.right = before if chunking.right is None else chunking.right
         self.codes = torch.zeros(codec.num_codebooks, 0, dtype=torch.long)
         self.emitted = 0  # frames whose samples are out
-        self.chunk, self.max_chunk = 1, max(1, int(window.max_chunk))  # final frames the next chunk waits for
+        self.chunk, self.max_chunk = 1, max(1, int(chunking.max_chunk))  # final frames the next chunk waits for
 
     def push(self, codes: torch.Tensor) -> torch.Tensor:
         self.codes = torch.cat([self.codes, codes.cpu().long()], 1)
         # Chunk boundaries follow the frame count alone, never how the frames arrived (one per
-        # push or a batch's worth): a window decode rounds differently from another window, so
+        # push or a batch's worth): one span's decode rounds differently from another's, so
         # the same frames give the same bytes however a decode's timing grouped them.
         final, chunks = self.codes.shape[1] - self.right, []
         while final - self.emitted >= self.chunk:
@@ -130,3 +132,12 @@ class CodecStream:
         chunk = wave[(self.emitted - start) * hop: (upto - start) * hop]
         self.emitted = upto
         return chunk
+
+
+def __getattr__(name: str):
+    if name == "StreamWindow":  # the name until this release: "window" is the Jacobi width elsewhere
+        import warnings
+
+        warnings.warn("mmgen.audio.codec.StreamWindow is now StreamChunking", DeprecationWarning, stacklevel=2)
+        return StreamChunking
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -123,8 +123,8 @@ class LatentTTSPipeline(TTSPipeline):
         return TTSOutput(audio, self.sampling_rate, latents, result.tokens, result.lengths, result.stats, decode_s,
                          decode_s / longest if longest else 0.0)
 
-    def _row_audio(self, window: Any) -> "LatentAudio":
-        """One row's streaming decoder (the σ-VAE decoder is causal: no window is needed)."""
+    def _row_audio(self, chunking: Any) -> "LatentAudio":
+        """One row's streaming decoder (the σ-VAE decoder is causal: no codec chunking applies)."""
         return LatentAudio(self.latent_model())
 
 

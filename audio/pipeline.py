@@ -33,7 +33,7 @@ from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 from mmgen.streaming import CallbackStreamer, stream_from_thread
 
-from mmgen.audio.codec import Codec, CodecStream, StreamWindow
+from mmgen.audio.codec import Codec, CodecStream, StreamChunking
 from mmgen.audio.waveform import read_audio
 
 #: Longest text accepted, in characters (Dia reads bytes; long texts are split by callers).
@@ -331,13 +331,15 @@ class TTSPipeline(Pipeline):
 
         return TTSServer(self, ContinuousServer(decode, result, lock), cap, guidance_scale)
 
-    def stream(self, text: Union[str, Sequence[str]], window: StreamWindow = StreamWindow(),
+    def stream(self, text: Union[str, Sequence[str]], chunking: StreamChunking = StreamChunking(),
                **kwargs) -> Generator[tuple[int, torch.Tensor], None, TTSOutput]:
         """(row, waveform chunk) pairs as frames commit (decoding runs in a thread). A row's
         chunks concatenate to its `audio` in `__call__` with the same arguments (exactly with the
-        default window, which covers the codec decoder's reach). The generator's return value
-        is that call's `TTSOutput`. Closed early, the decode stops at its next frame and the
-        close returns once the model is free (`mmgen.streaming.stream_from_thread`)."""
+        default `chunking`, whose context covers the codec decoder's reach). The generator's
+        return value is that call's `TTSOutput`. Closed early, the decode stops at its next
+        frame and the close returns once the model is free (`mmgen.streaming.stream_from_thread`).
+        `window=` is the old name of `chunking` (read until the next release)."""
+        chunking = _renamed_chunking(kwargs.pop("window", None), chunking)
         frames = stream_from_thread(lambda emit: self(text, streamer=CallbackStreamer(emit), **kwargs),
                                     name="mmgen-tts-stream")
         audio: dict[int, Any] = {}  # row -> its chunker
@@ -351,7 +353,7 @@ class TTSPipeline(Pipeline):
                     break
                 if row in finished:
                     continue
-                chunk, ended = audio.setdefault(row, self._row_audio(window)).push(new)
+                chunk, ended = audio.setdefault(row, self._row_audio(chunking)).push(new)
                 if ended:
                     finished.add(row)
                 if chunk.numel():
@@ -368,9 +370,9 @@ class TTSPipeline(Pipeline):
         codes = self.adapter.codes(frames)[0]
         return codes, (self.codec.decode(codes) if codes.shape[1] else torch.zeros(0))
 
-    def _row_audio(self, window: StreamWindow) -> "FrameAudio":
+    def _row_audio(self, chunking: StreamChunking) -> "FrameAudio":
         """One row's streaming decoder: frames in, waveform chunks out."""
-        return FrameAudio(self.adapter, self.codec, window)
+        return FrameAudio(self.adapter, self.codec, chunking)
 
 
 class TTSServer:
@@ -395,17 +397,20 @@ class TTSServer:
         return self.server.submit(Request(conditions, self.pipe.generator_for(generator), budget, streamer))
 
     def stream(self, text: str, voice: Any = None, voice_text: Optional[str] = None, generator: Optional[torch.Generator] = None,
-               max_new_frames: Optional[int] = None, window: StreamWindow = StreamWindow(),
+               max_new_frames: Optional[int] = None, chunking: StreamChunking = StreamChunking(),
+               window: Optional[StreamChunking] = None,
                ) -> Generator[torch.Tensor, None, tuple[torch.Tensor, torch.Tensor, DecodeStats]]:
         """Waveform chunks as the frames commit (they concatenate to the audio exactly with the
-        default window, as `TTSPipeline.stream`'s); the generator's return value is the submitted
-        future's result. Closed early (the client went away), the request is cancelled: its row
-        is freed at the batch's next forward."""
+        default `chunking`, as `TTSPipeline.stream`'s); the generator's return value is the
+        submitted future's result. Closed early (the client went away), the request is
+        cancelled: its row is freed at the batch's next forward. `window=` is the old name of
+        `chunking` (read until the next release)."""
+        chunking = _renamed_chunking(window, chunking)
         from mmgen.decoding import TokenQueueStreamer
 
         queue = TokenQueueStreamer(timeout=600)
         future = self.submit(text, voice, voice_text, generator, max_new_frames, queue)  # a failed decode ends the queue
-        audio, ended = self.pipe._row_audio(window), False
+        audio, ended = self.pipe._row_audio(chunking), False
         try:
             for _, frames in queue:
                 if not ended:
@@ -430,9 +435,9 @@ class FrameAudio:
     audio frame on as it reads the whole row (no end before it), which Dia's delay pattern and
     CSM's frames both do."""
 
-    def __init__(self, adapter: Any, codec: Codec, window: StreamWindow):
+    def __init__(self, adapter: Any, codec: Codec, chunking: StreamChunking):
         self.adapter, self.pending = adapter, []
-        self.stream = CodecStream(codec, window)
+        self.stream = CodecStream(codec, chunking)
 
     def push(self, new: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """(the audio the new frames complete, whether the row's end frame came)."""
@@ -444,6 +449,14 @@ class FrameAudio:
 
     def flush(self) -> torch.Tensor:
         return self.stream.flush()
+
+
+def _renamed_chunking(window: Optional[StreamChunking], chunking: StreamChunking) -> StreamChunking:
+    """`chunking`, or the deprecated `window=` argument that named it until this release."""
+    if window is None:
+        return chunking
+    warnings.warn("the stream's window= argument is now chunking= (a StreamChunking)", DeprecationWarning, stacklevel=3)
+    return window
 
 
 def _generate_top_k(config: Any) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmgen.audio.codec import Codec, CodecStream, StreamWindow
+from mmgen.audio.codec import Codec, CodecStream, StreamChunking
 from tests.audio.tiny import rounding
 
 
@@ -22,7 +22,7 @@ def test_a_decoder_that_returns_short_streams_exactly():
     stream = CodecStream(codec)
     streamed = torch.cat([stream.push(codes[:, i: i + 3]) for i in range(0, 40, 3)] + [stream.flush()])
     assert streamed.shape == whole.shape and torch.allclose(streamed, whole, atol=rounding(whole), rtol=0)
-    explicit = CodecStream(codec, StreamWindow(left=stream.left, right=stream.right))
+    explicit = CodecStream(codec, StreamChunking(left=stream.left, right=stream.right))
     again = torch.cat([explicit.push(codes[:, i: i + 7]) for i in range(0, 40, 7)] + [explicit.flush()])
     assert torch.allclose(again, whole, atol=rounding(whole), rtol=0)
 
@@ -38,7 +38,7 @@ def test_streamed_chunks_double_so_the_codec_runs_a_few_times_not_once_per_frame
     codec = Codec(DacModel(DacConfig(encoder_hidden_size=8, downsampling_ratios=[2, 2], decoder_hidden_size=16, n_codebooks=2,
                                      codebook_size=16, codebook_dim=4, sampling_rate=16000)))
     codes = torch.randint(0, 16, (2, 100), generator=torch.Generator().manual_seed(1))
-    stream = CodecStream(codec, StreamWindow(max_chunk=16))
+    stream = CodecStream(codec, StreamChunking(max_chunk=16))
     calls = []
     decode = codec.decode
     codec.decode = lambda c: calls.append(c.shape[1]) or decode(c)
@@ -66,7 +66,7 @@ def test_the_same_frames_stream_the_same_bytes_however_they_arrive():
     codes = torch.randint(0, 16, (2, 90), generator=torch.Generator().manual_seed(2))
 
     def streamed(groups):
-        stream, out, start = CodecStream(codec, StreamWindow(max_chunk=16)), [], 0
+        stream, out, start = CodecStream(codec, StreamChunking(max_chunk=16)), [], 0
         for size in groups:
             out.append(stream.push(codes[:, start: start + size]))
             start += size

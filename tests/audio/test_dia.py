@@ -145,14 +145,14 @@ def test_streamed_audio_concatenates_to_the_one_shot_audio():
         assert torch.allclose(streamed, whole.audio[row], atol=rounding(whole.audio[row]), rtol=0)  # float rounding only
 
 
-def test_a_short_stream_window_is_approximate_within_a_bound(pipe):
+def test_a_short_stream_context_is_approximate_within_a_bound(pipe):
     """DAC's decoder sees both sides: without context a stream differs near chunk edges only."""
-    from mmgen.audio.codec import CodecStream, StreamWindow
+    from mmgen.audio.codec import CodecStream, StreamChunking
 
     codes = tiny_dia(1)(TEXTS[1], max_new_frames=40, temperature=0).codes[0]  # runs to its budget
     before, after = pipe.codec.decoder_reach()
     assert before > 0 and after > 0
-    stream = CodecStream(pipe.codec, StreamWindow(0, 0))
+    stream = CodecStream(pipe.codec, StreamChunking(0, 0))
     approx = torch.cat([stream.push(codes[:, i: i + 4]) for i in range(0, codes.shape[1], 4)] + [stream.flush()])
     exact = pipe.codec.decode(codes)
     assert approx.shape == exact.shape and not torch.allclose(approx, exact, atol=rounding(exact), rtol=0)
@@ -160,6 +160,20 @@ def test_a_short_stream_window_is_approximate_within_a_bound(pipe):
     for edge in range(4, codes.shape[1], 4):  # samples farther than the reach from any chunk edge are exact
         far[max(0, edge - before): edge + after] = False
     assert torch.allclose(approx.view_as(far)[far], exact.view_as(far)[far], atol=rounding(exact), rtol=0)
+
+
+def test_the_old_stream_window_names_still_work_and_warn():
+    """`StreamWindow` and `window=` are the names of `StreamChunking` and `chunking=` until
+    the next release: the same chunks, with a DeprecationWarning."""
+    import mmgen.audio.codec as codec
+
+    with pytest.warns(DeprecationWarning, match="StreamWindow is now StreamChunking"):
+        assert codec.StreamWindow is codec.StreamChunking
+    call, speaker = dict(max_new_frames=40, temperature=0), tiny_dia(1)  # runs to its budget
+    new = [chunk for _, chunk in speaker.stream(TEXTS[1], chunking=codec.StreamChunking(0, 0, 4), **call)]
+    with pytest.warns(DeprecationWarning, match=r"window= argument is now chunking="):
+        old = [chunk for _, chunk in speaker.stream(TEXTS[1], window=codec.StreamChunking(0, 0, 4), **call)]
+    assert len(new) == len(old) > 1 and all(torch.equal(a, b) for a, b in zip(new, old))
 
 
 def test_voice_prompt_equals_transformers_generate(pipe):
