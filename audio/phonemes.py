@@ -31,7 +31,11 @@ PHONEMES = (
     # diphthongs
     "eɪ", "aɪ", "ɔɪ", "aʊ", "oʊ", "əʊ", "ʌʉ", "iə", "eə", "ʊə",
 )
+#: One ASCII letter per symbol of `PHONEMES` (same order): a phoneme sequence spelled for a
+#: byte-level text encoder (Dia's), one token per phoneme.
+PHONEME_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234"
 #: Stress, length and the combining diacritics the inventory does not distinguish.
+_INDEX = {symbol: i for i, symbol in enumerate(PHONEMES)}
 DROPPED = re.compile("[ˈˌː:\u0303\u0329\u032a\u02b2]")
 
 
@@ -48,6 +52,18 @@ def reduce_phonemes(ipa: str) -> list[str]:
             out.append(match)
             token = token[len(match):]
     return out
+
+
+def spell_phonemes(phonemes: str) -> str:
+    """Space-separated `PHONEMES` symbols -> one `PHONEME_LETTERS` letter each, so a byte-level
+    encoder reads one token per phoneme ("ʌ m b ɹ ɛ l ə" -> "QrbvGuR"); ValueError for a symbol
+    outside the inventory."""
+    letters = []
+    for symbol in phonemes.split():
+        if symbol not in _INDEX:
+            raise ValueError(f"phoneme {symbol!r} is not in the inventory")
+        letters.append(PHONEME_LETTERS[_INDEX[symbol]])
+    return "".join(letters)
 
 
 def espeak(text: str, voice: str = "en-us", speed: Optional[int] = None, pitch: Optional[int] = None,

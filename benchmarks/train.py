@@ -165,10 +165,12 @@ def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, 
     record = {"step": step, "heldout": figures}
     best = out / "best.json"
     if "score" in figures:
-        previous = json.loads(best.read_text())["score"] if best.exists() else -math.inf
+        # A score of another metric (a run resumed with other held-out figures) does not compare.
+        kept = json.loads(best.read_text()) if best.exists() else {}
+        previous = kept["score"] if kept.get("metric") == figures.get("metric") else -math.inf
         if figures["score"] > previous:
             save_atomic({"model": model.state_dict(), "step": step}, out / "best.pt")
-            write_atomic(best, (json.dumps({"step": step, "score": figures["score"]}) + "\n").encode())
+            write_atomic(best, (json.dumps({"step": step, "score": figures["score"], "metric": figures.get("metric")}) + "\n").encode())
     return record
 
 

@@ -32,6 +32,15 @@ never stopped. Held-out utterances (the corpus' `is_eval`) are never trained on.
 
 `--codec` is either a codec run of `train_speech.py codec` (checkpoint.pt + config.json) or a
 transformers `DacModel` folder (`train_speech.py export` writes one in `<out>/codec`).
+
+What a run measures as it goes (`--eval-every N`): the held-out teacher-forced loss with and
+without the text, and with `--eval-speak K --codec FOLDER` the model speaking K held-out texts,
+scored by the phoneme recogniser (PER, texts that end, durations; best.pt keeps the lowest PER).
+`--text-input phonemes` has the encoder read each utterance's espeak phonemes, one letter each
+(`mmgen.audio.phonemes.spell_phonemes`), instead of the text's bytes:
+
+    python -m benchmarks.train_tts target --codes runs/speech-codes.npz --out runs/tts-phon --threads 1 \
+        --text-input phonemes --guided-attention 1.0 --eval-every 250 --eval-speak 48 --codec audio/assets/speech-tts/codec
 """
 
 from __future__ import annotations
@@ -41,13 +50,14 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+from mmgen.audio.phonemes import spell_phonemes
 
 #: Encoder / decoder sizes of the pair (transformers' DiaEncoderConfig / DiaDecoderConfig fields).
 PRESETS = {
@@ -117,7 +127,7 @@ class CodesData:
     """One split of `train_speech.py tokenize`'s codes file: per utterance its codes [frames, C]
     and its text's ids ("[S1] <text>", Dia's byte-level tokenizer)."""
 
-    def __init__(self, path: str | Path, split: str = "train"):
+    def __init__(self, path: str | Path, split: str = "train", text_input: str = "text"):
         from transformers import DiaTokenizer
 
         data = np.load(path)
@@ -126,9 +136,17 @@ class CodesData:
         codes, offsets = data["codes"], data["offsets"]
         self.codes = [torch.from_numpy(codes[offsets[i]:offsets[i + 1]].astype(np.int64)) for i in keep]
         self.texts = [str(data["text"][i]) for i in keep]
+        # What each utterance's espeak voice said (`benchmarks/data/speech.py`), where the file has it.
+        self.phonemes = [str(data["phonemes"][i]) for i in keep] if "phonemes" in data else None
         self.codebook_size = int(data["codebook_size"])
         self.num_codebooks = int(codes.shape[1])
         self.frame_rate = float(data["frame_rate"]) if "frame_rate" in data else None
+        if text_input == "phonemes":
+            if self.phonemes is None:
+                raise ValueError(f"{path} holds no phonemes to read instead of the text")
+            # What the utterance's espeak voice said, one letter per phoneme: the encoder reads
+            # sounds, not English spelling (the pipeline's espeak front end writes the same).
+            self.texts = [spell_phonemes(p) for p in self.phonemes]
         tokenizer = DiaTokenizer()
         self.text_ids = [torch.tensor(tokenizer(text_with_speaker(t))["input_ids"]) for t in self.texts]
         longest = max(map(len, self.text_ids), default=0)
@@ -271,22 +289,60 @@ def part_loss(model: Any, part: dict[str, torch.Tensor], guide: float) -> tuple[
 
 
 @torch.no_grad()
-def held_out_figures(model: Any, data: CodesData) -> dict[str, Any]:
+def held_out_figures(model: Any, data: CodesData, speaker: Optional["HeldOutSpeech"] = None) -> dict[str, Any]:
     """Teacher-forced loss on the held-out split with its text and with the text zeroed (the gap is
     what the model reads from the text), and the cross-attention's distance from the diagonal;
-    the score (for `best.pt`) is the gap."""
+    with a `speaker`, the model also speaks held-out texts and is scored on what it says. The
+    score (for `best.pt`) is the gap, or 1 - PER when the model speaks."""
     with_text, no_text = held_out_loss(model, data), held_out_loss(model, data, drop_text=True)
     guide = []
     for start in range(0, len(data), 32):
         inputs = data.batch(torch.arange(start, min(start + 32, len(data))))
         guide.append(part_loss(model, inputs, 1.0)[1].item())
     gap = no_text["loss"] - with_text["loss"]
-    return {"loss": round(with_text["loss"], 4), "no_text": round(no_text["loss"], 4), "gap": round(gap, 4),
-            "guided": round(float(np.mean(guide)), 4), "score": gap}
+    figures = {"loss": round(with_text["loss"], 4), "no_text": round(no_text["loss"], 4), "gap": round(gap, 4),
+               "guided": round(float(np.mean(guide)), 4), "score": gap, "metric": "gap"}
+    if speaker is not None:
+        spoken = speaker(model)
+        figures.update(spoken, score=1 - spoken["per"], metric="1 - per")
+    return figures
+
+
+class HeldOutSpeech:
+    """The model speaks the first `count` held-out texts through `TTSPipeline` at the bundle's
+    sampling defaults (utterance k from seed k, so every evaluation hears the same draws), and
+    the project's phoneme recogniser scores it: PER against the phonemes the utterance's espeak
+    voice said, the share of texts that end before the budget, and the median ratio of the
+    spoken duration to the reference's (issue 30's figures, on a sample)."""
+
+    def __init__(self, data: CodesData, codec: str | Path, count: int, recogniser: str | Path | None = None):
+        from transformers import DacModel
+
+        from mmgen.audio.recogniser import PhonemeRecogniser
+
+        self.data, self.count = data, min(count, len(data))
+        self.codec = DacModel.from_pretrained(codec).float().eval()
+        self.recogniser = PhonemeRecogniser.from_pretrained(recogniser)
+
+    def __call__(self, model: Any) -> dict[str, Any]:
+        from transformers import DiaTokenizer
+
+        from mmgen.audio import TTSPipeline
+        from mmgen.audio.recogniser import phoneme_error_rate
+
+        pipe = TTSPipeline(model, DiaTokenizer(), self.codec)
+        heard, ended, ratios = [], 0, []
+        for k in range(self.count):
+            out = pipe(self.data.texts[k], generator=torch.Generator().manual_seed(k))
+            heard.append(self.recogniser.transcribe(out.audio, out.sampling_rate)[0])
+            ended += int(out.lengths[0]) < FRAME_CONTEXT - 1
+            ratios.append(out.codes[0].shape[1] / len(self.data.codes[k]))
+        return {"per": round(phoneme_error_rate(self.data.phonemes[:self.count], heard), 4),
+                "ended": round(ended / self.count, 3), "duration_ratio": round(float(np.median(ratios)), 3)}
 
 
 def train_model(args) -> None:
-    train = CodesData(args.codes, "train")
+    train = CodesData(args.codes, "train", args.text_input)
     config = dia_config(args.job, train.codebook_size, train.num_codebooks)
     model = new_model(config, args.seed)
     if args.guided_attention or args.eval_every:
@@ -307,10 +363,15 @@ def train_model(args) -> None:
     params = parameters(model)
     print(f"{args.job}: {params / 1e6:.2f}M parameters, {len(train)} training utterances, "
           f"{train.num_codebooks} codebooks x {train.codebook_size}, delay {config.delay_pattern}")
-    held_out = CodesData(args.codes, "eval") if args.eval_every else None
+    held_out = CodesData(args.codes, "eval", args.text_input) if args.eval_every else None
+    speaker = None
+    if args.eval_speak:
+        if held_out is None or args.codec is None:
+            raise ValueError("--eval-speak needs --eval-every and --codec (the DAC folder the codes came from)")
+        speaker = HeldOutSpeech(held_out, args.codec, args.eval_speak)
     train_loop(model, loss_fn, len(train), args, {"preset": args.job, "dia": config.to_dict(), "params": params,
                                                   "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}},
-               heldout=(lambda: held_out_figures(model, held_out)) if held_out is not None else None)
+               heldout=(lambda: held_out_figures(model, held_out, speaker)) if held_out is not None else None)
 
 
 @torch.no_grad()
@@ -473,6 +534,8 @@ def main(argv: list[str] | None = None) -> None:
         p = jobs.add_parser(preset, help=f"train the {preset}")
         p.add_argument("--codes", required=True, help="codes file of `train_speech.py tokenize`")
         p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
+        p.add_argument("--text-input", choices=("text", "phonemes"), default="text", help="what the encoder reads: the "
+                       "text's bytes, or the utterance's phonemes one letter each (`mmgen.audio.phonemes.spell_phonemes`)")
         p.add_argument("--micro-batches", type=int, default=4, help="forward each batch in this many groups of "
                        "similar length (less padding; the same loss)")
         p.add_argument("--code-noise", type=float, default=0.0, help="share of the decoder's input codes replaced by random "
@@ -481,6 +544,11 @@ def main(argv: list[str] | None = None) -> None:
                        "decoder's cross-attention (0: off)")
         p.add_argument("--eval-every", type=int, default=0, help="held-out figures every N steps (0: never): loss with "
                        "and without the text, distance from the diagonal; best.pt keeps the best gap")
+        p.add_argument("--eval-speak", type=int, default=0, metavar="N", help="with --eval-every: also speak the first N "
+                       "held-out texts and score them with the phoneme recogniser (PER, ends, durations); best.pt keeps "
+                       "the lowest PER")
+        p.add_argument("--codec", default=None, help="the DAC folder of the codes (for --eval-speak), e.g. "
+                       "audio/assets/speech-tts/codec")
         add_training_arguments(p, lr, 16)
         p.set_defaults(steps=steps, log_every=25, save_every=200)
     exp = jobs.add_parser("export", help="write the two pipeline folders")

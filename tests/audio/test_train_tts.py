@@ -15,12 +15,13 @@ C = 3  # codebooks of the tiny codec
 
 def fake_codes(path, n=20):
     """A codes file as `train_speech.py tokenize` writes it: random codes of 6-14 frames, every
-    5th utterance held out."""
+    5th utterance held out, each text's phonemes."""
     rng = np.random.default_rng(0)
     frames = rng.integers(6, 15, n)
     np.savez(path, codes=rng.integers(0, V, (int(frames.sum()), C)).astype(np.int16),
              offsets=np.concatenate([[0], np.cumsum(frames)]), text=np.array([f"thing number {i}" for i in range(n)]),
-             is_eval=np.arange(n) % 5 == 4, frame_rate=np.array(RATE / 4), codebook_size=np.array(V))
+             phonemes=np.array(["θ ɪ ŋ n ʌ m b ɚ"] * n), is_eval=np.arange(n) % 5 == 4, frame_rate=np.array(RATE / 4),
+             codebook_size=np.array(V))
 
 
 def test_rows_match_the_processor_and_resumed_training_equals_an_uninterrupted_run(tmp_path):
@@ -139,3 +140,25 @@ def test_code_noise_replaces_only_codes_of_the_inputs(tmp_path):
     codes = clean["decoder_input_ids"] < V
     changed = clean["decoder_input_ids"] != noisy["decoder_input_ids"]
     assert not changed[~codes].any() and 0.3 < changed[codes].float().mean() < 0.6  # a few draws hit the same code
+
+
+def test_phoneme_input_and_the_spoken_held_out_figures(tmp_path):
+    """`--text-input phonemes` reads each utterance's phonemes one letter each; `--eval-speak`
+    has the model speak held-out texts through the pipeline and logs PER, ends and durations,
+    and best.pt keeps the lowest PER (the same draws at every evaluation)."""
+    from mmgen.audio.phonemes import spell_phonemes
+
+    data_path = tmp_path / "codes.npz"
+    fake_codes(data_path)
+    tiny_dac(0, codebooks=C).save_pretrained(tmp_path / "codec")
+    data = CodesData(data_path, "eval", "phonemes")
+    assert data.texts[0] == spell_phonemes("θ ɪ ŋ n ʌ m b ɚ") and bytes(data.text_ids[0][1:].tolist()).decode() == " " + data.texts[0]
+    main(["draft", "--codes", str(data_path), "--batch-size", "4", "--steps", "2", "--threads", "1", "--text-input", "phonemes",
+          "--eval-every", "1", "--eval-speak", "2", "--codec", str(tmp_path / "codec"), "--out", str(tmp_path / "run")])
+    held_out = [json.loads(line)["heldout"] for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines() if "heldout" in line]
+    assert len(held_out) == 2
+    for figures in held_out:
+        assert 0 <= figures["per"] and 0 <= figures["ended"] <= 1 and figures["duration_ratio"] > 0
+        assert figures["score"] == 1 - figures["per"] and figures["metric"] == "1 - per"
+    best = json.loads((tmp_path / "run" / "best.json").read_text())
+    assert best["metric"] == "1 - per" and best["score"] == max(f["score"] for f in held_out)
