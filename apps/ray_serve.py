@@ -9,7 +9,9 @@ ingress) over catalogues it builds and loads itself, with the arguments `mmgen s
 Serve's HTTP proxy spreads the requests over the replicas (the fewer requests a replica holds, the
 likelier it gets the next one). Everything else is the single server's: routes, limits, errors,
 the 429 of a full waiting room (per replica), `/metrics` (per replica). Each response names the
-replica that answered in its `x-mmgen-replica` header.
+replica that answered in its `x-mmgen-replica` header. A video job runs on the replica that took
+its POST and is published to a board the replicas share (one small named actor,
+`apps/job_board.py`), so its status, events and MP4 answer on any replica.
 
 The Ray instance is local and kept on the loopback address: its node address is 127.0.0.1 (the
 setting below, read when `ray` is first imported, keeps Ray from replacing it with this
@@ -28,6 +30,7 @@ import os
 import socket
 from typing import Any, Mapping, Optional, Sequence
 
+from mmgen.apps.job_board import ACTOR_NAME, JobBoard, JobShelf
 from mmgen.apps.server import SPARE_THREADS, ServerSettings, create_app, discover_catalogs, preload as preload_models
 
 INSTALL = "pip install 'mmgen[ray]'"
@@ -79,9 +82,19 @@ def replica_app(models: Optional[Sequence[str]], device: str, settings: ServerSe
     catalogs = discover_catalogs(models, device=device, continuous_batch=continuous_batch)
     if preload:
         preload_models(catalogs)
-    app = create_app(catalogs, settings)
+    app = create_app(catalogs, settings, shared_job_board(settings.max_finished_jobs))
     app.add_middleware(ReplicaHeader, replica=serve.get_replica_context().replica_id.unique_id)
     return app
+
+
+def shared_job_board(keep: int) -> JobBoard:
+    """The board every replica publishes its video jobs to and reads the others' from: one named
+    Ray actor holding a `JobShelf`, created by the first replica that asks (no CPU reserved: it
+    only stores), so a job's status, events and MP4 answer on whichever replica a GET reaches."""
+    import ray
+
+    shelf = ray.remote(JobShelf).options(name=ACTOR_NAME, get_if_exists=True, num_cpus=0).remote(keep)
+    return JobBoard(actor=shelf)
 
 
 def deployment(models: Optional[Sequence[str]] = None, device: str = "cpu", replicas: int = 1,
@@ -193,5 +206,5 @@ def _is_v6(host: str) -> bool:
         return False
 
 
-__all__ = ["check_port", "deployment", "replica_app", "replica_plan", "run", "shutdown", "start_local_ray",
+__all__ = ["check_port", "deployment", "replica_app", "replica_plan", "run", "shared_job_board", "shutdown", "start_local_ray",
            "ReplicaHeader", "INSTALL", "REPLICA_HEADER"]

@@ -54,6 +54,7 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mmgen.apps.job_board import JobBoard
 from mmgen.apps.metrics import CONTENT_TYPE, ServerMetrics
 from mmgen.apps.requests import image, speech, video, vlm
 from mmgen.apps.requests.bounds import LIMITS, MAX_SEED, shown
@@ -770,8 +771,10 @@ class VideoJob:
 class Service:
     """The server's state and route handlers: catalogues, settings, metrics, admission, jobs."""
 
-    def __init__(self, catalogs: Mapping[str, Any], settings: ServerSettings = ServerSettings()):
+    def __init__(self, catalogs: Mapping[str, Any], settings: ServerSettings = ServerSettings(),
+                 board: Optional[JobBoard] = None):
         self.catalogs = {m: catalogs[m] for m in MODALITIES if m in catalogs}
+        self.board = board  # where other copies of the server read this one's video jobs (`apps/job_board.py`)
         self.settings = settings
         self.metrics = ServerMetrics(self.catalogs)
         slots = {m: max(1, int(getattr(c, "continuous_batch", 0) or 0)) for m, c in self.catalogs.items()}
@@ -1104,6 +1107,7 @@ class Service:
         blocks = math.ceil(pipe.latent_frames(frames) / pipe.block_frames)
         job = VideoJob(f"video_{uuid.uuid4().hex}", model, ask.prompt, seed, frames, float(pipe.fps), size, blocks)
         self._keep(job)
+        await self._publish(job)
         job.task = asyncio.get_running_loop().create_task(self._run_video(job, ticket, timing,
                                                                             partial(video.stream_checked, checked, catalog)))
         return JSONResponse(job.view())
@@ -1137,6 +1141,7 @@ class Service:
         try:
             await ticket.start()
             job.status = "in_progress"
+            await self._publish(job)
             pull = Pull(begin(), self.limiter)
             while (item := await pull.next()) is not _END:
                 timing.first_output()
@@ -1146,6 +1151,7 @@ class Service:
                                    "end_frame": item.start + len(frames), "seconds": round(item.seconds, 4),
                                    "frames": frames})
                 job.blocks_done, job.num_blocks = item.index + 1, item.num_blocks
+                await self._publish(job, job.blocks[-1:])
             result = pull.result
             job.mp4 = await self.thread(result.mp4)
             job.status, job.completed_at = "completed", int(time.time())
@@ -1162,46 +1168,68 @@ class Service:
             ticket.done()
             job.task = None
             self._keep(job)
+            await asyncio.shield(self._publish(job, mp4=job.mp4))  # the last word, even when cancelled
 
-    def job(self, video_id: str) -> VideoJob:
+    async def _publish(self, job: VideoJob, blocks: Optional[list] = None, mp4: Optional[bytes] = None) -> None:
+        """Show the job's change to the other copies of the server, where there are any."""
+        if self.board is not None:
+            await self.board.publish(job.id, job.view(), blocks, mp4)
+
+    async def job(self, video_id: str) -> Union[VideoJob, dict]:
+        """This server's job, else the one another copy published ({"view", "blocks"}); 404 for neither."""
         job = self.jobs.get(video_id)
+        if job is None and self.board is not None:
+            job = await self.board.read(video_id)
         if job is None:
             raise ApiError(404, f"no video job {shown(video_id)} on this server (finished jobs are kept for a while)",
                            param="video_id", code="not_found")
         return job
 
     async def video_status(self, video_id: str) -> JSONResponse:
-        return JSONResponse(self.job(video_id).view())
+        job = await self.job(video_id)
+        return JSONResponse(job["view"] if isinstance(job, dict) else job.view())
 
     async def video_events(self, video_id: str) -> StreamingResponse:
         """The job's blocks as server-sent events, each as it commits (those already committed
         first), then one event with the job's final state and `data: [DONE]`: a viewer shows
-        the video while it is made. A client that goes away stops only its own stream."""
-        job = self.job(video_id)
+        the video while it is made. A client that goes away stops only its own stream. A job
+        another copy of the server runs is followed on the board it publishes to."""
+        job = await self.job(video_id)
+
+        async def state(sent: int) -> Optional[tuple[dict, list]]:
+            """(the job's view, its blocks from `sent` on); the view is read first, so no block
+            committed before a final view is missed. None once the board has dropped the job."""
+            if isinstance(job, VideoJob):
+                return job.view(), job.blocks[sent:]
+            published = await self.board.read(video_id, sent)
+            return None if published is None else (published["view"], published["blocks"])
 
         async def events() -> AsyncIterator[str]:
-            sent = 0
-            while True:
-                done = job.status in ("completed", "failed")  # read before the blocks: none is missed
-                while sent < len(job.blocks):
-                    yield f"data: {json.dumps({'object': 'video.block', 'id': job.id, **job.blocks[sent]})}\n\n"
-                    sent += 1
-                if done:
+            sent, view = 0, None
+            while (snapshot := await state(sent)) is not None:
+                view, blocks = snapshot
+                for block in blocks:
+                    yield f"data: {json.dumps({'object': 'video.block', 'id': video_id, **block})}\n\n"
+                sent += len(blocks)
+                if view["status"] in ("completed", "failed"):
                     break
                 await asyncio.sleep(EVENT_POLL_S)
-            yield f"data: {json.dumps({**job.view(), 'object': 'video.done'})}\n\n"
+            if view is not None:
+                yield f"data: {json.dumps({**view, 'object': 'video.done'})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def video_content(self, video_id: str, variant: Optional[str] = None) -> Response:
-        job = self.job(video_id)
+        job = await self.job(video_id)
         if variant not in (None, "video"):
             raise ApiError(400, f"variant must be video (the MP4), got {shown(variant)}", param="variant")
-        if job.status != "completed" or job.mp4 is None:
-            raise ApiError(409, f"video {job.id} is {job.status}, not completed", param="video_id", code="video_not_ready")
-        return Response(job.mp4, media_type="video/mp4")
+        status = job["view"]["status"] if isinstance(job, dict) else job.status
+        mp4 = (await self.board.content(video_id)) if isinstance(job, dict) else job.mp4
+        if status != "completed" or mp4 is None:
+            raise ApiError(409, f"video {video_id} is {status}, not completed", param="video_id", code="video_not_ready")
+        return Response(mp4, media_type="video/mp4")
 
     # ---- models, health, metrics -----------------------------------------------------------
 
@@ -1300,9 +1328,12 @@ class Guard:
         return read
 
 
-def create_app(catalogs: Mapping[str, Any], settings: ServerSettings = ServerSettings()) -> FastAPI:
-    """The FastAPI app serving `catalogs` (modality -> catalogue, as `discover_catalogs` gives)."""
-    service = Service(catalogs, settings)
+def create_app(catalogs: Mapping[str, Any], settings: ServerSettings = ServerSettings(),
+               board: Optional[JobBoard] = None) -> FastAPI:
+    """The FastAPI app serving `catalogs` (modality -> catalogue, as `discover_catalogs` gives);
+    `board`: where its video jobs are published to, and others' read, when several copies of
+    the server share the requests (`apps/job_board.py`)."""
+    service = Service(catalogs, settings, board)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

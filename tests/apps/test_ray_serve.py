@@ -33,7 +33,8 @@ SEED = 7
 READY = "ready behind Ray Serve"
 START_S = 240  # two replicas loading their models on a busy 2-core machine take some 30 s
 #: `mmgen serve`'s arguments, for the Ray replicas and for the single app their errors are compared with.
-ARGS = ["serve", "--model", MODEL, "--continuous-batch", "image=4", "--max-body-mb", "1", "--api-key", KEY]
+ARGS = ["serve", "--model", MODEL, "--model", "emoji-motion", "--max-frames", "9", "--continuous-batch", "image=4",
+        "--max-body-mb", "1", "--api-key", KEY]
 
 
 def free_port() -> int:
@@ -162,6 +163,32 @@ def test_each_replica_gives_the_offline_pipelines_image_for_a_seed(http, catalog
             if len(answered) == 2:
                 break
     assert len(answered) == 2, f"only replica {answered} answered"
+
+
+def test_a_video_job_answers_on_every_replica(http):
+    """A job runs on the replica that took its POST; its status and MP4 answer on both (the
+    replicas share a job board), the same on each."""
+    job = http.post("/v1/videos", json={"model": "emoji-motion", "prompt": "a smiling face", "num_frames": 5, "seed": 1})
+    assert job.status_code == 200, job.text
+    job_id, seen, deadline = job.json()["id"], {}, time.monotonic() + 180
+    with ThreadPoolExecutor(2) as pool:  # two at once: Serve spreads them over the replicas
+        while time.monotonic() < deadline:
+            for response in pool.map(lambda _: http.get(f"/v1/videos/{job_id}"), range(2)):
+                assert response.status_code == 200, response.text
+                seen[response.headers[ray_serve.REPLICA_HEADER]] = response.json()["status"]
+            if len(seen) == 2 and set(seen.values()) == {"completed"}:
+                break
+            time.sleep(0.2)
+    assert len(seen) == 2 and set(seen.values()) == {"completed"}, seen
+    contents = {}
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(10):
+            for response in pool.map(lambda _: http.get(f"/v1/videos/{job_id}/content"), range(2)):
+                assert response.status_code == 200 and response.content[4:8] == b"ftyp"
+                contents[response.headers[ray_serve.REPLICA_HEADER]] = response.content
+            if len(contents) == 2:
+                break
+    assert len(contents) == 2 and len(set(contents.values())) == 1
 
 
 @pytest.mark.parametrize("method, path, body, headers", [

@@ -560,6 +560,32 @@ def test_serve_command_runs_uvicorn_on_the_given_models(monkeypatch):
         discover_catalogs(["no-such-model"])
 
 
+def test_a_video_job_answers_on_another_copy_of_the_server(catalogs):
+    """Two copies sharing a job board (as `mmgen serve --ray` replicas share one actor): a job
+    posted to one streams its blocks, reports its status and gives its MP4 on the other, byte
+    for byte what the copy that ran it gives; a job neither holds is still a 404."""
+    from mmgen.apps.job_board import JobBoard, JobShelf
+
+    board = JobBoard(shelf=JobShelf(keep=4))
+    settings = ServerSettings(api_key=KEY, max_frames=17)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with running(create_app(catalogs, settings, board)) as first, running(create_app(catalogs, settings, board)) as second:
+        with httpx.Client(base_url=first, headers=headers, timeout=120) as one, \
+                httpx.Client(base_url=second, headers=headers, timeout=120) as other:
+            job = one.post("/v1/videos", json={"model": "emoji-motion", "prompt": "a smiling face", "num_frames": 9, "seed": 3}).json()
+            with other.stream("GET", f"/v1/videos/{job['id']}/events") as response:
+                assert response.status_code == 200
+                events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+            blocks, done = [json.loads(e) for e in events[:-2]], json.loads(events[-2])
+            assert events[-1] == "[DONE]" and done["status"] == "completed" and done["id"] == job["id"]
+            assert [b["block"] for b in blocks] == list(range(done["num_blocks"])) and len(blocks) > 1
+            assert other.get(f"/v1/videos/{job['id']}").json() == one.get(f"/v1/videos/{job['id']}").json() == {**done, "object": "video"}
+            content = other.get(f"/v1/videos/{job['id']}/content")
+            assert content.status_code == 200 and content.content == one.get(f"/v1/videos/{job['id']}/content").content
+            assert content.content[4:8] == b"ftyp"
+            assert error_of(other.get("/v1/videos/video_nope"), 404)["code"] == "not_found"
+
+
 def test_a_video_jobs_blocks_stream_as_server_sent_events_and_make_up_its_video(client, http, catalogs):
     """`GET /v1/videos/{id}/events`: each committed block (its frames as PNGs) as it commits,
     then the job's final state and [DONE]; the blocks' frames are the video's frames."""
