@@ -19,8 +19,10 @@ register_family("speech", "vibevoice", pipeline="mmgen.audio.latent_pipeline:Lat
 #: Bundled trained models (package data; see assets/speech-tts/MODEL_CARD.md): name -> folder
 #: relative to this package.
 BUNDLED_MODELS = {"speech-tts": "assets/speech-tts", "speech-tts-draft": "assets/speech-tts-draft"}
-#: `mmgen batch` job files whose jobs carry a `text` run here (speech).
-BATCH_JOBS = {"text": "mmgen.audio.batch"}
+#: `mmgen batch`: job files of modality "speech" run here.
+BATCH_JOBS = {"speech": "mmgen.audio.batch"}
+#: A job line without a "modality" field that carries a `text` is a speech job.
+BATCH_MARKERS = {"text": "speech"}
 
 
 def __getattr__(name: str):

@@ -3,17 +3,18 @@ ranks of a torchrun job, like the image and text jobs.
 
     mmgen batch lines.jsonl --out speech/ [--batch-size 8] [--on-error stop|skip]
 
-One job per line (a job with a `text` is a speech job):
+One job per line (a job with `"modality": "speech"`, or with a `text` and no modality, is a speech job):
 
     {"model": "path/to/dia", "text": "[S1] Hello there.", "output": "hello"}
-    {"model": "path/to/dia", "text": "Again.", "voice": "me.wav", "voice_text": "[S1] It's me.", "output": "again"}
+    {"modality": "speech", "model": "path/to/dia", "text": "Again.", "voice": "me.wav", "voice_text": "[S1] Me.", "output": "again"}
 
 Required: `model` (a `mmgen generate speech --model`), `text` and `output` (a file-name stem,
-unique in the file: the audio goes to `<out>/<output>.wav`). Optional: `voice` and
-`voice_text`, `decoding` (default "ar"), `seed` (default 0), `max_new_frames`, `temperature`,
-`top_k`, `top_p`, `guidance_scale` (as the `mmgen generate speech` flags; unset ones take the
-model's generation config). Every line is checked before any work (JSON, fields, voice files
-readable, models load, decoding specs valid); `--on-error` as for image jobs.
+unique in the file: the audio goes to `<out>/<output>.wav`). Optional: `voice` and `voice_text`,
+`decoding` (default "ar"), `seed` (default 0), `max_new_frames`, `temperature`, `top_k`,
+`top_p`, `guidance_scale` (as the `mmgen generate speech` flags; unset ones take the model's
+generation config), `modality` ("speech", the only value it may take here). Every line is
+checked before any work (JSON, fields, voice files readable, models load, decoding specs valid);
+`--on-error` as for image jobs.
 
 Jobs of one model and options (and all with or all without a voice) are packed in file order
 into calls of up to `--batch-size` rows, with one generator seeded from their seeds
@@ -39,6 +40,7 @@ from mmgen.cli import check_seed
 
 from mmgen.audio.waveform import read_audio, wav_bytes
 
+MODALITY = "speech"
 REQUIRED = {"model": "str", "text": "text", "output": "str"}
 OPTIONAL = {"voice": "str", "voice_text": "str", "decoding": "str", "seed": "int", "max_new_frames": "int",
             "temperature": "float", "top_k": "int", "top_p": "float", "guidance_scale": "float"}
@@ -62,7 +64,7 @@ class SpeechJob(FileJob):
 
 def check_fields(value: Any) -> dict:
     """A job object's fields checked for presence and type, defaults filled in (ValueError)."""
-    check_schema(value, REQUIRED, OPTIONAL, KINDS)
+    check_schema(value, REQUIRED, OPTIONAL, KINDS, modality=MODALITY)
     fields = {**DEFAULTS, **value}
     for name in ("temperature", "top_p", "guidance_scale"):
         fields[name] = None if fields[name] is None else float(fields[name])

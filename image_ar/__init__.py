@@ -27,8 +27,10 @@ BUNDLED_MODELS = {
     "mar-emoji64": "assets/mar-emoji64",
     "mar-emoji64-draft": "assets/mar-emoji64-draft",
 }
-#: `mmgen batch` job files whose jobs name a `class_label` run here.
-BATCH_JOBS = {"class_label": "mmgen.image_ar.batch"}
+#: `mmgen batch`: job files of modality "image" (class-conditional images) run here.
+BATCH_JOBS = {"image": "mmgen.image_ar.batch"}
+#: A job line without a "modality" field that names a `class_label` is an image job.
+BATCH_MARKERS = {"class_label": "image"}
 
 
 def __getattr__(name: str):

@@ -1,6 +1,6 @@
 """`mmgen batch` for image jobs: many class-conditional images from a JSONL job file, resumable,
 and sharded over the ranks of a torchrun job (`mmgen.batch.run_batch` sends here the files whose
-jobs name a `class_label`).
+jobs say `"modality": "image"` or, without a modality, name a `class_label`).
 
     mmgen batch jobs.jsonl --out out/ [--batch-size 8] [--on-error stop|skip] [--device cuda]
 
@@ -8,16 +8,18 @@ One job per line:
 
     {"model": "emoji64", "class_label": "cat-face", "seed": 0, "decoding": "sjd", "count": 4, "output": "cat"}
     {"model": "emoji64", "class_label": 25, "seed": 100, "decoding": "ar", "count": 2, "output": "mammal", "top_k": 64}
+    {"modality": "image", "model": "emoji64", "class_label": 3, "seed": 5, "decoding": "ar", "count": 1, "output": "face"}
 
 Required fields: `model` (a bundled name or a pipeline folder), `class_label` (id or name),
 `seed` (integer >= 0), `decoding` (a `generate image --decoding` spec for that model), `count`
-(1 to 10000 images) and `output` (a file-name stem of letters, digits, '.', '_' and '-',
-unique in the file; image k is `<out>/<output>_<kkk>.png`). Optional, as the `mmgen generate
-image` flags of the same name: guidance_scale, temperature, top_k, top_p, cfg_interval, window
-(LlamaGen); preset, more_smooth (true), pruning, pruning_layers ([start, stop]) (VAR);
-num_iter, cfg_schedule (MAR). Every line is checked before any work (JSON, fields, types, the
-model loads, the class exists, the decoding and sampling options suit the model, output names):
-`--on-error stop` (default) lists the bad lines and runs nothing, `--on-error skip` runs the rest.
+(1 to 10000 images) and `output` (a file-name stem of letters, digits, '.', '_' and '-', unique
+in the file; image k is `<out>/<output>_<kkk>.png`). Optional, as the `mmgen generate image`
+flags of the same name: guidance_scale, temperature, top_k, top_p, cfg_interval, window
+(LlamaGen); preset, more_smooth (true), pruning, pruning_layers ([start, stop]) (VAR); num_iter,
+cfg_schedule (MAR); `modality` ("image", the only value it may take here). Every line is checked
+before any work (JSON, fields, types, the model loads, the class exists, the decoding and
+sampling options suit the model, output names): `--on-error stop` (default) lists the bad lines
+and runs nothing, `--on-error skip` runs the rest.
 
 Groups and seeds. Row k of a job (its k-th image) has seed `seed + k`. Rows of jobs with the
 same model and options (decoding, sampling) are packed in file order into groups of up to
@@ -92,6 +94,7 @@ from mmgen.image_ar.generation import (
     prepare_call,
 )
 
+MODALITY = "image"
 MAX_COUNT = 10_000
 #: field -> expected kind; the optional ones are ImageOptions' fields (decoding is required).
 REQUIRED = {"model": "str", "class_label": "label", "seed": "int", "decoding": "str", "count": "int", "output": "str"}
@@ -158,7 +161,7 @@ class Row:
 
 def check_fields(value: Any) -> dict:
     """A job object's fields checked for presence and type (ValueError otherwise)."""
-    check_schema(value, REQUIRED, OPTIONAL, KINDS)
+    check_schema(value, REQUIRED, OPTIONAL, KINDS, modality=MODALITY)
     if not 1 <= value["count"] <= MAX_COUNT:
         raise ValueError(f"count must be in [1, {MAX_COUNT}], got {value['count']}")
     check_seed(value["seed"])

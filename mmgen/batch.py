@@ -2,11 +2,14 @@
 files, per-rank manifests that make a run resumable, deterministic grouping and sharding over
 torch.distributed ranks, and the progress bar and summary table.
 
-`mmgen batch JOBS --out DIR` is registered here: it reads the job file, picks the modality whose
-job field its jobs carry (`registry.batch_runners()`: `class_label` -> images, `prompt` -> text
-answers about images, `text` -> speech, `video` -> videos) and hands the run to that modality's
-`run_batch`, which validates its own job schema and runs its pipelines; everything else here is
-shared so that every modality resumes, shards and reports the same way.
+`mmgen batch JOBS --out DIR` is registered here: it reads the job file, picks its modality and
+hands the run to that modality's `run_batch` (`registry.batch_runners()`: "image", "text" for
+answers about images and videos, "speech", "video"), which validates its own job schema and runs
+its pipelines; everything else here is shared so that every modality resumes, shards and reports
+the same way. A job line says its modality in a `modality` field; a line without one is told by
+the field that marks it (`registry.batch_markers()`: `class_label` -> image, `prompt` -> text,
+`text` -> speech), so a video job, whose prompt is a `prompt` too, needs `"modality": "video"`.
+A file holds jobs of one modality.
 
 Durability contract. An output is written to a temp file in its own folder, fsynced and renamed
 over its final name (`write_atomic`): it is either absent or complete. Only then is its record
@@ -107,14 +110,22 @@ FIELD_KINDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "float": ("a number", lambda v: _is_int(v) or (isinstance(v, float) and math.isfinite(v))),
 }
 OUTPUT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+#: The field in which a job line names its modality ("image", "text", ...: `registry.batch_runners`).
+MODALITY_FIELD = "modality"
 
 
 def check_schema(value: Any, required: dict[str, str], optional: dict[str, str],
-                 kinds: dict[str, tuple[str, Callable[[Any], bool]]] = FIELD_KINDS) -> dict:
+                 kinds: dict[str, tuple[str, Callable[[Any], bool]]] = FIELD_KINDS, modality: Optional[str] = None) -> dict:
     """A job object's fields checked for presence and kind (`required` / `optional`: field ->
-    kind), and its `output` for a safe file-name stem; ValueError otherwise."""
+    kind), and its `output` for a safe file-name stem; ValueError otherwise. A runner gives its
+    `modality` name: a job may then say it in a `modality` field (any other value is an error)."""
     if not isinstance(value, dict):
         raise ValueError(f"a job must be a JSON object, got {type(value).__name__}")
+    if modality is not None:
+        if value.get(MODALITY_FIELD, modality) != modality:
+            raise ValueError(f"{MODALITY_FIELD} must be {json.dumps(modality)} in a file of {modality} jobs, "
+                             f"got {json.dumps(value[MODALITY_FIELD])}")
+        optional = {**optional, MODALITY_FIELD: "str"}
     unknown = sorted(set(value) - set(required) - set(optional))
     if unknown:
         raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(required)} and optional {sorted(optional)}")
@@ -256,6 +267,17 @@ def read_records(folder: PathLike) -> list[dict]:
 def _rank_of(name: str) -> int:
     match = re.fullmatch(r"manifest\.rank(\d+)\.jsonl", name)
     return int(match.group(1)) if match else -1
+
+
+def job_identity(spec: Any, renamed: Optional[dict[str, str]] = None) -> Any:
+    """What resume compares of a job line and a manifest record's `spec` to tell an unchanged
+    job: its fields but `modality` (which only says which runner reads it), the fields a runner
+    still reads under an old name (`renamed`: old -> new) under their new one, so that neither
+    naming the modality nor moving to the new names makes finished outputs again."""
+    if not isinstance(spec, dict):
+        return spec
+    renamed = renamed or {}
+    return {renamed.get(name, name): v for name, v in spec.items() if name != MODALITY_FIELD}
 
 
 def verified_records(
@@ -526,13 +548,19 @@ def register(commands, groups) -> None:
     from mmgen import registry
     from mmgen.cli import DTYPES
 
-    # The kinds of job come from the modalities' registrations (job field -> its runner's module).
-    kinds = "; ".join(f"jobs with a {field}: see `{module}`" for field, module in registry.batch_runners().items())
+    # The modalities come from the packages' registrations (modality -> its runner's module, marker field -> modality).
+    runners, marked = registry.batch_runners(), registry.batch_markers(old=False)
+    modalities = "; ".join(f"{name}: see `{module}`" for name, module in runners.items())
+    markers = ", ".join(f"{field} -> {name}" for field, name in marked.items())
+    unmarked = ", ".join(name for name in runners if name not in marked.values())
     batch = commands.add_parser("batch", help="run a JSONL job file: images, text answers, speech or videos (resumable; "
                                 "torchrun for many GPUs)",
-                                description=f"Jobs from a JSONL file, one per line, all of one kind, told by the field "
-                                            f"its jobs carry ({kinds}). Each of those modules describes its jobs' fields, "
-                                            "grouping, resume and multi-node use.")
+                                description=f"Jobs from a JSONL file, one per line, all of one modality, which a line "
+                                            f'names in its "{MODALITY_FIELD}" field ({modalities}); a line without it is '
+                                            f"told by the field it carries ({markers})"
+                                            + (f", so {unmarked} jobs always name it" if unmarked else "")
+                                            + ". Each of those modules describes its jobs' fields, grouping, resume and "
+                                            "multi-node use.")
     batch.add_argument("jobs", help="JSONL file, one job per line")
     batch.add_argument("--out", required=True, help="output folder: outputs and manifest.jsonl")
     batch.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
@@ -552,7 +580,7 @@ def register(commands, groups) -> None:
 
 
 def run_batch(args) -> int:
-    """Hand the job file to the runner of its kind of job (one kind per file)."""
+    """Hand the job file to the runner of its modality (one modality per file)."""
     import importlib
 
     from mmgen import registry
@@ -561,15 +589,43 @@ def run_batch(args) -> int:
     if not path.is_file():
         raise ValueError(f"{args.jobs}: no such job file")
     runners = registry.batch_runners()
-    kinds = {field for _, value in read_jsonl(path)[0] if isinstance(value, dict) for field in runners if field in value}
-    if len(kinds) > 1:
-        raise ValueError(f"{args.jobs} mixes kinds of jobs ({', '.join(sorted(kinds))}): one kind per file")
-    # A file whose lines name no kind goes to the first runner, which lists every line's missing fields.
-    module = runners[kinds.pop()] if kinds else next(iter(runners.values()))
-    runner = importlib.import_module(module)
+    modality = file_modality(args.jobs, read_jsonl(path)[0], runners, registry.batch_markers())
+    # A file whose lines name no modality goes to the first runner, which lists every line's missing fields.
+    runner = importlib.import_module(runners[modality] if modality else next(iter(runners.values())))
     if getattr(args, "continuous", False) and not getattr(runner, "CONTINUOUS", False):
-        raise ValueError(f"--continuous is for image, text and speech jobs; {args.jobs} holds other jobs")
+        raise ValueError(f"--continuous is for image, text and speech jobs; {args.jobs} holds {modality} jobs")
     return runner.run_batch(args)
+
+
+def file_modality(source: PathLike, values: Sequence[tuple[int, Any]], runners: dict[str, Any],
+                  markers: dict[str, str]) -> Optional[str]:
+    """The one modality of a job file's lines (`read_jsonl` values): each line's `modality`
+    field, or without it the modality its marker fields name (`markers`: field -> modality);
+    None when no line names one. ValueError (one line, before any work) for a modality that is
+    not one of `runners`, a line marked as several, or a file that mixes modalities."""
+    first: dict[str, int] = {}  # modality -> the first line of it
+    for line, value in values:
+        if not isinstance(value, dict):
+            continue
+        if MODALITY_FIELD in value:
+            named = value[MODALITY_FIELD]
+            if not isinstance(named, str) or named not in runners:
+                raise ValueError(f"{source} line {line}: unknown {MODALITY_FIELD} {json.dumps(named)}; "
+                                 f"it is one of {', '.join(runners)}")
+            kinds = {named}
+        else:
+            marked = {field: markers[field] for field in value if field in markers}
+            kinds = set(marked.values())
+            if len(kinds) > 1:
+                fields = ", ".join(f"{field} ({name})" for field, name in marked.items())
+                raise ValueError(f'{source} line {line} carries the fields of several modalities, {fields}: '
+                                 f'say which in its "{MODALITY_FIELD}"')
+        for name in kinds:
+            first.setdefault(name, line)
+    if len(first) > 1:
+        found = ", ".join(f"{name} (line {line})" for name, line in sorted(first.items(), key=lambda item: item[1]))
+        raise ValueError(f"{source} mixes modalities, {found}: one modality per file")
+    return next(iter(first), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -711,7 +767,8 @@ CONTINUOUS_GROUP_BATCHES = 16
 
 def run_file_batch(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tuple[list, dict, list]],
                    encode: Callable[[Any, int, FileJob, dict], tuple[bytes, dict]], unit: str = "files",
-                   bar_unit: str = "file", encode_each: Optional[Callable[[Any, FileJob], tuple[bytes, dict]]] = None) -> int:
+                   bar_unit: str = "file", encode_each: Optional[Callable[[Any, FileJob], tuple[bytes, dict]]] = None,
+                   renamed: Optional[dict[str, str]] = None) -> int:
     """A file-per-job batch command: check every line (`start_run`), group jobs of one key in file
     order into calls of up to --batch-size (one generator seeded by `group_seed` of their seeds),
     run this rank's share and write each file the group still lacks: `encode(output, row, job,
@@ -721,7 +778,8 @@ def run_file_batch(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tupl
     With --continuous (runners with `encode_each`): groups of up to --batch-size x
     `CONTINUOUS_GROUP_BATCHES` jobs, each decoded from its own seed by its call's `each(jobs,
     device, batch_size, on_result)`, which keeps --batch-size rows decoding and hands over each
-    job's result as it ends: `encode_each(result, job)` makes its file then."""
+    job's result as it ends: `encode_each(result, job)` makes its file then. `renamed`: job
+    fields the runner still reads under an old name (old -> new), for resume (`job_identity`)."""
     run = start_run(args, load_jobs)
     continuous = getattr(args, "continuous", False)
     size = args.batch_size * (CONTINUOUS_GROUP_BATCHES if continuous else 1)
@@ -753,29 +811,31 @@ def run_file_batch(args: Any, load_jobs: Callable[[Path, str, torch.dtype], tupl
 
     return run_groups(run.world, run.device, Path(args.out), run.jobs, groups, run_each if continuous else run_group,
                       started=run.started, invalid_lines=len(run.errors), unit=unit, bar_unit=bar_unit,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, renamed=renamed)
 
 
 def run_groups(world: World, device: str, out: Path, jobs: Sequence[Any], groups: list[list[Any]],
                run_group: Callable[[int, list, GroupRun], None], *, started: float, invalid_lines: int,
-               unit: str = "images", bar_unit: str = "img", progress: bool = True) -> int:
+               unit: str = "images", bar_unit: str = "img", progress: bool = True,
+               renamed: Optional[dict[str, str]] = None) -> int:
     """This rank's share of `groups` (g % world_size == rank), resumable: outputs whose record
     matches their file are skipped, `run_group(g, items, run)` makes the rest of a group
     (`run.todo`) and records each one (`GroupRun.record`); a group that raises is reported and
     counted, and the run goes on. Rank 0 merges the manifest and prints the summary.
 
     Items are a group's outputs: each has `file`, `order` (its place in the manifest) and `job`
-    (with `line`, `spec` and `category`, e.g. (model, decoding)). Returns the exit status: 0, or
-    1 when some output failed (run again to finish it)."""
+    (with `line`, `spec` and `category`, e.g. (model, decoding)). A record is its job's while
+    `job_identity` of its spec and of the job's agree (`renamed`: fields read under an old name).
+    Returns the exit status: 0, or 1 when some output failed (run again to finish it)."""
     out.mkdir(parents=True, exist_ok=True)
     plan = {item.file: item for group in groups for item in group}
 
     def current(record: dict) -> Optional[dict]:
-        """A record still describes its file if its job is unchanged; line numbers follow the file."""
+        """A record still describes its file if its job is unchanged; its line and spec follow the file."""
         item = plan.get(record["file"])
-        if item is None or record.get("spec") != item.job.spec:
+        if item is None or job_identity(record.get("spec"), renamed) != job_identity(item.job.spec, renamed):
             return None
-        return {**record, "line": item.job.line}
+        return {**record, "line": item.job.line, "spec": item.job.spec}
 
     with process_group(world, device):
         mine = [g for g in range(len(groups)) if world.owns(g)]

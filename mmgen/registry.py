@@ -9,7 +9,10 @@ re-deriving it from isinstance checks or class-name strings.
 The core imports no modality: a modality package lists its pipelines in `PIPELINE_MODULES`
 (class name -> the module that defines and registers it) and the registry imports that module
 the first time the name is looked up. A family defined elsewhere (a plugin, a test) registers
-its class directly.
+its class directly. Likewise `mmgen batch` learns the modalities of job files from the packages'
+`BATCH_JOBS` (modality name -> the module that runs them) and `BATCH_MARKERS` (the field that
+marks a job line that names no "modality"; `BATCH_OLD_MARKERS` for old forms still read), through
+`batch_runners` and `batch_markers`.
 
 Vision-language, speech and video families register with `register_family`: one call names
 what a folder of the family holds (its config.json `model_type`, or its model_index.json
@@ -29,9 +32,11 @@ from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 #: Packages whose `PIPELINE_MODULES` (class name -> module), `PIPELINE_ALIASES` (other name ->
 #: class name), `MODEL_TYPES` (transformers model_type -> class name) and `BUNDLED_MODELS`
-#: (name of a model shipped as package data -> its folder, relative to the package) and
-#: `BATCH_JOBS` (the field that marks a job of that modality -> the module whose `run_batch`
-#: runs such job files) the registry reads; importing them registers their families.
+#: (name of a model shipped as package data -> its folder, relative to the package),
+#: `BATCH_JOBS` (a modality name of `mmgen batch` job files -> the module whose `run_batch`
+#: runs them), `BATCH_MARKERS` (a field that marks a job line without a "modality" field as one
+#: of that package's -> its modality name) and `BATCH_OLD_MARKERS` (likewise, for an old form of
+#: job lines still read) the registry reads; importing them registers their families.
 MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm", "mmgen.audio", "mmgen.video")
 
 #: What names a family in a saved folder, per modality that registers families: a transformers
@@ -163,11 +168,22 @@ def bundled_models() -> dict[str, Path]:
 
 
 def batch_runners() -> dict[str, str]:
-    """Job field -> the module that runs job files of that kind (`mmgen batch`)."""
+    """Modality name of `mmgen batch` jobs ("image", "text", ...) -> the module whose `run_batch`
+    runs job files of it, in the packages' order."""
     runners: dict[str, str] = {}
     for index in _modality_indexes():
         runners.update(getattr(index, "BATCH_JOBS", {}))
     return runners
+
+
+def batch_markers(old: bool = True) -> dict[str, str]:
+    """Job field -> the modality name of a job line that carries it and no "modality" field
+    (`mmgen batch` routes such lines by it); `old`: with the fields of old forms still read."""
+    markers: dict[str, str] = {}
+    for index in _modality_indexes():
+        markers.update(getattr(index, "BATCH_MARKERS", {}))
+        markers.update(getattr(index, "BATCH_OLD_MARKERS", {}) if old else {})
+    return markers
 
 
 # ------------------------------------------------------------------------------------ families

@@ -1,6 +1,7 @@
 """The modality-free batch machinery and durable files: atomic files, manifests and resume, grouping and sharding,
 line-numbered job files, the summary."""
 
+import importlib
 import json
 import os
 import stat
@@ -214,3 +215,67 @@ def test_tally_tells_each_jobs_status_and_the_table_adds_up():
     assert table[2].split() == ["m", "ar", "1", "1", "0", "2", "2.00", "1.00"]
     assert table[5].split() == ["total", "2", "1", "1", "4", "8.00", "0.50"]
     assert table[-1] == "invalid lines skipped: 1"
+
+
+# ---- which runner reads a job file: its lines' modality --------------------------------------
+
+
+def test_a_line_is_routed_by_its_modality_else_by_the_field_that_marks_it():
+    from mmgen import registry
+
+    runners, markers = registry.batch_runners(), registry.batch_markers()
+    assert list(runners) == ["image", "text", "speech", "video"]
+
+    def modality(*lines):
+        return batch.file_modality("jobs.jsonl", list(enumerate(lines, start=1)), runners, markers)
+
+    assert modality({"class_label": 1}, {"modality": "image", "class_label": 2}) == "image"
+    assert modality({"prompt": "cat"}) == "text"  # a prompt alone: an answer
+    assert modality({"modality": "video", "prompt": "cat"}, {"modality": "video", "prompt": "dog"}) == "video"
+    assert modality({"text": "hi"}, {"modality": "speech", "text": "again"}) == "speech"
+    assert modality({"video": "cat"}) == "video"  # the old form, read until the next release
+    assert modality({"output": "x"}, [1, 2], "text") is None  # nothing names a modality: the first runner lists the fields
+    with pytest.raises(ValueError) as raised:
+        modality({"modality": "video", "prompt": "cat"}, {"prompt": "dog"})
+    assert str(raised.value) == "jobs.jsonl mixes modalities, video (line 1), text (line 2): one modality per file"
+    with pytest.raises(ValueError, match=r'^jobs.jsonl line 1 carries the fields of several modalities, prompt \(text\), '
+                                         r'video \(video\): say which in its "modality"$'):
+        modality({"prompt": "cat", "video": "cat"})
+
+
+@pytest.mark.parametrize("value", ["sound", "Video", 3, None, ["video"]])
+def test_an_unknown_modality_is_one_line_naming_the_modalities_before_any_work(value, tmp_path, capsys):
+    from mmgen.cli import main
+
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(json.dumps({"model": "emoji64", "class_label": 1, "seed": 0, "decoding": "ar", "count": 1, "output": "a"})
+                    + "\n" + json.dumps({"modality": value, "prompt": "cat", "output": "b"}) + "\n")
+    assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--on-error", "skip", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"mmgen: error: {jobs} line 2: unknown modality {json.dumps(value)}; it is one of image, text, speech, video\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_each_runner_takes_the_modality_field_when_it_names_its_own():
+    from mmgen import registry
+
+    for name, module in registry.batch_runners().items():
+        runner = importlib.import_module(module)
+        assert runner.MODALITY == name  # the runner checks lines against the name it is registered under
+    required, optional = {"prompt": "str", "output": "str"}, {"seed": "int"}
+    job = {"prompt": "cat", "output": "a"}
+    assert batch.check_schema({**job, "modality": "text"}, required, optional, modality="text")["modality"] == "text"
+    assert batch.check_schema(job, required, optional, modality="text") == job  # optional
+    with pytest.raises(ValueError, match=r'^modality must be "text" in a file of text jobs, got "video"$'):
+        batch.check_schema({**job, "modality": "video"}, required, optional, modality="text")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['modality'\]"):
+        batch.check_schema({**job, "modality": "text"}, required, optional)  # a schema of no runner
+
+
+def test_a_record_stays_its_jobs_whether_the_job_names_its_modality_or_old_fields():
+    old = {"video": "cat", "output": "a", "seed": 1}
+    new = {"modality": "video", "prompt": "cat", "output": "a", "seed": 1}
+    assert batch.job_identity(old, {"video": "prompt"}) == batch.job_identity(new, {"video": "prompt"})
+    assert batch.job_identity({"class_label": 1, "modality": "image"}) == batch.job_identity({"class_label": 1})
+    assert batch.job_identity({**new, "seed": 2}, {"video": "prompt"}) != batch.job_identity(old, {"video": "prompt"})
+    assert batch.job_identity("not a job") == "not a job"

@@ -15,8 +15,12 @@ register_family("video", pipeline="mmgen.video.pipeline:BlockDiffusionVideoPipel
 #: Bundled trained models (package data; see assets/emoji-motion/MODEL_CARD.md): name -> folder
 #: relative to this package.
 BUNDLED_MODELS = {"emoji-motion": "assets/emoji-motion", "emoji-motion-small": "assets/emoji-motion-small"}
-#: `mmgen batch` job files whose jobs carry a `video` (the prompt) run here.
+#: `mmgen batch`: job files of modality "video" run here. No field marks a video job: it says
+#: `"modality": "video"` (its `prompt` alone would make it a text job).
 BATCH_JOBS = {"video": "mmgen.video.batch"}
+#: The old form of video jobs, read until the next release: the prompt in a `video` field and no
+#: "modality" (`mmgen.video.batch` warns once per run).
+BATCH_OLD_MARKERS = {"video": "video"}
 
 
 def __getattr__(name: str):

@@ -17,8 +17,11 @@ del _model_type
 
 #: Bundled trained models (package data): name -> folder relative to this package.
 BUNDLED_MODELS = {"emoji-vlm": "assets/emoji-vlm", "emoji-vlm-draft": "assets/emoji-vlm-draft"}
-#: `mmgen batch` job files whose jobs carry a `prompt` run here (answers about images).
-BATCH_JOBS = {"prompt": "mmgen.vlm.batch"}
+#: `mmgen batch`: job files of modality "text" (answers about images and videos, as `mmgen
+#: generate text`) run here.
+BATCH_JOBS = {"text": "mmgen.vlm.batch"}
+#: A job line without a "modality" field that carries a `prompt` is a text job.
+BATCH_MARKERS = {"prompt": "text"}
 
 
 def __getattr__(name: str):

@@ -3,10 +3,10 @@ and sharded over the ranks of a torchrun job, like the image jobs (`mmgen.image_
 
     mmgen batch questions.jsonl --out answers/ [--batch-size 8] [--on-error stop|skip]
 
-One job per line (a job with a `prompt` is a text job):
+One job per line (a job with `"modality": "text"`, or with a `prompt` and no modality, is a text job):
 
     {"prompt": "What is this emoji?", "images": ["cat.png"], "output": "cat-name"}
-    {"model": "emoji-vlm", "prompt": "Which colour is it?", "images": ["cat.png"], "decoding": "draft", "output": "cat-colour"}
+    {"modality": "text", "model": "emoji-vlm", "prompt": "Its colour?", "images": ["cat.png"], "decoding": "draft", "output": "colour"}
     {"model": "path/to/qwen2.5-vl", "prompt": "What happens?", "videos": ["clip.mp4"], "output": "clip"}
 
 Required: `prompt` (a question, or a chat conversation in transformers' message format) and
@@ -16,12 +16,12 @@ working directory as on the command line), `videos` (video files, likewise, afte
 for the families that take video, as `generate text --video`), `decoding` (a `generate text
 --decoding` spec, default "ar"), `seed` (default 0), `max_new_tokens` (default 64),
 `temperature`, `top_k`, `top_p`, `dropping`, `keep_ratio`, `draft_dropping` (as the `mmgen
-generate text` flags). Every line is checked before any work (JSON, fields, images and videos
-readable, models load and take the line's videos, decoding and dropping specs valid,
-`max_new_tokens` within the model's context with the line's images and videos, `temperature`
-in [0, 100], `top_k` >= 0, `top_p` in (0, 1]); `--on-error` as for image jobs. Images are kept
-from the check to the run; videos are read again when their group runs (only a group's are in
-memory at once).
+generate text` flags), `modality` ("text", the only value it may take here). Every line is
+checked before any work (JSON, fields, images and videos readable, models load and take the
+line's videos, decoding and dropping specs valid, `max_new_tokens` within the model's context
+with the line's images and videos, `temperature` in [0, 100], `top_k` >= 0, `top_p` in (0, 1]);
+`--on-error` as for image jobs. Images are kept from the check to the run; videos are read again
+when their group runs (only a group's are in memory at once).
 
 Groups and seeds: jobs of one model and options are packed in file order into calls of up to
 `--batch-size` rows with one generator seeded from their seeds (`mmgen.batch.group_seed`: a
@@ -57,6 +57,7 @@ from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags
 from mmgen.vlm.images import read_image
 from mmgen.vlm.videos import read_video, video_family_check
 
+MODALITY = "text"
 REQUIRED = {"prompt": "prompt", "output": "str"}
 OPTIONAL = {"model": "str", "images": "paths", "videos": "paths", "decoding": "str", "seed": "int",
             "max_new_tokens": "int", "temperature": "float", "top_k": "int", "top_p": "float", "dropping": "str",
@@ -85,7 +86,7 @@ class TextJob(FileJob):
 
 def check_fields(value: Any) -> dict:
     """A job object's fields checked for presence and type, defaults filled in (ValueError)."""
-    check_schema(value, REQUIRED, OPTIONAL, KINDS)
+    check_schema(value, REQUIRED, OPTIONAL, KINDS, modality=MODALITY)
     from mmgen.vlm.pipeline import check_budget, check_sampling
 
     fields = {**DEFAULTS, **value}

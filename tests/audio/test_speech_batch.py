@@ -30,6 +30,7 @@ def write_jobs(path, jobs):
 def test_speech_jobs_match_the_pipeline_and_resume(root, tmp_path):
     model = str(root / "dia")
     jobs = [{"model": model, "text": t, "output": f"s{i}", "max_new_frames": 30, "temperature": 0} for i, t in enumerate(TEXTS)]
+    jobs[2]["modality"] = "speech"  # a line may name its modality
     jobs.append({"model": model, "text": "[S1] Hi.", "voice": str(root / "voice.wav"), "voice_text": "[S1] Yes.",
                  "output": "voiced", "max_new_frames": 20})
     path = write_jobs(tmp_path / "jobs.jsonl", jobs)

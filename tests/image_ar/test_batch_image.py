@@ -263,6 +263,22 @@ def test_dry_run_checks_and_plans_without_writing(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_image_jobs_may_name_their_modality_and_naming_it_later_remakes_nothing(tmp_path, capsys, one_thread):
+    jobs = [{"model": "emoji64", "class_label": c, "seed": c, "decoding": "ar", "count": 1, "output": f"c{c}"} for c in (1, 2)]
+    jobs[0]["modality"] = "image"
+    path, out = write_jobs(tmp_path / "jobs.jsonl", jobs), tmp_path / "out"
+    assert main(["batch", str(path), "--out", str(out), "--batch-size", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    made = {name: (out / name).stat().st_mtime_ns for name in ("c1_000.png", "c2_000.png")}
+    jobs[1]["modality"] = "image"
+    write_jobs(path, jobs)
+    assert main(["batch", str(path), "--out", str(out), "--batch-size", "1", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]["total"]
+    assert (summary["jobs_skipped"], summary["outputs"]) == (2, 0)
+    assert all((out / name).stat().st_mtime_ns == t for name, t in made.items())
+    assert [r["spec"] for r in read_manifest(out)] == jobs  # the records follow the file
+
+
 def test_job_fields_are_the_generate_image_options():
     assert set(OPTIONAL) | {"decoding"} == {f.name for f in fields(ImageOptions)}
 

@@ -34,7 +34,8 @@ def jobs_for(root):
     ] + [
         {"model": model, "prompt": PROMPTS[0], "images": [str(root / "img0.png")], "output": "drafted", "max_new_tokens": 8,
          "decoding": f"draft:drafter={draft}"},
-        {"model": model, "prompt": PROMPTS[1], "output": "no-image", "max_new_tokens": 8, "seed": 3, "temperature": 1.0},
+        {"modality": "text", "model": model, "prompt": PROMPTS[1], "output": "no-image", "max_new_tokens": 8, "seed": 3,
+         "temperature": 1.0},  # a line may name its modality
     ]
 
 
@@ -84,7 +85,7 @@ def test_bad_text_jobs_are_listed_before_any_work(root, tmp_path, capsys):
     mixed = write_jobs(tmp_path / "mixed.jsonl", [bad[4], {"model": "emoji64", "class_label": 1, "seed": 0, "decoding": "ar",
                                                            "count": 1, "output": "img"}])
     assert main(["batch", str(mixed), "--out", str(tmp_path / "out")]) == 2
-    assert "mixes kinds of jobs (class_label, prompt): one kind per file" in capsys.readouterr().err
+    assert f"{mixed} mixes modalities, text (line 1), image (line 2): one modality per file" in capsys.readouterr().err
 
 
 def test_continuous_answers_equal_each_job_alone_with_its_seed_and_resume(root, tmp_path, capsys):
