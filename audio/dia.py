@@ -339,13 +339,20 @@ class DiaSpeech:
     def conditions(self, texts: Sequence[str], voices: Sequence[Optional[torch.Tensor]], voice_texts: Sequence[Optional[str]],
                    max_new_frames: int, guidance: tuple[Optional[float], Optional[int]]) -> DiaConditions:
         """A voice prompt (a waveform at the codec's rate) is encoded into the decoder's prefix;
-        its transcript is read before the text, as Dia expects."""
+        its transcript is read before the text, as Dia expects.
+
+        Every text is right padded to the encoder's whole context (as the original Dia pads to
+        its text length), alone or in a batch: the encoder and the cross-attention then reduce
+        over the same axis whatever a row's neighbours say, so a row decodes bit for bit as it
+        does alone (masked padding is exact in arithmetic, but a longer axis rounds differently,
+        and a sampled draw near a boundary flips)."""
         C = len(self.delay)
         prompts = [torch.zeros(C, 0, dtype=torch.long) if v is None else self.codec.encode(v) for v in voices]
-        texts = [t if vt is None else f"{vt.strip()} {t.strip()}" for t, vt in zip(texts, voice_texts)]
-        encoded = self.tokenizer([self.text_with_speaker(t) for t in texts], padding=True, return_tensors="pt")
-        if encoded["input_ids"].shape[1] > self.text_context:
-            raise ValueError(f"the text is {encoded['input_ids'].shape[1]} bytes long; this model reads at most {self.text_context}")
+        texts = [self.text_with_speaker(t if vt is None else f"{vt.strip()} {t.strip()}") for t, vt in zip(texts, voice_texts)]
+        longest = max(len(ids) for ids in self.tokenizer(texts)["input_ids"])
+        if longest > self.text_context:
+            raise ValueError(f"the text is {longest} bytes long; this model reads at most {self.text_context}")
+        encoded = self.tokenizer(texts, padding="max_length", max_length=self.text_context, return_tensors="pt")
         ids, mask = delayed_template(prompts, self.delay, self.bos, self.pad)
         prefill = ids.shape[1] - max(self.delay)
         if prefill + max_new_frames > self.frame_context:
