@@ -29,6 +29,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from mmgen.audio.phonemes import spell_text
 from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
 from mmgen.decoding.window import model_window_cost
@@ -291,6 +292,25 @@ def delayed_template(prompts: Sequence[torch.Tensor], delay: Sequence[int], bos:
     return ids, mask
 
 
+#: The key of a Dia config that says what its encoder reads, where it is not the text's bytes:
+#: {"kind": "phonemes", "voice": "en-us"} for a model trained on espeak-ng's phonemes spelled one
+#: letter each (`mmgen.audio.phonemes.spell_text`; the bundled speech-tts family's trainer
+#: writes it). transformers keeps unknown config keys through from_pretrained / save_pretrained.
+TEXT_FRONTEND_KEY = "mmgen_text_frontend"
+
+
+def text_frontend(config: Any) -> Optional[str]:
+    """The espeak-ng voice a model's text is spelled in phonemes with (`TEXT_FRONTEND_KEY`), or
+    None for a model that reads bytes; ValueError (one line) for a value mmgen does not know."""
+    frontend = getattr(config, TEXT_FRONTEND_KEY, None)
+    if frontend is None:
+        return None
+    if not (isinstance(frontend, dict) and frontend.get("kind") == "phonemes" and isinstance(frontend.get("voice"), str)
+            and set(frontend) == {"kind", "voice"}):
+        raise ValueError(f"config {TEXT_FRONTEND_KEY} must be {{\"kind\": \"phonemes\", \"voice\": VOICE}}, got {frontend!r}")
+    return frontend["voice"]
+
+
 class DiaSpeech:
     """What `TTSPipeline` needs to know of Dia: text and voice prompts to `DiaConditions`, the
     stop rule (the most delayed codebook's EOS closes a frame sequence), and delayed frames back
@@ -315,13 +335,16 @@ class DiaSpeech:
         self.eos, self.pad, self.bos = dec.eos_token_id, dec.pad_token_id, dec.bos_token_id
         self.text_context = int(model.config.encoder_config.max_position_embeddings)
         self.frame_context = int(dec.max_position_embeddings)
+        self.phoneme_voice = text_frontend(model.config)
 
     def token_model(self) -> DiaTokenModel:
         return DiaTokenModel(self.model)
 
     def text_with_speaker(self, text: str) -> str:
-        """Dia reads speaker tags; untagged text is spoken by speaker 1."""
-        return text if text.lstrip().startswith("[S") else f"[S1] {text.strip()}"
+        """Dia reads speaker tags; untagged text is spoken by speaker 1. A model that reads
+        phonemes (`text_frontend`) gets the text spelled in them, tags kept."""
+        text = text if text.lstrip().startswith("[S") else f"[S1] {text.strip()}"
+        return text if self.phoneme_voice is None else spell_text(text, self.phoneme_voice)
 
     saves_tokenizer = False  # byte-level, nothing to save
 

@@ -34,6 +34,8 @@ PHONEMES = (
 #: One ASCII letter per symbol of `PHONEMES` (same order): a phoneme sequence spelled for a
 #: byte-level text encoder (Dia's), one token per phoneme.
 PHONEME_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234"
+#: Dia's speaker tags ("[S1]", "[S2]"), kept as they are when a text is spelled in phonemes.
+SPEAKER_TAG = re.compile(r"(\[S\d+\])")
 #: Stress, length and the combining diacritics the inventory does not distinguish.
 _INDEX = {symbol: i for i, symbol in enumerate(PHONEMES)}
 DROPPED = re.compile("[ˈˌː:\u0303\u0329\u032a\u02b2]")
@@ -94,3 +96,20 @@ def text_phonemes(text: str, voice: str = "en-us") -> str:
     if not text.strip():
         raise ValueError("the text is empty")
     return " ".join(reduce_phonemes(espeak(text, voice)[0]))
+
+
+def spell_text(text: str, voice: str = "en-us") -> str:
+    """A text as a phoneme-reading model takes it: each stretch between Dia's speaker tags
+    spoken by espeak-ng's `voice` and spelled one letter per phoneme (`spell_phonemes`), the
+    tags kept ("[S1] Hello." -> "[S1] oRuZ"). ValueError (one line) when it has nothing to say."""
+    parts = []
+    for part in SPEAKER_TAG.split(text):
+        if SPEAKER_TAG.fullmatch(part):
+            parts.append(part)
+        elif part.strip():
+            spelled = spell_phonemes(" ".join(reduce_phonemes(espeak(part, voice)[0])))
+            if spelled:
+                parts.append(spelled)
+    if not any(not SPEAKER_TAG.fullmatch(p) for p in parts):
+        raise ValueError(f"the text {text[:40]!r} has nothing to say (espeak-ng -v {voice} gives it no phonemes)")
+    return " ".join(parts)

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+from mmgen.audio.dia import TEXT_FRONTEND_KEY
 from mmgen.audio.phonemes import spell_phonemes
 
 #: Encoder / decoder sizes of the pair (transformers' DiaEncoderConfig / DiaDecoderConfig fields).
@@ -79,6 +80,9 @@ PRESETS = {
 #: Longest text (tokens: bytes, "[S1]" one token) and frame sequence (BOS + frames + delay + EOS) the
 #: models read; the corpus' longest are 48 tokens and 150 frames (3 s at 50 frames/s).
 TEXT_CONTEXT, FRAME_CONTEXT = 128, 256
+#: The espeak-ng voice a phoneme-reading export spells its users' text with (the corpus spoke
+#: eight voice variants; its phonemes follow each utterance's accent).
+PHONEME_VOICE = "en-us"
 #: Share of training rows whose text is zeroed (the unconditional branch of guidance).
 TEXT_DROPOUT = 0.1
 #: Generation defaults saved with the bundle (`generation_config.json`): sampled at temperature 1
@@ -418,6 +422,9 @@ def export(args) -> None:
                              f"{codec.config.n_codebooks} of {codec.config.codebook_size}")
         if half:
             model = round_to_half(model).half()
+        if json.loads((Path(run) / "config.json").read_text())["args"].get("text_input") == "phonemes":
+            # The pipeline spells the text in phonemes as this run's data was (`DiaSpeech.text_with_speaker`).
+            setattr(model.config, TEXT_FRONTEND_KEY, {"kind": "phonemes", "voice": PHONEME_VOICE})
         model.save_pretrained(out / name)
         codec.save_pretrained(out / name / "codec")
         print(f"wrote {out / name}: {parameters(model) / 1e6:.2f}M parameters ({args.dtype}), codec {parameters(codec) / 1e6:.2f}M")

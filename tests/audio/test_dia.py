@@ -176,6 +176,28 @@ def test_the_old_stream_window_names_still_work_and_warn():
     assert len(new) == len(old) > 1 and all(torch.equal(a, b) for a, b in zip(new, old))
 
 
+def test_a_model_that_reads_phonemes_gets_the_text_spelled_in_them():
+    """A config with `mmgen_text_frontend` (the bundled trainer's phoneme runs) reads the text as
+    espeak-ng's phonemes one letter each, speaker tags kept; a voice transcript too; a text with
+    nothing to say and an unknown front end are one line each."""
+    from mmgen.audio.phonemes import spell_text
+    from mmgen.audio.pipeline import TTSPipeline
+
+    reader = tiny_dia(0)
+    reader.model.config.mmgen_text_frontend = {"kind": "phonemes", "voice": "en-us"}
+    reader = TTSPipeline(reader.model, reader.tokenizer, reader.codec.model)
+    ids = lambda text: bytes(reader.prepare(text, max_new_frames=8)[0].input_ids[0].tolist()).rstrip(b"\0")
+    spelled = spell_text("[S1] Hello there. [S2] Fine.")
+    assert spelled.startswith("[S1] ") and " [S2] " in spelled
+    assert ids("[S1] Hello there. [S2] Fine.") == bytes(reader.tokenizer(spelled)["input_ids"])
+    assert ids("Hello there.") == ids("[S1] Hello there.")
+    with pytest.raises(ValueError, match="has nothing to"):
+        reader.prepare("?!", max_new_frames=8)
+    reader.model.config.mmgen_text_frontend = {"kind": "graphemes"}
+    with pytest.raises(ValueError, match=r"^config mmgen_text_frontend must be"):
+        TTSPipeline(reader.model, reader.tokenizer, reader.codec.model)
+
+
 def test_voice_prompt_equals_transformers_generate(pipe):
     g = torch.Generator().manual_seed(0)
     voice = (0.3 * torch.randn(96, generator=g)).numpy()  # 24 frames of the tiny codec

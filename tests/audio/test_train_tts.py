@@ -163,3 +163,15 @@ def test_phoneme_input_and_the_spoken_held_out_figures(tmp_path):
         assert figures["score"] == 1 - figures["per"] and figures["metric"] == "1 - per"
     best = json.loads((tmp_path / "run" / "best.json").read_text())
     assert best["metric"] == "1 - per" and best["score"] == max(f["score"] for f in held_out)
+
+    # The export says so in its config, and the pipeline spells a user's text as the run's data was.
+    from mmgen.audio.phonemes import spell_text
+    from mmgen.audio.pipeline import TTSPipeline
+
+    main(["export", "--codec", str(tmp_path / "codec"), "--target", str(tmp_path / "run"), "--draft", str(tmp_path / "run"),
+          "--out", str(tmp_path / "assets")])
+    pipe = TTSPipeline.from_pretrained(tmp_path / "assets" / "speech-tts")
+    assert pipe.model.config.mmgen_text_frontend == {"kind": "phonemes", "voice": "en-us"}
+    conditions, _ = pipe.prepare("thing number 0", max_new_frames=8)
+    expected = list(b"[S1] " + spell_text("thing number 0").encode())
+    assert bytes(conditions.input_ids[0, 1: int(conditions.attention_mask[0].sum())].tolist()) == bytes(expected[4:])
