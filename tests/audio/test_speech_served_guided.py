@@ -60,3 +60,28 @@ def test_the_bundled_model_samples_as_alone_beside_a_longer_text():
     futures[0].result(timeout=300)
     n = int(alone.lengths[0])
     assert len(frames) == n and torch.equal(frames, alone.frames[0, :n])
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (issue 35): a request that joins a live batch has its decoder cache "
+                   "at the batch's slots, after the holes other rows left (SlotKVCache), so its self-attention reduces "
+                   "over a longer key axis than alone and rounds differently; a sampled draw near a boundary then flips. "
+                   "Fix: a cache whose slot is the row's position (every row alone or shared at the same key axis)")
+def test_the_bundled_model_samples_as_alone_when_it_joins_a_live_batch():
+    from benchmarks.tts_continuous_batching import held_out_texts
+    from mmgen.loading import load_pipeline
+
+    texts = held_out_texts(6)  # 1: "the black clock is near the key", 5: "the black shoe is beside the duck"
+    bundled = load_pipeline("speech-tts")
+    server = bundled.serve("ar", batch_size=4, max_new_frames=96)
+    frames = TokenQueueStreamer(timeout=120)
+    first = server.submit(texts[1], generator=torch.Generator().manual_seed(101), max_new_frames=96, streamer=frames)
+    seen, joined = 0, None
+    for _, new in frames:  # the second request arrives once the first has 20 frames out
+        seen += len(new)
+        if joined is None and seen >= 20:
+            joined = server.submit(texts[5], generator=torch.Generator().manual_seed(105), max_new_frames=96)
+    first.result(timeout=300)
+    _, served, _ = joined.result(timeout=300)
+    alone = bundled(texts[5], max_new_frames=96, decoding="ar", generator=torch.Generator().manual_seed(105))
+    n = int(alone.lengths[0])
+    assert len(served) == n and torch.equal(served, alone.frames[0, :n])
