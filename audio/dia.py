@@ -30,6 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from mmgen.audio.phonemes import spell_text
+from mmgen.batch_invariant import rowwise
 from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
 from mmgen.decoding.window import model_window_cost
@@ -62,7 +63,11 @@ class DiaConditions:
 
 class DiaTokenModel:
     """`DiaForConditionalGeneration` under the core: conditions are a `DiaConditions`, tokens
-    are delayed frames [B, n, C] over the decoder vocabulary (codes, then EOS, PAD, BOS)."""
+    are delayed frames [B, n, C] over the decoder vocabulary (codes, then EOS, PAD, BOS).
+
+    Every forward runs with batch-invariant attention (`mmgen.batch_invariant.rowwise`): a row
+    attends over exactly its own keys, whatever padding, holes or neighbours the batch holds, so
+    a request decoded in a static or continuous batch draws what it draws alone."""
 
     def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0):
         self.model = model
@@ -91,7 +96,8 @@ class DiaTokenModel:
         if c.guided:
             ids, mask = torch.cat([ids, torch.zeros_like(ids)]), mask.repeat(2, 1)
         rows = ids.shape[0]
-        encoded = self.model.model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        with rowwise(self.model):  # each row attends over its own keys: a row decodes as it does alone
+            encoded = self.model.model.encoder(input_ids=ids, attention_mask=mask).last_hidden_state
         # The prefill is every row of the template before the first frame any row generates.
         valid = template.shape[1] - int((template[:, :, 0] == self.pad).sum(-1).max())
         kv = EncoderDecoderCache(DynamicCache(config=self.model.config), DynamicCache(config=self.model.config))
@@ -196,10 +202,11 @@ class DiaTokenModel:
         run: _Run = state.extra
         rows = mask.shape[0]
         x = tokens.repeat(rows // tokens.shape[0], 1, 1)
-        out = self.model.model.decoder(
-            input_ids=x, position_ids=positions, attention_mask=mask, encoder_hidden_states=run.encoded,
-            encoder_attention_mask=run.encoder_mask, **transformers_cache(run.kv), use_cache=True,
-        )
+        with rowwise(self.model):
+            out = self.model.model.decoder(
+                input_ids=x, position_ids=positions, attention_mask=mask, encoder_hidden_states=run.encoded,
+                encoder_attention_mask=run.encoder_mask, **transformers_cache(run.kv), use_cache=True,
+            )
         return out.last_hidden_state
 
     def _logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor, first: bool = False) -> Logits:
@@ -362,20 +369,16 @@ class DiaSpeech:
     def conditions(self, texts: Sequence[str], voices: Sequence[Optional[torch.Tensor]], voice_texts: Sequence[Optional[str]],
                    max_new_frames: int, guidance: tuple[Optional[float], Optional[int]]) -> DiaConditions:
         """A voice prompt (a waveform at the codec's rate) is encoded into the decoder's prefix;
-        its transcript is read before the text, as Dia expects.
-
-        Every text is right padded to the encoder's whole context (as the original Dia pads to
-        its text length), alone or in a batch: the encoder and the cross-attention then reduce
-        over the same axis whatever a row's neighbours say, so a row decodes bit for bit as it
-        does alone (masked padding is exact in arithmetic, but a longer axis rounds differently,
-        and a sampled draw near a boundary flips)."""
+        its transcript is read before the text, as Dia expects. Texts are right padded to the
+        longest, as `DiaProcessor` pads them; each row attends over its own text alone
+        (`mmgen.batch_invariant`), so the padding a neighbour brings changes nothing."""
         C = len(self.delay)
         prompts = [torch.zeros(C, 0, dtype=torch.long) if v is None else self.codec.encode(v) for v in voices]
         texts = [self.text_with_speaker(t if vt is None else f"{vt.strip()} {t.strip()}") for t, vt in zip(texts, voice_texts)]
         longest = max(len(ids) for ids in self.tokenizer(texts)["input_ids"])
         if longest > self.text_context:
             raise ValueError(f"the text is {longest} bytes long; this model reads at most {self.text_context}")
-        encoded = self.tokenizer(texts, padding="max_length", max_length=self.text_context, return_tensors="pt")
+        encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
         ids, mask = delayed_template(prompts, self.delay, self.bos, self.pad)
         prefill = ids.shape[1] - max(self.delay)
         if prefill + max_new_frames > self.frame_context:

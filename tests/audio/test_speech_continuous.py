@@ -86,11 +86,9 @@ def test_csm_speaks_each_text_as_alone_its_depth_decoder_drawing_from_the_rows_g
         assert len(set(lengths)) > 1  # rows ended at different frames, so rows were refilled mid-run
 
 
-def test_restart_places_the_encoder_axis_and_grows_the_prompt_region(pipe, monkeypatch):
-    """The first two requests are short texts without voices; later ones are longer and voiced
-    (the decoder's prompt region grows). Every text comes padded to the encoder's context, so
-    the encoder axis is that context for every row, short text or long: no row's reductions
-    depend on its neighbours'."""
+def test_restart_grows_the_encoder_axis_and_the_prompt_region(pipe, monkeypatch):
+    """The first two requests are short texts without voices; later ones are longer (the encoder
+    axis grows for every row) and voiced (the decoder's prompt region grows)."""
     seen = []
     place = DiaTokenModel._place_encoder
 
@@ -104,8 +102,8 @@ def test_restart_places_the_encoder_axis_and_grows_the_prompt_region(pipe, monke
     conditions = [pipe.prepare(t, v, vt, 30)[0] for t, v, vt in zip(TEXTS, VOICES, VOICE_TEXTS)]
     sampling, stopping = SamplingConfig(temperature=1.0, top_k=20), pipe.adapter.stopping(30)
     done, _ = continuous_decode(make_decoder("ar"), model, [Request(c, g) for c, g in zip(conditions, generators(3))], 30, sampling, 2, stopping=stopping)
-    context = pipe.model.config.encoder_config.max_position_embeddings
-    assert seen and all(before == solo == after == keys == context for before, solo, after, keys in seen)
+    assert any(after > before for before, _, after, _ in seen)  # the encoder axis grew
+    assert all(after == keys == max(before, solo) for before, solo, after, keys in seen)
     assert [f.index for f in done] == list(range(len(TEXTS)))
 
 

@@ -45,9 +45,9 @@ def test_a_guided_sampled_request_decodes_as_alone_beside_any_neighbour(pipe, fi
 
 
 def test_the_bundled_model_samples_as_alone_beside_a_longer_text():
-    """A sampled request beside a neighbour with a longer text: its encoder axis is the same as
-    alone (every text is padded to the context), so its draws are too. Before, the batch padded
-    to its longest text, and a longer axis rounds differently: a draw near a boundary flipped."""
+    """A sampled request beside a neighbour with a longer text: the batch pads its text, and
+    with batched attention the longer encoder axis rounded differently (a draw near a boundary
+    flipped); each row now attends over its own text only."""
     from benchmarks.tts_continuous_batching import held_out_texts
     from mmgen.loading import load_pipeline
 
@@ -62,11 +62,11 @@ def test_the_bundled_model_samples_as_alone_beside_a_longer_text():
     assert len(frames) == n and torch.equal(frames, alone.frames[0, :n])
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (issue 35): a request that joins a live batch has its decoder cache "
-                   "at the batch's slots, after the holes other rows left (SlotKVCache), so its self-attention reduces "
-                   "over a longer key axis than alone and rounds differently; a sampled draw near a boundary then flips. "
-                   "Fix: a cache whose slot is the row's position (every row alone or shared at the same key axis)")
 def test_the_bundled_model_samples_as_alone_when_it_joins_a_live_batch():
+    """A request that joins a batch already decoding has its cache at the batch's slots, after
+    the holes other rows left (SlotKVCache): with batched attention it reduced over a longer key
+    axis than alone and a draw flipped (from frame 6 on here). Row-wise attention attends over
+    its own keys only (`mmgen.batch_invariant`)."""
     from benchmarks.tts_continuous_batching import held_out_texts
     from mmgen.loading import load_pipeline
 

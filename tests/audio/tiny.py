@@ -22,9 +22,8 @@ def tiny_dia_model(seed: int = 0, layers: int = 2, hidden: int = 32, delay=DELAY
     from transformers import DiaConfig, DiaDecoderConfig, DiaEncoderConfig, DiaForConditionalGeneration
 
     torch.manual_seed(seed)
-    # A 128-byte text context: Dia pads every text to it (`DiaSpeech.conditions`); the tests' texts are shorter.
     enc = DiaEncoderConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                           intermediate_size=64, vocab_size=256, max_position_embeddings=128)
+                           intermediate_size=64, vocab_size=256)
     dec = DiaDecoderConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=2,
                            num_key_value_heads=1, head_dim=16, cross_num_attention_heads=2, cross_head_dim=16,
                            cross_num_key_value_heads=2, cross_hidden_size=32, vocab_size=V + 4, num_channels=len(delay),

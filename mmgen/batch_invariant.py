@@ -1,0 +1,95 @@
+"""Batch-invariant attention for transformers models: a row attends over exactly its own keys.
+
+A shared batch (continuous batching, a static batch) pads rows to one key axis: the prompts'
+left padding, the text's right padding, the slots other rows took before a row joined
+(`mmgen.cache.SlotKVCache`). Masked keys add exact zeros, yet a reduction over a longer axis,
+or over the same keys at other indices, rounds differently (the kernels block and vectorise by
+index and length), and a sampled draw near a boundary then flips: a request served beside
+others would not be the request decoded alone with its seed. "Defeating Nondeterminism in LLM
+Inference" (He et al., Thinking Machines Lab, 2025) traces serving nondeterminism to the same
+source and calls the cure batch invariance.
+
+`ROWWISE` is an attention implementation (transformers' `AttentionInterface`) that gathers each
+row's visible keys (those its mask lets any of its queries see, in slot order) and runs
+transformers' own SDPA attention on that row alone, with its mask cut to them; its mask
+function always materialises the boolean mask, so a row alone and a row in a batch take the
+same kernel path over the same keys in the same order. The rest of a transformer (linear
+layers, norms) already computes each row on its own. `rowwise(model)` switches a model to it
+for a block of mmgen's forwards and back, so the model object is left as it was found (a
+trainer's eager attention, a user's own `generate`).
+
+Cost: one SDPA call per row and layer instead of one per layer, and a gather of each row's
+keys: a few percent of a small model's decode step on a CPU; on a GPU, where one batched
+kernel is the point, use it where exactness per request matters (a server's sampled answers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+#: The attention implementation's name in transformers' registries.
+ROWWISE = "mmgen_rowwise"
+
+
+def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, one row at a time over that row's visible keys. `query`
+    [B, H, q, D], `key` / `value` [B, Hkv, k, D], `attention_mask` bool [B, 1, q, k] (True:
+    visible) or None (every key visible, causal where the module is)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, q, k = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
+        visible = torch.ones(q, k, dtype=torch.bool, device=query.device)
+        if causal:  # bottom-right aligned: the last query sees every key
+            visible = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+        attention_mask = visible.expand(B, 1, q, k)
+    kwargs = {name: v for name, v in kwargs.items() if name != "is_causal"}
+    outputs = []
+    for b in range(B):
+        mask = attention_mask[b: b + 1]
+        keep = mask.any(dim=(0, 1, 2)).nonzero().flatten()  # the keys any of the row's queries sees
+        out, _ = sdpa_attention_forward(module, query[b: b + 1], key[b: b + 1, :, keep], value[b: b + 1, :, keep],
+                                        mask[..., keep], is_causal=False, **kwargs)
+        outputs.append(out)
+    return torch.cat(outputs), None
+
+
+def rowwise_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
+    """transformers' SDPA mask, always materialised (never skipped for `is_causal`), so every
+    row has an explicit boolean mask whatever the batch holds."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register `ROWWISE` with transformers' attention and mask interfaces (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(ROWWISE, rowwise_attention)
+    AttentionMaskInterface.register(ROWWISE, rowwise_mask)
+
+
+@contextlib.contextmanager
+def rowwise(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, every attention of `model` (its config and sub-configs) is `ROWWISE`;
+    afterwards each config has its own implementation back."""
+    register()
+    configs = [model.config, *(getattr(model.config, name) for name in model.config.sub_configs
+                               if getattr(model.config, name, None) is not None)]
+    before = [config._attn_implementation for config in configs]
+    for config in configs:
+        config._attn_implementation = ROWWISE
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, before):
+            config._attn_implementation = implementation
