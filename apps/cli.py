@@ -1,6 +1,7 @@
-"""Demo subcommands of `mmgen`: `mmgen demo image` serves the image demo, `mmgen demo vlm` the
-vision-language chat demo, `mmgen demo speech` the text-to-speech demo, `mmgen demo video` the
-streaming block-diffusion video demo (Gradio).
+"""Demo subcommands of `mmgen`: `mmgen demo image` serves the image demo, `mmgen demo text` the
+vision-language chat demo (`mmgen demo vlm`, its old name, still works until the next release),
+`mmgen demo speech` the text-to-speech demo, `mmgen demo video` the streaming block-diffusion
+video demo (Gradio).
 
 Gradio is imported only when a demo runs, so building the `mmgen` parser stays cheap.
 """
@@ -8,15 +9,18 @@ Gradio is imported only when a demo runs, so building the `mmgen` parser stays c
 from __future__ import annotations
 
 import argparse
+import sys
 
 from mmgen.apps.requests.image import MAX_IMAGES
 from mmgen.apps.requests import speech as speech_request, video as video_request, vlm as vlm_request
 
 MAX_CONCURRENCY = 8
+#: The text demo's old subcommand name, still accepted (with a note) until the next release.
+OLD_TEXT_DEMO = "vlm"
 
 
 def register(commands, groups) -> None:
-    """Add the `demo` group and its `image`, `vlm`, `speech` and `video` subcommands."""
+    """Add the `demo` group and its `image`, `text`, `speech` and `video` subcommands."""
     if "demo" not in groups:
         groups["demo"] = commands.add_parser("demo", help="serve a Gradio demo app").add_subparsers(dest="target", required=True)
     image = groups["demo"].add_parser("image", help="class-conditional image generation with every decoding method")
@@ -30,14 +34,17 @@ def register(commands, groups) -> None:
                              "request then comes from seed + i")
     _serving(image, "pipelines")
     image.set_defaults(run=run_image_demo)
-    register_vlm(groups["demo"])
+    register_text(groups["demo"])
     register_speech(groups["demo"])
     register_video(groups["demo"])
 
 
-def register_vlm(demos) -> None:
-    """`mmgen demo vlm`: chat about uploaded images with any decoding method and token dropping."""
-    vlm = demos.add_parser("vlm", help="chat about images with a vision-language model, every decoding method")
+def register_text(demos) -> None:
+    """`mmgen demo text` (alias `vlm`, the old name): chat about uploaded images with any decoding
+    method and token dropping."""
+    vlm = demos.add_parser("text", aliases=[OLD_TEXT_DEMO],
+                           help=f"chat about images with a vision-language model, every decoding method "
+                                f"({OLD_TEXT_DEMO}: the old name, until the next release)")
     vlm.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
                      help=f"a bundled model name or a transformers VLM folder (repeatable; default: {vlm_request.DEFAULT_MODEL} "
                           "with its drafter). Names ending in -draft are drafters of the model they extend")
@@ -49,7 +56,7 @@ def register_vlm(demos) -> None:
                            "same temperature; no compare mode or token dropping) in one continuous batch of ROWS rows, "
                            "each answer the one its request gives alone")
     _serving(vlm)
-    vlm.set_defaults(run=run_vlm_demo)
+    vlm.set_defaults(run=run_text_demo)
 
 
 def register_speech(demos) -> None:
@@ -115,16 +122,19 @@ def run_image_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_vlm_demo(args: argparse.Namespace) -> int:
+def run_text_demo(args: argparse.Namespace) -> int:
     from mmgen.cli import check_device
 
+    if args.target == OLD_TEXT_DEMO:
+        print(f"mmgen demo: note: `mmgen demo {OLD_TEXT_DEMO}` is now `mmgen demo text`; the old name goes in the "
+              "next release", file=sys.stderr)
     check_device(args.device)
     catalog = vlm_request.VLMCatalog.discover(args.model, device=args.device)  # bad names fail before gradio loads
     catalog.continuous_batch = args.continuous_batch
     from mmgen.apps.vlm_demo import build_demo, launch_demo
 
     demo = build_demo(catalog, max_images=args.max_images, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency)
-    print(f"mmgen demo vlm: models {list(catalog.main)} (drafters {list(catalog.companions)}) on {args.device}")
+    print(f"mmgen demo text: models {list(catalog.main)} (drafters {list(catalog.companions)}) on {args.device}")
     launch_demo(demo, host=args.host, port=args.port, share=args.share)
     return 0
 

@@ -1,7 +1,8 @@
 """What `mmgen serve` exposes at `/metrics`, in Prometheus' text format (`prometheus_client`, one
 registry per app so that two servers in one process never share counters).
 
-Per modality: requests waiting for their model (`mmgen_queue_depth`), requests admitted to it
+Per modality (the `modality` label: "image", "text", "speech", "video"; "text" was "vlm" before
+this release): requests waiting for their model (`mmgen_queue_depth`), requests admitted to it
 (`mmgen_rows_running`, images counted one row each), output units made (tokens, frames) in all
 and per second over the last `window_s` seconds, time to first output (the first token, audio
 chunk or video block; an image request's images) and total latency histograms; per modality and
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 #: What each modality's requests make, as the request layer counts it (`Run.units`).
-UNITS = {"image": "token", "vlm": "token", "speech": "frame", "video": "frame"}
+UNITS = {"image": "token", "text": "token", "speech": "frame", "video": "frame"}
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 FIRST_OUTPUT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 PER_FORWARD_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 64.0, 256.0)

@@ -14,15 +14,17 @@ import argparse
 import ipaddress
 import os
 import signal
+import sys
 import time
 from typing import Optional
 
+from mmgen import registry
 from mmgen.apps.cli import bounded_int
 from mmgen.apps.requests.bounds import LIMITS
 
 #: Modalities whose requests may share a model's continuous batch (`--continuous-batch MODALITY=ROWS`);
 #: a video model makes one video at a time. The server reads it here too.
-BATCHED = ("image", "vlm", "speech")
+BATCHED = ("image", "text", "speech")
 DEFAULT_ROWS = 8
 MAX_ROWS = 64
 API_KEY_ENV = "MMGEN_API_KEY"
@@ -53,7 +55,7 @@ def register(commands, groups) -> None:
                             f"and ask for a fixed-window method with the same sampling decode together, each giving "
                             f"what it gives alone; a model takes that many requests at once. ROWS sets every batched "
                             f"modality ({', '.join(BATCHED)}), MODALITY=ROWS one of them; 0 turns it off "
-                            f"(repeatable; default: {DEFAULT_ROWS})")
+                            f"(repeatable; default: {DEFAULT_ROWS}; vlm=ROWS, text's old name, still works)")
     # The defaults are `ServerSettings`' (tests/apps/test_server.py checks that they agree).
     serve.add_argument("--max-images", type=bounded_int(1, LIMITS.images, "--max-images"), default=4,
                        help="images one request makes, or one conversation reads (default: 4)")
@@ -181,6 +183,11 @@ def _loopback(host: str) -> bool:
 
 def _rows(text: str) -> tuple[Optional[str], int]:
     modality, _, count = text.rpartition("=")
+    if modality in registry.RENAMED_MODALITIES:  # the old name still works until the next release, with a note
+        new = registry.RENAMED_MODALITIES[modality]
+        print(f"mmgen serve: note: --continuous-batch {modality}=ROWS is now {new}=ROWS; the old name goes in the "
+              "next release", file=sys.stderr)
+        modality = new
     if modality and modality not in BATCHED:
         raise argparse.ArgumentTypeError(f"--continuous-batch {text!r}: the modality must be one of {list(BATCHED)}")
     return (modality or None), bounded_int(0, MAX_ROWS, "--continuous-batch")(count)

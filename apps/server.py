@@ -63,10 +63,12 @@ from mmgen.apps.serve_cli import BATCHED
 log = logging.getLogger("mmgen.serve")
 
 #: The modalities in the order `/v1/models` lists them, and a --model entry is tried in: image
-#: and speech catalogues recognise their folders exactly, the VLM one takes any model folder.
-MODALITIES = ("image", "speech", "video", "vlm")
-NOUNS = {"image": "image", "vlm": "vision-language", "speech": "speech", "video": "video"}
-ROUTES = {"image": "/v1/images/generations", "vlm": "/v1/chat/completions", "speech": "/v1/audio/speech",
+#: and speech catalogues recognise their folders exactly, the text one (vision-language models)
+#: takes any model folder. These names key the catalogues, `/v1/models`' "modality" and the
+#: metrics' `modality` label.
+MODALITIES = ("image", "speech", "video", "text")
+NOUNS = {"image": "image", "text": "vision-language", "speech": "speech", "video": "video"}
+ROUTES = {"image": "/v1/images/generations", "text": "/v1/chat/completions", "speech": "/v1/audio/speech",
           "video": "/v1/videos"}
 MAX_STOPS = 4  # as OpenAI's API
 MAX_STOP_CHARS = 64
@@ -80,7 +82,7 @@ EVENT_POLL_S = 0.05  # how often a video job's event stream looks for a newly co
 def catalog_classes() -> dict[str, Any]:
     """Each modality's catalogue class, in the order a --model entry is tried."""
     classes = {"image": image.ImageCatalog, "speech": speech.SpeechCatalog, "video": video.VideoCatalog,
-               "vlm": vlm.VLMCatalog}
+               "text": vlm.VLMCatalog}
     return {modality: classes[modality] for modality in MODALITIES}
 
 
@@ -88,8 +90,14 @@ def discover_catalogs(models: Optional[Sequence[str]] = None, device: str = "cpu
                       continuous_batch: Optional[Mapping[str, int]] = None) -> dict[str, Any]:
     """The catalogues a server offers: each modality's bundled models present in this installation
     (default), or the given bundled names and folders, each assigned to the first modality whose
-    catalogue takes it. `continuous_batch` gives a modality's shared batch rows (0: off)."""
+    catalogue takes it. `continuous_batch` gives a modality's shared batch rows (0: off; the old
+    key "vlm" is "text", with a DeprecationWarning)."""
+    from mmgen import registry
+
     classes = catalog_classes()
+    batch_rows: dict[str, int] = {}
+    for modality, rows in (continuous_batch or {}).items():
+        batch_rows[registry.modality_name(modality)] = rows
     catalogs: dict[str, Any] = {}
     if not models:
         for modality, cls in classes.items():
@@ -111,7 +119,7 @@ def discover_catalogs(models: Optional[Sequence[str]] = None, device: str = "cpu
                 raise ValueError(f"two models go by the name {name!r} ({seen[name]} and {modality}): requests name a "
                                  "model by its folder's name, so rename one folder")
             seen[name] = modality
-        rows = (continuous_batch or {}).get(modality, 0)
+        rows = batch_rows.get(modality, 0)
         catalog.continuous_batch = rows if modality in BATCHED else 0
     return catalogs
 
@@ -880,8 +888,8 @@ class Service:
 
     async def chat(self, request: Request) -> Response:
         body: ChatBody = await parse_body(request, ChatBody)
-        timing = Timing(self.metrics, "vlm")
-        catalog, model = self.find("vlm", body.model)
+        timing = Timing(self.metrics, "text")
+        catalog, model = self.find("text", body.model)
         if body.n not in (None, 1):
             raise ApiError(400, f"n must be 1 (one answer per request), got {body.n}", param="n")
         if body.max_tokens is not None and body.max_completion_tokens is not None \
@@ -892,7 +900,7 @@ class Service:
         budget = next((b for b in (body.max_completion_tokens, body.max_tokens) if b is not None), None)
         seed = self.seed(body.seed)
         method = body.decoding or await self.thread(catalog.default_method, model)
-        ticket = self.admission.admit("vlm", model)  # before images and videos are decoded: the queue bounds their memory
+        ticket = self.admission.admit("text", model)  # before images and videos are decoded: the queue bounds their memory
         try:
             talk = await self.thread(conversation_of, body.messages, self.settings.max_images)
         except BaseException:

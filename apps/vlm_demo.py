@@ -1,4 +1,4 @@
-"""The VLM demo: a Gradio chat about uploaded images and videos (`mmgen demo vlm`).
+"""The VLM demo: a Gradio chat about uploaded images and videos (`mmgen demo text`; `mmgen demo vlm` is the old name).
 
 The layout only wires widgets to `handle_send` / `handle_model` / `handle_clear`, which turn
 widget values into a `ChatRequest` and the answers `stream_request` (`requests/vlm.py`, where

@@ -5,7 +5,7 @@
 What a request's first output is, per modality (the client's clock, from the request's send):
 
     speech  speech-tts, streamed POST /v1/audio/speech (wav): the first audio bytes past the 44-byte header
-    vlm     emoji-vlm, streamed POST /v1/chat/completions (SSE, a data: URL image of the held-out
+    text    emoji-vlm, streamed POST /v1/chat/completions (SSE, a data: URL image of the held-out
             set): the first event with answer text
     image   emoji64, POST /v1/images/generations (b64_json): the whole response
     video   emoji-motion, POST /v1/videos and polling GET /v1/videos/{id} (0.1 s while it runs, so
@@ -47,7 +47,7 @@ batch them).
             alone (how long until `/metrics`' `mmgen_rows_running` is back at 0), then beside
             clients that read to the end (they must all succeed, with the right answers), then
             one more request
-    slow    clients that read one 4 KiB chunk (speech) or one event (vlm) per second, beside
+    slow    clients that read one 4 KiB chunk (speech) or one event (text) per second, beside
             clients that read at full speed
     kill    SIGKILL of the server while the clients run (after the first output), then a
             restart on the same port: every client call ends with an error (each has a
@@ -197,7 +197,7 @@ class SpeechTarget(Target):
 
 
 class VLMTarget(Target):
-    modality, model, unit, streamed = "vlm", "emoji-vlm", "token", True
+    modality, model, unit, streamed = "text", "emoji-vlm", "token", True
 
     def __init__(self, args: argparse.Namespace):
         super().__init__(args)
@@ -322,7 +322,7 @@ class VideoTarget(Target):
         out.digest = hashlib.sha256(content.content).hexdigest()
 
 
-TARGETS: dict[str, type[Target]] = {"speech": SpeechTarget, "vlm": VLMTarget, "image": ImageTarget, "video": VideoTarget}
+TARGETS: dict[str, type[Target]] = {"speech": SpeechTarget, "text": VLMTarget, "image": ImageTarget, "video": VideoTarget}
 
 
 # --------------------------------------------------------------------------------------------
@@ -769,7 +769,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="the continuous batch's rows, and the static gate's batch size (default: mmgen serve's)")
     parser.add_argument("--decoding", default=None, help="the requests' decoding method (default: the server's for the model)")
     parser.add_argument("--max-new-frames", type=int, default=96, help="speech: frames per utterance, at most (default 96)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="vlm: answer tokens, at most (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="text: answer tokens, at most (default 16)")
     parser.add_argument("--video-frames", type=int, default=5, help="video: frames per video (default 5: one block)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server process (default 1)")
     parser.add_argument("--max-queue", type=int, default=64, help="the server's --max-queue (default 64)")

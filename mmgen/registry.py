@@ -14,18 +14,21 @@ its class directly. Likewise `mmgen batch` learns the modalities of job files fr
 marks a job line that names no "modality"; `BATCH_OLD_MARKERS` for old forms still read), through
 `batch_runners` and `batch_markers`.
 
-Vision-language, speech and video families register with `register_family`: one call names
-what a folder of the family holds (its config.json `model_type`, or its model_index.json
-`_class_name` for video), the pipeline that opens it and, for speech, the adapter that turns
-texts into the model's conditions. The modality packages make their built-in families' calls
-when imported, naming classes as "module:Class" so nothing heavy loads before it is used; the
-loaders, `mmgen generate`, `mmgen batch` and the request layer's entry checks ask `family` and
-`families` instead of keeping lists of their own.
+Text (vision-language models answering about images and videos), speech and video families
+register with `register_family`: one call names what a folder of the family holds (its
+config.json `model_type`, or its model_index.json `_class_name` for video), the pipeline that
+opens it and, for speech, the adapter that turns texts into the model's conditions. The modality
+packages make their built-in families' calls when imported, naming classes as "module:Class" so
+nothing heavy loads before it is used; the loaders, `mmgen generate`, `mmgen batch` and the
+request layer's entry checks ask `family` and `families` instead of keeping lists of their own.
+A modality goes by one name everywhere (these keys, `mmgen generate`, job files, the server's
+catalogues and metrics); an old name still accepted is in `RENAMED_MODALITIES`.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
@@ -41,7 +44,11 @@ MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm", "mmgen.audio", "mmgen.video"
 
 #: What names a family in a saved folder, per modality that registers families: a transformers
 #: folder's config.json `model_type`, or a pipeline folder's model_index.json `_class_name`.
-FAMILY_KEYS = {"vlm": "model_type", "speech": "model_type", "video": "_class_name"}
+FAMILY_KEYS = {"text": "model_type", "speech": "model_type", "video": "_class_name"}
+
+#: Old modality name -> its name now: accepted, with a DeprecationWarning, until the next release
+#: ("vlm" was the text modality's name in the family registry and the server).
+RENAMED_MODALITIES = {"vlm": "text"}
 
 PIPELINES: dict[str, type] = {}
 MODEL_TYPE_PIPELINES: dict[str, str] = {}
@@ -189,6 +196,17 @@ def batch_markers(old: bool = True) -> dict[str, str]:
 # ------------------------------------------------------------------------------------ families
 
 
+def modality_name(modality: str, stacklevel: int = 2) -> str:
+    """`modality` by its name now: an old name (`RENAMED_MODALITIES`) becomes the new one, with a
+    DeprecationWarning pointing `stacklevel` frames up (2: the caller's caller); others as given."""
+    new = RENAMED_MODALITIES.get(modality) if isinstance(modality, str) else None
+    if new is None:
+        return modality
+    warnings.warn(f"modality {modality!r} is now called {new!r}; the old name goes in the next release",
+                  DeprecationWarning, stacklevel=stacklevel + 1)
+    return new
+
+
 @dataclass(frozen=True)
 class Family:
     """One registered family of a modality: `name` is what its folders name (`FAMILY_KEYS`),
@@ -213,12 +231,13 @@ class Family:
 
 def register_family(modality: str, name: Optional[str] = None, *, pipeline: Union[type, str],
                     adapter: Union[type, str, None] = None) -> Family:
-    """Register a family of `modality` ("vlm", "speech", "video"): its folders' `name` (the
-    transformers `model_type`; for video, the pipeline's class name, the default), the
-    `pipeline` that opens them (a class, registered here too; a registered class name; or
-    "module:Class", imported on first use) and its `adapter` (a class or "module:Class").
-    Another family under a taken name, or a model_type another modality serves, is an error
-    (and registers nothing)."""
+    """Register a family of `modality` ("text", "speech", "video"; the old "vlm" is "text", with a
+    DeprecationWarning): its folders' `name` (the transformers `model_type`; for video, the
+    pipeline's class name, the default), the `pipeline` that opens them (a class, registered here
+    too; a registered class name; or "module:Class", imported on first use) and its `adapter` (a
+    class or "module:Class"). Another family under a taken name, or a model_type another modality
+    serves, is an error (and registers nothing)."""
+    modality = modality_name(modality)
     if modality not in FAMILY_KEYS:
         raise ValueError(f"unknown modality {modality!r}; families are registered for {', '.join(FAMILY_KEYS)}")
     module, _, pipeline_name = ("", "", pipeline.__name__) if isinstance(pipeline, type) else pipeline.rpartition(":")
@@ -248,6 +267,7 @@ def register_family(modality: str, name: Optional[str] = None, *, pipeline: Unio
 def unregister_family(modality: str, name: str) -> None:
     """Remove a registered family (tests that register a toy family clean up with this); a
     video family also takes its pipeline class with it (its name is the class's)."""
+    modality = modality_name(modality)
     entry = FAMILIES.get(modality, {}).pop(name, None)
     if entry is not None and FAMILY_KEYS[modality] == "_class_name":
         unregister_pipeline(entry.pipeline)
@@ -255,10 +275,12 @@ def unregister_family(modality: str, name: str) -> None:
 
 def families(modality: str) -> dict[str, Family]:
     """Every registered family of `modality`, by name (built-in ones included)."""
+    modality = modality_name(modality)
     _modality_indexes()  # importing a modality package registers its families
     return dict(sorted(FAMILIES.get(modality, {}).items()))
 
 
 def family(modality: str, name: Any) -> Optional[Family]:
     """The family of `modality` a folder names (a model_type, a pipeline class name), or None."""
+    modality = modality_name(modality)  # here, so that the warning names this function's caller
     return families(modality).get(name) if isinstance(name, str) else None

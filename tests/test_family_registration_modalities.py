@@ -138,7 +138,7 @@ def vlm_family(tmp_path):
     """The toy VLM family registered, a LLaVA pipeline, and the toy folder of the same weights."""
     AutoConfig.register("toy_vlm", ToyVLMConfig, exist_ok=True)
     AutoModelForImageTextToText.register(ToyVLMConfig, ToyVLM, exist_ok=True)
-    registry.register_family("vlm", "toy_vlm", pipeline="VLMPipeline")
+    registry.register_family("text", "toy_vlm", pipeline="VLMPipeline")
     llava = tiny_llava(0, std=0.1)
     model = ToyVLM(renamed_config(ToyVLMConfig, llava.model.config)).eval()
     model.load_state_dict(llava.model.state_dict())
@@ -146,7 +146,7 @@ def vlm_family(tmp_path):
     VLMPipeline(model, llava.processor).save_pretrained(tmp_path / "toy-vlm")
     images(1)[0].save(tmp_path / "cat.png")
     yield llava, tmp_path / "toy-vlm"
-    registry.unregister_family("vlm", "toy_vlm")
+    registry.unregister_family("text", "toy_vlm")
 
 
 def test_a_vlm_family_registered_here_loads_generates_and_serves(vlm_family, tmp_path, capsys):
@@ -171,7 +171,7 @@ def test_a_vlm_family_registered_here_loads_generates_and_serves(vlm_family, tmp
     assert type(catalog.pipeline("toy-vlm").model) is ToyVLM
     assert result.baseline.text == result.method.text == answer.texts[0]
 
-    registry.unregister_family("vlm", "toy_vlm")
+    registry.unregister_family("text", "toy_vlm")
     with pytest.raises(ValueError, match=r"is not a vision-language model: its config.json's model_type is not one of \["):
         VLMCatalog.discover([str(folder)])
     with pytest.raises(CheckpointError, match="model_type 'toy_vlm' \\(its config.json\\) is not one mmgen opens"):
@@ -230,17 +230,38 @@ def test_a_video_family_registered_here_loads_generates_and_serves(video_family,
 def test_family_registrations_are_checked():
     assert registry.family("speech", "dia").adapter_class() is DiaSpeech
     assert registry.family("video", "BlockDiffusionVideoPipeline").pipeline_class() is BlockDiffusionVideoPipeline
-    assert registry.family("vlm", "dia") is None and registry.family("speech", None) is None
+    assert registry.family("text", "dia") is None and registry.family("speech", None) is None
     with pytest.raises(ValueError, match="unknown modality 'audio'"):
         registry.register_family("audio", "x", pipeline="TTSPipeline")
     with pytest.raises(ValueError, match="a speech family named 'dia' is already registered"):
         registry.register_family("speech", "dia", pipeline="TTSPipeline", adapter=ToySpeech)
-    with pytest.raises(ValueError, match="model_type 'llava' is already registered \\(vlm\\)"):
+    with pytest.raises(ValueError, match="model_type 'llava' is already registered \\(text\\)"):
         registry.register_family("speech", "llava", pipeline="TTSPipeline", adapter=ToySpeech)
-    with pytest.raises(ValueError, match="a vlm family is named by its transformers model_type"):
-        registry.register_family("vlm", pipeline="VLMPipeline")
+    with pytest.raises(ValueError, match="a text family is named by its transformers model_type"):
+        registry.register_family("text", pipeline="VLMPipeline")
     impostor = type("BlockDiffusionVideoPipeline", (ToyVideoPipeline,), {})  # another class under a taken name
     with pytest.raises(ValueError, match="a pipeline class named 'BlockDiffusionVideoPipeline' is already registered"):
         registry.register_family("video", pipeline=impostor)
     assert registry.pipeline_class("BlockDiffusionVideoPipeline") is BlockDiffusionVideoPipeline
     assert "toy_dia" not in registry.families("speech")  # nothing was registered by the refused calls
+
+
+def test_the_old_modality_name_vlm_still_registers_text_families_with_a_warning():
+    """`register_family("vlm", ...)` (the text modality's name until issue 37, in third-party
+    registrations) registers a text family; `family`, `families` and `unregister_family` read
+    "vlm" as "text" too, each with a DeprecationWarning that points at the caller's line."""
+    with pytest.warns(DeprecationWarning, match="modality 'vlm' is now called 'text'") as caught:
+        entry = registry.register_family("vlm", "old_toy_vlm", pipeline="VLMPipeline")
+    assert [w.filename for w in caught] == [__file__]
+    try:
+        assert entry.modality == "text" and registry.family("text", "old_toy_vlm") is entry
+        assert mmgen.vlm.MODEL_TYPES["old_toy_vlm"] == "VLMPipeline"
+        with pytest.warns(DeprecationWarning) as caught:
+            assert registry.family("vlm", "old_toy_vlm") is entry
+        assert [w.filename for w in caught] == [__file__]  # one warning, at this line, not inside the registry
+        with pytest.warns(DeprecationWarning):
+            assert registry.families("vlm") == registry.families("text")
+    finally:
+        with pytest.warns(DeprecationWarning):
+            registry.unregister_family("vlm", "old_toy_vlm")
+    assert registry.family("text", "old_toy_vlm") is None and "vlm" not in registry.FAMILY_KEYS

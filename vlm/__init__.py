@@ -2,9 +2,9 @@
 
 `VLMPipeline` answers prompts about images with any token decoder of the core. Every family it
 serves is a transformers image-text-to-text model whose layout `VLMTokenModel` reads, and is
-registered below by its model_type, once (`mmgen.registry.register_family`; `MODEL_TYPES` is
-the registry's view). The pipeline is named as "module:Class", so importing this package stays
-cheap.
+registered below by its model_type, once, as a family of the "text" modality
+(`mmgen.registry.register_family`; `MODEL_TYPES` is the registry's view). The pipeline is named
+as "module:Class", so importing this package stays cheap.
 """
 
 from mmgen.registry import register_family
@@ -12,7 +12,7 @@ from mmgen.registry import register_family
 # PaliGemma 2 is `paligemma`; Mistral3 carries Pixtral's vision tower.
 for _model_type in ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm",
                     "gemma3", "paligemma", "internvl", "mistral3", "aya_vision"):
-    register_family("vlm", _model_type, pipeline="mmgen.vlm.pipeline:VLMPipeline")
+    register_family("text", _model_type, pipeline="mmgen.vlm.pipeline:VLMPipeline")
 del _model_type
 
 #: Bundled trained models (package data): name -> folder relative to this package.
@@ -28,6 +28,6 @@ def __getattr__(name: str):
     from mmgen import registry
 
     if name == "MODEL_TYPES":  # transformers model_type -> its pipeline, every registered VLM family
-        return {model_type: family.pipeline for model_type, family in registry.families("vlm").items()}
+        return {model_type: family.pipeline for model_type, family in registry.families("text").items()}
     # `from mmgen.vlm import VLMPipeline`: the pipeline module (and transformers) loads on first use.
     return registry.listed_pipeline(__name__, name)

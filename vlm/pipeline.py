@@ -3,8 +3,8 @@
 The model and processor are transformers' (`AutoModelForImageTextToText`, `AutoProcessor`);
 mmgen adds the decoding core, so the same checkpoint decodes with any token decoder of the core
 (autoregressive, speculative Jacobi, prompt lookup, ...), with per-row stop tokens, budgets and
-streaming. Families served: the model_types registered as "vlm" families (`mmgen.vlm`,
-`mmgen.registry.families("vlm")`), read by `VLMTokenModel`.
+streaming. Families served: the model_types registered as "text" families (`mmgen.vlm`,
+`mmgen.registry.families("text")`), read by `VLMTokenModel`.
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ class VLMPipeline(Pipeline):
         source = os.fspath(repo_or_path)
         # Never the folder's own code (`auto_map`): transformers' classes only.
         config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        if registry.family("vlm", config.model_type) is None:
+        if registry.family("text", config.model_type) is None:
             raise ValueError(f"{source}: model_type {config.model_type!r} is not a vision-language family mmgen serves "
-                             f"({', '.join(registry.families('vlm'))})")
+                             f"({', '.join(registry.families('text'))})")
         try:
             processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
         except ImportError as error:  # a processor's optional dependency (SmolVLM's num2words, ...)

@@ -36,7 +36,7 @@ class Catalog:
     companions: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
     continuous_batch: int = 0
-    modality: ClassVar[str] = ""  # "image", "vlm", "speech", "video": what the subclass serves
+    modality: ClassVar[str] = ""  # "image", "text", "speech", "video": what the subclass serves
     _pipelines: dict[str, Any] = field(default_factory=dict, repr=False)
     _servers: dict[tuple, Any] = field(default_factory=dict, repr=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)

@@ -1,7 +1,7 @@
-"""Vision-language requests: check a chat turn's inputs (text, images, videos), answer the
-conversation so far with the chosen decoding method and token dropping (and, in compare mode,
-with plain autoregressive decoding and no dropping on the same seed first), streaming each
-answer as its tokens commit.
+"""Vision-language requests (the "text" modality): check a chat turn's inputs (text, images,
+videos), answer the conversation so far with the chosen decoding method and token dropping (and,
+in compare mode, with plain autoregressive decoding and no dropping on the same seed first),
+streaming each answer as its tokens commit.
 Shared by the VLM demo and `mmgen serve`'s `/v1/chat/completions`; importing it needs no gradio.
 """
 
@@ -41,7 +41,7 @@ class VLMCatalog(Catalog):
     """The vision-language models a surface offers (`Catalog`): main models and their drafter
     companions (names ending in -draft)."""
 
-    modality = "vlm"
+    modality = "text"
 
     @classmethod
     def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "VLMCatalog":
@@ -69,12 +69,12 @@ def _is_model_folder(folder: Path) -> bool:
 
 
 def _is_vlm_folder(folder: Path) -> bool:
-    return registry.family("vlm", folder_field(folder, "config.json", "model_type")) is not None
+    return registry.family("text", folder_field(folder, "config.json", "model_type")) is not None
 
 
 def _checked_entry(entry: str, bundled: dict) -> str:
     """A bundled name present in this installation, or the folder of a registered
-    vision-language family (`mmgen.registry.families("vlm")`; no Hub ids: the demo never downloads)."""
+    vision-language family (`mmgen.registry.families("text")`; no Hub ids: the demo never downloads)."""
     if entry in bundled or entry == DEFAULT_MODEL:
         if entry not in bundled or not _is_model_folder(bundled[entry]):
             raise ValueError(f"the bundled model {entry!r} is missing from this installation; pass --model FOLDER")
@@ -84,7 +84,7 @@ def _checked_entry(entry: str, bundled: dict) -> str:
                          "(a transformers image-text-to-text model)")
     if not _is_vlm_folder(Path(entry)):
         raise ValueError(f"--model {entry!r} is not a vision-language model: its config.json's model_type is not one of "
-                         f"{list(registry.families('vlm'))}")
+                         f"{list(registry.families('text'))}")
     return entry
 
 

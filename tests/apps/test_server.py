@@ -46,7 +46,7 @@ QUESTION = "What is this?"
 
 @pytest.fixture(scope="module")
 def catalogs():
-    catalogs = discover_catalogs(MODELS, continuous_batch={"image": 4, "vlm": 4, "speech": 4})
+    catalogs = discover_catalogs(MODELS, continuous_batch={"image": 4, "text": 4, "speech": 4})
     preload(catalogs)
     return catalogs
 
@@ -138,9 +138,9 @@ def ask(**changes) -> dict:
 def test_models_list_every_modality_and_health_needs_no_key(client, url):
     models = {m.id: m.model_extra for m in client.models.list().data}
     assert {name: extra["modality"] for name, extra in models.items()} == {
-        "emoji64": "image", "speech-tts": "speech", "emoji-motion": "video", "emoji-vlm": "vlm"}
+        "emoji64": "image", "speech-tts": "speech", "emoji-motion": "video", "emoji-vlm": "text"}
     assert models["emoji-vlm"]["companions"] == ["emoji-vlm-draft"] and "ar" in models["emoji-vlm"]["decoding"]
-    assert models["speech-tts"]["route"] == "/v1/audio/speech"
+    assert models["speech-tts"]["route"] == "/v1/audio/speech" and models["emoji-vlm"]["route"] == "/v1/chat/completions"
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
 
 
@@ -222,7 +222,7 @@ def test_chat_with_a_seed_is_the_offline_pipelines_answer_with_usage(client, cat
                                              {"type": "text", "text": QUESTION}]}]
     out = client.chat.completions.create(model="emoji-vlm", messages=messages, max_tokens=8, temperature=0.8, seed=3,
                                          extra_body={"decoding": "ar"})
-    pipe = catalogs["vlm"].pipeline("emoji-vlm")
+    pipe = catalogs["text"].pipeline("emoji-vlm")
     alone = pipe(QUESTION, [shown], max_new_tokens=8, decoding="ar", temperature=0.8, generator=make_generator(3))
     choice = out.choices[0]
     assert choice.message.content == alone.texts[0] and choice.message.role == "assistant"
@@ -248,7 +248,7 @@ def test_overlapping_chats_share_the_batch_and_each_gives_its_seeds_answer(clien
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    pipe = catalogs["vlm"].pipeline("emoji-vlm")
+    pipe = catalogs["text"].pipeline("emoji-vlm")
     for seed in (11, 12, 13):
         alone = pipe(QUESTION, [shown], max_new_tokens=8, decoding="ar", temperature=1.0, generator=make_generator(seed))
         assert answers[seed] == alone.texts[0]
@@ -467,9 +467,10 @@ def test_metrics_count_outputs_latency_and_tokens_per_forward(http):
     assert metric(http, "mmgen_accepted_tokens_per_forward_count", modality="image", method="ar") >= 1
     assert metric(http, "mmgen_accepted_tokens_per_forward_sum", modality="image", method="ar") \
         == metric(http, "mmgen_accepted_tokens_per_forward_count", modality="image", method="ar")  # ar: one per forward
-    for modality in ("image", "vlm", "speech", "video"):
+    for modality in ("image", "text", "speech", "video"):
         assert f'mmgen_queue_depth{{modality="{modality}"}} 0.0' in text
         assert f'mmgen_request_latency_seconds_bucket{{le="+Inf",modality="{modality}"}}' in text
+    assert 'modality="vlm"' not in text  # the text modality's old name (issue 37)
     assert metric(http, "mmgen_time_to_first_output_seconds_count", modality="image") >= 1
     assert metric(http, "mmgen_responses_total", route="/v1/images/generations", status="200") >= 1
 
@@ -536,15 +537,30 @@ def test_serve_command_defaults_are_local_and_the_servers(monkeypatch):
     args = serve_parser().parse_args(["serve"])
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
     assert serve_cli.settings_of(args) == ServerSettings()
-    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 8, "vlm": 8, "speech": 8}
+    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 8, "text": 8, "speech": 8}
     args = serve_parser().parse_args(["serve", "--continuous-batch", "2", "--continuous-batch", "speech=0"])
-    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 2, "vlm": 2, "speech": 0}
+    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 2, "text": 2, "speech": 0}
     monkeypatch.setenv(serve_cli.API_KEY_ENV, "from-env")
     assert serve_cli.settings_of(serve_parser().parse_args(["serve"])).api_key == "from-env"
     assert serve_cli.settings_of(serve_parser().parse_args(["serve", "--api-key", "given"])).api_key == "given"
     for bad in (["--continuous-batch", "video=2"], ["--continuous-batch", "65"], ["--port", "70000"], ["--max-queue", "x"]):
         with pytest.raises(SystemExit):
             serve_parser().parse_args(["serve", *bad])
+
+
+def test_the_old_modality_name_vlm_still_sets_the_text_batch_with_a_note(capsys):
+    """`--continuous-batch vlm=ROWS` (the text modality's name until issue 37) still sets the text
+    rows, with a one-line note on stderr; Python callers of `discover_catalogs` get a
+    DeprecationWarning."""
+    args = serve_parser().parse_args(["serve", "--continuous-batch", "vlm=3", "--continuous-batch", "speech=5"])
+    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 8, "text": 3, "speech": 5}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--continuous-batch vlm=ROWS is now text=ROWS" in err
+    serve_parser().parse_args(["serve", "--continuous-batch", "text=3"])
+    assert capsys.readouterr().err == ""  # the new name says nothing
+    with pytest.warns(DeprecationWarning, match="'vlm' is now called 'text'"):
+        catalogs = discover_catalogs(["emoji-vlm"], continuous_batch={"vlm": 2})
+    assert list(catalogs) == ["text"] and catalogs["text"].continuous_batch == 2
 
 
 def test_serve_command_runs_uvicorn_on_the_given_models(monkeypatch):

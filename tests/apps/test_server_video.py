@@ -33,7 +33,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def catalogs(root):
-    catalogs = discover_catalogs([str(root / QWEN), str(root / LLAVA)], continuous_batch={"vlm": 2})
+    catalogs = discover_catalogs([str(root / QWEN), str(root / LLAVA)], continuous_batch={"text": 2})
     preload(catalogs)
     return catalogs
 
@@ -76,7 +76,7 @@ def test_a_seeded_chat_with_a_video_is_the_offline_pipelines_answer(http, catalo
     messages = [{"role": "user", "content": [video_part(data_url(root / "clip0.mp4")),
                                              {"type": "image_url", "image_url": {"url": data_url(image_path, "image/png")}},
                                              {"type": "text", "text": PROMPTS[1]}]}]
-    pipe = catalogs["vlm"].pipeline(QWEN)
+    pipe = catalogs["text"].pipeline(QWEN)
     videos, picture = frames(root, "clip0.mp4"), images(1)[0]
     response = http.post("/v1/chat/completions", json=chat(messages, temperature=1.0, seed=5, decoding="ar"))
     assert response.status_code == 200, response.text
@@ -103,7 +103,7 @@ def test_a_video_in_an_earlier_turn_stays_in_the_conversation(http, catalogs, ro
     conversation = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": PROMPTS[0]}]},
                     {"role": "assistant", "content": [{"type": "text", "text": "a cat"}]},
                     {"role": "user", "content": [{"type": "text", "text": PROMPTS[2]}]}]
-    alone = catalogs["vlm"].pipeline(QWEN)([conversation], None, frames(root, "clip1.mp4"), max_new_tokens=BUDGET)
+    alone = catalogs["text"].pipeline(QWEN)([conversation], None, frames(root, "clip1.mp4"), max_new_tokens=BUDGET)
     assert response.json()["choices"][0]["message"]["content"] == alone.texts[0]
 
 
@@ -154,11 +154,11 @@ def test_the_demo_sends_an_uploaded_video_to_the_request(catalogs, root):
     from mmgen.apps.vlm_demo import handle_send
 
     def send(message, state):
-        *_, last = handle_send(catalogs["vlm"], 4, 16, message, state, QWEN, "ar", "none", 0.25, 0.0, 0, BUDGET, False)
+        *_, last = handle_send(catalogs["text"], 4, 16, message, state, QWEN, "ar", "none", 0.25, 0.0, 0, BUDGET, False)
         return last[3]  # the new state
 
     state = send({"text": PROMPTS[0], "files": [str(root / "clip0.mp4"), str(root / "cat.png")]}, None)
-    pipe = catalogs["vlm"].pipeline(QWEN)
+    pipe = catalogs["text"].pipeline(QWEN)
     alone = pipe(PROMPTS[0], [images(1)[0]], frames(root, "clip0.mp4"), max_new_tokens=BUDGET)
     assert state["chat"][-1]["content"] == alone.texts[0]
     assert len(state["videos"]) == 1 and len(state["images"]) == 1

@@ -306,20 +306,42 @@ def test_demo_command_parses_bounds_and_launches_locally(monkeypatch, folders):
     from mmgen import cli
     from mmgen.apps import vlm_demo
 
-    args = cli.build_parser().parse_args(["demo", "vlm"])
+    args = cli.build_parser().parse_args(["demo", "text"])
     assert (args.model, args.host, args.port, args.share, args.max_images, args.max_new_tokens, args.concurrency) == (
         None, "127.0.0.1", None, False, 4, 128, 1)
     for bad in (["--max-images", "0"], ["--max-images", "9"], ["--max-new-tokens", "513"], ["--port", "70000"],
                 ["--concurrency", "x"]):
         with pytest.raises(SystemExit):
-            cli.build_parser().parse_args(["demo", "vlm", *bad])
+            cli.build_parser().parse_args(["demo", "text", *bad])
     launched = {}
     monkeypatch.setattr(vlm_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
-    argv = ["demo", "vlm", "--model", str(folders[0]), "--model", str(folders[1]), "--concurrency", "2"]
+    argv = ["demo", "text", "--model", str(folders[0]), "--model", str(folders[1]), "--concurrency", "2"]
     assert cli.main(argv) == 0
     assert launched["host"] == "127.0.0.1" and launched["share"] is False and launched["port"] is None
     assert launched["demo"]._queue.default_concurrency_limit == 2
-    assert cli.main(["demo", "vlm", "--model", str(folders[0].parent / "nowhere")]) == 2
+    assert cli.main(["demo", "text", "--model", str(folders[0].parent / "nowhere")]) == 2
+
+
+def test_demo_vlm_the_old_name_still_launches_the_text_demo_with_a_note(monkeypatch, folders, capsys):
+    """`mmgen demo vlm` (the text demo's name until issue 37) runs the same demo, says so in one
+    stderr line, and `mmgen demo --help` lists it as the old name."""
+    from mmgen import cli
+    from mmgen.apps import vlm_demo
+
+    old, new = (cli.build_parser().parse_args(["demo", name, "--max-new-tokens", "64"]) for name in ("vlm", "text"))
+    assert old.run is new.run and vars(old) == {**vars(new), "target": "vlm"}
+    launched = {}
+    monkeypatch.setattr(vlm_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
+    capsys.readouterr()
+    assert cli.main(["demo", "vlm", "--model", str(folders[0])]) == 0 and "demo" in launched
+    notes = [line for line in capsys.readouterr().err.splitlines() if "mmgen demo:" in line]  # not the loading bars
+    assert len(notes) == 1 and "note: `mmgen demo vlm` is now `mmgen demo text`" in notes[0]
+    assert cli.main(["demo", "text", "--model", str(folders[0])]) == 0
+    assert "mmgen demo:" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--help"])
+    listing = " ".join(capsys.readouterr().out.split())  # whatever the help's line breaks
+    assert "text (vlm)" in listing and "vlm: the old name" in listing
 
 
 # --- the app in a headless browser -----------------------------------------------------------
