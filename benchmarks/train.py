@@ -167,7 +167,7 @@ def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, 
     if "score" in figures:
         # A score of another metric (a run resumed with other held-out figures) does not compare.
         kept = json.loads(best.read_text()) if best.exists() else {}
-        previous = kept["score"] if kept.get("metric") == figures.get("metric") else -math.inf
+        previous = kept.get("score", -math.inf) if kept.get("metric") == figures.get("metric") else -math.inf
         if figures["score"] > previous:
             save_atomic({"model": model.state_dict(), "step": step}, out / "best.pt")
             write_atomic(best, (json.dumps({"step": step, "score": figures["score"], "metric": figures.get("metric")}) + "\n").encode())
