@@ -11,16 +11,18 @@ source and calls the cure batch invariance.
 
 `ROWWISE` is an attention implementation (transformers' `AttentionInterface`) that gathers each
 row's visible keys (those its mask lets any of its queries see, in slot order) and runs
-transformers' own SDPA attention on that row alone, with its mask cut to them; its mask
+transformers' own SDPA attention on that row alone, with its mask cut to them (on a CPU, rows
+whose masks are equal share one call: its kernels reduce each row on its own); its mask
 function always materialises the boolean mask, so a row alone and a row in a batch take the
 same kernel path over the same keys in the same order. The rest of a transformer (linear
 layers, norms) already computes each row on its own. `rowwise(model)` switches a model to it
 for a block of mmgen's forwards and back, so the model object is left as it was found (a
 trainer's eager attention, a user's own `generate`).
 
-Cost: one SDPA call per row and layer instead of one per layer, and a gather of each row's
-keys: a few percent of a small model's decode step on a CPU; on a GPU, where one batched
-kernel is the point, use it where exactness per request matters (a server's sampled answers).
+Cost: one SDPA call per distinct mask (CPU) or per row (GPU) and layer instead of one per
+layer, and a gather of the keys: a few percent of a small model's decode step on a CPU; on a
+GPU, where one batched kernel is the point, use it where exactness per request matters (a
+server's sampled answers).
 """
 
 from __future__ import annotations
@@ -49,14 +51,23 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             visible = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
         attention_mask = visible.expand(B, 1, q, k)
     kwargs = {name: v for name, v in kwargs.items() if name != "is_causal"}
-    outputs = []
-    for b in range(B):
-        mask = attention_mask[b: b + 1]
-        keep = mask.any(dim=(0, 1, 2)).nonzero().flatten()  # the keys any of the row's queries sees
-        out, _ = sdpa_attention_forward(module, query[b: b + 1], key[b: b + 1, :, keep], value[b: b + 1, :, keep],
-                                        mask[..., keep], is_causal=False, **kwargs)
-        outputs.append(out)
-    return torch.cat(outputs), None
+    if query.device.type == "cuda":
+        groups = [torch.tensor([b], device=query.device) for b in range(B)]  # a GPU kernel may split by batch size
+    else:
+        # On a CPU each (row, head) is reduced on its own whatever the batch, so rows with the
+        # same mask (lockstep rows of one prompt length) share one call, as they would alone.
+        _, group_of = torch.unique(attention_mask.expand(B, -1, -1, -1).reshape(B, -1), dim=0, return_inverse=True)
+        groups = [(group_of == g).nonzero().flatten() for g in range(int(group_of.max()) + 1)]
+    out = None
+    for rows in groups:
+        mask = attention_mask[rows] if attention_mask.shape[0] == B else attention_mask.expand(B, -1, -1, -1)[rows]
+        keep = mask[:1].any(dim=(0, 1, 2)).nonzero().flatten()  # the keys any of the rows' queries sees
+        part, _ = sdpa_attention_forward(module, query[rows], key[rows][:, :, keep], value[rows][:, :, keep],
+                                         mask[..., keep], is_causal=False, **kwargs)
+        if out is None:
+            out = part.new_empty(B, *part.shape[1:])
+        out[rows] = part
+    return out, None
 
 
 def rowwise_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
