@@ -51,7 +51,9 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             visible = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
         attention_mask = visible.expand(B, 1, q, k)
     kwargs = {name: v for name, v in kwargs.items() if name != "is_causal"}
-    if query.device.type == "cuda":
+    if B == 1:
+        groups = [torch.zeros(1, dtype=torch.long, device=query.device)]
+    elif query.device.type == "cuda":
         groups = [torch.tensor([b], device=query.device) for b in range(B)]  # a GPU kernel may split by batch size
     else:
         # On a CPU each (row, head) is reduced on its own whatever the batch, so rows with the
@@ -61,9 +63,12 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = None
     for rows in groups:
         mask = attention_mask[rows] if attention_mask.shape[0] == B else attention_mask.expand(B, -1, -1, -1)[rows]
-        keep = mask[:1].any(dim=(0, 1, 2)).nonzero().flatten()  # the keys any of the rows' queries sees
-        part, _ = sdpa_attention_forward(module, query[rows], key[rows][:, :, keep], value[rows][:, :, keep],
-                                         mask[..., keep], is_causal=False, **kwargs)
+        seen = mask[:1].any(dim=(0, 1, 2))  # the keys any of the rows' queries sees
+        keys, values = key[rows], value[rows]
+        if not bool(seen.all()):  # gathered, contiguous and in slot order, as the keys of a row alone are
+            keep = seen.nonzero().flatten()
+            keys, values, mask = keys[:, :, keep], values[:, :, keep], mask[..., keep]
+        part, _ = sdpa_attention_forward(module, query[rows], keys, values, mask, is_causal=False, **kwargs)
         if out is None:
             out = part.new_empty(B, *part.shape[1:])
         out[rows] = part
