@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from mmgen.batch_invariant import rowwise
 from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
 from mmgen.decoding.window import model_window_cost
@@ -46,7 +47,9 @@ class CsmConditions:
 
 
 class CsmTokenModel:
-    """`CsmForConditionalGeneration` under the core: tokens are Mimi frames [B, n, K]."""
+    """`CsmForConditionalGeneration` under the core: tokens are Mimi frames [B, n, K]. The
+    backbone runs with batch-invariant attention (`mmgen.batch_invariant.rowwise`): a row's
+    padding, the holes a joined row sits after and its neighbours never reach its reductions."""
 
     def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0):
         self.model = model
@@ -73,8 +76,9 @@ class CsmTokenModel:
             extra = dict(input_values=conditions.input_values.to(device, self.model.dtype),
                          input_values_cutoffs=conditions.input_values_cutoffs.to(device))
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **transformers_cache(kv), use_cache=True,
-                         output_hidden_states=True, logits_to_keep=1, **extra)
+        with rowwise(self.model):  # each row attends over its own keys: a row decodes as it does alone
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **transformers_cache(kv),
+                             use_cache=True, output_hidden_states=True, logits_to_keep=1, **extra)
         cache = SlotKVCache(kv, mask, prompt_length=ids.shape[1], compact_ratio=self.compact_ratio)
         # Generated frames sit at slot positions shifted back by each row's left padding.
         offset = (mask.long().sum(1) - ids.shape[1])[:, None]
@@ -87,8 +91,9 @@ class CsmTokenModel:
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
         mask, positions = state.cache.open(tokens.shape[1])
-        hidden = self.model.backbone_model(input_ids=tokens, attention_mask=mask, position_ids=positions + state.extra.offset,
-                                           **transformers_cache(state.cache.kv), use_cache=True).last_hidden_state
+        with rowwise(self.model):
+            hidden = self.model.backbone_model(input_ids=tokens, attention_mask=mask, position_ids=positions + state.extra.offset,
+                                               **transformers_cache(state.cache.kv), use_cache=True).last_hidden_state
         state.extra.hidden = hidden
         return self._logits(self.model.lm_head(hidden), hidden, tokens[:, 1:])
 
