@@ -375,10 +375,9 @@ class DiaSpeech:
         C = len(self.delay)
         prompts = [torch.zeros(C, 0, dtype=torch.long) if v is None else self.codec.encode(v) for v in voices]
         texts = [self.text_with_speaker(t if vt is None else f"{vt.strip()} {t.strip()}") for t, vt in zip(texts, voice_texts)]
-        longest = max(len(ids) for ids in self.tokenizer(texts)["input_ids"])
-        if longest > self.text_context:
-            raise ValueError(f"the text is {longest} bytes long; this model reads at most {self.text_context}")
         encoded = self.tokenizer(texts, padding=True, return_tensors="pt")
+        if encoded["input_ids"].shape[1] > self.text_context:
+            raise ValueError(f"the text is {encoded['input_ids'].shape[1]} bytes long; this model reads at most {self.text_context}")
         ids, mask = delayed_template(prompts, self.delay, self.bos, self.pad)
         prefill = ids.shape[1] - max(self.delay)
         if prefill + max_new_frames > self.frame_context:

@@ -41,7 +41,7 @@ from PIL import Image
 
 # The test suite's offline builders: word-level stand-in tokenizers with the families' special
 # tokens, a plain chat template, the tiny configs (--smoke) and the pipeline wrapper.
-from tests.vlm.tiny import BUILDERS, QWEN_TOKENS, chat_template, finish, word_tokenizer
+from tests.vlm.tiny import BUILDERS, QWEN_TOKENS, chat_template, finish, idefics3_processor, word_tokenizer
 
 QUESTION = "what is the colour of the small cat in this picture ?"
 
@@ -187,15 +187,8 @@ def idefics3(text_layers: int, vision_layers: int, smolvlm: bool = False):
     SigLIP-B/16 at 512 px, pixel shuffle x4 (64 tokens a tile), SmolLM2-135M."""
     import transformers
 
-    special = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>", "global_image_token": "<global-img>",
-               "end_of_utterance_token": "<end_of_utterance>"}
-    vocab, tok = word_tokenizer(special, ("<fake_token_around_image>", "<global-img>", "<end_of_utterance>"))
+    vocab, processor = idefics3_processor(smolvlm, edge=512, image_seq_len=64)
     name = "SmolVLM" if smolvlm else "Idefics3"
-    images = getattr(transformers, f"{name}ImageProcessorPil")(do_image_splitting=False, size={"longest_edge": 512},
-                                                               max_image_size={"longest_edge": 512})
-    videos = {"video_processor": transformers.SmolVLMVideoProcessor()} if smolvlm else {}
-    processor = getattr(transformers, f"{name}Processor")(image_processor=images, tokenizer=tok, image_seq_len=64,
-                                                          chat_template=chat_template("<image>"), **videos)
     config = getattr(transformers, f"{name}Config")(
         vision_config=dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=vision_layers, num_attention_heads=12,
                            image_size=512, patch_size=16),

@@ -48,7 +48,7 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         causal = getattr(module, "is_causal", True) and kwargs.get("is_causal", True) is not False
         visible = torch.ones(q, k, dtype=torch.bool, device=query.device)
         if causal:  # bottom-right aligned: the last query sees every key
-            visible = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+            visible = visible.tril(k - q)
         attention_mask = visible.expand(B, 1, q, k)
     kwargs = {name: v for name, v in kwargs.items() if name != "is_causal"}
     if B == 1:
@@ -85,13 +85,20 @@ def rowwise_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
     return sdpa_mask(*args, **kwargs)
 
 
+_registered = False
+
+
 def register() -> None:
-    """Register `ROWWISE` with transformers' attention and mask interfaces (idempotent)."""
+    """Register `ROWWISE` with transformers' attention and mask interfaces (once per process)."""
+    global _registered
+    if _registered:
+        return
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ROWWISE, rowwise_attention)
     AttentionMaskInterface.register(ROWWISE, rowwise_mask)
+    _registered = True
 
 
 @contextlib.contextmanager

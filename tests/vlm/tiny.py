@@ -10,7 +10,7 @@ language models 1 to 2 layers of width 32 (16 where the family allows).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from PIL import Image
@@ -145,21 +145,32 @@ def tiny_qwen3(seed: int = 0, std=None, small: bool = False):
     return tiny_qwen(seed, std, small, version="3")
 
 
-def tiny_idefics3(seed: int = 0, std=None, small: bool = False, smolvlm: bool = False):
-    """Idefics3, or with `smolvlm` SmolVLM (the same layout under its own classes)."""
+def idefics3_processor(smolvlm: bool, edge: int, image_seq_len: int) -> tuple[dict, Any]:
+    """(vocabulary, processor) of Idefics3, or with `smolvlm` SmolVLM (its video processor too):
+    a word-level tokenizer with the family's special tokens, one tile of `edge` pixels (image
+    splitting off) read as `image_seq_len` tokens. The PIL image processor: the one a saved
+    folder loads as (LANCZOS resizing, which the torchvision one approximates)."""
     import transformers
 
     special = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>", "global_image_token": "<global-img>",
                "end_of_utterance_token": "<end_of_utterance>"}
     vocab, tokenizer = word_tokenizer(special, ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"])
     name = "SmolVLM" if smolvlm else "Idefics3"
-    # The PIL image processor: the one a saved folder loads as (LANCZOS resizing, which the
-    # torchvision one here approximates).
-    images_ = getattr(transformers, f"{name}ImageProcessorPil")(do_image_splitting=False, size={"longest_edge": 32},
-                                                                max_image_size={"longest_edge": 32})
+    images_ = getattr(transformers, f"{name}ImageProcessorPil")(do_image_splitting=False, size={"longest_edge": edge},
+                                                                max_image_size={"longest_edge": edge})
     videos = {"video_processor": transformers.SmolVLMVideoProcessor()} if smolvlm else {}
-    processor = getattr(transformers, f"{name}Processor")(image_processor=images_, tokenizer=tokenizer, image_seq_len=4,
-                                                          chat_template=chat_template("<image>"), **videos)
+    processor = getattr(transformers, f"{name}Processor")(image_processor=images_, tokenizer=tokenizer,
+                                                          image_seq_len=image_seq_len, chat_template=chat_template("<image>"),
+                                                          **videos)
+    return vocab, processor
+
+
+def tiny_idefics3(seed: int = 0, std=None, small: bool = False, smolvlm: bool = False):
+    """Idefics3, or with `smolvlm` SmolVLM (the same layout under its own classes)."""
+    import transformers
+
+    vocab, processor = idefics3_processor(smolvlm, edge=32, image_seq_len=4)
+    name = "SmolVLM" if smolvlm else "Idefics3"
     torch.manual_seed(seed)
     config = getattr(transformers, f"{name}Config")(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
