@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import CausalContinuousSpeculative
-from mmgen.pipeline import Companion, Pipeline
+from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 
@@ -56,7 +56,7 @@ class LatentTTSPipeline(TTSPipeline):
 
         source = os.fspath(repo_or_path)
         kwargs.setdefault("trust_remote_code", False)  # never the folder's own code (`auto_map`)
-        model = VibeVoiceForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
+        model = VibeVoiceForConditionalGeneration.from_pretrained(source, dtype=load_dtype(torch_dtype, device), **kwargs)
         pipe = cls(model.eval(), AutoProcessor.from_pretrained(source, trust_remote_code=False))
         return pipe.to(device) if device is not None else pipe
 

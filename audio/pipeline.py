@@ -28,7 +28,7 @@ from mmgen.decoding import DecodeStats, Decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.hub import read_json
-from mmgen.pipeline import Companion, Pipeline
+from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 from mmgen.streaming import CallbackStreamer, stream_from_thread
@@ -121,7 +121,7 @@ class TTSPipeline(Pipeline):
         opener = family.pipeline_class()
         if not issubclass(cls, opener):  # a family another pipeline opens (VibeVoice: LatentTTSPipeline)
             return opener.from_pretrained(source, torch_dtype, device, **kwargs)
-        model, tokenizer, codec = _adapter(config.model_type).load(source, torch_dtype, **kwargs)
+        model, tokenizer, codec = _adapter(config.model_type).load(source, load_dtype(torch_dtype, device), **kwargs)
         pipe = cls(model.eval(), tokenizer, codec.eval())
         pipe.name_or_path = source
         return pipe.to(device) if device is not None else pipe

@@ -254,6 +254,8 @@ class Pipeline:
                 # model classes have none to run.
                 remote = {"trust_remote_code": False} if module_cls.__module__.startswith("transformers") else {}
                 component = module_cls.from_pretrained(str(folder), **remote)
+                if isinstance(component, nn.Module):  # built in float32 like the others; `.to` casts below
+                    component = component.to(torch.float32)
                 if type(component).__name__ != saved_cls:
                     raise CheckpointError(f"{root}: component {name!r} loaded as {type(component).__name__}, saved as {saved_cls!r}")
                 components[name] = component
@@ -272,6 +274,17 @@ class Pipeline:
     def config_from_index(cls, config: dict) -> dict:
         """Keyword arguments for `__init__` from the saved `pipeline_config()`."""
         return dict(config)
+
+
+def load_dtype(dtype: Optional[torch.dtype], device: Union[str, torch.device, None] = None) -> Union[torch.dtype, str]:
+    """The dtype a transformers or diffusers model loads in: `dtype` when given; otherwise
+    float32 on a CPU and the stored dtype ("auto") on an accelerator. Weights are often stored in
+    half precision to stay small, and CPUs run half-precision matmuls and convolutions on slow
+    fallback kernels: the bundled Dia decoded 2.3x slower at 16 rows in float16, its DAC decoder
+    4x (docs/benchmarks.md). mmgen folders build their modules in float32 the same way."""
+    if dtype is not None:
+        return dtype
+    return torch.float32 if device is None or torch.device(device).type == "cpu" else "auto"
 
 
 def _build_checked(module_cls: type, config: Any, weights: Path) -> nn.Module:

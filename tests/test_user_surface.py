@@ -499,3 +499,18 @@ def test_a_pipeline_call_reads_a_decoding_spec_as_the_command_line_does(tmp_path
         copy([3], decoding="draft")  # one line, before any work
     spec = f"draft:drafter={tmp_path / 'emoji64-draft'}"
     assert torch.equal(copy([3], decoding=spec, generator=torch.Generator().manual_seed(0)).tokens, by_name.tokens)
+
+
+def test_pipelines_load_in_float32_on_a_cpu_unless_asked():
+    """Half-precision weights compute in float32 on a CPU (no fast float16 kernels there), the
+    stored dtype on an accelerator, and an asked-for dtype always (`load_dtype`)."""
+    from mmgen.pipeline import load_dtype
+
+    assert load_dtype(None) == load_dtype(None, "cpu") == load_dtype(None, torch.device("cpu")) == torch.float32
+    assert load_dtype(None, "cuda") == "auto"
+    assert load_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    from mmgen import load_pipeline
+
+    pipe = load_pipeline("speech-tts")  # stored in float16
+    assert pipe.model.dtype == pipe.codec.dtype == torch.float32
+    assert load_pipeline("speech-tts", dtype=torch.float16).model.dtype == torch.float16

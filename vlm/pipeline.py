@@ -23,7 +23,7 @@ from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
-from mmgen.pipeline import Companion, Pipeline
+from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
 from mmgen.streaming import CallbackStreamer, stream_from_thread
@@ -114,8 +114,8 @@ class VLMPipeline(Pipeline):
             processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
         except ImportError as error:  # a processor's optional dependency (SmolVLM's num2words, ...)
             raise ValueError(f"{source}: the {config.model_type} processor needs a missing package: {error}") from None
-        model = AutoModelForImageTextToText.from_pretrained(source, config=config, dtype=torch_dtype, trust_remote_code=False,
-                                                            **kwargs)
+        model = AutoModelForImageTextToText.from_pretrained(source, config=config, dtype=load_dtype(torch_dtype, device),
+                                                            trust_remote_code=False, **kwargs)
         pipe = cls(model.eval(), processor)
         pipe.name_or_path = source
         return pipe.to(device) if device is not None else pipe

@@ -23,8 +23,14 @@ it scores. An unknown symbol is an error.
 Same arguments, same bytes: the order is a hash order of the texts, espeak and the resampler are
 deterministic, and the npz is written with fixed zip timestamps.
 
+`--one-voice` speaks every text with one voice at one speed and pitch (General American, 170
+words per minute, pitch 50): text alone then decides the speech, the "one voice first" way to
+make a small text-to-speech model learn to read (issue 30). Texts and held-out split are the
+same, so its held-out utterances say the same texts.
+
     apt-get install espeak-ng unicode-data
     python -m benchmarks.data.speech --out data/speech16k.npz [--limit N]
+    python -m benchmarks.data.speech --out data/speech16k-en-us.npz --one-voice
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ PITCHES = tuple(range(35, 66, 5))  # espeak 0-99, 50 is the voice's default
 MIN_SECONDS, MAX_SECONDS, MARGIN_SECONDS = 0.5, 3.0, 0.08
 GAIN = 0.8  # espeak peaks near full scale; headroom so the resampler's overshoot never clips
 EVAL_PERCENT = 5
+#: `--one-voice`'s (voice, words per minute, pitch): the middle of the corpus' ranges.
+ONE_VOICE = ("en-us", 170, 50)
 
 # ---------------------------------------------------------------------------- texts
 
@@ -179,14 +187,14 @@ def check_voices() -> None:
             raise FileNotFoundError(f"espeak-ng voice variant {voice} not found under {VARIANTS}")
 
 
-def build(limit: int | None = None, workers: int = 2) -> dict[str, np.ndarray]:
-    """The corpus as arrays (see `main` for the fields)."""
+def build(limit: int | None = None, workers: int = 2, one_voice: bool = False) -> dict[str, np.ndarray]:
+    """The corpus as arrays (see `main` for the fields); `one_voice`: every text in `ONE_VOICE`."""
     import torch
 
     torch.set_num_threads(1)
     check_voices()
     items = corpus_texts()[:limit]
-    settings = [voice_for(text) for _, text in items]
+    settings = [ONE_VOICE if one_voice else voice_for(text) for _, text in items]
     # The espeak processes run `workers` at a time; results come back in input order.
     with ThreadPoolExecutor(max_workers=workers) as pool:
         spoken = pool.map(lambda a: speak(a[0][1], *a[1]), zip(items, settings))
@@ -240,8 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="data/speech16k.npz")
     parser.add_argument("--limit", type=int, help="only the first LIMIT texts (in the corpus's hash order)")
     parser.add_argument("--workers", type=int, default=2, choices=(1, 2), help="espeak processes at a time")
+    parser.add_argument("--one-voice", action="store_true", help="every text in one voice, speed and pitch "
+                        f"({ONE_VOICE[0]}, {ONE_VOICE[1]} words per minute, pitch {ONE_VOICE[2]})")
     args = parser.parse_args(argv)
-    data = build(args.limit, args.workers)
+    data = build(args.limit, args.workers, args.one_voice)
     write_npz(args.out, data)
     n, held_out = len(data["text"]), int(data["is_eval"].sum())
     hours = len(data["audio"]) / SAMPLE_RATE / 3600

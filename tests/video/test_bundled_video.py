@@ -15,14 +15,15 @@ from mmgen.registry import bundled_models
 from mmgen.video.export import read_mp4
 
 
-def test_the_pair_loads_in_float16_and_shares_its_components():
+def test_the_pair_is_stored_in_float16_loads_in_float32_and_shares_its_components():
     folders = bundled_models()
     big, small = load_pipeline("emoji-motion"), load_pipeline("emoji-motion-small")
     for name in ("transformer", "vae", "text_encoder"):
         stored = load_file(next((folders["emoji-motion"] / name).glob("*.safetensors")))
         assert {t.dtype for t in stored.values() if t.is_floating_point()} == {torch.float16}
     big.set_progress_bar_config(disable=True)
-    out = big("red heart moving down", num_frames=9, generator=torch.Generator().manual_seed(0))  # as stored, no cast
+    out = big("red heart moving down", num_frames=9, generator=torch.Generator().manual_seed(0))
+    assert {p.dtype for m in (big.transformer, big.vae, big.text_encoder) for p in m.parameters()} == {torch.float32}
     assert out.frames.shape == (1, 9, 64, 64, 3)
     index = json.loads((folders["emoji-motion-small"] / "model_index.json").read_text())
     assert set(index["shared"]) == {"vae", "text_encoder", "tokenizer"}
