@@ -334,8 +334,9 @@ class TTSPipeline(Pipeline):
     def stream(self, text: Union[str, Sequence[str]], chunking: StreamChunking = StreamChunking(),
                **kwargs) -> Generator[tuple[int, torch.Tensor], None, TTSOutput]:
         """(row, waveform chunk) pairs as frames commit (decoding runs in a thread). A row's
-        chunks concatenate to its `audio` in `__call__` with the same arguments (exactly with the
-        default `chunking`, whose context covers the codec decoder's reach). The generator's
+        chunks concatenate to its `audio` in `__call__` with the same arguments (up to float
+        rounding with the default `chunking`, whose context covers the codec decoder's reach: the
+        frames are the same, and each chunk's convolutions run over its own length). The generator's
         return value is that call's `TTSOutput`. Closed early, the decode stops at its next
         frame and the close returns once the model is free (`mmgen.streaming.stream_from_thread`).
         `window=` is the old name of `chunking` (read until the next release)."""
