@@ -155,6 +155,21 @@ class DiaTokenModel:
         self._set_generated(run, run.generated.index_fill(0, torch.tensor([row], device=run.generated.device), 0))
         return fresh.first_logits
 
+    def select_rows(self, state: DecodeState, index: torch.Tensor) -> None:
+        """Continuous batching whose width follows its requests: keep rows `index` [B'] (indices
+        into the current rows, in that order; a repeated one is restarted before it decodes)."""
+        run: _Run = state.extra
+        B = state.batch_size
+        rows = torch.cat([index, index + B]) if run.guidance_scale is not None else index
+        state.cache.select_rows(rows)
+        for layer in run.kv.cross_attention_cache.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        run.encoded, run.encoder_mask, run.offset = run.encoded[rows], run.encoder_mask[rows], run.offset[rows]
+        run.template, run.budget_end, run.history = run.template[index], run.budget_end[index], run.history[index]
+        run.fed = None
+        self._set_generated(run, run.generated[index])
+        state.batch_size = len(index)
+
     @staticmethod
     def _place_encoder(run: "_Run", solo: "_Run", rows: list) -> None:
         """A request's encoder states, mask and cross-attention keys/values (rows i of `solo`)

@@ -90,6 +90,12 @@ class StaticKVCache(nn.Module):
         visible = (keys <= positions[:, :, None]) & ~self.key_padding[:, None, :]
         return (visible | (keys == positions[:, :, None]))[:, None]
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows `rows` [B'] (indices into the current rows, in that order; one may repeat,
+        for a row that restarts): continuous batching whose width follows its requests."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.lengths, self.key_padding = self.lengths[rows], self.key_padding[rows]
+
     def advance(self, n: torch.Tensor | int) -> None:
         """Commit n tokens per row (int or [B] tensor) written by the last forward."""
         self.lengths += n
@@ -208,6 +214,17 @@ class SlotKVCache:
         self.mask[row, self.prompt_length - fresh.length : self.prompt_length] = fresh.mask[fresh_row]
         self.positions[row] = self.prompt_length
         return grow
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Continuous batching whose width follows its requests: keep the cache rows `rows` [R']
+        (indices into the current rows, in that order; an index may repeat, for a row that will
+        be restarted). Between forwards only (nothing pending)."""
+        self.crop(self.length - self.pending)
+        self.pending = 0
+        for layer in self.kv.layers:
+            for name in ("keys", "values"):
+                setattr(layer, name, getattr(layer, name)[rows])
+        self.mask, self.positions = self.mask[rows], self.positions[rows]
 
     def evict(self, drop: torch.Tensor) -> None:
         """Hide the slots where `drop` [R, S] is True from their rows, for every later query.

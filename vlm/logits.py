@@ -118,5 +118,9 @@ class RuleState:
         for row, n in enumerate(num_generated.tolist()):
             del self.answers[row][n:]
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` (into the current rows, in that order; between forwards)."""
+        self.prompt, self.answers = self.prompt[index], [list(self.answers[r]) for r in index.tolist()]
+
     def restart(self, row: int, fresh: "RuleState") -> None:
         self.prompt[row], self.answers[row] = fresh.prompt[0], list(fresh.answers[0])

@@ -181,6 +181,16 @@ class VLMTokenModel:
             extra.rules.restart(row, solo.rules)
         return fresh.first_logits
 
+    def select_rows(self, state: DecodeState, index: torch.Tensor) -> None:
+        """Continuous batching whose width follows its requests: keep rows `index` [B'] (into the
+        current rows, in that order; a repeated one restarts before it decodes)."""
+        extra: _Extra = state.extra
+        state.cache.select_rows(index)
+        extra.offset = extra.offset[index]
+        if extra.rules is not None:
+            extra.rules.select_rows(index)
+        state.batch_size = len(index)
+
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.commit(accepted)
         if state.extra.rules is not None:

@@ -93,6 +93,7 @@ class LlamaGenTokenModel:
         self._caches = CachePool() if compile else None
         if compile:
             compile_forward(self, transformer.tok_embeddings.weight.device)
+            self.select_rows = None  # captured graphs and pooled caches keep their batch: fixed-width batches
 
     def token_embeddings(self) -> torch.Tensor:
         """The GPT's input embedding of each image token [V, dim]."""
@@ -133,6 +134,12 @@ class LlamaGenTokenModel:
         live.k[:, rows], live.v[:, rows] = cache.k, cache.v
         live.lengths[rows], live.key_padding[rows] = cache.lengths, cache.key_padding
         return logits
+
+    def select_rows(self, state: DecodeState, index: torch.Tensor) -> None:
+        """Continuous batching whose width follows its requests: keep rows `index` [B'] (into the
+        current rows, in that order; a repeated one restarts before it decodes)."""
+        state.cache.select_rows(torch.cat([index, index + state.batch_size]) if state.guidance else index)
+        state.batch_size = len(index)
 
     def _prefill(self, conditions, guidance: bool, capacity: int, cache_for) -> tuple[Any, Logits, int]:
         """(cache, logits predicting token 0, prefix length n): the condition prefix (and with

@@ -15,6 +15,14 @@ for the tiny and bundled LlamaGens of tests/core/test_continuous_batching.py.
 Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++) with a fixed
 window (`adapt=False`: the adaptive window picks one width for the whole batch).
 
+A server's batch (`LiveQueue`) changes width with its requests where the model can keep a
+subset of its rows (`select_rows`: LlamaGen, the VLM adapter, Dia): it starts as wide as the
+requests waiting, grows up to `batch_size` when more wait than rows are free, and narrows to the
+running rows once they fill at most half of it (`feed.FeedRows.fit`). A lone request then runs
+batch-1 forwards instead of a full batch's; rows keep their state and draws, so each request
+still decodes what it decodes alone. Offline calls (`speak_each`, `answer_each`, a job file)
+keep the width they start with.
+
 Cancellation (a client that went away): set a request's `cancelled` event, or cancel the future
 `ContinuousServer.submit` returned. A running request's row stops decoding at the next forward
 and takes the next waiting request; a waiting one never starts. Either way nothing more is
@@ -37,6 +45,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from mmgen.decoding.base import check_int, check_num_tokens, raise_if_masked
+from mmgen.decoding.feed import follows_requests
 from mmgen.decoding.stats import DecodeStats
 from mmgen.decoding.window import resolve_adaptive
 from mmgen.modeling import TokenModel
@@ -120,6 +129,16 @@ class LiveQueue:
         self.running: dict[int, tuple[int, Callable, Callable]] = {}  # row -> its arrival index and callbacks
         self.count = 0
         self.tokens = 0
+        self.max_rows: Optional[int] = None  # the widest batch a decode of this queue runs (`continuous_decode` sets it)
+
+    def waiting(self) -> int:
+        """How many requests wait (a decode whose width follows its requests grows for them)."""
+        with self._ready:
+            return len(self._waiting)
+
+    def renumber(self, rows: list) -> None:
+        """The decode's rows changed (`FeedRows.resize`): new row i was row `rows[i]` (None: new)."""
+        self.running = {new: self.running[old] for new, old in enumerate(rows) if old in self.running}
 
     def put(self, request: Request, on_finish: Callable[[Finished], None], on_error: Callable[[BaseException], None]) -> None:
         check_request(request)
@@ -281,6 +300,7 @@ def continuous_decode(
     done: list[Finished] = []
     if isinstance(requests, LiveQueue):
         queue, rows = requests, batch_size
+        queue.max_rows = batch_size
         head = queue.wait()
     else:
         requests = iter(requests)
@@ -295,6 +315,9 @@ def continuous_decode(
     device = head.generator.device
     generators = RowGenerators(torch.Generator(device=device).manual_seed(0) for _ in range(rows))
     proposer, rule = decoder.roles(model, num_tokens, generators[0])  # speculative_decode checks them first
+    if follows_requests(queue, model, proposer):  # start as wide as the requests waiting; grow as more come
+        rows = min(rows, max(1, queue.waiting()))
+        generators = generators.select(range(rows))
     # The batch is sized by the first request's conditions; each row is prefilled again alone.
     result = speculative_decode(model, _stack([head.conditions] * rows), num_tokens, sampling, generators, proposer, rule,
                                 decoder.capacity(num_tokens), stopping=stopping, feed=queue)

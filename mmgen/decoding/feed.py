@@ -41,6 +41,17 @@ class RowFeed(Protocol):
     def drop(self, row: int) -> None: ...
 
 
+def follows_requests(feed: Any, model: Any, proposer: Proposer) -> bool:
+    """Whether a continuous batch over `feed` can change its width as requests come and go: the
+    feed says how many requests wait and renumbers its rows (`LiveQueue`), the model keeps a
+    subset of its rows (`select_rows`), and the proposer has no per-row state or keeps it too."""
+    from mmgen.decoding.speculative import Proposer
+
+    cls = type(proposer)
+    return (callable(getattr(feed, "waiting", None)) and callable(getattr(model, "select_rows", None))
+            and (cls.restart is Proposer.restart or cls.select_rows is not Proposer.select_rows))
+
+
 class RowCounters:
     """Per-row histograms of finalised tokens per forward (the prefill counts one), reset when
     a row takes a new request: each request's stats are then those of its batch-1 decode."""
@@ -56,6 +67,10 @@ class RowCounters:
 
     def record(self, step: torch.Tensor, active: torch.Tensor) -> None:
         self.histogram.scatter_add_(1, step.clamp(0, self.histogram.shape[1] - 1)[:, None], active.long()[:, None])
+
+    def select(self, rows: list[int]) -> None:
+        """Keep the counters of `rows` (into the current rows, in that order)."""
+        self.histogram, self.started = self.histogram[rows], [self.started[r] for r in rows]
 
     def stats(self, row: int, tokens: int) -> DecodeStats:
         histogram = self.histogram[row].tolist()
@@ -73,7 +88,13 @@ class FeedRows:
 
     `run` is the loop's `DecodeRun` (its `generator` a `RowGenerators`), `ends` its `RowEnds`,
     whose `limit` and `emitted` this sets per request; `streamer` is the loop's own (each
-    request streams to its own), ended with the loop."""
+    request streams to its own), ended with the loop.
+
+    Where the feed, model and proposer allow it (`follows_requests`), the batch's width follows
+    its requests (vLLM's scheduler packs only running sequences; Orca's batches change size at
+    each iteration): it grows, up to the feed's `max_rows`, when requests wait and no row is
+    free, and narrows to its running rows once at most half of them run, so a lone request does
+    not pay for a full batch's forwards. Rows keep their order; each keeps its state."""
 
     def __init__(self, feed: RowFeed, run: DecodeRun, proposer: Proposer, ends: RowEnds, streamer: Optional[Streamer] = None):
         B, device = run.batch_size, run.device
@@ -86,6 +107,9 @@ class FeedRows:
         # Idle rows still draw (shapes are fixed): from this one, never from a finished request's
         # generator, which the caller gets back as a batch-1 decode would leave it.
         self.idle = torch.Generator(device=device).manual_seed(0)
+        self.follows = follows_requests(feed, run.model, proposer)
+        self.max_rows = max(B, getattr(feed, "max_rows", None) or B)
+        self.widths = [B]  # the batch's width after each change
 
     def start(self) -> int:
         """Start every row on a request (no row decodes until then)."""
@@ -126,6 +150,8 @@ class FeedRows:
                     self.release(row)
                     self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
             started = []
+            if self.follows:
+                self.fit()
             # Every free row asks, not only those that just ended: a feed whose requests arrive
             # while others decode (a server's queue) has them started at the next forward.
             free = [row for row, request in enumerate(self.requests) if request is None]
@@ -149,6 +175,38 @@ class FeedRows:
             run.active[at] = ~ends.done_at_first(run.tokens[at, :1], ends.limit[at])
             self.proposer.restart(run, at)
             ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
+
+    def fit(self) -> None:
+        """Grow to the requests that run and wait (at most `max_rows`) when they outnumber the
+        rows; narrow to them once they fill at most half the rows (not on every finished request:
+        each change copies the caches)."""
+        running = [row for row, request in enumerate(self.requests) if request is not None]
+        width = self.run.batch_size
+        want = min(self.max_rows, len(running) + self.feed.waiting())
+        if want > width:
+            self.resize(list(range(width)) + [None] * (want - width))
+        elif 0 < want <= width // 2:
+            free = [row for row in range(width) if self.requests[row] is None]
+            self.resize(running + free[: want - len(running)])
+
+    def resize(self, rows: list) -> None:
+        """The batch becomes `rows`: old row indices in their new order, None for a new free row
+        (a copy of row 0's state until a request restarts it)."""
+        run = self.run
+        index = torch.tensor([0 if r is None else r for r in rows], device=run.device)
+        run.select_rows(index)
+        self.ends.select_rows(index)
+        self.proposer.select_rows(run, index)
+        self.bad = self.bad[index]
+        self.rows.select(index.tolist())
+        self.requests = [None if r is None else self.requests[r] for r in rows]
+        self.streamed = [0 if r is None else self.streamed[r] for r in rows]
+        for row, old in enumerate(rows):
+            if old is None:
+                run.active[row] = False
+                run.generator[row] = self.idle
+        self.feed.renumber(rows)
+        self.widths.append(len(rows))
 
     def completed(self, row: int, frame: torch.Tensor) -> torch.Tensor:
         """Frame 0 [K] of the request starting on `row`, its later codebooks sampled by the

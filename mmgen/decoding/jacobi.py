@@ -72,6 +72,13 @@ class JacobiProposer(Proposer):
         if self.laws:
             self.q[rows] = q
 
+    def select_rows(self, run, index):
+        if self.stale:
+            return
+        self.window = self.window[index]
+        if self.laws:
+            self.q = self.q[index]
+
     def propose(self, run):
         if self.stale:  # after autoregressive steps: a first window after the newest token
             self.window, self.q = self._first_window(run)

@@ -145,6 +145,13 @@ class DecodeRun:
         """Each row's newest finalised token [B, 1(, K)]: the first slot of every window."""
         return gather_slots(self.tokens, self.pos[:, None])
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [B'] (into the current rows, in that order; a repeated row is one
+        continuous batching restarts before it decodes), the model's state included."""
+        self.model.select_rows(self.state, index)
+        self.tokens, self.pos, self.active = self.tokens[index], self.pos[index], self.active[index]
+        self.generator = self.generator.select(index.tolist())
+
 
 class Proposer:
     """Where drafts come from, for one decode (a decoder builds a fresh one per `generate`).
@@ -186,6 +193,11 @@ class Proposer:
         reset their per-row state, drawing only from their own generators. The base proposer
         (autoregressive) keeps none; a proposer with per-row state overrides this, and one that
         does not cannot serve continuous batching (the loop checks before any work)."""
+
+    def select_rows(self, run: DecodeRun, index: torch.Tensor) -> None:
+        """Continuous batching whose width follows its requests: keep the per-row state of rows
+        `index` [B'] (as `DecodeRun.select_rows`). The base proposer keeps none; one with
+        per-row state overrides this and `restart`, or its batches keep their width."""
 
     def finish(self, stats) -> None:
         """Add the proposer's own counters to the stats."""
@@ -305,6 +317,8 @@ def speculative_decode(
         proposer.update(run, n_acc, next_token, fresh, p, active)
         chooser.after(step, active)
         slowest = rows.forwarded(step, active, p)
+        if run.batch_size != B:  # continuous batching changed the batch's width (`FeedRows.resize`)
+            B, ones, verify = run.batch_size, torch.ones(run.batch_size, dtype=torch.long, device=device), VerifyStep(run, proposer, rule)
     rows.end()
     stats = recorder.finish(ends.tokens(), B, state.cache_bytes + proposer.cache_bytes)
     proposer.finish(stats)

@@ -119,7 +119,7 @@ class StatsRecorder:
         self.device = torch.device(device)
         self.histogram = torch.zeros(max_accepted + 1, dtype=torch.long, device=self.device)
         self.forwards = 0
-        self._trace: list[torch.Tensor] = []  # per forward [B]: tokens each row finalised, -1 where it had finished
+        self._trace: list[torch.Tensor] = []  # per forward [2]: tokens its active rows finalised, and their count
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._start = time.perf_counter()
@@ -128,16 +128,16 @@ class StatsRecorder:
         """One forward: `accepted` [B] tokens finalised by each row, counted where `active`."""
         self.forwards += 1
         self.histogram.scatter_add_(0, accepted.clamp(0, self.histogram.numel() - 1), active.long())
-        self._trace.append(torch.where(active, accepted, -1))  # one kernel in the decode loop; reduced in `finish`
+        # Reduced on the device, read in `finish` (a continuous batch's width may change between forwards).
+        self._trace.append(torch.stack([torch.where(active, accepted, 0).sum(), active.sum()]))
 
     def finish(self, tokens: int, rows: int, cache_bytes: int) -> DecodeStats:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         wall = time.perf_counter() - self._start
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-        trace = torch.stack(self._trace).double() if self._trace else torch.zeros(0, 1, dtype=torch.float64)
-        active = trace >= 0
-        per_forward = ((trace * active).sum(1) / active.sum(1).clamp_min(1)).tolist()
+        trace = torch.stack(self._trace).double() if self._trace else torch.zeros(0, 2, dtype=torch.float64)
+        per_forward = (trace[:, 0] / trace[:, 1].clamp_min(1)).tolist()
         return DecodeStats(
             forwards=self.forwards,
             tokens=tokens,

@@ -84,6 +84,10 @@ class RowEnds:
         hit = stops.any(1)
         return torch.where(hit, stops.long().argmax(1) + 1, step), active & ~hit
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep rows `index` [B'] (continuous batching whose width follows its requests)."""
+        self.limit, self.emitted = self.limit[index], self.emitted[index]
+
     def advance(self, step: torch.Tensor) -> torch.Tensor:
         """Count `step` [B] more tokens per row; which rows are still within budget."""
         self.emitted += step  # in place: `FeedRows` holds this tensor

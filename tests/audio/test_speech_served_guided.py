@@ -85,3 +85,39 @@ def test_the_bundled_model_samples_as_alone_when_it_joins_a_live_batch():
     alone = bundled(texts[5], max_new_frames=96, decoding="ar", generator=torch.Generator().manual_seed(105))
     n = int(alone.lengths[0])
     assert len(served) == n and torch.equal(served, alone.frames[0, :n])
+
+
+@pytest.mark.parametrize("decoding", ["ar", "sjd:window=3,adapt=false"])
+def test_the_batch_width_follows_its_requests_and_each_decodes_as_alone(pipe, decoding, monkeypatch):
+    """A served batch starts as wide as its waiting requests, grows when more arrive than it has
+    rows, and narrows once at most half its rows run (`FeedRows.fit`); the rows that stay keep
+    their caches, encoder states, budgets and draws, so every request still equals its decode
+    alone."""
+    from mmgen.decoding import feed
+
+    widths = []
+    resize = feed.FeedRows.resize
+    monkeypatch.setattr(feed.FeedRows, "resize", lambda self, rows: (widths.append(len(rows)), resize(self, rows))[1])
+    server = pipe.serve(decoding, batch_size=4, max_new_frames=40, **SAMPLER)
+    budgets = {0: 40, 1: 12, 2: 40, 3: 30}
+    submit = lambda k, **kw: server.submit(TEXTS[k % 3], generator=torch.Generator().manual_seed(200 + k),
+                                           max_new_frames=budgets[k], **kw)
+    frames = TokenQueueStreamer(timeout=60)
+    futures, seen = {0: submit(0, streamer=frames)}, 0
+    for _, new in frames:  # two more join after 4 frames (the batch grows), the last after 20
+        seen += len(new)
+        if seen >= 4 and 1 not in futures:
+            futures[1], futures[2] = submit(1), submit(2)
+        if seen >= 20 and 3 not in futures:
+            futures[3] = submit(3)
+    for k in range(4):
+        futures.setdefault(k, submit(k))
+    for k, future in futures.items():
+        alone = pipe(TEXTS[k % 3], max_new_frames=budgets[k], decoding=decoding,
+                     generator=torch.Generator().manual_seed(200 + k), **SAMPLER)
+        audio, served, stats = future.result(timeout=120)
+        n = int(alone.lengths[0])
+        assert len(served) == n and torch.equal(served, alone.frames[0, :n]) and torch.equal(audio, alone.audio[0])
+        assert stats.forwards == alone.stats.forwards
+    grew, narrowed = any(b > a for a, b in zip([1] + widths, widths)), any(b < a for a, b in zip([1] + widths, widths))
+    assert grew and narrowed, widths

@@ -164,3 +164,45 @@ def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream
     with pytest.raises(RuntimeError, match="the prefill broke"):  # not a wait for the stream's timeout
         for _ in server.stream(PROMPTS[0], generator=make_generator(0)):
             pass
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("name,temperature", [("ar", 1.0), ("sjd", 1.0)], ids=["ar-sampled", "sjd-sampled"])
+def test_a_live_batch_grows_and_narrows_and_each_request_answers_as_alone(family, name, temperature, monkeypatch):
+    """A server's queue whose requests arrive mid-decode: the batch's width follows them
+    (`FeedRows.fit`: grows for waiting requests, narrows to the running ones), and each row
+    keeps its cache, positions (M-RoPE offsets included) and draws: answers equal alone."""
+    from mmgen.decoding import feed
+    from mmgen.decoding.batching import LiveQueue
+
+    widths, seen = [], {}
+    resize = feed.FeedRows.resize
+    monkeypatch.setattr(feed.FeedRows, "resize", lambda self, rows: (widths.append(len(rows)), resize(self, rows))[1])
+    pipe = BUILDERS[family]()
+    requests = requests_for(pipe, 50, budgets=[12, 3, 10, 12, 5, 8])
+
+    class Arrivals(LiveQueue):  # requests arrive at chosen forwards (the batch asks how many wait after each)
+        def __init__(self, schedule):
+            super().__init__()
+            self.schedule, self.calls = schedule, 0
+
+        def waiting(self):
+            self.calls += 1
+            for k in self.schedule.pop(self.calls, []):
+                self.put(requests[k], lambda f: seen.__setitem__(f.index, f), None)
+            return super().waiting()
+
+    queue = Arrivals({2: [1, 2], 4: [3, 4, 5]})
+    queue.put(requests[0], lambda f: seen.__setitem__(f.index, f), None)
+    decoder = make_decoder(name) if name == "ar" else make_decoder(name, window=4, adapt=False)
+    sampling = SamplingConfig(temperature=temperature)
+    stopping = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=12, pad_token=pipe.pad_token_id)
+    continuous_decode(decoder, pipe.token_model(), queue, 12, sampling, batch_size=3, stopping=stopping)
+    assert sorted(seen) == list(range(len(requests)))
+    for k, request in enumerate(requests_for(pipe, 50, budgets=[12, 3, 10, 12, 5, 8])):
+        budget = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=request.max_new_tokens, pad_token=pipe.pad_token_id)
+        alone = decoder.generate(pipe.token_model(), request.conditions, 12, sampling, request.generator, stopping=budget)
+        n = int(alone.lengths[0])
+        assert seen[k].tokens.tolist() == alone.tokens[0, :n].tolist(), f"request {k}"
+    steps = list(zip([1] + widths, widths))
+    assert any(b > a for a, b in steps) and any(b < a for a, b in steps), widths
