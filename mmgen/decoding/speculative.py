@@ -283,6 +283,7 @@ def speculative_decode(
     else:
         rows = FeedRows(feed, run, proposer, ends, streamer)
     slowest = rows.start()  # every row's token 0
+    B = run.batch_size  # continuous batching may have grown the batch for requests that arrived meanwhile
     chooser = window_chooser(adapt, k, B, run.guided, device, getattr(model, "window_cost", None))
     verify = VerifyStep(run, proposer, rule)
     slots, ones = torch.arange(k + 2, device=device), torch.ones(B, dtype=torch.long, device=device)

@@ -214,11 +214,12 @@ def test_a_live_queue_hands_each_request_its_arrival_index_and_its_alone_tokens(
 
 @pytest.mark.parametrize("name,sampling", [("ar", SAMPLED), ("sjd", SAMPLED), ("sjd", GREEDY)],
                          ids=["ar-sampled", "sjd-sampled", "sjd-greedy"])
-def test_a_live_batch_grows_and_narrows_with_its_requests_and_each_decodes_as_alone(name, sampling, monkeypatch):
+@pytest.mark.parametrize("first", [2, 4], ids=["arrive-at-start", "arrive-later"])
+def test_a_live_batch_grows_and_narrows_with_its_requests_and_each_decodes_as_alone(name, sampling, first, monkeypatch):
     """A server's queue (`LiveQueue`): the batch starts as wide as the requests waiting, grows
-    (up to `batch_size`) when more arrive than it has free rows, and narrows to its running rows
-    once they fill at most half of it (`FeedRows.fit`); every request still decodes what it
-    decodes alone, stats included."""
+    (up to `batch_size`) when more arrive than it has free rows, also while its first rows are
+    being started, and narrows to its running rows once they fill at most half of it
+    (`FeedRows.fit`); every request still decodes what it decodes alone, stats included."""
     from mmgen.decoding import feed
     from mmgen.decoding.batching import LiveQueue
 
@@ -227,7 +228,8 @@ def test_a_live_batch_grows_and_narrows_with_its_requests_and_each_decodes_as_al
     monkeypatch.setattr(feed.FeedRows, "resize", lambda self, rows: (widths.append(len(rows)), resize(self, rows))[1])
     labels = [1, 5, 7, 2, 9, 0]
 
-    class Arrivals(LiveQueue):  # requests arrive at chosen forwards (the batch asks how many wait after each)
+    class Arrivals(LiveQueue):  # requests arrive at chosen forwards (the batch asks how many wait after each;
+        # call 1 sizes the batch, call 2 is while its first rows start)
         def __init__(self, schedule):
             super().__init__()
             self.schedule, self.calls = schedule, 0
@@ -238,8 +240,9 @@ def test_a_live_batch_grows_and_narrows_with_its_requests_and_each_decodes_as_al
                 self.put(Request(torch.tensor([labels[i]]), make_generator(30 + i)), lambda f: seen.__setitem__(f.index, f), None)
             return super().waiting()
 
-    queue = Arrivals({3: [1, 2], 6: [3, 4, 5]})
-    queue.put(Request(torch.tensor([labels[0]]), make_generator(30)), lambda f: seen.__setitem__(f.index, f), None)
+    queue = Arrivals({first: [2, 3], 6: [4, 5]})
+    for i in (0, 1):  # the batch starts with two rows
+        queue.put(Request(torch.tensor([labels[i]]), make_generator(30 + i)), lambda f: seen.__setitem__(f.index, f), None)
     decoder = fixed(name)
     continuous_decode(decoder, MODEL, queue, 64, sampling, batch_size=4)
     assert sorted(seen) == list(range(len(labels)))
@@ -247,5 +250,5 @@ def test_a_live_batch_grows_and_narrows_with_its_requests_and_each_decodes_as_al
         alone = solo(decoder, label, 30 + i, sampling)
         assert torch.equal(seen[i].tokens, alone.tokens[0]), f"request {i}"
         assert seen[i].stats.forwards == alone.stats.forwards
-    steps = list(zip([1] + widths, widths))
+    steps = list(zip([2] + widths, widths))  # it starts with two rows
     assert any(b > a for a, b in steps) and any(b < a for a, b in steps) and max(widths) == 4, widths
