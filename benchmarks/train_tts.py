@@ -41,6 +41,20 @@ scored by the phoneme recogniser (PER, texts that end, durations; best.pt keeps 
 
     python -m benchmarks.train_tts target --codes runs/speech-codes.npz --out runs/tts-phon --threads 1 \
         --text-input phonemes --guided-attention 1.0 --eval-every 250 --eval-speak 48 --codec audio/assets/speech-tts/codec
+
+One voice first (issue 30): codes of the one-voice corpus (`benchmarks/data/speech.py
+--one-voice`), then a second stage from that run's weights (`--init`) with a sharper guide
+(`--guide-width`) and noisier past codes, so the decoder reads each word where it is:
+
+    python -m benchmarks.data.speech --out data/speech16k-en-us.npz --one-voice
+    python -m benchmarks.train_speech tokenize --data data/speech16k-en-us.npz --codec audio/assets/speech-tts/codec \
+        --out runs/speech-codes-en-us.npz --threads 1
+    python -m benchmarks.train_tts target --codes runs/speech-codes-en-us.npz --out runs/tts-en-us --threads 1 \
+        --text-input phonemes --guided-attention 1.0 --code-noise 0.3 --steps 6000 --eval-every 250 --eval-speak 48 \
+        --codec audio/assets/speech-tts/codec
+    python -m benchmarks.train_tts target --codes runs/speech-codes-en-us.npz --out runs/tts-en-us-2 --threads 1 \
+        --init runs/tts-en-us --text-input phonemes --guided-attention 1.0 --guide-width 0.1 --code-noise 0.5 \
+        --steps 4000 --eval-every 250 --eval-speak 48 --codec audio/assets/speech-tts/codec
 """
 
 from __future__ import annotations
@@ -283,13 +297,14 @@ def guided_attention_loss(cross_attentions: tuple, text_mask: torch.Tensor, fram
     return torch.stack(per_layer).mean()
 
 
-def part_loss(model: Any, part: dict[str, torch.Tensor], guide: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the model's loss, the guided attention loss) of one group of rows; the latter is zero
-    without computing attention weights when `guide` is 0."""
+def part_loss(model: Any, part: dict[str, torch.Tensor], guide: float,
+              width: float = GUIDE_WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the model's loss, the guided attention loss of that `width`) of one group of rows; the
+    latter is zero without computing attention weights when `guide` is 0."""
     if not guide:
         return model(**part).loss, torch.zeros(())
     out = model(**part, output_attentions=True)
-    return out.loss, guided_attention_loss(out.cross_attentions, part["attention_mask"], part["decoder_attention_mask"])
+    return out.loss, guided_attention_loss(out.cross_attentions, part["attention_mask"], part["decoder_attention_mask"], width)
 
 
 @torch.no_grad()
@@ -349,13 +364,17 @@ def train_model(args) -> None:
     train = CodesData(args.codes, "train", args.text_input)
     config = dia_config(args.job, train.codebook_size, train.num_codebooks)
     model = new_model(config, args.seed)
+    if args.init is not None and not (Path(args.out) / "checkpoint.pt").exists():
+        # A second stage: another run's weights (same preset and codes layout), a fresh optimizer
+        # and schedule; a resumed run reads its own checkpoint instead.
+        model.load_state_dict(torch.load(Path(args.init) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"])
     if args.guided_attention or args.eval_every:
         model.set_attn_implementation("eager")  # attention weights to guide and to measure; the same function
     clock = steps_per_second()
 
     def loss_fn(index, generator):
         batch = train.batch(index, generator, args.text_dropout, args.code_noise)
-        parts = [(part_loss(model, part, args.guided_attention), share)
+        parts = [(part_loss(model, part, args.guided_attention, args.guide_width), share)
                  for part, share in split_by_length(batch, args.micro_batches)]
         lm = sum(loss * share for (loss, _), share in parts)
         guided = sum(g * share for (_, g), share in parts)
@@ -549,6 +568,10 @@ def main(argv: list[str] | None = None) -> None:
                        "codes while training (labels kept): the past alone cannot predict the next frame, the text must")
         p.add_argument("--guided-attention", type=float, default=0.0, help="weight of the guided attention loss on the "
                        "decoder's cross-attention (0: off)")
+        p.add_argument("--guide-width", type=float, default=GUIDE_WIDTH, help="the guided attention's width g (share "
+                       "of the text either side of the diagonal; smaller asks for a sharper alignment)")
+        p.add_argument("--init", default=None, metavar="RUN", help="start from this run's weights (its checkpoint.pt): a "
+                       "second stage with its own optimizer, schedule and settings")
         p.add_argument("--eval-every", type=int, default=0, help="held-out figures every N steps (0: never): loss with "
                        "and without the text, distance from the diagonal; best.pt keeps the best gap")
         p.add_argument("--eval-speak", type=int, default=0, metavar="N", help="with --eval-every: also speak the first N "

@@ -178,3 +178,16 @@ def test_phoneme_input_and_the_spoken_held_out_figures(tmp_path):
     conditions, _ = pipe.prepare("thing number 0", max_new_frames=8)
     expected = list(b"[S1] " + spell_text("thing number 0").encode())
     assert bytes(conditions.input_ids[0, 1: int(conditions.attention_mask[0].sum())].tolist()) == bytes(expected[4:])
+
+
+def test_a_second_stage_starts_from_another_runs_weights(tmp_path):
+    """`--init RUN`: a fresh run (its own optimizer and settings, here a sharper guide) starts
+    from RUN's weights; with a learning rate of 0 its first step leaves them as they were."""
+    data_path = tmp_path / "codes.npz"
+    fake_codes(data_path)
+    common = ["--codes", str(data_path), "--batch-size", "4", "--threads", "1"]
+    main(["target", *common, "--steps", "2", "--out", str(tmp_path / "first")])
+    main(["target", *common, "--steps", "1", "--lr", "0", "--guided-attention", "1.0", "--guide-width", "0.1",
+          "--init", str(tmp_path / "first"), "--out", str(tmp_path / "second")])
+    first, second = (torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)["model"] for run in ("first", "second"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
