@@ -5,7 +5,11 @@ autoregressive steps, the adaptive `sjd` (the default) and fixed Jacobi windows 
 Cases (`--case`): LlamaGen GPT-B with random weights and LlamaGen's own init (a zero output
 head: the law ignores the context, so drafts pass; the good case), the same with every weight
 redrawn at std 0.05 (nothing is accepted: the worst case) or 0.02 (acceptance comes and goes
-within a decode), and the bundled, trained `emoji64`. `--sampling greedy` decodes with top-k 1
+within a decode), and the bundled, trained `emoji64`; and the bundled pairs' targets through their pipelines,
+`emoji-vlm` on its held-out sentence answers (greedy, its default) and `speech-tts` on held-out
+utterances (its own sampling), each round a batch-1 call per input and times per generated
+token (sampled utterances differ in length between methods); their `sjd` row runs with the cost
+curve the model ships with, if any (`window_cost`). `--sampling greedy` decodes with top-k 1
 under the model's own guidance, `model` with the model's own sampling (LlamaGen's official
 top-k 2000, CFG 4 for the random presets).
 
@@ -21,6 +25,8 @@ model with the CPU's default token cost).
     python -m benchmarks.adaptive_window --case gpt-b --sampling greedy --tokens 256 --repeats 3 --threads 1
     python -m benchmarks.adaptive_window --case gpt-b-barren --tokens 256 --repeats 2 --threads 1
     python -m benchmarks.adaptive_window --case emoji64 --repeats 5 --threads 2
+    python -m benchmarks.adaptive_window --case emoji-vlm --inputs 8 --repeats 3 --threads 1
+    python -m benchmarks.adaptive_window --case speech-tts --inputs 4 --repeats 3 --threads 1
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ from mmgen.sampling import IntervalGuidance, SamplingConfig
 
 #: --case -> (model, init std): see the module docstring.
 CASES = {"gpt-b": ("random:GPT-B", 0.0), "gpt-b-partial": ("random:GPT-B", 0.02),
-         "gpt-b-barren": ("random:GPT-B", 0.05), "emoji64": ("emoji64", 0.0)}
+         "gpt-b-barren": ("random:GPT-B", 0.05), "emoji64": ("emoji64", 0.0),
+         "emoji-vlm": ("emoji-vlm", 0.0), "speech-tts": ("speech-tts", 0.0)}
+#: Cases decoded through their pipelines (held-out inputs, `window_cost.decode_calls`).
+PIPELINE_CASES = {"emoji-vlm": "sentence", "speech-tts": None}
 SWEEP = (2, 4, 8, 16)
 
 
@@ -93,9 +102,44 @@ def linear_token_cost(curve: dict[int, float], rows_fed: int) -> float:
 
 
 def modelled(stats, curve: dict[int, float], window: int) -> float:
-    """A decode's forwards in AR steps per token under `curve` (the prefill counts one)."""
+    """A decode's forwards in AR steps per token under `curve` (each prefill counts one: a
+    round of pipeline calls has `calls` of them)."""
     drafts = stats.drafts_per_forward or [window - 1] * (stats.forwards - 1)
-    return (1 + sum(interpolate_cost(curve, d + 1) for d in drafts)) / stats.tokens
+    return (getattr(stats, "calls", 1) + sum(interpolate_cost(curve, d + 1) for d in drafts)) / stats.tokens
+
+
+def pipeline_runs(model: str, kind: Optional[str], specs: list[str], inputs: int, repeats: int,
+                  times: dict, warm_up: dict) -> dict[str, list]:
+    """Per spec, one summary per repeat of a round of batch-1 pipeline calls on held-out inputs
+    (`decode_calls`): seconds per generated token, forwards, and the drafts of every forward
+    (the prefill of each call counted as one AR step by `modelled`)."""
+    from types import SimpleNamespace
+
+    from benchmarks.window_cost import decode_calls, use_window_cost
+    from mmgen.loading import load_pipeline
+
+    pipe = load_pipeline(model)
+    pipe.set_progress_bar_config(disable=True)
+    calls = decode_calls(pipe, inputs, kind)
+    model_class = type(pipe.token_model())
+    carried = pipe.token_model().window_cost  # the curve the model ships with (None: the linear model)
+    runs: dict[str, list] = {m: [] for m in specs}
+    for r in range(repeats + 1):
+        for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
+            use_window_cost(pipe, {window_cost_key("cpu"): curve_of(warm_up)} if r and spec == MEASURED else carried)
+            stats = []
+            with timed_forwards(model_class, times if r else warm_up):
+                for call in calls:
+                    stats.append(call("sjd" if spec == MEASURED else spec).stats)
+            tokens = sum(s.tokens for s in stats)
+            window = getattr(resolve_decoder("sjd" if spec == MEASURED else spec), "window", 1)
+            drafts = [d for s in stats for d in (s.drafts_per_forward or [window - 1] * (s.forwards - 1))]
+            runs[spec].append(SimpleNamespace(
+                wall_time_s=sum(s.wall_time_s for s in stats) / tokens, forwards=sum(s.forwards for s in stats),
+                step_compression=tokens / sum(s.forwards for s in stats), drafts_per_forward=drafts or None,
+                tokens=tokens, calls=len(stats)))
+        use_window_cost(pipe, carried)
+    return {spec: stats[1:] for spec, stats in runs.items()}  # the first round warms up
 
 
 @torch.no_grad()
@@ -110,6 +154,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=0, help="tokens per image (0: the model's own)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--inputs", type=int, default=8, help="held-out inputs per round (the emoji-vlm and speech-tts cases)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the figures here")
@@ -117,16 +162,23 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_name, init_std = (args.model, args.init_std) if args.model else CASES[args.case]
-    token_model, sampling, length, classes = build(model_name, args.device, init_std)
-    if args.sampling == "greedy":
-        sampling = SamplingConfig(top_k=1, guidance=sampling.guidance)
-    tokens = args.tokens or length
+    on_pipeline = args.model is None and args.case in PIPELINE_CASES
+    if on_pipeline and (args.batch_size != 1 or args.sampling != "model" or args.device != "cpu"):
+        raise SystemExit(f"--case {args.case} decodes batch-1 calls at the model's own sampling on the CPU")
     specs = methods(tuple(args.sweep), args.methods, args.batch_size)
     decoders = {m: resolve_decoder("sjd" if m == MEASURED else m) for m in specs}
-    runs: dict[str, list] = {m: [] for m in specs}
     times: dict[int, list[float]] = defaultdict(list)
     warm_up: dict[int, list[float]] = defaultdict(list)
-    for r in range(args.repeats + 1):  # the first round warms up (and measures the curve the measured row uses)
+    if on_pipeline:
+        runs = pipeline_runs(model_name, PIPELINE_CASES[args.case], specs, args.inputs, args.repeats, times, warm_up)
+        sampling, tokens = None, "held-out"
+    else:
+        token_model, sampling, length, classes = build(model_name, args.device, init_std)
+        if args.sampling == "greedy":
+            sampling = SamplingConfig(top_k=1, guidance=sampling.guidance)
+        tokens = args.tokens or length
+        runs = {m: [] for m in specs}
+    for r in range(0 if on_pipeline else args.repeats + 1):  # the first round warms up (and measures the measured row's curve)
         labels = torch.tensor([(r * args.batch_size + i) % classes for i in range(args.batch_size)], device=args.device)
         for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
             measured = {window_cost_key(torch.device(args.device).type): curve_of(warm_up)} if r and spec == MEASURED else None
@@ -139,7 +191,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if MEASURED in runs and not runs[MEASURED]:
         del runs[MEASURED]
     curve = curve_of(times)
-    rows_fed = args.batch_size * (2 if sampling.uses_guidance else 1)
+    # Rows a forward feeds: guidance doubles them (Dia's own guidance too: its forwards feed both halves).
+    guided = sampling.uses_guidance if sampling is not None else args.case == "speech-tts"
+    rows_fed = args.batch_size * (2 if guided else 1)
     rows = {}
     for spec, stats in runs.items():
         window = getattr(decoders[spec], "window", 1)
@@ -151,6 +205,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             "mean_drafts": statistics.median(statistics.mean(s.drafts_per_forward) if s.drafts_per_forward else window - 1
                                              for s in stats),
             "modelled": statistics.median(modelled(s, curve, window) for s in stats),
+            "unit": "s / token" if on_pipeline else "s / decode",
         }
     fixed = [s for s in runs if s.startswith("sjd:adapt=false")]
     best = min(fixed, key=lambda s: rows[s]["seconds"])
@@ -170,12 +225,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print("cost curve (forward time by width over width 1): "
           + ", ".join(f"{w}: {c:.2f}" for w, c in curve.items())
           + f"; as a linear model's token cost: {linear_token_cost(curve, rows_fed):.3f}")
-    print("| method | s / decode (min-max) | vs AR | forwards | step compression | mean drafts | modelled AR steps / token |")
+    unit, scale = ("ms / token", 1000.0) if on_pipeline else ("s / decode", 1.0)
+    print(f"| method | {unit} (min-max) | vs AR | forwards | step compression | mean drafts | modelled AR steps / token |")
     print("|---|---|---|---|---|---|---|")
     for spec, row in rows.items():
         lo, hi = row["spread"]
-        print(f"| {spec} | {row['seconds']:.2f} ({lo:.2f}-{hi:.2f}) | {ar['seconds'] / row['seconds']:.2f}x | {row['forwards']:.0f} "
-              f"| {row['step_compression']:.2f}x | {row['mean_drafts']:.1f} | {row['modelled']:.3f} |")
+        print(f"| {spec} | {row['seconds'] * scale:.2f} ({lo * scale:.2f}-{hi * scale:.2f}) | {ar['seconds'] / row['seconds']:.2f}x "
+              f"| {row['forwards']:.0f} | {row['step_compression']:.2f}x | {row['mean_drafts']:.1f} | {row['modelled']:.3f} |")
     for key, name in (("adaptive", "adaptive sjd"), ("measured", "adaptive sjd with the measured curve")):
         if f"{key}_vs_ar" in summary:
             print(f"{name}: {summary[f'{key}_vs_best_fixed']:.3f}x the time of the best fixed window ({best}), "

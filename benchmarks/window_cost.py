@@ -52,8 +52,9 @@ def timed_forwards(model_class: type, times: dict[int, list[float]]) -> Iterator
         model_class.forward = forward
 
 
-def decode_calls(pipe: Any, count: int) -> list[Callable[[str], Any]]:
-    """`count` batch-1 calls of `pipe` on held-out inputs, each taking a decoding spec."""
+def decode_calls(pipe: Any, count: int, kind: Optional[str] = None) -> list[Callable[[str], Any]]:
+    """`count` batch-1 calls of `pipe` on held-out inputs, each taking a decoding spec (a VLM's
+    questions of one `kind` only when given: "sentence" for its long answers)."""
     from mmgen.audio.pipeline import TTSPipeline
     from mmgen.vlm.pipeline import VLMPipeline
 
@@ -64,6 +65,7 @@ def decode_calls(pipe: Any, count: int) -> list[Callable[[str], Any]]:
         from mmgen import vlm
 
         records, images = load_eval(Path(vlm.__file__).parent / "assets")
+        records = [r for r in records if kind in (None, r["kind"])]
         return [lambda spec, r=r: pipe(r["question"], Image.fromarray(images[r["index"]]), decoding=spec, max_new_tokens=32)
                 for r in records[:count]]
     if isinstance(pipe, TTSPipeline):

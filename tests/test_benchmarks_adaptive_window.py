@@ -24,3 +24,16 @@ def test_rows_curve_and_summary(tmp_path, capsys):
     assert json.loads((tmp_path / "result.json").read_text())["summary"] == summary
     out = capsys.readouterr().out
     assert "| sjd:adapt=false,window=4 |" in out and "the best fixed window" in out
+
+
+def test_a_bundled_pair_through_its_pipeline(capsys):
+    """The emoji-vlm case: batch-1 calls on held-out sentence questions, figures per generated
+    token; its `sjd` row runs with the curve the model ships with."""
+    result = main(["--case", "emoji-vlm", "--inputs", "1", "--repeats", "1", "--threads", "1", "--sweep", "2"])
+    rows = result["rows"]
+    assert list(rows) == ["ar", "sjd", "sjd, measured curve", "sjd:adapt=false,window=2"]
+    assert rows["ar"]["modelled"] == pytest.approx(1.0) and rows["ar"]["unit"] == "s / token"
+    assert rows["sjd:adapt=false,window=2"]["mean_drafts"] == 1
+    assert "| method | ms / token" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="batch-1"):
+        main(["--case", "speech-tts", "--batch-size", "2"])
