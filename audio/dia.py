@@ -128,6 +128,28 @@ class DiaTokenModel:
         return self._logits(state, hidden, tokens)
 
     @torch.no_grad()
+    def restart_rows(self, state: DecodeState, rows: list[int], conditions: list[DiaConditions]) -> list[Logits]:
+        """`restart` for several rows at once: requests that share a template (no voice prompt,
+        or prompts of one length) and a frame budget are prefilled together, their texts right
+        padded (row-wise attention: each row's prefill is the one it has alone), which saves a
+        prefill per request when many arrive together. The logits predicting each one's frame 0."""
+        groups: dict[tuple, list[int]] = {}
+        for i, c in enumerate(conditions):
+            if c.input_ids.shape[0] != 1:
+                raise ValueError(f"restart takes one row's conditions per request, got {c.input_ids.shape[0]} rows")
+            template = (c.decoder_input_ids.shape[1], int((c.decoder_input_ids[0, :, 0] == self.pad).sum()))
+            groups.setdefault((template, c.max_new_frames), []).append(i)
+        out: list = [None] * len(conditions)
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = self.restart(state, rows[members[0]], conditions[members[0]])
+                continue
+            fresh = self.start(_right_padded([conditions[i] for i in members]), state.extra.history.shape[1] - 1, False)
+            for k, i in enumerate(members):
+                out[i] = self._place(state, rows[i], fresh, k)
+        return out
+
+    @torch.no_grad()
     def restart(self, state: DecodeState, row: int, conditions: DiaConditions) -> Logits:
         """Continuous batching: row `row` of a live decode starts over on one row's conditions.
         Text and template are prefilled alone (`start`); the decoder cache goes to the row's
@@ -135,25 +157,30 @@ class DiaTokenModel:
         of the prompt alone, and its encoder states and cross-attention keys to the same rows,
         right padded and masked as a static batch pads shorter texts (the encoder axis grows
         for every row when this text is longer). Returns the logits predicting its frame 0."""
-        run: _Run = state.extra
-        fresh = self.start(conditions, run.history.shape[1] - 1, False)
-        solo: _Run = fresh.extra
+        fresh = self.start(conditions, state.extra.history.shape[1] - 1, False)
         if fresh.batch_size != 1:
             raise ValueError(f"restart takes one row's conditions, got {fresh.batch_size} rows")
+        return self._place(state, row, fresh, 0)
+
+    def _place(self, state: DecodeState, row: int, fresh: DecodeState, k: int) -> Logits:
+        """Row `k` of `fresh` (requests prefilled by `start`) into row `row` of the live decode;
+        the logits predicting its frame 0."""
+        run: _Run = state.extra
+        solo: _Run = fresh.extra
         if (solo.guidance_scale, solo.guidance_top_k) != (run.guidance_scale, run.guidance_top_k):
             raise ValueError("a continuous batch runs one guidance setting: every request needs the batch's guidance "
                              "scale and top-k")
-        B = state.batch_size
-        rows = [row, row + B] if run.guidance_scale is not None else [row]
-        for i, r in enumerate(rows):
+        B, n = state.batch_size, fresh.batch_size
+        rows, theirs = ([row, row + B], [k, k + n]) if run.guidance_scale is not None else ([row], [k])
+        for r, i in zip(rows, theirs):
             run.offset -= state.cache.restart_row(r, fresh.cache, i)
         # Alone, the row's next position is its prompt length; here its slots count from the
         # live prompt region's.
         run.offset[rows] = fresh.cache.prompt_length - state.cache.prompt_length
-        self._place_encoder(run, solo, rows)
-        run.template[row], run.budget_end[row], run.history[row] = solo.template[0], solo.budget_end[0], self.pad
+        self._place_encoder(run, solo, rows, theirs)
+        run.template[row], run.budget_end[row], run.history[row] = solo.template[k], solo.budget_end[k], self.pad
         self._set_generated(run, run.generated.index_fill(0, torch.tensor([row], device=run.generated.device), 0))
-        return fresh.first_logits
+        return fresh.first_logits[k:k + 1]
 
     def select_rows(self, state: DecodeState, index: torch.Tensor) -> None:
         """Continuous batching whose width follows its requests: keep rows `index` [B'] (indices
@@ -171,24 +198,24 @@ class DiaTokenModel:
         state.batch_size = len(index)
 
     @staticmethod
-    def _place_encoder(run: "_Run", solo: "_Run", rows: list) -> None:
-        """A request's encoder states, mask and cross-attention keys/values (rows i of `solo`)
-        into `rows` of the live decode, zero padded and masked on the right."""
+    def _place_encoder(run: "_Run", solo: "_Run", rows: list, theirs: list) -> None:
+        """A request's encoder states, mask and cross-attention keys/values (rows `theirs` of
+        `solo`) into `rows` of the live decode, zero padded and masked on the right."""
         grow = solo.encoded.shape[1] - run.encoded.shape[1]
         if grow > 0:
             run.encoded = torch.cat([run.encoded, run.encoded.new_zeros(run.encoded.shape[0], grow, run.encoded.shape[2])], 1)
             run.encoder_mask = torch.cat([run.encoder_mask, run.encoder_mask.new_zeros(run.encoder_mask.shape[0], grow)], 1)
         n = solo.encoded.shape[1]
-        for i, r in enumerate(rows):
+        for i, r in zip(theirs, rows):
             run.encoded[r], run.encoder_mask[r] = 0, 0
             run.encoded[r, :n], run.encoder_mask[r, :n] = solo.encoded[i], solo.encoder_mask[i]
-        for mine, theirs in zip(run.kv.cross_attention_cache.layers, solo.kv.cross_attention_cache.layers):
+        for live, fresh in zip(run.kv.cross_attention_cache.layers, solo.kv.cross_attention_cache.layers):
             for name in ("keys", "values"):
-                t, new = getattr(mine, name), getattr(theirs, name)
+                t, new = getattr(live, name), getattr(fresh, name)
                 if grow > 0:
                     t = torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], 2)
-                    setattr(mine, name, t)
-                for i, r in enumerate(rows):
+                    setattr(live, name, t)
+                for i, r in zip(theirs, rows):
                     t[r] = 0
                     t[r, :, :n] = new[i]
 
@@ -269,6 +296,17 @@ class DiaTokenModel:
             forced = torch.where((index < T)[..., None] & (known != self.pad), known, forced)
         one_hot = torch.full_like(cond, neg).scatter(-1, forced.clamp_min(0)[..., None], 0.0)
         return Logits(torch.where((forced >= 0)[..., None], one_hot, cond))
+
+
+def _right_padded(conditions: list[DiaConditions]) -> DiaConditions:
+    """One batch of single-row conditions that share a template and a budget: texts right padded
+    (id 0, masked) to the longest."""
+    S = max(c.input_ids.shape[1] for c in conditions)
+    pad = lambda t: torch.nn.functional.pad(t, (0, S - t.shape[1]))
+    head = conditions[0]
+    return DiaConditions(torch.cat([pad(c.input_ids) for c in conditions]), torch.cat([pad(c.attention_mask) for c in conditions]),
+                         torch.cat([c.decoder_input_ids for c in conditions]), torch.cat([c.decoder_attention_mask for c in conditions]),
+                         head.max_new_frames, head.guidance_scale, head.guidance_top_k)
 
 
 class _Run:

@@ -155,8 +155,9 @@ class FeedRows:
             # Every free row asks, not only those that just ended: a feed whose requests arrive
             # while others decode (a server's queue) has them started at the next forward.
             free = [row for row, request in enumerate(self.requests) if request is None]
-            for row, request in self.feed.refill(free) if free else ():
-                p0 = run.probs(self.restart(run.state, row, request.conditions), zero)
+            taken = self.feed.refill(free) if free else []
+            for (row, request), first in zip(taken, self.prefill(taken)):
+                p0 = run.probs(first, zero)
                 run.generator[row] = request.generator
                 run.tokens[row] = 0
                 run.tokens[row, 0] = (p0.argmax(-1) if run.greedy else sample(p0, request.generator))[0, 0]
@@ -175,6 +176,15 @@ class FeedRows:
             run.active[at] = ~ends.done_at_first(run.tokens[at, :1], ends.limit[at])
             self.proposer.restart(run, at)
             ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
+
+    def prefill(self, taken: list) -> list:
+        """The logits predicting token 0 of each (row, request) in `taken`, its row restarted on
+        it: together where the model prefills several requests in one batch (`restart_rows`,
+        each as alone), else one by one."""
+        together = getattr(self.run.model, "restart_rows", None)
+        if together is not None and len(taken) > 1:
+            return together(self.run.state, [row for row, _ in taken], [request.conditions for _, request in taken])
+        return [self.restart(self.run.state, row, request.conditions) for row, request in taken]
 
     def fit(self) -> None:
         """Grow to the requests that run and wait (at most `max_rows`) when they outnumber the

@@ -92,9 +92,9 @@ def test_restart_grows_the_encoder_axis_and_the_prompt_region(pipe, monkeypatch)
     seen = []
     place = DiaTokenModel._place_encoder
 
-    def spy(run, solo, rows):
+    def spy(run, solo, rows, theirs):
         before = run.encoded.shape[1]
-        place(run, solo, rows)
+        place(run, solo, rows, theirs)
         seen.append((before, solo.encoded.shape[1], run.encoded.shape[1], run.kv.cross_attention_cache.layers[0].keys.shape[2]))
 
     monkeypatch.setattr(DiaTokenModel, "_place_encoder", staticmethod(spy))
@@ -166,3 +166,19 @@ def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream
     with pytest.raises(RuntimeError, match="the prefill broke"):  # not a wait for the stream's timeout
         for _ in server.stream(TEXTS[0], generator=torch.Generator()):
             pass
+
+
+def test_requests_that_start_together_are_prefilled_together_and_speak_as_alone(pipe, monkeypatch):
+    """Rows started in one pass share a prefill where their templates and budgets match
+    (`DiaTokenModel.restart_rows`: texts right padded, row-wise attention), a voiced one alone;
+    each still speaks what it speaks alone."""
+    sizes = []
+    start = DiaTokenModel.start
+    monkeypatch.setattr(DiaTokenModel, "start", lambda self, c, *a: (sizes.append(c.input_ids.shape[0]), start(self, c, *a))[1])
+    options = dict(max_new_frames=30, decoding="ar", temperature=1.0, top_k=20, guidance_scale=3.0)
+    out = pipe.speak_each(TEXTS[:4], VOICES[:4], VOICE_TEXTS[:4], generators(11, 4), batch_size=4, **options)
+    assert 3 in sizes  # texts 0, 1 and 3 (no voice) in one prefill; text 2's voice prompt alone
+    for i in range(4):
+        alone = pipe(TEXTS[i], VOICES[i], VOICE_TEXTS[i], generator=torch.Generator().manual_seed(11 + i), **options)
+        n = int(alone.lengths[0])
+        assert int(out.lengths[i]) == n and torch.equal(out.frames[i, :n], alone.frames[0, :n])
