@@ -356,8 +356,11 @@ def _cancelled(request: Request, on_error: Callable[[BaseException], None]) -> N
 def _stack(conditions: list) -> Any:
     """One batch of conditions from per-row ones: tensors concatenated on their first axis,
     dataclasses field by field, mappings (a processor's inputs) key by key; other values (a
-    budget, a guidance scale) must be equal in every row."""
+    budget, a guidance scale) must be equal in every row. One row's conditions are already a
+    batch: returned as they are (so a batch of one starts on the request's own conditions)."""
     head = conditions[0]
+    if len(conditions) == 1:
+        return head
     if isinstance(head, torch.Tensor):
         return torch.cat([c.reshape(1) if c.ndim == 0 else c for c in conditions])
     if dataclasses.is_dataclass(head):

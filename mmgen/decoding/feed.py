@@ -107,6 +107,9 @@ class FeedRows:
         # Idle rows still draw (shapes are fixed): from this one, never from a finished request's
         # generator, which the caller gets back as a batch-1 decode would leave it.
         self.idle = torch.Generator(device=device).manual_seed(0)
+        # A batch of one started on its request's own conditions (`continuous_decode`): that
+        # prefill is the request's alone, so its row needs no second one.
+        self.prefilled = run.conditions if B == 1 else None
         self.follows = follows_requests(feed, run.model, proposer)
         self.max_rows = max(B, getattr(feed, "max_rows", None) or B)
         self.widths = [B]  # the batch's width after each change
@@ -181,6 +184,9 @@ class FeedRows:
         """The logits predicting token 0 of each (row, request) in `taken`, its row restarted on
         it: together where the model prefills several requests in one batch (`restart_rows`,
         each as alone), else one by one."""
+        prefilled, self.prefilled = self.prefilled, None  # only before the first forward
+        if len(taken) == 1 and taken[0][0] == 0 and prefilled is not None and taken[0][1].conditions is prefilled:
+            return [self.run.state.first_logits]
         together = getattr(self.run.model, "restart_rows", None)
         if together is not None and len(taken) > 1:
             return together(self.run.state, [row for row, _ in taken], [request.conditions for _, request in taken])

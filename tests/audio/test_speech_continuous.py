@@ -159,10 +159,10 @@ def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream
     with pytest.raises(ValueError, match="submit takes one text"):
         server.submit(TEXTS[:2])
 
-    def broken(self, state, row, conditions):
+    def broken(self, conditions, capacity, guidance):  # every prefill: the batch's and each row's
         raise RuntimeError("the prefill broke")
 
-    monkeypatch.setattr(DiaTokenModel, "restart", broken)
+    monkeypatch.setattr(DiaTokenModel, "start", broken)
     with pytest.raises(RuntimeError, match="the prefill broke"):  # not a wait for the stream's timeout
         for _ in server.stream(TEXTS[0], generator=torch.Generator()):
             pass
@@ -182,3 +182,16 @@ def test_requests_that_start_together_are_prefilled_together_and_speak_as_alone(
         alone = pipe(TEXTS[i], VOICES[i], VOICE_TEXTS[i], generator=torch.Generator().manual_seed(11 + i), **options)
         n = int(alone.lengths[0])
         assert int(out.lengths[i]) == n and torch.equal(out.frames[i, :n], alone.frames[0, :n])
+
+
+def test_a_batch_of_one_is_prefilled_once(pipe, monkeypatch):
+    """A shared batch that starts with one request starts on that request's own conditions: its
+    row needs no second prefill (a lone request in a server costs what it costs alone)."""
+    calls = []
+    start = DiaTokenModel.start
+    monkeypatch.setattr(DiaTokenModel, "start", lambda self, c, *a: (calls.append(c), start(self, c, *a))[1])
+    server = pipe.serve("ar", batch_size=4, max_new_frames=20)
+    _, frames, _ = server.submit(TEXTS[0], generator=torch.Generator().manual_seed(5)).result(timeout=60)
+    assert len(calls) == 1
+    alone = pipe(TEXTS[0], max_new_frames=20, decoding="ar", generator=torch.Generator().manual_seed(5))
+    assert torch.equal(frames, alone.frames[0, : int(alone.lengths[0])])

@@ -157,10 +157,10 @@ def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream
     with pytest.raises(ValueError, match="submit takes one prompt"):
         server.submit([PROMPTS[0], PROMPTS[1]])
 
-    def broken(self, state, row, conditions):
+    def broken(self, conditions, capacity, guidance):  # every prefill: the batch's and each row's
         raise RuntimeError("the prefill broke")
 
-    monkeypatch.setattr(VLMTokenModel, "restart", broken)
+    monkeypatch.setattr(VLMTokenModel, "start", broken)
     with pytest.raises(RuntimeError, match="the prefill broke"):  # not a wait for the stream's timeout
         for _ in server.stream(PROMPTS[0], generator=make_generator(0)):
             pass
