@@ -112,7 +112,6 @@ class FeedRows:
         self.prefilled = run.conditions if B == 1 else None
         self.follows = follows_requests(feed, run.model, proposer)
         self.max_rows = max(B, getattr(feed, "max_rows", None) or B)
-        self.widths = [B]  # the batch's width after each change
 
     def start(self) -> int:
         """Start every row on a request (no row decodes until then)."""
@@ -222,7 +221,6 @@ class FeedRows:
                 run.active[row] = False
                 run.generator[row] = self.idle
         self.feed.renumber(rows)
-        self.widths.append(len(rows))
 
     def completed(self, row: int, frame: torch.Tensor) -> torch.Tensor:
         """Frame 0 [K] of the request starting on `row`, its later codebooks sampled by the
