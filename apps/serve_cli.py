@@ -25,7 +25,10 @@ from mmgen.apps.requests.bounds import LIMITS
 #: Modalities whose requests may share a model's continuous batch (`--continuous-batch MODALITY=ROWS`);
 #: a video model makes one video at a time. The server reads it here too.
 BATCHED = ("image", "text", "speech")
-DEFAULT_ROWS = 8
+#: A batch's width follows its requests (`mmgen.decoding.feed.FeedRows.fit`), so rows cost
+#: nothing until requests fill them; 16 served the bundled speech model at 3.5x the
+#: one-at-a-time server's requests per second at 16 clients (docs/benchmarks.md).
+DEFAULT_ROWS = 16
 MAX_ROWS = 64
 API_KEY_ENV = "MMGEN_API_KEY"
 MIB = 1024 * 1024

@@ -544,7 +544,7 @@ def test_serve_command_defaults_are_local_and_the_servers(monkeypatch):
     args = serve_parser().parse_args(["serve"])
     assert (args.host, args.port, args.model) == ("127.0.0.1", 8000, None)
     assert serve_cli.settings_of(args) == ServerSettings()
-    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 8, "text": 8, "speech": 8}
+    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 16, "text": 16, "speech": 16}
     args = serve_parser().parse_args(["serve", "--continuous-batch", "2", "--continuous-batch", "speech=0"])
     assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 2, "text": 2, "speech": 0}
     monkeypatch.setenv(serve_cli.API_KEY_ENV, "from-env")
@@ -560,7 +560,7 @@ def test_the_old_modality_name_vlm_still_sets_the_text_batch_with_a_note(capsys)
     rows, with a one-line note on stderr; Python callers of `discover_catalogs` get a
     DeprecationWarning."""
     args = serve_parser().parse_args(["serve", "--continuous-batch", "vlm=3", "--continuous-batch", "speech=5"])
-    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 8, "text": 3, "speech": 5}
+    assert serve_cli.continuous_batch(args.continuous_batch) == {"image": 16, "text": 3, "speech": 5}
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--continuous-batch vlm=ROWS is now text=ROWS" in err
     serve_parser().parse_args(["serve", "--continuous-batch", "text=3"])
