@@ -93,11 +93,9 @@ def test_the_batch_width_follows_its_requests_and_each_decodes_as_alone(pipe, de
     rows, and narrows once at most half its rows run (`FeedRows.fit`); the rows that stay keep
     their caches, encoder states, budgets and draws, so every request still equals its decode
     alone."""
-    from mmgen.decoding import feed
+    from tests.streams import recorded_widths
 
-    widths = []
-    resize = feed.FeedRows.resize
-    monkeypatch.setattr(feed.FeedRows, "resize", lambda self, rows: (widths.append(len(rows)), resize(self, rows))[1])
+    widths = recorded_widths(monkeypatch)
     server = pipe.serve(decoding, batch_size=4, max_new_frames=40, **SAMPLER)
     budgets = {0: 40, 1: 12, 2: 40, 3: 30}
     submit = lambda k, **kw: server.submit(TEXTS[k % 3], generator=torch.Generator().manual_seed(200 + k),

@@ -220,29 +220,13 @@ def test_a_live_batch_grows_and_narrows_with_its_requests_and_each_decodes_as_al
     (up to `batch_size`) when more arrive than it has free rows, also while its first rows are
     being started, and narrows to its running rows once they fill at most half of it
     (`FeedRows.fit`); every request still decodes what it decodes alone, stats included."""
-    from mmgen.decoding import feed
-    from mmgen.decoding.batching import LiveQueue
+    from tests.streams import arrivals, recorded_widths
 
-    widths, seen = [], {}
-    resize = feed.FeedRows.resize
-    monkeypatch.setattr(feed.FeedRows, "resize", lambda self, rows: (widths.append(len(rows)), resize(self, rows))[1])
-    labels = [1, 5, 7, 2, 9, 0]
-
-    class Arrivals(LiveQueue):  # requests arrive at chosen forwards (the batch asks how many wait after each;
-        # call 1 sizes the batch, call 2 is while its first rows start)
-        def __init__(self, schedule):
-            super().__init__()
-            self.schedule, self.calls = schedule, 0
-
-        def waiting(self):
-            self.calls += 1
-            for i in self.schedule.pop(self.calls, []):
-                self.put(Request(torch.tensor([labels[i]]), make_generator(30 + i)), lambda f: seen.__setitem__(f.index, f), None)
-            return super().waiting()
-
-    queue = Arrivals({first: [2, 3], 6: [4, 5]})
+    widths, seen, labels = recorded_widths(monkeypatch), {}, [1, 5, 7, 2, 9, 0]
+    request = lambda i: Request(torch.tensor([labels[i]]), make_generator(30 + i))
+    queue = arrivals({first: [request(2), request(3)], 6: [request(4), request(5)]}, seen)
     for i in (0, 1):  # the batch starts with two rows
-        queue.put(Request(torch.tensor([labels[i]]), make_generator(30 + i)), lambda f: seen.__setitem__(f.index, f), None)
+        queue.arrive(request(i))
     decoder = fixed(name)
     continuous_decode(decoder, MODEL, queue, 64, sampling, batch_size=4)
     assert sorted(seen) == list(range(len(labels)))

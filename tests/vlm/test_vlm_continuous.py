@@ -172,28 +172,13 @@ def test_a_live_batch_grows_and_narrows_and_each_request_answers_as_alone(family
     """A server's queue whose requests arrive mid-decode: the batch's width follows them
     (`FeedRows.fit`: grows for waiting requests, narrows to the running ones), and each row
     keeps its cache, positions (M-RoPE offsets included) and draws: answers equal alone."""
-    from mmgen.decoding import feed
-    from mmgen.decoding.batching import LiveQueue
+    from tests.streams import arrivals, recorded_widths
 
-    widths, seen = [], {}
-    resize = feed.FeedRows.resize
-    monkeypatch.setattr(feed.FeedRows, "resize", lambda self, rows: (widths.append(len(rows)), resize(self, rows))[1])
+    widths, seen = recorded_widths(monkeypatch), {}
     pipe = BUILDERS[family]()
     requests = requests_for(pipe, 50, budgets=[12, 3, 10, 12, 5, 8])
-
-    class Arrivals(LiveQueue):  # requests arrive at chosen forwards (the batch asks how many wait after each)
-        def __init__(self, schedule):
-            super().__init__()
-            self.schedule, self.calls = schedule, 0
-
-        def waiting(self):
-            self.calls += 1
-            for k in self.schedule.pop(self.calls, []):
-                self.put(requests[k], lambda f: seen.__setitem__(f.index, f), None)
-            return super().waiting()
-
-    queue = Arrivals({2: [1, 2], 4: [3, 4, 5]})
-    queue.put(requests[0], lambda f: seen.__setitem__(f.index, f), None)
+    queue = arrivals({2: requests[1:3], 4: requests[3:]}, seen)
+    queue.arrive(requests[0])
     decoder = make_decoder(name) if name == "ar" else make_decoder(name, window=4, adapt=False)
     sampling = SamplingConfig(temperature=temperature)
     stopping = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=12, pad_token=pipe.pad_token_id)
