@@ -29,8 +29,8 @@ def register(commands, groups) -> None:
                             "Names ending in -draft/-small are companions (drafters, refiners) of the model they extend")
     image.add_argument("--max-images", type=bounded_int(1, MAX_IMAGES, "--max-images"), default=4,
                        help=f"images per request, at most (default 4, up to {MAX_IMAGES})")
-    _continuous_batch(image, "the images of requests that overlap in time (same model, fixed-window method such as ar or "
-                             "sjd with adapt=false, same sampling) in one continuous batch of ROWS rows; image i of a "
+    _continuous_batch(image, "the images of requests that overlap in time (same model, a method that batches continuously: "
+                             "ar or the sjd family, same sampling) in one continuous batch of ROWS rows; image i of a "
                              "request then comes from seed + i")
     _serving(image, "pipelines")
     image.set_defaults(run=run_image_demo)

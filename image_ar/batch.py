@@ -37,8 +37,8 @@ record carries its group (the generator's seed, class ids, member files, positio
 `mmgen generate image` command that regenerates that group and, as `command_file`, the name
 that command gives this row's image.
 
-Continuous batching (`--continuous`; LlamaGen models, fixed-window decoders: `ar`,
-`sjd:adapt=false`, `lantern:adapt=false`, ...). Groups of up to 16 x `--batch-size` rows are
+Continuous batching (`--continuous`; LlamaGen models; `ar` and the sjd family, `sjd`,
+`lantern`, ..., each row choosing its own adaptive window or a fixed one). Groups of up to 16 x `--batch-size` rows are
 the unit of sharding and failure; within one, `--batch-size` rows decode at a time and a row
 that finishes takes the next waiting row at once (`mmgen.decoding.batching`). Every row draws
 from its own generator (seed `seed + k`) and is prefilled alone, so its image is the one

@@ -8,6 +8,7 @@ probabilities (CFG, temperature, top-k, top-p), and `sample` draws from them wit
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -238,8 +239,10 @@ def exponential_noise(shape: tuple, generator: torch.Generator, device: torch.de
     dtype from the same generator state (row b from generator b under `RowGenerators`)."""
     noise = torch.empty(shape, device=device, dtype=dtype)
     if isinstance(generator, RowGenerators):
-        for row, g in zip(noise, generator):
-            row.exponential_(generator=g)
+        for b, (row, g) in enumerate(zip(noise, generator)):
+            n = generator.slots(b, row.shape[0])
+            row[:n].exponential_(generator=g)
+            row[n:] = 1.0  # unread slots of a row that verifies fewer drafts (`RowGenerators.narrowed`)
     else:
         noise.exponential_(generator=generator)
     return noise
@@ -254,7 +257,11 @@ def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def uniform(shape: tuple, generator: torch.Generator, device: torch.device) -> torch.Tensor:
     """U[0, 1) float32 draws from `generator` (acceptance tests of speculative decoders)."""
     if isinstance(generator, RowGenerators):
-        return generator.stack(lambda g: torch.rand(shape[1:], generator=g, device=device, dtype=torch.float32))
+        out = torch.ones(shape, device=device, dtype=torch.float32)  # 1.0 accepts no draft: unread slots
+        for b, g in enumerate(generator):
+            n = generator.slots(b, shape[1])
+            out[b, :n] = torch.rand((n, *shape[2:]), generator=g, device=device, dtype=torch.float32)
+        return out
     return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
 
 
@@ -273,6 +280,7 @@ class RowGenerators:
 
     def __init__(self, generators):
         self.generators = list(generators)
+        self.short: Optional[list[int]] = None  # per row, slots it does not draw (`narrowed`)
         if not self.generators or not all(isinstance(g, torch.Generator) for g in self.generators):
             raise ValueError("RowGenerators takes one torch.Generator per row")
         devices = {torch.device(g.device) for g in self.generators}
@@ -295,6 +303,21 @@ class RowGenerators:
     def select(self, rows) -> "RowGenerators":
         """The generators of `rows` (ints), in that order."""
         return RowGenerators([self.generators[int(b)] for b in rows])
+
+    @contextlib.contextmanager
+    def narrowed(self, short: list[int]):
+        """Within the block, row b's `uniform` and `exponential_noise` draws cover `short[b]`
+        fewer slots (axis 1) than asked, the rest filled with 1.0: a row that verifies fewer
+        drafts than the forward holds draws what a decode of it at its own window draws."""
+        self.short = list(short)
+        try:
+            yield self
+        finally:
+            self.short = None
+
+    def slots(self, row: int, n: int) -> int:
+        """How many of `n` slots row `row` draws (all, outside `narrowed`)."""
+        return n if self.short is None else n - self.short[row]
 
     def stack(self, draw) -> torch.Tensor:
         """torch.stack of `draw(generator)` for every row."""

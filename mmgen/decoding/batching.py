@@ -12,8 +12,11 @@ as far as the model's forward is batch-invariant (a row's logits do not depend o
 rows): dense matmuls are where the kernel does not change with the row count, as on this CPU
 for the tiny and bundled LlamaGens of tests/core/test_continuous_batching.py.
 
-Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++) with a fixed
-window (`adapt=False`: the adaptive window picks one width for the whole batch).
+Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++), with a fixed
+window or the adaptive one; under the adaptive window each row chooses its own draft counts
+from its own tokens (`window.RowWindows`), as its decode alone does, and verifies only those
+(a forward holds the largest; a row's draws cover its own slots: `RowGenerators.narrowed`).
+Frames (several codebooks per slot) keep a fixed window.
 
 A server's batch (`LiveQueue`) changes width with its requests where the model can keep a
 subset of its rows (`select_rows`: LlamaGen, the VLM adapter, Dia): it starts as wide as the
@@ -260,19 +263,17 @@ class ContinuousServer:
 
 def check_continuous(decoder: Any, model: Optional[TokenModel] = None) -> None:
     """ValueError unless `decoder` can serve continuous batching: one of the speculative
-    loop's decoders with a fixed window; with `model`, also its proposer on that model (rows
-    that restart, draws from each row's generator) and the model's `restart`, as the loop
-    checks at its start (a job file's lines are checked so, before any work)."""
+    loop's decoders; with `model`, also its proposer on that model (rows that restart, draws
+    from each row's generator, per-row windows where it adapts its window) and the model's
+    `restart`, as the loop checks at its start (a job file's lines are checked so, before any
+    work)."""
     from mmgen.decoding.speculative import SpeculativeDecoder, check_row_feed
 
     if not isinstance(decoder, SpeculativeDecoder):
         raise ValueError(f"continuous batching runs the token decoders of the speculative loop, not {type(decoder).__name__}")
-    if resolve_adaptive(getattr(decoder, "adapt", None)) is not None:
-        raise ValueError("continuous batching needs a fixed draft window: the adaptive window picks one width for the "
-                         "whole batch, so a row's draws would depend on its neighbours; pass adapt=False (spec ':adapt=false')")
     if model is not None:
         proposer, _ = decoder.roles(model, 2, torch.Generator(device="cpu"))
-        check_row_feed(model, proposer, None)
+        check_row_feed(model, proposer, resolve_adaptive(getattr(decoder, "adapt", None)))
 
 
 def continuous_decode(
@@ -320,7 +321,8 @@ def continuous_decode(
         generators = generators.select(range(rows))
     # The batch is sized by the first request's conditions; each row is prefilled again alone.
     result = speculative_decode(model, _stack([head.conditions] * rows), num_tokens, sampling, generators, proposer, rule,
-                                decoder.capacity(num_tokens), stopping=stopping, feed=queue)
+                                decoder.capacity(num_tokens), stopping=stopping, feed=queue,
+                               adapt=resolve_adaptive(getattr(decoder, "adapt", None)))
     stats = result.stats
     # Forwards: the batch's decode forwards plus one batch-1 prefill per request. The baseline
     # is autoregressive decoding of the same tokens in rows packed without a gap (a prefill per

@@ -96,9 +96,11 @@ class FeedRows:
     free, and narrows to its running rows once at most half of them run, so a lone request does
     not pay for a full batch's forwards. Rows keep their order; each keeps its state."""
 
-    def __init__(self, feed: RowFeed, run: DecodeRun, proposer: Proposer, ends: RowEnds, streamer: Optional[Streamer] = None):
+    def __init__(self, feed: RowFeed, run: DecodeRun, proposer: Proposer, ends: RowEnds, streamer: Optional[Streamer] = None,
+                 windows: Any = None):
         B, device = run.batch_size, run.device
         self.feed, self.run, self.proposer, self.ends, self.streamer = feed, run, proposer, ends, streamer
+        self.windows = windows  # the rows' own adaptive windows (`window.RowWindows`), or None
         self.restart, self.complete = run.model.restart, getattr(run.model, "complete_frame", None)
         self.bad = torch.zeros(B, dtype=torch.bool, device=device)  # rows that met a law with no valid token
         self.rows = RowCounters(B, run.num_draft, device)
@@ -149,6 +151,8 @@ class FeedRows:
                 if self.requests[row] is not None:
                     n = int(torch.minimum(ends.emitted[row], ends.limit[row]))  # a last window may run past the end
                     stats = self.rows.stats(row, n)
+                    if self.windows is not None:
+                        stats.drafts_per_forward = list(self.windows.chosen(row))
                     self.release(row)
                     self.feed.finish(row, run.tokens[row, :n].clone(), stats, bool(self.bad[row]))
             started = []
@@ -177,6 +181,8 @@ class FeedRows:
             at = torch.tensor(started, device=run.device)
             run.active[at] = ~ends.done_at_first(run.tokens[at, :1], ends.limit[at])
             self.proposer.restart(run, at)
+            if self.windows is not None:
+                self.windows.restart(started)
             ended = [row for row, on in zip(started, run.active[at].tolist()) if not on]  # requests done at token 0
 
     def prefill(self, taken: list) -> list:
@@ -212,6 +218,8 @@ class FeedRows:
         run.select_rows(index)
         self.ends.select_rows(index)
         self.proposer.select_rows(run, index)
+        if self.windows is not None:
+            self.windows.select_rows(index.tolist())
         self.bad = self.bad[index]
         self.rows.select(index.tolist())
         self.requests = [None if r is None else self.requests[r] for r in rows]

@@ -31,6 +31,7 @@ class JacobiProposer(Proposer):
 
     samples_every_slot = True
     adapts_window = True
+    adapts_per_row = True
 
     def __init__(self, window: int, init, laws: bool = True):
         self.num_draft, self.init, self.laws = window - 1, init, laws
@@ -63,9 +64,16 @@ class JacobiProposer(Proposer):
         # adaptive window starts with autoregressive steps (a short decode may never draft).
         self.window = self.q = None
         self.stale = True
+        # Per-row windows (`run.row_drafts`): which rows' windows are rebuilt when they next
+        # draft, each as its decode alone would (None until such a forward drafts).
+        self.stale_rows: Optional[list[bool]] = None
 
     def restart(self, run, rows):
         if self.stale:  # the first propose builds every row's window, these rows' included
+            return
+        if self.stale_rows is not None:  # built when the row first drafts, as alone
+            for row in rows.tolist():
+                self.stale_rows[row] = True
             return
         window, q = self._first_window(run, rows)
         self.window[rows] = window
@@ -78,14 +86,42 @@ class JacobiProposer(Proposer):
         self.window = self.window[index]
         if self.laws:
             self.q = self.q[index]
+        if self.stale_rows is not None:
+            self.stale_rows = [self.stale_rows[i] for i in index.tolist()]
 
     def propose(self, run):
+        if run.row_drafts is not None:
+            return self._propose_rows(run)
         if self.stale:  # after autoregressive steps: a first window after the newest token
             self.window, self.q = self._first_window(run)
             self.stale = False
         return self.window[:, 1:], self.q
 
+    def _propose_rows(self, run):
+        """Per-row windows: the rows that draft in this forward and have no window yet (since
+        their start or their last autoregressive step) get a first one, drawn from their own
+        generators; the others keep theirs."""
+        B, L = run.batch_size, self.num_draft + 1
+        if self.stale_rows is None:
+            newest = run.newest()
+            self.window = torch.cat([newest, newest.new_zeros(B, L - 1)], 1)
+            self.q = torch.zeros(B, L - 1, run.vocab_size, device=run.device) if self.laws else None
+            self.stale_rows, self.stale = [True] * B, False
+        rows = [b for b, drafts in enumerate(run.row_drafts) if drafts > 0 and self.stale_rows[b]]
+        if rows:
+            at = torch.tensor(rows, device=run.device)
+            window, q = self._first_window(run, at)
+            self.window[at] = window
+            if self.laws:
+                self.q[at] = q
+            for b in rows:
+                self.stale_rows[b] = False
+        return self.window[:, 1:], self.q
+
     def update(self, run, n_acc, next_token, fresh, p, active):
+        if run.row_drafts is not None:
+            self._update_rows(run, n_acc, next_token, fresh, p, active)
+            return
         B, L, fed = run.batch_size, self.num_draft + 1, fresh.shape[1]
         if fed == 1:
             # An autoregressive step (`AdaptiveWindow` at 0 drafts) reads no draft: the window
@@ -113,6 +149,41 @@ class JacobiProposer(Proposer):
         self.window = where_slots(active, window, self.window)
         if self.laws:
             self.q = where_slots(active, q, self.q)
+
+    def _update_rows(self, run, n_acc, next_token, fresh, p, active):
+        """`update` with per-row windows: row b fed 1 + run.row_drafts[b] slots. A row that took
+        an autoregressive step keeps no window (rebuilt when it drafts again); a row that
+        drafted carries its drafts over as `update` does at that width, and only its generator
+        draws the initial drafts of its fresh slots."""
+        L, device = self.num_draft + 1, run.device
+        fed = torch.tensor(run.row_drafts, device=device) + 1
+        active_rows = active.tolist()
+        for b, (drafts, on) in enumerate(zip(run.row_drafts, active_rows)):
+            if on and drafts == 0 and self.stale_rows is not None:
+                self.stale_rows[b] = True
+        if fresh.shape[1] == 1:
+            return
+        drafting = active & (fed > 1)
+        rows = drafting.nonzero().flatten()
+        if rows.numel() == 0:
+            return
+        source = n_acc[:, None] + 1 + torch.arange(L - 1, device=device)
+        carried = source < fed[:, None]
+        src = source.clamp_max(fresh.shape[1] - 1)
+        window = torch.cat([next_token[:, None], gather_slots(fresh, src)], 1)
+        q = gather_slots(p, src) if self.laws else None
+        # Drafts of the row's window past the slots it fed were never read: still valid drafts.
+        unread = ~carried & (source + 1 < L)
+        old = source.clamp_max(L - 2)
+        window[:, 1:] = where_slots(unread, gather_slots(self.window[:, 1:], old), window[:, 1:])
+        if self.laws:
+            q = where_slots(unread, gather_slots(self.q, old), q)
+        carried = carried | unread
+        fresh_slots = torch.cat([torch.zeros_like(carried[:, :1]), ~carried], 1)
+        window, q_rows = self._fill(run, window[rows], fresh_slots[rows], q[rows] if self.laws else None, rows)
+        self.window[rows] = window
+        if self.laws:
+            self.q[rows] = q_rows
 
 
 @dataclass

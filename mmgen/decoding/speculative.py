@@ -60,7 +60,7 @@ from mmgen.decoding.frames import (
 )
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.decoding.stopping import RowEnds, Stopping, Streamer, TokenReporter
-from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive, window_chooser
+from mmgen.decoding.window import AdaptiveWindow, RowWindows, resolve_adaptive, window_chooser
 from mmgen.modeling import DecodeState, TokenModel
 from mmgen.sampling import SamplingConfig, sample
 
@@ -92,6 +92,9 @@ class DecodeRun:
     vocab_size: int
     num_codebooks: int
     per_codebook: Optional[list] = None  # one SamplingConfig per codebook (frames)
+    #: Continuous batching under an adaptive window: each row's draft count in this forward
+    #: (`window.RowWindows`; the forward holds the largest), else None (every row: `num_draft`).
+    row_drafts: Optional[list] = None
 
     @classmethod
     def begin(cls, model: TokenModel, conditions: Any, num_tokens: int,
@@ -167,6 +170,9 @@ class Proposer:
     #: Whether the loop may verify fewer drafts than `num_draft` in a forward (`AdaptiveWindow`):
     #: the proposer then sees `fresh` and `p` of the narrower window in `update`.
     adapts_window: bool = False
+    #: Whether it also takes a draft count per row (`DecodeRun.row_drafts`: continuous batching
+    #: under an adaptive window, each row as its decode alone).
+    adapts_per_row: bool = False
 
     def start(self, run: DecodeRun) -> None:
         """Called once the prefill token is finalised."""
@@ -278,13 +284,15 @@ def speculative_decode(
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
     synced = k > 0 or stopping is not None or streamer is not None or feed is not None
+    window_cost, windows = getattr(model, "window_cost", None), None
     if feed is None:
         rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)
-    else:
-        rows = FeedRows(feed, run, proposer, ends, streamer)
+    else:  # under an adaptive window, each row chooses its own draft counts (`RowWindows`)
+        windows = RowWindows(adapt, k, run.guided, device, window_cost, run) if adapt is not None and k > 0 else None
+        rows = FeedRows(feed, run, proposer, ends, streamer, windows)
     slowest = rows.start()  # every row's token 0
     B = run.batch_size  # continuous batching may have grown the batch for requests that arrived meanwhile
-    chooser = window_chooser(adapt, k, B, run.guided, device, getattr(model, "window_cost", None))
+    chooser = windows or window_chooser(adapt, k, B, run.guided, device, window_cost)
     verify = VerifyStep(run, proposer, rule)
     slots, ones = torch.arange(k + 2, device=device), torch.ones(B, dtype=torch.long, device=device)
     while slowest < num_tokens:
@@ -393,9 +401,18 @@ class VerifyStep:
         """(p, fresh, n_acc, next_token) for the window whose slots predict generated-token
         `index` [B, d + 1], with `drafts` [B, d(, K)] drawn from laws `q` (None: d = 0, or a
         proposer without laws)."""
-        run, d, every = self.run, index.shape[1] - 1, self.every
+        run, d = self.run, index.shape[1] - 1
+        rows = run.row_drafts
+        if d > 0 and rows is not None and min(rows) < d:  # some rows verify fewer drafts: their own draws
+            with run.generator.narrowed([d - r for r in rows]):
+                return self._step(logits, index, drafts, q, torch.tensor(rows, device=run.device))
         if self.fused is not None and (d == 0 or q is not None):  # the same draws, in two kernel launches
-            return self.fused(logits, index, drafts, q, run.generator, every)
+            return self.fused(logits, index, drafts, q, run.generator, self.every)
+        return self._step(logits, index, drafts, q, None)
+
+    def _step(self, logits, index, drafts, q, limit: Optional[torch.Tensor]):
+        """The torch path; `limit` [B]: each row's own draft count (`finalise`), or None."""
+        run, d, every = self.run, index.shape[1] - 1, self.every
         p = run.probs(logits, index)
         if d > 0 and self.greedy_exact:
             # One-hot laws: the exact rule accepts a draft exactly when it is the argmax (ratio
@@ -412,7 +429,7 @@ class VerifyStep:
         else:
             resampled = picks[:, :-1] if self.greedy_exact else (
                 fresh[:, :-1] if residual is None else self.proposer.draw(run, residual, index[:, :-1]))
-            n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, run.num_codebooks)
+            n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, run.num_codebooks, limit)
         if self.complete is not None:
             at = index if d == 0 else index.gather(1, n_acc[:, None])
             next_token = complete_frame(self.complete, run.state, run.per_codebook, n_acc, next_token, known, run.generator, at)[0]
@@ -431,9 +448,10 @@ def check_row_feed(model: TokenModel, proposer: Proposer, adapt: Optional[Adapti
                          "it cannot serve continuous batching")
     if type(proposer) is not Proposer and type(proposer).restart is Proposer.restart:
         raise ValueError(f"{name} cannot restart rows, so it cannot serve continuous batching")
-    if adapt is not None:
-        raise ValueError("continuous batching needs a fixed draft window (adapt=False): the adaptive window picks one "
-                         "width for the whole batch, so a row's draws would depend on its neighbours")
+    if adapt is not None and (not proposer.adapts_per_row or getattr(model, "num_codebooks", 1) != 1
+                              or getattr(model, "complete_frame", None) is not None):
+        raise ValueError(f"continuous batching needs a fixed draft window here (adapt=False): it adapts the window per "
+                         f"row for one-token slots with sjd and its rules, not {name} on {type(model).__name__}")
 
 
 def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: int, complete, device):

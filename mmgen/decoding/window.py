@@ -376,6 +376,48 @@ class AdaptingWindow:
         stats.drafts_per_forward = self.chooser.chosen
 
 
+class RowWindows:
+    """The speculative loop's window under an `AdaptiveWindow` in continuous batching: one
+    chooser per row, started with the row's request as a batch-1 decode's (`window_cost`
+    included) and fed that row's own tokens, so each request verifies the draft counts, and
+    makes the draws, of its decode alone. A forward holds the largest count of its rows; each
+    row verifies its own (`DecodeRun.row_drafts`, `RowGenerators.narrowed`, `finalise`'s
+    `limit`), and its stats carry its own `drafts_per_forward` (`chosen`)."""
+
+    def __init__(self, policy: AdaptiveWindow, max_draft: int, guided: bool, device, window_cost: Optional[WindowCost], run: Any):
+        self.policy, self.max_draft, self.device, self.window_cost, self.run = policy, max_draft, device, window_cost, run
+        self.rows_fed = 2 if guided else 1
+        self.choosers: list[Optional[WindowChooser]] = [None] * run.batch_size
+
+    def restart(self, rows: list[int]) -> None:
+        """`rows` start new requests: each a fresh chooser."""
+        for row in rows:
+            self.choosers[row] = self.policy.start(self.max_draft, self.rows_fed, self.device, self.window_cost)
+
+    def select_rows(self, index: list[int]) -> None:
+        """The batch keeps rows `index` (a repeated one restarts before it decodes)."""
+        self.choosers = [self.choosers[i] for i in index]
+
+    def chosen(self, row: int) -> list[int]:
+        return self.choosers[row].chosen
+
+    def choose(self) -> int:
+        active = self.run.active.tolist()
+        drafts = [c.choose() if on else 0 for c, on in zip(self.choosers, active)]
+        self.run.row_drafts = drafts
+        return max(drafts)
+
+    def after(self, step: torch.Tensor, active: torch.Tensor) -> None:
+        """Each row that decoded in this forward observes its own finalised tokens."""
+        rows = [(b, c) for b, (c, on) in enumerate(zip(self.choosers, active.tolist())) if on]
+        steps = step.tolist() if any(c.measuring for _, c in rows) else None
+        for b, chooser in rows:
+            chooser.observe(float(steps[b]) if chooser.measuring else None)
+
+    def finish(self, stats: Any) -> None:
+        self.run.row_drafts = None
+
+
 def window_chooser(adapt: Optional[AdaptiveWindow], max_draft: int, batch: int, guided: bool, device,
                    window_cost: Optional[WindowCost] = None) -> Union[AdaptingWindow, FixedWindow]:
     """The draft counts of one decode of `batch` rows (`guided`: both halves of a guided batch

@@ -15,13 +15,16 @@ import torch
 
 from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, PromptLookup, SpeculativeJacobi, make_decoder
 from mmgen.decoding.batching import Request, continuous_decode
+from mmgen.decoding.speculative import check_row_feed
 from mmgen.decoding.stopping import Stopping
+from mmgen.decoding.window import AdaptiveWindow
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.sampling import SamplingConfig, make_generator
 
 from tests.conftest import tiny_transformer
-from tests.core.test_decoding import enumerable  # noqa: F401
+from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
 from tests.core.test_speculative_loop import assert_outputs_follow, stopped_law
+from tests.speculation import RULE_CASES, rule
 
 SAMPLED = SamplingConfig(temperature=1.0, top_k=16, guidance=3.0)
 GREEDY = SamplingConfig(top_k=1, guidance=4.0)
@@ -130,10 +133,46 @@ def test_sampled_outputs_follow_the_exact_law(enumerable):  # noqa: F811
     assert_outputs_follow(type("Out", (), {"tokens": tokens, "lengths": lengths}), law)
 
 
+@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
+def test_under_the_adaptive_window_each_row_chooses_its_own_widths_as_alone(sampling):
+    """The default sjd (adaptive window) in continuous batching: each row's chooser sees only
+    its own tokens, so each request verifies the draft counts of its decode alone (rows at
+    different widths in one forward) and decodes its tokens, stats and draws."""
+    decoder = make_decoder("sjd", window=8)
+    requests = [Request(torch.tensor([label]), make_generator(10 + i)) for i, label in enumerate(LABELS)]
+    done, _ = continuous_decode(decoder, MODEL, requests, 64, sampling, batch_size=3)
+    for i, label in enumerate(LABELS):
+        generator = make_generator(10 + i)
+        alone = decoder.generate(MODEL, torch.tensor([label]), 64, sampling, generator)
+        assert torch.equal(done[i].tokens, alone.tokens[0]), f"request {i}"
+        assert done[i].stats.drafts_per_forward == alone.stats.drafts_per_forward, f"request {i}"
+        assert done[i].stats.accepted_histogram == alone.stats.accepted_histogram
+        assert torch.equal(requests[i].generator.get_state(), generator.get_state())
+    # The rows did not share one width: their sequences differ, and each moved between widths.
+    chosen = [tuple(f.stats.drafts_per_forward) for f in done]
+    assert len(set(chosen)) > 2 and all(len(set(c)) > 1 for c in chosen)
+    assert any(c[j] != d[j] for c in chosen for d in chosen for j in range(min(len(c), len(d))))
+
+
+@pytest.mark.parametrize("rule_name,lossless", RULE_CASES)
+def test_adaptive_rows_sample_the_exact_law(enumerable, rule_name, lossless):  # noqa: F811
+    """Per-row adaptive windows through 64 rows, 4,000 requests: the chi-square of the outputs,
+    with drafts accepted and rejected, and a wrong residual that the same check rejects."""
+    sampling = SAMPLINGS["cfg+temperature+top_k"]
+    seqs, joint = exact_joint(enumerable, 1, sampling)
+    acceptance = rule(rule_name)
+    decoder = SpeculativeJacobi(window=3, acceptance=acceptance)  # the adaptive window (the default)
+    requests = (Request(torch.tensor([1]), make_generator(i)) for i in range(4000))
+    done, _ = continuous_decode(decoder, enumerable, requests, LENGTH, sampling, batch_size=64)
+    assert acceptance.speculated(), acceptance.counts
+    assert len({tuple(f.stats.drafts_per_forward) for f in done}) > 1  # the rows chose their own widths
+    samples = torch.stack([f.tokens for f in done])
+    assert (chi_square_pvalue(samples, seqs, joint) > ALPHA) == lossless
+
+
 def test_what_cannot_be_batched_continuously_is_refused_before_any_work():
     requests = [Request(torch.tensor([1]), make_generator(0))]
     cases = {
-        "fixed draft window": SpeculativeJacobi(),  # adaptive by default
         "cannot restart rows": PromptLookup(adapt=False),
         "its own fixed noise": CoupledJacobi(),
     }
@@ -145,6 +184,13 @@ def test_what_cannot_be_batched_continuously_is_refused_before_any_work():
         continuous_decode(Autoregressive(), MODEL, requests, 64, SAMPLED, batch_size=0)
     with pytest.raises(ValueError, match="Request objects"):
         continuous_decode(Autoregressive(), MODEL, [torch.tensor([1])], 64, SAMPLED, batch_size=2)
+
+    class Frames:  # several codebooks per slot: per-row windows are for one-token slots
+        num_codebooks, restart = 2, MODEL.restart
+
+    proposer, _ = SpeculativeJacobi().roles(MODEL, 8, make_generator(0))
+    with pytest.raises(ValueError, match="needs a fixed draft window"):
+        check_row_feed(Frames(), proposer, AdaptiveWindow())
 
     class NoRestart:
         vocab_size = MODEL.vocab_size

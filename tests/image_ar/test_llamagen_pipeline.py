@@ -169,14 +169,17 @@ def test_a_server_merges_requests_from_threads_into_one_batch(pipe):
     with pytest.raises(IndexError):  # a decode's failure reaches its callers; the server serves on
         failing.submit(Request(torch.tensor([10**6]), gen(0))).result(timeout=60)
     assert failing.submit(Request(torch.tensor([3]), gen(0))).result(timeout=60)[1].rows == 1
-    with pytest.raises(ValueError, match="fixed draft window"):
-        pipe.serve("sjd", pipe.sampling_config(), batch_size=2)
+    # The adaptive window (the default sjd): each row chooses its own widths, as alone.
+    adaptive = pipe.serve("sjd", pipe.sampling_config(), batch_size=2, output_type="np")
+    futures = [adaptive.submit(Request(torch.tensor([label]), gen(i))) for i, label in enumerate([3, 4, 3])]
+    for i, label in enumerate([3, 4, 3]):
+        alone = pipe([label], decoding="sjd", generator=gen(i), output_type="np")
+        assert np.array_equal(futures[i].result(timeout=60)[0], alone.images[0])
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(generator=[torch.Generator()]), "fixed draft window"),
         (dict(decoding="ar", generator=[torch.Generator()] * 2), "2 generators for 1 images"),
         (dict(decoding="ar", generator=[]), "non-empty list"),
         (dict(decoding="ar", batch_size=2), "come with a list of generators"),

@@ -71,6 +71,9 @@ def test_greedy_equals_generate_alone_batched_and_continuous(family):
     gens = [make_generator(k) for k in range(3)]
     each = pipe.answer_each(PROMPTS, imgs, gens, batch_size=2, max_new_tokens=BUDGET, stop_token_ids=[])
     assert torch.equal(each.token_ids, reference)
+    gens = [make_generator(k) for k in range(3)]  # the adaptive window, each row its own widths
+    each = pipe.answer_each(PROMPTS, imgs, gens, batch_size=2, max_new_tokens=BUDGET, stop_token_ids=[], decoding="sjd:window=4")
+    assert torch.equal(each.token_ids, reference)
     server = pipe.serve("ar", batch_size=3, max_new_tokens=BUDGET, stop_token_ids=[])
     futures = [server.submit(PROMPTS[row], imgs[row], make_generator(row)) for row in range(3)]
     assert all(torch.equal(f.result(timeout=120)[1], reference[row]) for row, f in enumerate(futures))

@@ -116,14 +116,14 @@ def test_continuous_answers_equal_each_job_alone_with_its_seed_and_resume(root, 
 
 def test_continuous_refuses_jobs_it_cannot_run_before_any_work(root, tmp_path, capsys):
     model, draft = str(root / "llava"), str(root / "llava-draft")
-    bad = [{"model": model, "prompt": PROMPTS[0], "output": "a", "decoding": "sjd"},
+    bad = [{"model": model, "prompt": PROMPTS[0], "output": "a", "decoding": "lookup"},
            {"model": model, "prompt": PROMPTS[0], "output": "b", "decoding": f"draft:drafter={draft}"},
            {"model": model, "prompt": PROMPTS[0], "output": "c", "dropping": "fastv"},
            {"model": model, "prompt": PROMPTS[0], "output": "d"}]
     jobs = write_jobs(tmp_path / "bad.jsonl", bad)
     assert main(["batch", str(jobs), "--out", str(tmp_path / "out"), "--continuous"]) == 2
     err = capsys.readouterr().err
-    for line, message in [(1, "continuous batching needs a fixed draft window"), (2, "DraftModelProposer cannot restart rows"),
+    for line, message in [(1, "NGramProposer cannot restart rows"), (2, "DraftModelProposer cannot restart rows"),
                           (3, "--continuous decodes without token dropping")]:
         assert f"line {line}: {message}" in err, err
     assert "line 4" not in err

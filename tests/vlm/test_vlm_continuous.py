@@ -68,7 +68,8 @@ def test_dropping_is_refused_at_the_first_row():
                           SamplingConfig(), batch_size=2)
 
 
-def test_the_pipeline_answers_each_prompt_as_alone_and_hands_answers_over_as_they_end():
+@pytest.mark.parametrize("decoding", ["sjd:adapt=false,window=4", "sjd:window=4"], ids=["fixed-window", "adaptive-window"])
+def test_the_pipeline_answers_each_prompt_as_alone_and_hands_answers_over_as_they_end(decoding):
     pipe = BUILDERS["llava"]()
     pictures = images(3)
     prompts = [q for q, _ in QUESTIONS]
@@ -76,10 +77,10 @@ def test_the_pipeline_answers_each_prompt_as_alone_and_hands_answers_over_as_the
     seen = []
     out = pipe.answer_each(prompts, per_prompt, [make_generator(20 + k) for k in range(len(prompts))], batch_size=2,
                            on_answer=lambda i, text, ids, stats: seen.append((i, text, ids.tolist(), stats.forwards)),
-                           max_new_tokens=10, decoding="sjd:adapt=false,window=4", temperature=1.0)
+                           max_new_tokens=10, decoding=decoding, temperature=1.0)
     assert sorted(i for i, *_ in seen) == list(range(len(prompts)))
     for k, (prompt, pics) in enumerate(zip(prompts, per_prompt)):
-        alone = pipe(prompt, pics or None, max_new_tokens=10, decoding="sjd:adapt=false,window=4", temperature=1.0,
+        alone = pipe(prompt, pics or None, max_new_tokens=10, decoding=decoding, temperature=1.0,
                      generator=make_generator(20 + k))
         n = int(alone.lengths[0])
         assert out.texts[k] == alone.texts[0] and int(out.lengths[k]) == n
@@ -90,7 +91,7 @@ def test_the_pipeline_answers_each_prompt_as_alone_and_hands_answers_over_as_the
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(decoding="sjd"), "fixed draft window"),
+    (dict(decoding="lookup"), "cannot restart rows"),
     (dict(generators=[make_generator(0)]), "1 generators for 2 prompts"),
     (dict(max_new_tokens=0), r"max_new_tokens must be an integer in \[1, 1048576\]"),
 ])
@@ -149,8 +150,8 @@ def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream
     from mmgen.vlm.token_model import VLMTokenModel
 
     pipe = BUILDERS["llava"]()
-    with pytest.raises(ValueError, match="fixed draft window"):
-        pipe.serve("sjd", batch_size=2)
+    with pytest.raises(ValueError, match="cannot restart rows"):
+        pipe.serve("lookup", batch_size=2)
     server = pipe.serve("ar", batch_size=2, max_new_tokens=6)
     with pytest.raises(ValueError, match="exceeds the server's cap of 6"):
         server.submit(PROMPTS[0], max_new_tokens=7)
