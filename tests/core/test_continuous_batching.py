@@ -156,13 +156,13 @@ def test_under_the_adaptive_window_each_row_chooses_its_own_widths_as_alone(samp
 
 @pytest.mark.parametrize("rule_name,lossless", RULE_CASES)
 def test_adaptive_rows_sample_the_exact_law(enumerable, rule_name, lossless):  # noqa: F811
-    """Per-row adaptive windows through 64 rows, 4,000 requests: the chi-square of the outputs,
+    """Per-row adaptive windows through 64 rows, 2,000 requests: the chi-square of the outputs,
     with drafts accepted and rejected, and a wrong residual that the same check rejects."""
     sampling = SAMPLINGS["cfg+temperature+top_k"]
     seqs, joint = exact_joint(enumerable, 1, sampling)
     acceptance = rule(rule_name)
     decoder = SpeculativeJacobi(window=3, acceptance=acceptance)  # the adaptive window (the default)
-    requests = (Request(torch.tensor([1]), make_generator(i)) for i in range(4000))
+    requests = (Request(torch.tensor([1]), make_generator(i)) for i in range(2000))
     done, _ = continuous_decode(decoder, enumerable, requests, LENGTH, sampling, batch_size=64)
     assert acceptance.speculated(), acceptance.counts
     assert len({tuple(f.stats.drafts_per_forward) for f in done}) > 1  # the rows chose their own widths
