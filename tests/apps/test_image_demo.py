@@ -124,7 +124,9 @@ def test_overlapping_requests_share_one_continuous_batch_and_keep_their_seeds_im
             alone = pipe([pipe.class_index(ask.class_name)], decoding="sjd:adapt=false", generator=make_generator(ask.seed + i))
             assert image.tobytes() == alone.images[0].tobytes()
     assert len(shared._servers) == 1
-    assert run_request(request(num_images=1), shared).method.label == "sjd"  # adaptive: alone
+    # The adaptive window batches continuously too (each row its own widths); lookup cannot.
+    assert run_request(request(num_images=1), shared).method.label == "sjd (continuous batch)"
+    assert run_request(request(method="lookup", num_images=1), shared).method.label == "lookup"
     assert run_request(request(options="adapt=false", compare=True), shared).method.label == "sjd:adapt=false"
 
 

@@ -163,7 +163,8 @@ def test_overlapping_chats_share_one_continuous_batch_and_answer_as_alone(folder
         assert run.stats.forwards == alone.stats.forwards and seen[k][-1] == run.text
     assert len(shared._servers) == 1
     alone_label = lambda **c: run_request(chat(**c), shared, max_new_tokens=16).method.label
-    assert alone_label(method="sjd") == "sjd"  # adaptive window: alone
+    assert alone_label(method="sjd") == "sjd (continuous batch)"  # the adaptive window: each row its own widths
+    assert alone_label(method="lookup") == "lookup"  # no per-row restart: alone
     assert alone_label(method="ar", compare=True) == "ar" and alone_label(method="ar", dropping="fastv", keep_ratio=1.0) == "ar · fastv:keep_ratio=1"
 
 

@@ -201,6 +201,24 @@ def test_what_cannot_be_batched_continuously_is_refused_before_any_work():
     assert continuous_decode(Autoregressive(), MODEL, [], 64, SAMPLED, batch_size=2)[0] == []
 
 
+def test_a_narrowed_row_draws_what_its_own_width_draws():
+    """`RowGenerators.narrowed`: row b's uniforms and Exp(1) noise over `short[b]` fewer slots
+    are the draws a decode at that width makes, the rest 1.0 (accepts nothing), and the
+    generator is left where that decode leaves it."""
+    from mmgen.sampling import RowGenerators, exponential_noise, uniform
+
+    rows = RowGenerators([make_generator(b) for b in range(3)])
+    with rows.narrowed([0, 2, 3]):
+        u, noise = uniform((3, 3), rows, "cpu"), exponential_noise((3, 4, 5), rows, "cpu")
+    for b, short in enumerate([0, 2, 3]):
+        own = make_generator(b)
+        assert torch.equal(u[b, : 3 - short], torch.rand(1, 3 - short, generator=own)[0])
+        assert torch.equal(noise[b, : 4 - short], torch.empty(1, 4 - short, 5).exponential_(generator=own)[0])
+        assert bool((u[b, 3 - short :] == 1).all() and (noise[b, 4 - short :] == 1).all())
+        assert torch.equal(rows[b].get_state(), own.get_state())
+    assert rows.short is None  # only within the block
+
+
 def test_requests_that_arrive_while_others_decode_start_at_the_next_forward():
     """A server's queue: the second request appears after four forwards and takes the free row
     at once (free rows ask every forward), decoding what it decodes alone."""
