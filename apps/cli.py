@@ -52,7 +52,7 @@ def register_text(demos) -> None:
                      help=f"images per conversation, at most (default 4, up to {vlm_request.MAX_IMAGES})")
     vlm.add_argument("--max-new-tokens", type=bounded_int(1, vlm_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
                      help=f"the answer-length slider's maximum (default 128, up to {vlm_request.MAX_NEW_TOKENS})")
-    _continuous_batch(vlm, "the answers of requests that overlap in time (same model, fixed-window method such as ar, "
+    _continuous_batch(vlm, "the answers of requests that overlap in time (same model, a method that batches continuously: ar or sjd, "
                            "same temperature; no compare mode or token dropping) in one continuous batch of ROWS rows, "
                            "each answer the one its request gives alone")
     _serving(vlm)

@@ -133,12 +133,13 @@ def test_sampled_outputs_follow_the_exact_law(enumerable):  # noqa: F811
     assert_outputs_follow(type("Out", (), {"tokens": tokens, "lengths": lengths}), law)
 
 
-@pytest.mark.parametrize("sampling", [SAMPLED, GREEDY], ids=["sampled", "greedy"])
-def test_under_the_adaptive_window_each_row_chooses_its_own_widths_as_alone(sampling):
+@pytest.mark.parametrize("name,sampling", [("sjd", SAMPLED), ("sjd", GREEDY), ("lantern", SAMPLED)],
+                         ids=["sjd-sampled", "sjd-greedy", "lantern-sampled"])
+def test_under_the_adaptive_window_each_row_chooses_its_own_widths_as_alone(name, sampling):
     """The default sjd (adaptive window) in continuous batching: each row's chooser sees only
     its own tokens, so each request verifies the draft counts of its decode alone (rows at
     different widths in one forward) and decodes its tokens, stats and draws."""
-    decoder = make_decoder("sjd", window=8)
+    decoder = make_decoder(name, window=8)
     requests = [Request(torch.tensor([label]), make_generator(10 + i)) for i, label in enumerate(LABELS)]
     done, _ = continuous_decode(decoder, MODEL, requests, 64, sampling, batch_size=3)
     for i, label in enumerate(LABELS):
