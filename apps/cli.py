@@ -70,8 +70,8 @@ def register_speech(demos) -> None:
                         default=speech_request.DEFAULT_MAX_NEW_FRAMES,
                         help=f"the frame-budget slider's maximum (default {speech_request.DEFAULT_MAX_NEW_FRAMES}, "
                              f"up to {speech_request.MAX_NEW_FRAMES}; a model's own context bounds it too)")
-    _continuous_batch(speech, "the speech of requests that overlap in time (same Dia or CSM model, fixed-window "
-                              "method such as ar, same sampling; no compare mode) in one continuous batch of ROWS rows, "
+    _continuous_batch(speech, "the speech of requests that overlap in time (same Dia or CSM model, a method "
+                              "that batches continuously: ar or sjd, same sampling; no compare mode) in one continuous batch of ROWS rows, "
                               "each output the one its request gives alone")
     _serving(speech)
     speech.set_defaults(run=run_speech_demo)

@@ -55,7 +55,7 @@ def register(commands, groups) -> None:
                             "429 and Retry-After (default: 64)")
     serve.add_argument("--continuous-batch", action="append", default=None, metavar="[MODALITY=]ROWS", type=_rows,
                        help=f"rows of each model's shared continuous batch: requests of one model that overlap in time "
-                            f"and ask for a method that batches continuously (ar, the sjd family; speech: fixed windows) with the "
+                            f"and ask for a method that batches continuously (ar, the sjd family) with the "
                             f"same sampling decode together, each giving "
                             f"what it gives alone; a model takes that many requests at once. ROWS sets every batched "
                             f"modality ({', '.join(BATCHED)}), MODALITY=ROWS one of them; 0 turns it off "

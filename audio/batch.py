@@ -18,8 +18,8 @@ checked before any work (JSON, fields, voice files readable, models load, decodi
 
 Jobs of one model and options (and all with or all without a voice) are packed in file order
 into calls of up to `--batch-size` rows, with one generator seeded from their seeds
-(`mmgen.batch.group_seed`). With `--continuous` (a fixed-window decoder: `ar`,
-`sjd:adapt=false`, ...) `--batch-size` rows keep decoding and each row takes the next job as its
+(`mmgen.batch.group_seed`). With `--continuous` (`ar` or the sjd family, adaptive
+windows chosen per row) `--batch-size` rows keep decoding and each row takes the next job as its
 speech ends; every file then equals its job run alone with its seed (`mmgen generate speech
 --seed`), and its record holds that seed. Files are written atomically and recorded in the
 manifest with the decoder's stats and the group, so a killed run resumes without losing or

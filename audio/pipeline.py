@@ -262,8 +262,8 @@ class TTSPipeline(Pipeline):
         """Each text spoken from its own generator by continuous batching
         (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all), and
         a row whose speech ends takes the next text, prefilled alone. Output i is the one a call
-        with text i alone (and its voice) and `generators[i]` gives (the decoder needs a fixed
-        window, `adapt=False`). `on_audio(i, audio, frames, stats)` receives each row's waveform
+        with text i alone (and its voice) and `generators[i]` gives (the decoder: `ar` or the
+        sjd family, under the adaptive window each row choosing its own widths). `on_audio(i, audio, frames, stats)` receives each row's waveform
         as its speech ends, with its frames [n, C] and its own stats (a batch-1 decode's). The
         output's stats are the run's; `decode_s` leaves out the codec decoding of finished rows,
         as `__call__`'s does."""
@@ -310,8 +310,8 @@ class TTSPipeline(Pipeline):
               guidance_scale: Optional[float] = None, lock: Any = None) -> "TTSServer":
         """A shared continuous batch for texts from many threads (a demo's queue): requests that
         overlap in time decode together in up to `batch_size` rows, each output the one a call
-        with its text alone, its voice, its generator and its frame budget gives (a fixed-window
-        decoder; one sampling and guidance for all). `max_new_frames` caps every request
+        with its text alone, its voice, its generator and its frame budget gives (`ar` or the
+        sjd family; one sampling and guidance for all). `max_new_frames` caps every request
         (default the model's context); a request may ask for fewer. (A call narrows its window
         to a budget below it; such a request decodes as its text alone at the cap's window.)
         `lock` (a context manager) is held while the batch decodes."""

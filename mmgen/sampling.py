@@ -259,7 +259,7 @@ def uniform(shape: tuple, generator: torch.Generator, device: torch.device) -> t
     if isinstance(generator, RowGenerators):
         out = torch.ones(shape, device=device, dtype=torch.float32)  # 1.0 accepts no draft: unread slots
         for b, g in enumerate(generator):
-            n = generator.slots(b, shape[1])
+            n = generator.slots(b, shape[1], flat=len(shape) == 2)
             out[b, :n] = torch.rand((n, *shape[2:]), generator=g, device=device, dtype=torch.float32)
         return out
     return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
@@ -281,6 +281,7 @@ class RowGenerators:
     def __init__(self, generators):
         self.generators = list(generators)
         self.short: Optional[list[int]] = None  # per row, slots it does not draw (`narrowed`)
+        self.codebooks = 1  # entries per slot of a flat [B, slots x codebooks] draw (`narrowed`)
         if not self.generators or not all(isinstance(g, torch.Generator) for g in self.generators):
             raise ValueError("RowGenerators takes one torch.Generator per row")
         devices = {torch.device(g.device) for g in self.generators}
@@ -305,19 +306,21 @@ class RowGenerators:
         return RowGenerators([self.generators[int(b)] for b in rows])
 
     @contextlib.contextmanager
-    def narrowed(self, short: list[int]):
+    def narrowed(self, short: list[int], codebooks: int = 1):
         """Within the block, row b's `uniform` and `exponential_noise` draws cover `short[b]`
         fewer slots (axis 1) than asked, the rest filled with 1.0: a row that verifies fewer
-        drafts than the forward holds draws what a decode of it at its own window draws."""
-        self.short = list(short)
+        drafts than the forward holds draws what a decode of it at its own window draws.
+        Frames: a flat [B, n] uniform draw is over (slot, codebook) pairs, `codebooks` a slot."""
+        self.short, self.codebooks = list(short), codebooks
         try:
             yield self
         finally:
-            self.short = None
+            self.short, self.codebooks = None, 1
 
-    def slots(self, row: int, n: int) -> int:
-        """How many of `n` slots row `row` draws (all, outside `narrowed`)."""
-        return n if self.short is None else n - self.short[row]
+    def slots(self, row: int, n: int, flat: bool = False) -> int:
+        """How many of `n` entries along axis 1 row `row` draws (all, outside `narrowed`);
+        `flat`: a [B, n] draw over (slot, codebook) pairs."""
+        return n if self.short is None else n - self.short[row] * (self.codebooks if flat else 1)
 
     def stack(self, draw) -> torch.Tensor:
         """torch.stack of `draw(generator)` for every row."""

@@ -15,8 +15,8 @@ for the tiny and bundled LlamaGens of tests/core/test_continuous_batching.py.
 Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++), with a fixed
 window or the adaptive one; under the adaptive window each row chooses its own draft counts
 from its own tokens (`window.RowWindows`), as its decode alone does, and verifies only those
-(a forward holds the largest; a row's draws cover its own slots: `RowGenerators.narrowed`).
-Frames (several codebooks per slot) keep a fixed window.
+(a forward holds the largest; a row's draws cover its own slots: `RowGenerators.narrowed`),
+tokens and frames alike.
 
 A server's batch (`LiveQueue`) changes width with its requests where the model can keep a
 subset of its rows (`select_rows`: LlamaGen, the VLM adapter, Dia): it starts as wide as the

@@ -27,8 +27,8 @@ def finalise(accepted: torch.Tensor, resampled: torch.Tensor, fresh: torch.Tenso
     position. Frames: the first rejected frame keeps its accepted codebooks, takes the resample
     at its first rejected codebook and the target's own samples after it.
 
-    `limit` [B] (tokens, `fresh` at every slot): row b verifies only its first limit[b] drafts
-    (a per-row window, `mmgen.decoding.window.RowWindows`); its bonus is its sample at slot
+    `limit` [B] (`fresh` at every slot): row b verifies only its first limit[b] drafts (a
+    per-row window, `mmgen.decoding.window.RowWindows`); its bonus is its sample at slot
     limit[b], and drafts after them are not read.
     """
     k = drafts.shape[1]
@@ -41,11 +41,11 @@ def finalise(accepted: torch.Tensor, resampled: torch.Tensor, fresh: torch.Tenso
         if limit is not None:
             return n_acc, torch.where(n_acc == limit, fresh.gather(1, limit[:, None])[:, 0], resampled.gather(1, at)[:, 0]), None
         return n_acc, torch.where(n_acc == k, fresh[:, -1], resampled.gather(1, at)[:, 0]), None
-    if limit is not None:
-        raise ValueError("per-row windows are for one-token slots")
     pick = lambda t: t.gather(1, at[..., None].expand(-1, -1, K))[:, 0]  # [B, K] at the first rejected frame
     ok = pick(accepted.long()).cumprod(-1).bool()  # codebooks accepted before the first rejection
     first_bad = torch.cat([~ok[:, :1], ok[:, :-1] & ~ok[:, 1:]], 1)
     rejected_frame = torch.where(ok, pick(drafts), torch.where(first_bad, pick(resampled), pick(fresh[:, :-1])))
-    known = torch.where(n_acc == k, 1, ok.sum(-1) + 1)
-    return n_acc, torch.where((n_acc == k)[:, None], fresh[:, -1], rejected_frame), known
+    full = n_acc == (k if limit is None else limit)
+    bonus = fresh[:, -1] if limit is None else fresh.gather(1, limit[:, None, None].expand(-1, 1, K))[:, 0]
+    known = torch.where(full, 1, ok.sum(-1) + 1)
+    return n_acc, torch.where(full[:, None], bonus, rejected_frame), known

@@ -103,9 +103,9 @@ class JacobiProposer(Proposer):
         generators; the others keep theirs."""
         B, L = run.batch_size, self.num_draft + 1
         if self.stale_rows is None:
-            newest = run.newest()
-            self.window = torch.cat([newest, newest.new_zeros(B, L - 1)], 1)
-            self.q = torch.zeros(B, L - 1, run.vocab_size, device=run.device) if self.laws else None
+            newest = run.newest()  # [B, 1(, K)]
+            self.window = torch.cat([newest, newest.new_zeros(B, L - 1, *newest.shape[2:])], 1)
+            self.q = torch.zeros(B, L - 1, *newest.shape[2:], run.vocab_size, device=run.device) if self.laws else None
             self.stale_rows, self.stale = [True] * B, False
         rows = [b for b, drafts in enumerate(run.row_drafts) if drafts > 0 and self.stale_rows[b]]
         if rows:

@@ -404,14 +404,20 @@ class VerifyStep:
         run, d = self.run, index.shape[1] - 1
         rows = run.row_drafts
         if d > 0 and rows is not None and min(rows) < d:  # some rows verify fewer drafts: their own draws
-            with run.generator.narrowed([d - r for r in rows]):
-                return self._step(logits, index, drafts, q, torch.tensor(rows, device=run.device))
-        if self.fused is not None and (d == 0 or q is not None):  # the same draws, in two kernel launches
+            with run.generator.narrowed([d - r for r in rows], run.num_codebooks):
+                p, fresh, n_acc, next_token, known = self._step(logits, index, drafts, q, torch.tensor(rows, device=run.device))
+        elif self.fused is not None and (d == 0 or q is not None):  # the same draws, in two kernel launches
             return self.fused(logits, index, drafts, q, run.generator, self.every)
-        return self._step(logits, index, drafts, q, None)
+        else:
+            p, fresh, n_acc, next_token, known = self._step(logits, index, drafts, q, None)
+        if self.complete is not None:
+            at = index if d == 0 else index.gather(1, n_acc[:, None])
+            next_token = complete_frame(self.complete, run.state, run.per_codebook, n_acc, next_token, known, run.generator, at)[0]
+        return p, fresh, n_acc, next_token
 
     def _step(self, logits, index, drafts, q, limit: Optional[torch.Tensor]):
-        """The torch path; `limit` [B]: each row's own draft count (`finalise`), or None."""
+        """The torch path up to `finalise` (frames: also how many codebooks it finalised);
+        `limit` [B]: each row's own draft count, or None."""
         run, d, every = self.run, index.shape[1] - 1, self.every
         p = run.probs(logits, index)
         if d > 0 and self.greedy_exact:
@@ -430,10 +436,7 @@ class VerifyStep:
             resampled = picks[:, :-1] if self.greedy_exact else (
                 fresh[:, :-1] if residual is None else self.proposer.draw(run, residual, index[:, :-1]))
             n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, run.num_codebooks, limit)
-        if self.complete is not None:
-            at = index if d == 0 else index.gather(1, n_acc[:, None])
-            next_token = complete_frame(self.complete, run.state, run.per_codebook, n_acc, next_token, known, run.generator, at)[0]
-        return p, fresh, n_acc, next_token
+        return p, fresh, n_acc, next_token, known
 
 
 def check_row_feed(model: TokenModel, proposer: Proposer, adapt: Optional[AdaptiveWindow]) -> None:
@@ -448,10 +451,9 @@ def check_row_feed(model: TokenModel, proposer: Proposer, adapt: Optional[Adapti
                          "it cannot serve continuous batching")
     if type(proposer) is not Proposer and type(proposer).restart is Proposer.restart:
         raise ValueError(f"{name} cannot restart rows, so it cannot serve continuous batching")
-    if adapt is not None and (not proposer.adapts_per_row or getattr(model, "num_codebooks", 1) != 1
-                              or getattr(model, "complete_frame", None) is not None):
+    if adapt is not None and not proposer.adapts_per_row:
         raise ValueError(f"continuous batching needs a fixed draft window here (adapt=False): it adapts the window per "
-                         f"row for one-token slots with sjd and its rules, not {name} on {type(model).__name__}")
+                         f"row with sjd and its rules, not {name}")
 
 
 def _kernel_step(sampling: list[SamplingConfig], rule, proposer: Proposer, K: int, complete, device):

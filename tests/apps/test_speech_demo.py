@@ -144,9 +144,9 @@ def test_audio_streams_in_chunks_that_make_up_each_run(catalog):
 
 
 def test_overlapping_requests_share_one_continuous_batch_and_speak_as_alone(folders):
-    """--continuous-batch: fixed-window requests from threads decode in the shared batch, each
-    streamed and equal to the request alone (sampled, from its seed, its own frame budget);
-    adaptive and compare requests speak alone, as without it."""
+    """--continuous-batch: requests from threads decode in the shared batch, each streamed and
+    equal to the request alone (sampled, from its seed, its own frame budget), the adaptive
+    window too (each row its own widths); lookup and compare requests speak alone."""
     shared = SpeechCatalog.discover([str(folders[0])])
     shared.continuous_batch = 2
     asks = {k: speak(method="ar", temperature=1.0, top_k=8, seed=k, max_new_frames=20 + 5 * k) for k in range(3)}
@@ -165,7 +165,8 @@ def test_overlapping_requests_share_one_continuous_batch_and_speak_as_alone(fold
         assert run.frames == int(alone.lengths[0]) and run.stats.forwards == alone.stats.forwards
         np.testing.assert_allclose(np.concatenate(seen[k]), run.audio, atol=1e-6, rtol=0)  # streamed, float rounding only
     assert len(shared._servers) == 1
-    assert run_request(speak(method="sjd"), shared).method.label == "sjd"  # adaptive window: alone
+    assert run_request(speak(method="sjd"), shared).method.label == "sjd (continuous batch)"
+    assert run_request(speak(method="lookup"), shared).method.label == "lookup"
     assert run_request(speak(method="ar", compare=True), shared).method.label == "ar"
 
 

@@ -41,7 +41,8 @@ def generators(seed: int, n: int = len(TEXTS)) -> list:
 
 @pytest.mark.parametrize("decoding,temperature,guidance_scale", [
     ("ar", 0.0, None), ("ar", 1.0, None), ("ar", 1.0, 3.0), ("sjd:window=4,adapt=false", 0.0, 3.0),
-    ("sjd:window=4,adapt=false", 1.0, None), ("sjd:window=4,adapt=false", 1.0, 3.0)])
+    ("sjd:window=4,adapt=false", 1.0, None), ("sjd:window=4,adapt=false", 1.0, 3.0),
+    ("sjd:window=4", 0.0, 3.0), ("sjd:window=4", 1.0, 3.0)])  # the adaptive window: each row its own widths
 def test_each_text_speaks_what_it_speaks_alone(pipe, decoding, temperature, guidance_scale):
     options = dict(max_new_frames=30, decoding=decoding, temperature=temperature, top_k=20, guidance_scale=guidance_scale)
     heard = []
@@ -57,13 +58,16 @@ def test_each_text_speaks_what_it_speaks_alone(pipe, decoding, temperature, guid
         _, audio, frames, stats = next(h for h in heard if h[0] == i)
         assert torch.equal(audio, alone.audio[0]) and torch.equal(frames, alone.frames[0, :n])
         assert stats.forwards == alone.stats.forwards and stats.accepted_histogram == alone.stats.accepted_histogram
+        assert stats.drafts_per_forward == alone.stats.drafts_per_forward
     assert sorted(i for i, *_ in heard) == list(range(len(TEXTS)))
+    if decoding == "sjd:window=4":  # the rows chose their own widths, each moving between them
+        assert sum(len(set(stats.drafts_per_forward)) > 1 for *_, stats in heard) >= 2
     if temperature:  # rows ended at different frames, so rows were refilled mid-run
         assert len(set(lengths)) > 1
 
 
 @pytest.mark.parametrize("decoding,temperature", [("ar", 1.0), ("sjd:window=4,adapt=false", 0.0),  # greedy: through sjd
-                                                  ("sjd:window=4,adapt=false", 1.0)])
+                                                  ("sjd:window=4,adapt=false", 1.0), ("sjd:window=4", 1.0)])
 def test_csm_speaks_each_text_as_alone_its_depth_decoder_drawing_from_the_rows_generator(decoding, temperature):
     """CSM completes each frame with its depth decoder (`complete_frame`): a restarted row's
     frame 0 is completed from its own prefill state, drawing from its request's generator only
@@ -121,8 +125,8 @@ def test_bad_calls_are_refused_before_any_work(pipe, monkeypatch):
         raise AssertionError("a forward ran")
 
     monkeypatch.setattr(DiaTokenModel, "start", no_forward)
-    with pytest.raises(ValueError, match="fixed draft window"):
-        pipe.speak_each(TEXTS[:2], generators=generators(0, 2), decoding="sjd")
+    with pytest.raises(ValueError, match="its own fixed noise"):
+        pipe.speak_each(TEXTS[:2], generators=generators(0, 2), decoding="sjd-coupled")
     with pytest.raises(ValueError, match="one generator per text"):
         pipe.speak_each(TEXTS[:2], generators=generators(0, 1))
     with pytest.raises(ValueError, match="a non-empty string or a list of them"):
@@ -151,8 +155,8 @@ def test_a_served_batch_speaks_each_request_as_alone_and_streams_it(pipe):
 
 
 def test_a_served_batch_refuses_bad_requests_and_a_failed_decode_ends_the_stream(pipe, monkeypatch):
-    with pytest.raises(ValueError, match="fixed draft window"):
-        pipe.serve("sjd", batch_size=2)
+    with pytest.raises(ValueError, match="its own fixed noise"):
+        pipe.serve("sjd-coupled", batch_size=2)
     server = pipe.serve("ar", batch_size=2, max_new_frames=20)
     with pytest.raises(ValueError, match=r"max_new_frames must be an integer in \[1, 20\]"):
         server.submit(TEXTS[0], max_new_frames=21)

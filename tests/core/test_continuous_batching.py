@@ -186,12 +186,10 @@ def test_what_cannot_be_batched_continuously_is_refused_before_any_work():
     with pytest.raises(ValueError, match="Request objects"):
         continuous_decode(Autoregressive(), MODEL, [torch.tensor([1])], 64, SAMPLED, batch_size=2)
 
-    class Frames:  # several codebooks per slot: per-row windows are for one-token slots
-        num_codebooks, restart = 2, MODEL.restart
-
     proposer, _ = SpeculativeJacobi().roles(MODEL, 8, make_generator(0))
+    proposer.adapts_per_row = False  # a proposer that restarts rows but keeps one window for all
     with pytest.raises(ValueError, match="needs a fixed draft window"):
-        check_row_feed(Frames(), proposer, AdaptiveWindow())
+        check_row_feed(MODEL, proposer, AdaptiveWindow())
 
     class NoRestart:
         vocab_size = MODEL.vocab_size
