@@ -51,27 +51,42 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             visible = visible.tril(k - q)
         attention_mask = visible.expand(B, 1, q, k)
     kwargs = {name: v for name, v in kwargs.items() if name != "is_causal"}
-    if B == 1:
-        groups = [torch.zeros(1, dtype=torch.long, device=query.device)]
-    elif query.device.type == "cuda":
-        groups = [torch.tensor([b], device=query.device) for b in range(B)]  # a GPU kernel may split by batch size
+    masks = attention_mask if attention_mask.shape[0] == B else attention_mask.expand(B, -1, -1, -1)
+    if B == 1 or query.device.type == "cuda":  # on a GPU a kernel may split by batch size: row by row
+        groups = [[b] for b in range(B)]
     else:
         # On a CPU each (row, head) is reduced on its own whatever the batch, so rows with the
         # same mask (lockstep rows of one prompt length) share one call, as they would alone.
-        _, group_of = torch.unique(attention_mask.expand(B, -1, -1, -1).reshape(B, -1), dim=0, return_inverse=True)
-        groups = [(group_of == g).nonzero().flatten() for g in range(int(group_of.max()) + 1)]
+        _, group_of = torch.unique(masks.reshape(B, -1), dim=0, return_inverse=True)
+        groups: dict = {}
+        for b, g in enumerate(group_of.tolist()):
+            groups.setdefault(g, []).append(b)
+        groups = list(groups.values())
+    # The keys each row's queries see, and whether that is all of them: one host read for all rows.
+    seen_by_row = masks.any(dim=(1, 2))  # [B, k]
+    sees_all = seen_by_row.all(-1).tolist()
     out = None
     for rows in groups:
-        mask = attention_mask[rows] if attention_mask.shape[0] == B else attention_mask.expand(B, -1, -1, -1)[rows]
-        seen = mask[:1].any(dim=(0, 1, 2))  # the keys any of the rows' queries sees
-        keys, values = key[rows], value[rows]
-        if not bool(seen.all()):  # gathered, contiguous and in slot order, as the keys of a row alone are
-            keep = seen.nonzero().flatten()
+        first = rows[0]
+        if len(rows) == 1:  # views of the row (made contiguous below)
+            take = lambda t: t[first : first + 1]
+        else:  # copies, as indexing makes them
+            at = torch.tensor(rows, device=query.device)
+            take = lambda t: t[at]
+        mask, keys, values = take(masks), take(key), take(value)
+        if not sees_all[first]:  # gathered, contiguous and in slot order, as the keys of a row alone are
+            keep = seen_by_row[first].nonzero().flatten()
             keys, values, mask = keys[:, :, keep], values[:, :, keep], mask[..., keep]
-        part, _ = sdpa_attention_forward(module, query[rows], keys, values, mask, is_causal=False, **kwargs)
+        # Contiguous whichever way they came: one layout, so SDPA takes one kernel path for a row
+        # alone and in any group.
+        part, _ = sdpa_attention_forward(module, take(query).contiguous(), keys.contiguous(), values.contiguous(),
+                                         mask.contiguous(), is_causal=False, **kwargs)
         if out is None:
             out = part.new_empty(B, *part.shape[1:])
-        out[rows] = part
+        if len(rows) == 1:
+            out[first] = part[0]
+        else:
+            out[at] = part
     return out, None
 
 
