@@ -122,19 +122,32 @@ class JacobiProposer(Proposer):
         if run.row_drafts is not None:
             self._update_rows(run, n_acc, next_token, fresh, p, active)
             return
-        B, L, fed = run.batch_size, self.num_draft + 1, fresh.shape[1]
+        fed = fresh.shape[1]
         if fed == 1:
             # An autoregressive step (`AdaptiveWindow` at 0 drafts) reads no draft: the window
             # is rebuilt when drafting resumes instead of carried over every step (its upkeep,
             # [L, K, V] laws and redrawn drafts, cost tiny models 14% of a step).
             self.stale = True
             return
+        window, q, fresh_slots = self._carried(run, n_acc, next_token, fresh, p, fed)
+        window, q = self._fill(run, window, fresh_slots, q)
+        # Rows that had finished before this forward keep their window.
+        self.window = where_slots(active, window, self.window)
+        if self.laws:
+            self.q = where_slots(active, q, self.q)
+
+    def _carried(self, run, n_acc, next_token, fresh, p, fed):
+        """The next window after a forward whose rows fed `fed` slots (an int, or [B, 1] per
+        row), before its initial drafts: (window, its drafts' laws, the slots still to fill).
+        Jacobi carry-over: the token after the accepted prefix, then the target's samples after
+        it; slots the forward did not reach keep the old window's drafts there."""
+        L = self.num_draft + 1
         source = n_acc[:, None] + 1 + torch.arange(L - 1, device=run.device)  # slot of p that predicted each new draft
         carried = source < fed
-        src = source.clamp_max(fed - 1)
+        src = source.clamp_max(fresh.shape[1] - 1)
         window = torch.cat([next_token[:, None], gather_slots(fresh, src)], 1)
         q = gather_slots(p, src) if self.laws else None
-        if fed < L:
+        if not isinstance(fed, int) or fed < L:
             # A narrower forward (`AdaptiveWindow`) left the old window's later drafts unread:
             # each is still a draw from its own law, so it stays a valid draft for its position.
             unread = ~carried & (source + 1 < L)
@@ -143,20 +156,14 @@ class JacobiProposer(Proposer):
             if self.laws:
                 q = where_slots(unread, gather_slots(self.q, old), q)
             carried = carried | unread
-        fresh_slots = torch.cat([torch.zeros(B, 1, dtype=torch.bool, device=run.device), ~carried], 1)
-        window, q = self._fill(run, window, fresh_slots, q)
-        # Rows that had finished before this forward keep their window.
-        self.window = where_slots(active, window, self.window)
-        if self.laws:
-            self.q = where_slots(active, q, self.q)
+        return window, q, torch.cat([torch.zeros_like(carried[:, :1]), ~carried], 1)
 
     def _update_rows(self, run, n_acc, next_token, fresh, p, active):
         """`update` with per-row windows: row b fed 1 + run.row_drafts[b] slots. A row that took
         an autoregressive step keeps no window (rebuilt when it drafts again); a row that
         drafted carries its drafts over as `update` does at that width, and only its generator
         draws the initial drafts of its fresh slots."""
-        L, device = self.num_draft + 1, run.device
-        fed = torch.tensor(run.row_drafts, device=device) + 1
+        fed = torch.tensor(run.row_drafts, device=run.device) + 1
         active_rows = active.tolist()
         for b, (drafts, on) in enumerate(zip(run.row_drafts, active_rows)):
             if on and drafts == 0 and self.stale_rows is not None:
@@ -167,19 +174,7 @@ class JacobiProposer(Proposer):
         rows = drafting.nonzero().flatten()
         if rows.numel() == 0:
             return
-        source = n_acc[:, None] + 1 + torch.arange(L - 1, device=device)
-        carried = source < fed[:, None]
-        src = source.clamp_max(fresh.shape[1] - 1)
-        window = torch.cat([next_token[:, None], gather_slots(fresh, src)], 1)
-        q = gather_slots(p, src) if self.laws else None
-        # Drafts of the row's window past the slots it fed were never read: still valid drafts.
-        unread = ~carried & (source + 1 < L)
-        old = source.clamp_max(L - 2)
-        window[:, 1:] = where_slots(unread, gather_slots(self.window[:, 1:], old), window[:, 1:])
-        if self.laws:
-            q = where_slots(unread, gather_slots(self.q, old), q)
-        carried = carried | unread
-        fresh_slots = torch.cat([torch.zeros_like(carried[:, :1]), ~carried], 1)
+        window, q, fresh_slots = self._carried(run, n_acc, next_token, fresh, p, fed[:, None])
         window, q_rows = self._fill(run, window[rows], fresh_slots[rows], q[rows] if self.laws else None, rows)
         self.window[rows] = window
         if self.laws:
