@@ -71,8 +71,10 @@ class AdaptiveWindow:
     Widening follows the evidence: while it grows, a forward that finalises at least half of
     its drafts widens the window one width, and one that accepts all of them (the window, not
     the model, limited it) widens it `jump` widths at once; if the first two judged forwards
-    after a jump are barren, it was luck, and the window goes back. The first forward after a
-    widening holds fresh drafts in its new slots and is not judged (`warmup`). After `dwell` judged
+    after a jump are barren, it was luck, and the window goes back, still growing but one width
+    at a time for the rest of the decode (the lucky forward says nothing against the next width;
+    a second jump would likely be as lucky). The first forward after a widening holds fresh
+    drafts in its new slots and is not judged (`warmup`). After `dwell` judged
     forwards a width that pays less than autoregressive steps gives way to the next narrower
     one, or straight to autoregressive steps when it finalised fewer than 1 + `barren` tokens
     per forward; it also gives way to the next narrower one when that one, cut to its own width
@@ -225,6 +227,7 @@ class WindowChooser:
         self.level = self.home  # this forward's
         self.warm = 0  # forwards left whose new slots still hold fresh drafts (not judged)
         self.jumped_from: Optional[int] = None  # the home before a jump, until two forwards confirm it
+        self.may_jump = True  # until a jump turns out to have been luck
         self._reset()
         self.trial: Optional[list] = None  # [level, forwards left, tokens, cost, forwards judged] while probing
         self.interval = policy.probe_every  # between probes of a drafting home; doubles after each that did not pay
@@ -274,7 +277,7 @@ class WindowChooser:
             return
         drafts = self.widths[self.home]
         if self.growing and tokens >= 1 + drafts / 2:  # half the drafts passed (all: the window limited it): widen
-            home, jump = self.home, (self.policy.jump if tokens >= 1 + drafts else 1)
+            home, jump = self.home, (self.policy.jump if tokens >= 1 + drafts and self.may_jump else 1)
             self._move(min(self.top, home + jump), growing=True)
             self.jumped_from = home if jump > 1 else None
             return
@@ -294,7 +297,8 @@ class WindowChooser:
         if self.jumped_from is not None and self.measured == 2:
             # A jump on one lucky forward: two barren ones after it send the window back at once.
             if self.sums[0] / self.forwards < 1 + self.policy.barren:
-                self._move(self.jumped_from, growing=False)
+                self._move(self.jumped_from, growing=True)
+                self.may_jump = False
                 return
             self.jumped_from = None
         if self.measured < self.policy.dwell:
@@ -324,7 +328,7 @@ class WindowChooser:
                 self.interval *= 2
             return
         upward = level > self.home
-        if upward and level < self.top and tokens >= 1 + self.widths[level]:  # it ended accepting its whole window
+        if upward and level < self.top and tokens >= 1 + self.widths[level] and self.may_jump:  # it ended accepting its whole window
             self._move(min(self.top, level + self.policy.jump), growing=True)
             self.jumped_from = level
             return

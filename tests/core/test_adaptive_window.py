@@ -321,7 +321,8 @@ def test_window_cost_errors():
 def test_a_jump_on_one_lucky_forward_goes_back_after_two_barren_ones():
     """A forward that accepts its whole window sends the window to the widest at once; when the
     first two judged forwards there finalise nothing more, it was luck (a random draft that
-    happened to pass), and the window returns to where it was rather than dwelling wide."""
+    happened to pass), and the window returns to where it was rather than dwelling wide, and
+    grows from there one width at a time."""
     chooser = AdaptiveWindow(token_cost=0.01).start(15, 1, "cpu")  # starts at 7 drafts (1.07 AR steps)
     assert chooser.choose() == 7
     chooser.observe(8.0)  # every draft accepted
@@ -330,6 +331,20 @@ def test_a_jump_on_one_lucky_forward_goes_back_after_two_barren_ones():
         seen.append(chooser.choose())
         chooser.observe(tokens)
     assert seen == [15, 15, 15] and chooser.choose() == 7
+    # Back home it still grows on evidence, one width at a time: the lucky forward said
+    # nothing against the next width, but a second jump would likely be as lucky.
+    chooser = AdaptiveWindow(token_cost=0.01).start(63, 1, "cpu")  # widths 0, 1, 3, 7, 15, 31, 63
+    assert chooser.choose() == 7
+    chooser.observe(8.0)
+    for tokens in (1.0, 1.0, 1.0):
+        chooser.choose(), chooser.observe(tokens)
+    assert chooser.choose() == 7
+    chooser.observe(8.0)  # the whole window again: one width, not a jump
+    assert chooser.choose() == 15
+    chooser.observe(1.0)  # the new slots' fresh drafts (not judged)
+    assert chooser.choose() == 15
+    chooser.observe(16.0)
+    assert chooser.choose() == 31
     # Had the widest paid, it would have stayed.
     chooser = AdaptiveWindow(token_cost=0.01).start(15, 1, "cpu")
     chooser.choose(), chooser.observe(8.0)
