@@ -28,7 +28,11 @@ never stopped. Held-out utterances (the corpus' `is_eval`) are never trained on.
     python -m benchmarks.train_tts export --codec runs/speech-export/codec --target runs/tts-target \
         --draft runs/tts-draft --out audio/assets
     python -m benchmarks.train_tts card --codes runs/speech-codes.npz --target runs/tts-target \
-        --draft runs/tts-draft --out audio/assets/speech-tts/MODEL_CARD.md
+        --draft runs/tts-draft --assets audio/assets --out audio/assets/speech-tts/MODEL_CARD.md
+
+The card also hears the exported folders (`--assets`) speak the held-out texts as written, one
+call per text (PER under the bundled recogniser, texts that end, durations; `--speak N` for the
+first N only), beside the codec's round-trip floor.
 
 `--codec` is either a codec run of `train_speech.py codec` (checkpoint.pt + config.json) or a
 transformers `DacModel` folder (`train_speech.py export` writes one in `<out>/codec`).
@@ -156,6 +160,8 @@ class CodesData:
         self.texts = [str(data["text"][i]) for i in keep]
         # What each utterance's espeak voice said (`benchmarks/data/speech.py`), where the file has it.
         self.phonemes = [str(data["phonemes"][i]) for i in keep] if "phonemes" in data else None
+        self.written = list(self.texts)  # the texts as written, before any phoneme spelling
+        self.voices = sorted({str(v) for v in data["voice"][keep]}) if "voice" in data else None
         self.codebook_size = int(data["codebook_size"])
         self.num_codebooks = int(codes.shape[1])
         self.frame_rate = float(data["frame_rate"]) if "frame_rate" in data else None
@@ -344,20 +350,40 @@ class HeldOutSpeech:
         self.recogniser = PhonemeRecogniser.from_pretrained(recogniser)
 
     def __call__(self, model: Any) -> dict[str, Any]:
+        """A model being trained, reading what it trains on (`data.texts`: spelled phonemes for a
+        phoneme run)."""
         from transformers import DiaTokenizer
 
         from mmgen.audio import TTSPipeline
+
+        return self.score(TTSPipeline(model, DiaTokenizer(), self.codec), self.data.texts)
+
+    def score(self, pipe: Any, texts: list[str]) -> dict[str, Any]:
+        """`pipe` speaking `texts` (the held-out utterances' texts, in order): PER, the share that
+        ended, the median ratio of spoken to reference duration and the share within 25% of it."""
         from mmgen.audio.recogniser import phoneme_error_rate
 
-        pipe = TTSPipeline(model, DiaTokenizer(), self.codec)
         heard, ended, ratios = [], 0, []
         for k in range(self.count):
-            out = pipe(self.data.texts[k], generator=torch.Generator().manual_seed(k))
+            out = pipe(texts[k], generator=torch.Generator().manual_seed(k))
             heard.append(self.recogniser.transcribe(out.audio, out.sampling_rate)[0])
             ended += int(out.lengths[0]) < FRAME_CONTEXT - 1
             ratios.append(out.codes[0].shape[1] / len(self.data.codes[k]))
+        ratios = np.array(ratios)
         return {"per": round(phoneme_error_rate(self.data.phonemes[:self.count], heard), 4),
-                "ended": round(ended / self.count, 3), "duration_ratio": round(float(np.median(ratios)), 3)}
+                "ended": round(ended / self.count, 3), "duration_ratio": round(float(np.median(ratios)), 3),
+                "duration_within_25": round(float(np.mean(np.abs(ratios - 1) <= 0.25)), 3)}
+
+    def codec_floor(self) -> float:
+        """PER of the reference codes decoded by the codec: what a perfect code model would score."""
+        from mmgen.audio.recogniser import phoneme_error_rate
+
+        heard = []
+        with torch.no_grad():
+            for k in range(self.count):
+                audio = self.codec.decode(audio_codes=self.data.codes[k].T[None]).audio_values[0]
+                heard.append(self.recogniser.transcribe([audio.reshape(-1)], self.codec.config.sampling_rate)[0])
+        return round(phoneme_error_rate(self.data.phonemes[:self.count], heard), 4)
 
 
 def train_model(args) -> None:
@@ -449,16 +475,51 @@ def export(args) -> None:
         print(f"wrote {out / name}: {parameters(model) / 1e6:.2f}M parameters ({args.dtype}), codec {parameters(codec) / 1e6:.2f}M")
 
 
+#: How the card says what the encoder reads, by `--text-input`.
+TEXT_INPUTS = {
+    "text": 'Text reaches the model as "[S1] <text>" in bytes.',
+    "phonemes": ('The encoder reads phonemes, not spelling: each utterance\'s espeak-ng phonemes, one letter '
+                 'per phoneme (`mmgen.audio.phonemes.spell_phonemes`), as "[S1] <letters>"; the exported config '
+                 f'(`{TEXT_FRONTEND_KEY}`) has the pipeline spell a user\'s text the same way with espeak-ng\'s '
+                 f'{PHONEME_VOICE} voice.'),
+}
+TOKEN_UNITS = {"text": "bytes", "phonemes": "phoneme letters"}
+
+
+def voices(data: CodesData) -> str:
+    if data.voices is None or len(data.voices) > 1:
+        return f"{len(data.voices) if data.voices else 'several'} accent / voice variants"
+    return f"one voice ({data.voices[0]})"
+
+
+def speaking_figures(held_out: CodesData, assets: Path, count: Optional[int]) -> dict[str, Any]:
+    """The exported pair speaking the first `count` held-out texts (all by default), and the
+    codec's round-trip floor on the same utterances (`HeldOutSpeech`)."""
+    from mmgen.audio import TTSPipeline
+
+    speaker = HeldOutSpeech(held_out, assets / "speech-tts" / "codec", count or len(held_out))
+    figures: dict[str, Any] = {"count": speaker.count, "codec_floor": speaker.codec_floor()}
+    for folder in ("speech-tts", "speech-tts-draft"):
+        figures[folder] = speaker.score(TTSPipeline.from_pretrained(assets / folder), held_out.written)
+        print(folder, figures[folder], flush=True)
+    return figures
+
+
 def card(args) -> None:
-    """MODEL_CARD.md from the runs' logs and the held-out teacher-forced losses of the trained
-    weights (rounded to float16 as exported)."""
-    held_out, train = CodesData(args.codes, "eval"), CodesData(args.codes, "train")
+    """MODEL_CARD.md from the runs' logs, the held-out teacher-forced losses of the trained
+    weights (rounded to float16 as exported) and the exported pipelines (`--assets`) speaking the
+    held-out texts as a user would: the text as written, scored by the phoneme recogniser."""
     runs = {name: last_log(run) for name, run in (("target", args.target), ("draft", args.draft))}
+    text_input = runs["target"]["args"].get("text_input", "text")
+    if runs["draft"]["args"].get("text_input", "text") != text_input:
+        raise ValueError("the target and the drafter read different text inputs")
+    held_out, train = CodesData(args.codes, "eval", text_input), CodesData(args.codes, "train", text_input)
     facts: dict[str, dict] = {}
     for name, run in (("target", args.target), ("draft", args.draft)):
         model = round_to_half(load_run(run))
         facts[name] = {"params": parameters(model), "config": model.config,
                        "text": held_out_loss(model, held_out), "no_text": held_out_loss(model, held_out, drop_text=True)}
+    speaking = speaking_figures(held_out, Path(args.assets), args.speak)
     uniform = math.log(held_out.codebook_size)
     C, V = held_out.num_codebooks, held_out.codebook_size
     seconds = lambda data: sum(len(c) for c in data.codes) / (data.frame_rate or 50)
@@ -476,6 +537,11 @@ def card(args) -> None:
                 f"{' / '.join(f'{x:.2f}' for x in f['text']['per_codebook'])} |")
 
     target_args = runs["target"]["args"]
+
+    def speak_row(folder: str) -> str:
+        f = speaking[folder]
+        return (f"| {folder} | {f['per']:.1%} | {f['ended']:.1%} | {f['duration_ratio']:.2f} | "
+                f"{f['duration_within_25']:.1%} |")
     text = f"""# speech-tts and speech-tts-draft: bundled Dia text-to-speech on espeak-ng speech
 
 Two transformers `DiaForConditionalGeneration` models (Dia's byte-level text encoder and
@@ -489,10 +555,10 @@ Weights ship in float16 (rounded before the figures below were computed).
 ## Data
 
 `benchmarks/data/speech.py`: English texts the project makes itself (emoji names, spelled-out
-numbers, short template sentences) spoken by espeak-ng (Debian `espeak-ng`) with eight accent /
-voice variants, speeds and pitches chosen by a hash of the text; 16 kHz, 0.5-3 s each.
+numbers, short template sentences) spoken by espeak-ng (Debian `espeak-ng`) with {voices(train)},
+speeds and pitches chosen by a hash of the text; 16 kHz, 0.5-3 s each.
 {len(train)} training utterances ({seconds(train) / 3600:.2f} h), {len(held_out)} held out (5% by a hash of the
-text, never trained on). Text reaches the model as "[S1] <text>" in bytes.
+text, never trained on). {TEXT_INPUTS[text_input]}
 
 ## Models and training
 
@@ -521,6 +587,21 @@ Nats per labelled token on the {len(held_out)} held-out utterances (uniform over
 {loss_row("target", "speech-tts")}
 {loss_row("draft", "speech-tts-draft")}
 
+## Speaking the held-out texts
+
+Each exported pipeline (`TTSPipeline.from_pretrained`, float16 weights, its sampling defaults)
+speaks the first {speaking['count']} held-out texts as written, utterance k from seed k, one call each; the
+project's phoneme recogniser (`audio/assets/phoneme-recogniser`, `mmgen eval per`) hears the audio,
+scored against the phonemes espeak-ng said for the reference. "Ended": the share that stopped
+before the frame budget; durations are spoken frames over the reference's. The codec's floor is
+the reference codes decoded by the shipped codec and heard the same way.
+
+| model | PER | ended | median duration ratio | within 25% of the reference duration |
+|---|---|---|---|---|
+{speak_row("speech-tts")}
+{speak_row("speech-tts-draft")}
+| codec round trip (floor) | {speaking['codec_floor']:.1%} | | | |
+
 ## Sampling defaults
 
 Saved in `generation_config.json`: sampled (`do_sample`), temperature {SAMPLING['temperature']}, top-k
@@ -530,20 +611,19 @@ at most {FRAME_CONTEXT - 1} frames ({(FRAME_CONTEXT - 1) / 50:.1f} s).
 ## Limits
 
 A toy for offline tests and demos of frame drafting: robotic espeak voices, English only, short
-texts of the corpus' kinds (trained on at most {max(map(len, held_out.text_ids + train.text_ids))} text tokens, bytes with "[S1]" one, and 3 s of
-speech; the models read at most {TEXT_CONTEXT} tokens and {FRAME_CONTEXT} frames); undertrained (CPU, about an hour per model).
+texts of the corpus' kinds (trained on at most {max(map(len, held_out.text_ids + train.text_ids))} text tokens, {TOKEN_UNITS[text_input]} with "[S1]" one, and 3 s of
+speech; the models read at most {TEXT_CONTEXT} tokens and {FRAME_CONTEXT} frames); small and trained on one CPU thread.
 
 ## Reproduce
 
 ```
-python -m benchmarks.data.speech --out data/speech16k.npz
-python -m benchmarks.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1
+{args.data_command}
 {args.codes_command}
 {args.target_command}
 {args.draft_command}
-python -m benchmarks.train_tts export --codec runs/speech-codec --target runs/tts-target --draft runs/tts-draft --out audio/assets
-python -m benchmarks.train_tts card --codes runs/speech-codes.npz --target runs/tts-target --draft runs/tts-draft \\
-    --out audio/assets/speech-tts/MODEL_CARD.md
+python -m benchmarks.train_tts export --codec {args.codec_name} --target {args.target} --draft {args.draft} --out {args.assets}
+python -m benchmarks.train_tts card --codes {args.codes} --target {args.target} --draft {args.draft} --assets {args.assets} \\
+    --out {args.out} ...   # the commands and notes above
 ```
 """
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -589,6 +669,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("--codes", "--target", "--draft", "--out"):
         cd.add_argument(name, required=True)
     cd.add_argument("--threads", type=int, default=0)
+    cd.add_argument("--assets", default="audio/assets", help="the exported folders (speech-tts, speech-tts-draft) to hear")
+    cd.add_argument("--speak", type=int, default=0, metavar="N", help="speak the first N held-out texts (0: all)")
+    cd.add_argument("--codec-name", default="audio/assets/speech-tts/codec", help="the --codec the export was given (for "
+                    "the card's reproduce lines)")
+    cd.add_argument("--data-command", default="python -m benchmarks.data.speech --out data/speech16k.npz\n"
+                    "python -m benchmarks.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1")
     cd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
     cd.add_argument("--codes-command", default="python -m benchmarks.train_speech tokenize --data data/speech16k.npz "
                     "--codec runs/speech-codec --out runs/speech-codes.npz")

@@ -179,6 +179,16 @@ def test_phoneme_input_and_the_spoken_held_out_figures(tmp_path):
     expected = list(b"[S1] " + spell_text("thing number 0").encode())
     assert bytes(conditions.input_ids[0, 1: int(conditions.attention_mask[0].sum())].tolist()) == bytes(expected[4:])
 
+    # The card hears the exported pair speak held-out texts as written (the pipeline spells them).
+    main(["card", "--codes", str(data_path), "--target", str(tmp_path / "run"), "--draft", str(tmp_path / "run"),
+          "--assets", str(tmp_path / "assets"), "--speak", "2", "--out", str(tmp_path / "MODEL_CARD.md")])
+    card = (tmp_path / "MODEL_CARD.md").read_text()
+    assert "The encoder reads phonemes" in card and "phoneme letters" in card
+    speaking = card.split("## Speaking the held-out texts")[1].split("##")[0]
+    assert "the first 2 held-out texts" in speaking
+    for row in ("| speech-tts |", "| speech-tts-draft |", "| codec round trip (floor) |"):
+        assert row in speaking and "%" in speaking.split(row)[1].splitlines()[0]
+
 
 def test_a_second_stage_starts_from_another_runs_weights(tmp_path):
     """`--init RUN`: a fresh run (its own optimizer and settings, here a sharper guide) starts
