@@ -376,6 +376,17 @@ def component_row(facts: dict, name: str, what: str) -> str:
             f"{run['args']['batch_size']} | {run['args']['lr']:g} | {run['final']['loss']:.3f} |")
 
 
+def keep_window_cost(model: torch.nn.Module, folder: Path) -> None:
+    """Give a transformers model the measured window cost (`benchmarks/window_cost.py --write`)
+    that the export `folder` it replaces already carried: the curve describes the architecture on
+    this machine, not the weights, so a re-export keeps it."""
+    from mmgen.decoding.window import WINDOW_COST_KEY
+
+    previous = Path(folder) / "config.json"
+    if previous.is_file() and WINDOW_COST_KEY in (config := json.loads(previous.read_text())):
+        setattr(model.config, WINDOW_COST_KEY, config[WINDOW_COST_KEY])
+
+
 def round_to_half(model: torch.nn.Module) -> torch.nn.Module:
     for tensor in model.state_dict().values():
         if tensor.is_floating_point():

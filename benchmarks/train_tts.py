@@ -74,7 +74,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+from benchmarks.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop
 from mmgen.audio.dia import TEXT_FRONTEND_KEY
 from mmgen.audio.phonemes import spell_phonemes
 
@@ -470,6 +470,7 @@ def export(args) -> None:
         if json.loads((Path(run) / "config.json").read_text())["args"].get("text_input") == "phonemes":
             # The pipeline spells the text in phonemes as this run's data was (`DiaSpeech.text_with_speaker`).
             setattr(model.config, TEXT_FRONTEND_KEY, {"kind": "phonemes", "voice": PHONEME_VOICE})
+        keep_window_cost(model, out / name)
         model.save_pretrained(out / name)
         codec.save_pretrained(out / name / "codec")
         print(f"wrote {out / name}: {parameters(model) / 1e6:.2f}M parameters ({args.dtype}), codec {parameters(codec) / 1e6:.2f}M")

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.data.emoji_vlm import KINDS, QUESTIONS, SHORT_KINDS, eval_records, image_answers, read_jsonl, write_jsonl
-from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+from benchmarks.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop
 
 IMAGE_SIZE, PATCH = 64, 8
 SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "image": "<image>"}
@@ -257,19 +257,13 @@ def export(args) -> None:
     float32 by default: `from_pretrained` computes in the stored dtype, and on CPU float16 is
     slower and rounds a multi-token verification forward differently from a one-token forward,
     so greedy drafting can part from greedy AR at a near-tie (1 of 1,264 held-out answers here)."""
-    from mmgen.decoding.window import WINDOW_COST_KEY
-
     processor = load_processor(args.processor)
     out = Path(args.out)
     for name, preset, run in (("emoji-vlm", "target", args.target), ("emoji-vlm-draft", "draft", args.draft)):
         model = load_trained(new_model(preset, processor.tokenizer, 0), run)
         if args.dtype == "float16":
             model = round_to_half(model).half()
-        # A measured window cost (benchmarks/window_cost.py --write) describes the architecture
-        # on this machine, not the weights: a re-export keeps it.
-        previous = out / name / "config.json"
-        if previous.is_file() and WINDOW_COST_KEY in json.loads(previous.read_text()):
-            setattr(model.config, WINDOW_COST_KEY, json.loads(previous.read_text())[WINDOW_COST_KEY])
+        keep_window_cost(model, out / name)
         model.save_pretrained(out / name)
         processor.save_pretrained(out / name)
         print(f"wrote {out / name}")

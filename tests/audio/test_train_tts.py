@@ -129,6 +129,15 @@ def test_export_loads_through_the_pipeline_and_speaks(tmp_path):
                    decoding=make_decoder("draft", drafter=drafter, num_draft=2))
     assert torch.equal(drafted.frames, ar.frames)
 
+    # A re-export keeps the window cost measured on the folder it replaces (the architecture's).
+    config_path = tmp_path / "assets" / "speech-tts" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "mmgen_window_cost": {"cpu:1": {"1": 1.0, "2": 1.2}}}))
+    main(["export", "--codec", str(tmp_path / "codec"), "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+          "--out", str(tmp_path / "assets")])
+    assert json.loads(config_path.read_text())["mmgen_window_cost"] == {"cpu:1": {"1": 1.0, "2": 1.2}}
+    assert TTSPipeline.from_pretrained(tmp_path / "assets" / "speech-tts").token_model().window_cost == {"cpu:1": {1: 1.0, 2: 1.2}}
+
 
 def test_code_noise_replaces_only_codes_of_the_inputs(tmp_path):
     """`code_noise` corrupts a share of the decoder's input codes; BOS, EOS, PAD, the text and
