@@ -20,7 +20,9 @@ for a block of mmgen's forwards and back, so the model object is left as it was 
 trainer's eager attention, a user's own `generate`).
 
 Cost: one SDPA call per distinct mask (CPU) or per row (GPU) and layer instead of one per
-layer, and a gather of the keys: a few percent of a small model's decode step on a CPU; on a
+layer, and a gather of the keys: a few percent of a small model's decode step on a CPU (where
+every row shares one mask, as a guided batch of one does, the rows go to SDPA as they are,
+with no grouping or copies); on a
 GPU, where one batched kernel is the point, use it where exactness per request matters (a
 server's sampled answers).
 """
@@ -54,6 +56,8 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     masks = attention_mask if attention_mask.shape[0] == B else attention_mask.expand(B, -1, -1, -1)
     if B == 1 or query.device.type == "cuda":  # on a GPU a kernel may split by batch size: row by row
         groups = [[b] for b in range(B)]
+    elif bool((masks == masks[:1]).all()):  # lockstep rows (a guided batch of one): one call, no grouping
+        groups = [list(range(B))]
     else:
         # On a CPU each (row, head) is reduced on its own whatever the batch, so rows with the
         # same mask (lockstep rows of one prompt length) share one call, as they would alone.
@@ -68,7 +72,10 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     out = None
     for rows in groups:
         first = rows[0]
-        if len(rows) == 1:  # views of the row (made contiguous below)
+        whole = len(rows) == B  # every row in one call (lockstep rows, a guided batch of one): no copies
+        if whole:
+            take = lambda t: t
+        elif len(rows) == 1:  # views of the row (made contiguous below)
             take = lambda t: t[first : first + 1]
         else:  # copies, as indexing makes them
             at = torch.tensor(rows, device=query.device)
@@ -81,6 +88,8 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         # alone and in any group.
         part, _ = sdpa_attention_forward(module, take(query).contiguous(), keys.contiguous(), values.contiguous(),
                                          mask.contiguous(), is_causal=False, **kwargs)
+        if whole:
+            return part, None
         if out is None:
             out = part.new_empty(B, *part.shape[1:])
         if len(rows) == 1:
