@@ -510,15 +510,38 @@ def text_gap_bound(codes: str, held_out: CodesData) -> str:
             "(less: phonemes are not uniform, and the past frames already tell the phonemes spoken so far). A weaker unconditional branch widens the measured gap beyond it.")
 
 
+#: Everyday sentences of none of the corpus' kinds (no emoji name, number or template of
+#: `benchmarks/data/speech.py`): how far a model's reading carries past what it trained on.
+EVERYDAY_TEXTS = (
+    "Hello there, how are you today?", "Please close the door.", "It is raining again.", "Where is the station?",
+    "I like green tea.", "The meeting starts at nine.", "Thank you very much.", "Open the window, please.",
+    "My phone is on the table.", "We will see you tomorrow.",
+)
+
+
+def everyday_per(pipe: Any, recogniser: Any) -> float:
+    """PER of `pipe` speaking `EVERYDAY_TEXTS` (text k from seed k) against espeak-ng's en-us
+    phonemes for them."""
+    from mmgen.audio.phonemes import text_phonemes
+    from mmgen.audio.recogniser import phoneme_error_rate
+
+    heard = []
+    for k, text in enumerate(EVERYDAY_TEXTS):
+        out = pipe(text, generator=torch.Generator().manual_seed(k))
+        heard.append(recogniser.transcribe(out.audio, out.sampling_rate)[0])
+    return round(phoneme_error_rate([text_phonemes(t, "en-us") for t in EVERYDAY_TEXTS], heard), 4)
+
+
 def speaking_figures(held_out: CodesData, assets: Path, count: Optional[int]) -> dict[str, Any]:
-    """The exported pair speaking the first `count` held-out texts (all by default), and the
-    codec's round-trip floor on the same utterances (`HeldOutSpeech`)."""
+    """The exported pair speaking the first `count` held-out texts (all by default) and the
+    everyday sentences, and the codec's round-trip floor on the held-out utterances (`HeldOutSpeech`)."""
     from mmgen.audio import TTSPipeline
 
     speaker = HeldOutSpeech(held_out, assets / "speech-tts" / "codec", count or len(held_out))
     figures: dict[str, Any] = {"count": speaker.count, "codec_floor": speaker.codec_floor()}
     for folder in ("speech-tts", "speech-tts-draft"):
-        figures[folder] = speaker.score(TTSPipeline.from_pretrained(assets / folder), held_out.written)
+        pipe = TTSPipeline.from_pretrained(assets / folder)
+        figures[folder] = {**speaker.score(pipe, held_out.written), "everyday_per": everyday_per(pipe, speaker.recogniser)}
         print(folder, figures[folder], flush=True)
     return figures
 
@@ -620,6 +643,11 @@ the reference codes decoded by the shipped codec and heard the same way.
 {speak_row("speech-tts")}
 {speak_row("speech-tts-draft")}
 | codec round trip (floor) | {speaking['codec_floor']:.1%} | | | |
+
+Outside the corpus' kinds the reading does not carry: {len(EVERYDAY_TEXTS)} everyday sentences ("{EVERYDAY_TEXTS[0]}",
+"{EVERYDAY_TEXTS[1]}", ...: `EVERYDAY_TEXTS` in `benchmarks/train_tts.py`), text k from seed k, score
+PER {speaking['speech-tts']['everyday_per']:.1%} (speech-tts) and {speaking['speech-tts-draft']['everyday_per']:.1%} (speech-tts-draft). The corpus' texts are emoji names,
+numbers and a few sentence templates; general text needs a corpus of general sentences.
 
 ## Sampling defaults
 
