@@ -22,9 +22,8 @@ trainer's eager attention, a user's own `generate`).
 Cost: one SDPA call per distinct mask (CPU) or per row (GPU) and layer instead of one per
 layer, and a gather of the keys: a few percent of a small model's decode step on a CPU (where
 every row shares one mask, as a guided batch of one does, the rows go to SDPA as they are,
-with no grouping or copies); on a
-GPU, where one batched kernel is the point, use it where exactness per request matters (a
-server's sampled answers).
+with no grouping or copies); on a GPU, where one batched kernel is the point, use it where
+exactness per request matters (a server's sampled answers).
 """
 
 from __future__ import annotations
