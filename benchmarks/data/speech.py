@@ -6,6 +6,11 @@ Every text is one the project makes itself, so the set needs nothing but Debian 
   numbers       0..100 and a fixed hash-chosen subset of 101..9999, spelled out in British style
                 ("three hundred and twelve")
   sentences     short templates over small word lists ("the red cat is under the box")
+  words         (`--words N`, off by default) N strings of 2-7 words drawn by hash from a broad
+                vocabulary: the words of emoji names and of Unicode character names (Debian
+                `unicode-data`), with common function words between them; they read as nonsense
+                but cover far more sounds and sound sequences than the templates, so a model
+                learns to read phonemes rather than a few hundred texts (issue 30)
 
 Each text is spoken once by espeak-ng (Debian `espeak-ng` 1.51) with a voice, speed and pitch
 chosen by a hash of the text: four accents (General American, British, RP, Scottish) with male
@@ -135,10 +140,54 @@ def sentence_texts(per_template: int = 400) -> list[str]:
     return out
 
 
-def corpus_texts() -> list[tuple[str, str]]:
-    """(kind, text) for every distinct text, in hash order (so `--limit` gives a mix of kinds)."""
+#: Unicode's character names (Debian `unicode-data`): a broad vocabulary without a download.
+UNICODE_DATA = Path("/usr/share/unicode/UnicodeData.txt")
+#: Common words the `words` kind puts between its content words, so the strings sound like speech.
+FUNCTION_WORDS = ("the a an and or of to in on at by for with from is are was it we you they he she my your "
+                  "this that there here not no yes please very more some all one two").split()
+
+
+def vocabulary() -> list[str]:
+    """The `words` kind's content words: those of emoji names and Unicode character names that are
+    plain lower-case letters, 3-10 long, with a vowel (sorted)."""
+    if not UNICODE_DATA.is_file():
+        raise FileNotFoundError(f"{UNICODE_DATA} is missing (Debian: apt-get install unicode-data)")
+    words = {w for text in emoji_texts() for w in text.split()}
+    for line in UNICODE_DATA.read_text(encoding="utf-8").splitlines():
+        name = line.split(";")[1]
+        if not name.startswith("<"):
+            words.update(w.lower() for w in name.split())
+    return sorted(w for w in words if re.fullmatch(r"[a-z]{3,10}", w) and re.search(r"[aeiouy]", w))
+
+
+def word_texts(count: int) -> list[str]:
+    """`count` distinct strings of 2-7 words (see the module docstring), each from the hash of
+    its index: content words from `vocabulary()`, each followed by a function word one time in
+    three."""
+    if count <= 0:
+        return []
+    content = vocabulary()
+    out: dict[str, None] = {}
+    index = 0
+    while len(out) < count:
+        h = digest("words", str(index))
+        index += 1
+        words = []
+        for i in range(2 + h[0] % 6):
+            pick = int.from_bytes(h[1 + 3 * i: 4 + 3 * i], "little")
+            words.append(content[pick % len(content)])
+            if pick % 3 == 0 and len(words) < 7:
+                words.append(FUNCTION_WORDS[(pick // 3) % len(FUNCTION_WORDS)])
+        out.setdefault(" ".join(words[:7]), None)
+    return list(out)
+
+
+def corpus_texts(words: int = 0) -> list[tuple[str, str]]:
+    """(kind, text) for every distinct text, in hash order (so `--limit` gives a mix of kinds);
+    `words`: that many texts of the `words` kind besides."""
     kinds: dict[str, str] = {}
-    for kind, texts in (("emoji", emoji_texts()), ("number", number_texts()), ("sentence", sentence_texts())):
+    for kind, texts in (("emoji", emoji_texts()), ("number", number_texts()), ("sentence", sentence_texts()),
+                        ("words", word_texts(words))):
         for text in texts:
             kinds.setdefault(text, kind)
     return [(kinds[t], t) for t in hash_order(kinds, "order")]
@@ -187,13 +236,14 @@ def check_voices() -> None:
             raise FileNotFoundError(f"espeak-ng voice variant {voice} not found under {VARIANTS}")
 
 
-def build(limit: int | None = None, workers: int = 2, one_voice: bool = False) -> dict[str, np.ndarray]:
-    """The corpus as arrays (see `main` for the fields); `one_voice`: every text in `ONE_VOICE`."""
+def build(limit: int | None = None, workers: int = 2, one_voice: bool = False, words: int = 0) -> dict[str, np.ndarray]:
+    """The corpus as arrays (see `main` for the fields); `one_voice`: every text in `ONE_VOICE`;
+    `words`: texts of the `words` kind besides the others."""
     import torch
 
     torch.set_num_threads(1)
     check_voices()
-    items = corpus_texts()[:limit]
+    items = corpus_texts(words)[:limit]
     settings = [ONE_VOICE if one_voice else voice_for(text) for _, text in items]
     # The espeak processes run `workers` at a time; results come back in input order.
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -250,8 +300,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2, choices=(1, 2), help="espeak processes at a time")
     parser.add_argument("--one-voice", action="store_true", help="every text in one voice, speed and pitch "
                         f"({ONE_VOICE[0]}, {ONE_VOICE[1]} words per minute, pitch {ONE_VOICE[2]})")
+    parser.add_argument("--words", type=int, default=0, metavar="N", help="also N texts of the `words` kind (broad "
+                        "vocabulary, for reading beyond the templates)")
     args = parser.parse_args(argv)
-    data = build(args.limit, args.workers, args.one_voice)
+    data = build(args.limit, args.workers, args.one_voice, args.words)
     write_npz(args.out, data)
     n, held_out = len(data["text"]), int(data["is_eval"].sum())
     hours = len(data["audio"]) / SAMPLE_RATE / 3600

@@ -18,6 +18,23 @@ def test_number_words():
         number_words(10000)
 
 
+def test_words_kind_is_fixed_distinct_and_off_by_default():
+    """`--words N` adds N texts of 2-7 words from a broad vocabulary, the same ones every time;
+    without it the corpus' texts are those of before."""
+    texts = speech.word_texts(200)
+    assert texts == speech.word_texts(200) and len(set(texts)) == 200
+    assert speech.word_texts(50) == texts[:50]  # a longer list extends a shorter one
+    vocabulary = set(speech.vocabulary())
+    for text in texts:
+        words = text.split()
+        assert 2 <= len(words) <= 7 and all(w in vocabulary or w in speech.FUNCTION_WORDS for w in words)
+    assert len(vocabulary) > 5000  # far beyond the templates' few dozen words
+    plain = speech.corpus_texts()
+    mixed = speech.corpus_texts(200)
+    assert {t for _, t in mixed} - {t for _, t in plain} <= set(texts)
+    assert [x for x in mixed if x[0] != "words"] == [x for x in plain if x[1] not in set(texts)]
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     path = tmp_path_factory.mktemp("speech") / "speech.npz"
