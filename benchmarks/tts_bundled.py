@@ -46,7 +46,7 @@ import torch
 
 from benchmarks.data.speech import SAMPLE_RATE
 from benchmarks.train_speech import load_recogniser
-from benchmarks.train_tts import CodesData
+from benchmarks.train_tts import CodesData, codec_round_trip_per
 from benchmarks.tts_decoding import transformers_generate
 from mmgen.audio.recogniser import phoneme_error_rate
 
@@ -146,8 +146,7 @@ def reference_per(pipe: Any, recogniser: Any, utterances: list[dict[str, Any]], 
     """PER of the utterances' corpus codes decoded by the pipeline's codec and (`data`: the
     corpus waveforms) of the real espeak-ng audio."""
     refs = [u["phonemes"] for u in utterances]
-    decoded = [pipe.codec.decode(u["codes"].T) for u in utterances]
-    out = {"codec round trip": phoneme_error_rate(refs, recogniser.transcribe(decoded, pipe.sampling_rate))}
+    out = {"codec round trip": codec_round_trip_per(pipe.codec, [u["codes"] for u in utterances], refs, recogniser)}
     if data:
         from benchmarks.data.speech import load_corpus, utterance
 
