@@ -78,10 +78,13 @@ class PhonemeRecogniser(torch.nn.Module):
         return self.head(x).log_softmax(-1)
 
     @torch.no_grad()
-    def transcribe(self, waves: Sequence[Union[torch.Tensor, np.ndarray]], sampling_rate: int, batch: int = 32) -> list[str]:
+    def transcribe(self, waves: Sequence[Union[torch.Tensor, np.ndarray]], sampling_rate: int) -> list[str]:
         """Greedy CTC: the space-joined phonemes heard in each mono waveform (floats in [-1, 1] at
-        `sampling_rate`, resampled to the recogniser's with torchaudio). Waveforms are zero padded
-        to the longest of each `batch`; one shorter than half an analysis window reads as nothing."""
+        `sampling_rate`, resampled to the recogniser's with torchaudio). Each waveform is heard
+        alone, one forward each, so what it hears never depends on the others in the call (in a
+        zero-padded batch the mel's last windows and the convolutions would read the padding:
+        the codec floor measured 8.2% PER in batches of 32 and 8.5% alone). One shorter than
+        half an analysis window reads as nothing."""
         import torchaudio
 
         waves = [torch.as_tensor(w, dtype=torch.float32) for w in waves]
@@ -89,16 +92,14 @@ class PhonemeRecogniser(torch.nn.Module):
             raise ValueError(f"transcribe takes mono waveforms (1-D), got shapes {[tuple(w.shape) for w in waves if w.ndim != 1]}")
         if sampling_rate != self.sample_rate:
             waves = [torchaudio.functional.resample(w, sampling_rate, self.sample_rate) for w in waves]
-        keep = [i for i, w in enumerate(waves) if len(w) > self.n_fft // 2]  # the mel's reflect padding needs more
-        heard: dict[int, str] = {}
-        for start in range(0, len(keep), batch):
-            index = keep[start:start + batch]
-            lengths = torch.tensor([len(waves[i]) for i in index])
-            wave = torch.nn.utils.rnn.pad_sequence([waves[i] for i in index], batch_first=True)
-            logp = self(self.features(wave), lengths)
-            for i, row, n in zip(index, logp.argmax(-1), self.frames(lengths).clamp(max=logp.shape[1]).tolist()):
-                heard[i] = " ".join(self.inventory[j] for j in collapse(row[:n].tolist(), self.blank))
-        return [heard.get(i, "") for i in range(len(waves))]
+        heard = []
+        for wave in waves:
+            if len(wave) <= self.n_fft // 2:  # the mel's reflect padding needs more
+                heard.append("")
+                continue
+            logp = self(self.features(wave[None]), torch.tensor([len(wave)]))[0]
+            heard.append(" ".join(self.inventory[j] for j in collapse(logp.argmax(-1).tolist(), self.blank)))
+        return heard
 
     @classmethod
     def from_pretrained(cls, folder: Union[str, Path, None] = None) -> "PhonemeRecogniser":

@@ -280,3 +280,14 @@ def test_a_training_run_becomes_a_measured_recogniser_folder(tmp_path):
     held_out = Speech(speech.load_corpus(tmp_path / "speech.npz"), "eval")
     per = phoneme_error_rate(held_out.phonemes, shipped.transcribe(held_out.waves, 16000))
     assert f"| real espeak-ng audio | {per:.2%} |" in card
+
+
+def test_what_a_waveform_is_heard_as_never_depends_on_the_others_in_the_call():
+    """Each waveform is heard alone: beside a longer one (a zero-padded batch would feed the
+    padding to its last mel windows and to the convolutions) it reads the same."""
+    model = tiny_recogniser(3)
+    generator = torch.Generator().manual_seed(1)
+    waves = [0.3 * torch.randn(n, generator=generator) for n in (3000, 9000, 4100, 16000)]
+    alone = [model.transcribe([wave], 16000)[0] for wave in waves]
+    assert model.transcribe(waves, 16000) == alone
+    assert model.transcribe(waves[::-1], 16000) == alone[::-1]
