@@ -53,35 +53,17 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask = visible.expand(B, 1, q, k)
     kwargs = {name: v for name, v in kwargs.items() if name != "is_causal"}
     masks = attention_mask if attention_mask.shape[0] == B else attention_mask.expand(B, -1, -1, -1)
-    if B == 1 or query.device.type == "cuda":  # on a GPU a kernel may split by batch size: row by row
-        groups = [[b] for b in range(B)]
-    elif bool((masks == masks[:1]).all()):  # lockstep rows (a guided batch of one): one call, no grouping
-        groups = [list(range(B))]
-    else:
-        # On a CPU each (row, head) is reduced on its own whatever the batch, so rows with the
-        # same mask (lockstep rows of one prompt length) share one call, as they would alone.
-        _, group_of = torch.unique(masks.reshape(B, -1), dim=0, return_inverse=True)
-        groups: dict = {}
-        for b, g in enumerate(group_of.tolist()):
-            groups.setdefault(g, []).append(b)
-        groups = list(groups.values())
-    # The keys each row's queries see, and whether that is all of them: one host read for all rows.
-    seen_by_row = masks.any(dim=(1, 2))  # [B, k]
-    sees_all = seen_by_row.all(-1).tolist()
     out = None
-    for rows in groups:
-        first = rows[0]
+    for rows, at, keep in row_groups(attention_mask, masks, query.device):
         whole = len(rows) == B  # every row in one call (lockstep rows, a guided batch of one): no copies
         if whole:
             take = lambda t: t
-        elif len(rows) == 1:  # views of the row (made contiguous below)
-            take = lambda t: t[first : first + 1]
+        elif at is None:  # one row: views of it (made contiguous below)
+            take = lambda t: t[rows[0] : rows[0] + 1]
         else:  # copies, as indexing makes them
-            at = torch.tensor(rows, device=query.device)
             take = lambda t: t[at]
         mask, keys, values = take(masks), take(key), take(value)
-        if not sees_all[first]:  # gathered, contiguous and in slot order, as the keys of a row alone are
-            keep = seen_by_row[first].nonzero().flatten()
+        if keep is not None:  # gathered, contiguous and in slot order, as the keys of a row alone are
             keys, values, mask = keys[:, :, keep], values[:, :, keep], mask[..., keep]
         # Contiguous whichever way they came: one layout, so SDPA takes one kernel path for a row
         # alone and in any group.
@@ -91,11 +73,38 @@ def rowwise_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             return part, None
         if out is None:
             out = part.new_empty(B, *part.shape[1:])
-        if len(rows) == 1:
-            out[first] = part[0]
-        else:
-            out[at] = part
+        out[rows[0] if at is None else at] = part[0] if at is None else part
     return out, None
+
+
+def row_groups(attention_mask: torch.Tensor, masks: torch.Tensor, device: torch.device) -> list[tuple]:
+    """How the rows of `masks` [B, 1, q, k] go to SDPA: (rows, their index tensor (None for one
+    row), the keys they see (None: all of them)) per call. Every layer of a forward gets the
+    same mask tensor, so the answer (one host read) is kept on the tensor for the later layers
+    (until the tensor changes in place)."""
+    memo = getattr(attention_mask, "_mmgen_row_groups", None)
+    if memo is not None and memo[0] == (attention_mask._version, tuple(masks.shape)):
+        return memo[1]
+    B = masks.shape[0]
+    if B == 1 or device.type == "cuda":  # on a GPU a kernel may split by batch size: row by row
+        groups = [[b] for b in range(B)]
+    elif bool((masks == masks[:1]).all()):  # lockstep rows (a guided batch of one): one call, no grouping
+        groups = [list(range(B))]
+    else:
+        # On a CPU each (row, head) is reduced on its own whatever the batch, so rows with the
+        # same mask (lockstep rows of one prompt length) share one call, as they would alone.
+        _, group_of = torch.unique(masks.reshape(B, -1), dim=0, return_inverse=True)
+        by_group: dict = {}
+        for b, g in enumerate(group_of.tolist()):
+            by_group.setdefault(g, []).append(b)
+        groups = list(by_group.values())
+    # The keys each row's queries see, and whether that is all of them: one host read for all rows.
+    seen_by_row = masks.any(dim=(1, 2))  # [B, k]
+    sees_all = seen_by_row.all(-1).tolist()
+    calls = [(rows, None if len(rows) == 1 or len(rows) == B else torch.tensor(rows, device=device),
+              None if sees_all[rows[0]] else seen_by_row[rows[0]].nonzero().flatten()) for rows in groups]
+    attention_mask._mmgen_row_groups = ((attention_mask._version, tuple(masks.shape)), calls)
+    return calls
 
 
 def rowwise_mask(*args: Any, **kwargs: Any) -> Optional[torch.Tensor]:
