@@ -62,6 +62,28 @@ def dominant_colours(images: np.ndarray) -> list[str]:
     return out
 
 
+def patch_mean_colours(images: np.ndarray, patch: int) -> list[str]:
+    """The colour answer a reader of patch means would give: each `patch` x `patch` block's
+    non-background pixels averaged, the mean's nearest palette colour counted once per pixel,
+    the most common one. A vision tower whose patch embedding is linear (CLIP's) sees a
+    projection of each patch, of which the mean colour is the part that survives any
+    projection: how far this rule gets is what the tower can read without per-pixel detail."""
+    names = list(PALETTE)
+    palette = np.array([PALETTE[n] for n in names], dtype=np.float64)
+    n, h, w, _ = images.shape
+    blocks = images.reshape(n, h // patch, patch, w // patch, patch, 3).transpose(0, 1, 3, 2, 4, 5)
+    blocks = blocks.reshape(n, -1, patch * patch, 3).astype(np.float64)
+    out = []
+    for image in blocks:
+        counts = np.zeros(len(names))
+        for pixels in image:
+            pixels = pixels[(pixels < WHITE).any(-1)]
+            if len(pixels):
+                counts[((palette - pixels.mean(0)) ** 2).sum(-1).argmin()] += len(pixels)
+        out.append(names[int(counts.argmax())] if counts.any() else "white")
+    return out
+
+
 def describe(row: dict[str, str]) -> str:
     """The `sentence` answer: the short answers in one sentence, e.g. "This is grinning face, a
     yellow face from the face smiling subgroup." ("a yellow emoji" where it is not a face)."""

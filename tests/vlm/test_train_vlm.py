@@ -4,6 +4,7 @@ run changes nothing, and the best step's weights are kept); it warm-starts from 
 folder; and its batches put the loss on the answer and end tokens only, after the prompt exactly
 as `VLMPipeline` builds it."""
 
+import itertools
 import json
 
 import numpy as np
@@ -79,3 +80,56 @@ def test_resumed_vlm_training_equals_an_uninterrupted_run(tmp_path):
         assert torch.equal(batch["pixel_values"][row], expected["pixel_values"][0])
         answer = batch["labels"][row][labelled].tolist()
         assert answer[-1] == tok.eos_token_id and tok.decode(answer[:-1]).strip() == rows[0][kind]
+
+
+def test_colour_questions_on_recoloured_copies_are_answered_from_their_pixels(tmp_path):
+    """`--colour-augment`: a colour question may ask about a channel-permuted, mirrored copy; its
+    answer is the same pixel rule applied to the copy, and every other kind keeps the image."""
+    from benchmarks.data.emoji_vlm import dominant_colours
+
+    data = tmp_path / "set.npz"
+    synthetic_set(data)
+    main(["tokenizer", "--data", str(data), "--out", str(tmp_path / "processor"), "--vocab-size", "300"])
+    processor = load_processor(str(tmp_path / "processor"))
+    tok = processor.tokenizer
+    images = np.zeros((2, 64, 64, 3), np.uint8) + 255
+    images[:, :40, :20] = (250, 205, 50)  # yellow, on the left
+    rows = answers(["thing 0", "thing 1"], ["face-smiling", "flag"], dominant_colours(images))
+    plain, augmented = QAData(images, rows, processor), QAData(images, rows, processor, colour_augment=1.0)
+    index = torch.arange(2 * len(KINDS))
+    batch = augmented.batch(index, torch.Generator().manual_seed(0))
+    pixel_values = processor.image_processor(images=list(images), return_tensors="pt")["pixel_values"]
+    colour_rows = 0
+    for row in index.tolist():
+        image, kind = divmod(row, len(KINDS))
+        labelled = batch["labels"][row] != -100
+        answer = tok.decode(batch["labels"][row][labelled][:-1].tolist()).strip()
+        if KINDS[kind] != "colour":
+            assert torch.equal(batch["pixel_values"][row], pixel_values[image]) and answer == rows[image][KINDS[kind]]
+            continue
+        # The copy is a channel order and maybe a mirror of the image, answered by the rule.
+        copies = {(order, flip): np.ascontiguousarray(images[image][..., list(order)][:, ::-1] if flip
+                                                      else images[image][..., list(order)])
+                  for order in itertools.permutations(range(3)) for flip in (False, True)}
+        match = [key for key, copy in copies.items() if torch.equal(
+            processor.image_processor(images=[copy], return_tensors="pt")["pixel_values"][0], batch["pixel_values"][row])]
+        assert match and match[0][0] != (0, 1, 2)
+        assert answer == dominant_colours(copies[match[0]][None])[0]
+        colour_rows += 1
+    assert colour_rows == 2
+    # Without a generator (held-out figures) and without augmentation, the images are the originals.
+    for qa in (plain, augmented):
+        assert torch.equal(qa.batch(index, None)["pixel_values"], pixel_values[index // len(KINDS)])
+
+
+def test_a_reader_of_one_pixel_patches_gives_the_colour_answer():
+    """`patch_mean_colours` at patch 1 is the answer's own rule; at a coarser patch it reads means."""
+    from benchmarks.data.emoji_vlm import dominant_colours, patch_mean_colours
+
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
+    assert patch_mean_colours(images, 1) == dominant_colours(images)
+    two = np.full((1, 16, 16, 3), 255, np.uint8)
+    two[0, :8, :8] = (220, 40, 40)  # red beside blue in one 16 px patch: their mean is purple
+    two[0, 8:, 8:] = (50, 110, 220)
+    assert patch_mean_colours(two, 16) == ["purple"] and patch_mean_colours(two, 8) == ["red"]
