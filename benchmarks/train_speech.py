@@ -239,7 +239,7 @@ def tokenize(args) -> None:
     codes = [c.numpy().astype(np.int16) for c in roundtrip(codec, waves, decode=False)[1]]
     frames = np.array([len(c) for c in codes])
     np.savez(args.out, codes=np.concatenate(codes), offsets=np.concatenate([[0], np.cumsum(frames)]),
-             **{k: data[k] for k in ("text", "phonemes", "voice", "speed", "pitch", "is_eval", "inventory")},
+             **{k: data[k] for k in ("text", "kind", "phonemes", "voice", "speed", "pitch", "is_eval", "inventory") if k in data},
              frame_rate=np.array(codec.config.frame_rate), codebook_size=np.array(codec.config.codebook_size))
     print(f"wrote {args.out}: {len(codes)} utterances, {int(frames.sum())} frames x {codes[0].shape[1]} codebooks")
 

@@ -165,6 +165,7 @@ class CodesData:
         self.phonemes = [str(data["phonemes"][i]) for i in keep] if "phonemes" in data else None
         self.written = list(self.texts)  # the texts as written, before any phoneme spelling
         self.voices = sorted({str(v) for v in data["voice"][keep]}) if "voice" in data else None
+        self.kinds = [str(data["kind"][i]) for i in keep] if "kind" in data else None  # the corpus' text kinds
         self.codebook_size = int(data["codebook_size"])
         self.num_codebooks = int(codes.shape[1])
         self.frame_rate = float(data["frame_rate"]) if "frame_rate" in data else None
@@ -373,9 +374,15 @@ class HeldOutSpeech:
             ended += int(out.lengths[0]) < FRAME_CONTEXT - 1
             ratios.append(out.codes[0].shape[1] / len(self.data.codes[k]))
         ratios = np.array(ratios)
-        return {"per": round(phoneme_error_rate(self.data.phonemes[:self.count], heard), 4),
-                "ended": round(ended / self.count, 3), "duration_ratio": round(float(np.median(ratios)), 3),
-                "duration_within_25": round(float(np.mean(np.abs(ratios - 1) <= 0.25)), 3)}
+        figures = {"per": round(phoneme_error_rate(self.data.phonemes[:self.count], heard), 4),
+                   "ended": round(ended / self.count, 3), "duration_ratio": round(float(np.median(ratios)), 3),
+                   "duration_within_25": round(float(np.mean(np.abs(ratios - 1) <= 0.25)), 3)}
+        if self.data.kinds is not None:  # PER per kind of text (the codes file says each utterance's)
+            kinds = self.data.kinds[:self.count]
+            figures["per_by_kind"] = {kind: {"texts": kinds.count(kind), "per": round(phoneme_error_rate(
+                [p for p, k in zip(self.data.phonemes, kinds) if k == kind], [h for h, k in zip(heard, kinds) if k == kind]), 4)}
+                for kind in sorted(set(kinds))}
+        return figures
 
     def codec_floor(self) -> float:
         """PER of the reference codes decoded by the codec: what a perfect code model would score."""
@@ -387,9 +394,8 @@ class HeldOutSpeech:
 
 def codec_round_trip_per(codec: Any, codes: list[torch.Tensor], phonemes: list[str], recogniser: Any) -> float:
     """PER of utterances' reference codes ([T, C] each) decoded by `codec` (`mmgen.audio.codec.Codec`)
-    and heard by `recogniser`, against their `phonemes`. Each waveform is heard alone, as
-    `HeldOutSpeech.score` hears generated speech (the recogniser zero pads a batch to its longest,
-    which moves its figure by a few tenths of a point)."""
+    and heard by `recogniser`, against their `phonemes`, each decoded alone as
+    `HeldOutSpeech.score` decodes generated speech."""
     from mmgen.audio.recogniser import phoneme_error_rate
 
     heard = [recogniser.transcribe([codec.decode(c.T)], codec.sampling_rate)[0] for c in codes]
@@ -553,6 +559,32 @@ def speaking_figures(held_out: CodesData, assets: Path, count: Optional[int]) ->
     return figures
 
 
+#: What each kind of the corpus' texts is (`benchmarks/data/speech.py`), for the card.
+KIND_NAMES = {"emoji": "emoji names", "number": "spelled-out numbers", "sentence": "short template sentences",
+              "words": "strings of 2-7 words from emoji and Unicode character names with function words between"}
+
+
+def corpus_kinds(*splits: CodesData) -> str:
+    """The kinds of text the codes file holds, in words (the first three where it does not say)."""
+    kinds = {k for data in splits for k in (data.kinds or ("emoji", "number", "sentence"))}
+    return ", ".join(KIND_NAMES.get(k, k) for k in KIND_NAMES if k in kinds)
+
+
+def kind_table(speaking: dict[str, Any]) -> str:
+    """PER per kind of held-out text for both models (empty where the codes file has no kinds)."""
+    target, draft = speaking["speech-tts"].get("per_by_kind"), speaking["speech-tts-draft"].get("per_by_kind")
+    if not target:
+        return ""
+    rows = "\n".join(f"| {kind} | {f['texts']} | {f['per']:.1%} | {draft[kind]['per']:.1%} |" for kind, f in target.items())
+    return f"""
+By kind of held-out text:
+
+| kind | texts | speech-tts PER | speech-tts-draft PER |
+|---|---|---|---|
+{rows}
+"""
+
+
 def card(args) -> None:
     """MODEL_CARD.md from the runs' logs, the held-out teacher-forced losses of the trained
     weights (rounded to float16 as exported) and the exported pipelines (`--assets`) speaking the
@@ -602,8 +634,7 @@ Weights ship in float16 (rounded before the figures below were computed).
 
 ## Data
 
-`benchmarks/data/speech.py`: English texts the project makes itself (emoji names, spelled-out
-numbers, short template sentences) spoken by espeak-ng (Debian `espeak-ng`) with {voices(train)},
+`benchmarks/data/speech.py`: English texts the project makes itself ({corpus_kinds(held_out, train)}) spoken by espeak-ng (Debian `espeak-ng`) with {voices(train)},
 speeds and pitches chosen by a hash of the text; 16 kHz, 0.5-3 s each.
 {len(train)} training utterances ({seconds(train) / 3600:.2f} h), {len(held_out)} held out (5% by a hash of the
 text, never trained on). {TEXT_INPUTS[text_input]}
@@ -650,11 +681,10 @@ the reference codes decoded by the shipped codec and heard the same way.
 {speak_row("speech-tts")}
 {speak_row("speech-tts-draft")}
 | codec round trip (floor) | {speaking['codec_floor']:.1%} | | | |
-
-Outside the corpus' kinds the reading does not carry: {len(EVERYDAY_TEXTS)} everyday sentences ("{EVERYDAY_TEXTS[0]}",
+{kind_table(speaking)}
+Sentences of none of the corpus' kinds: {len(EVERYDAY_TEXTS)} everyday ones ("{EVERYDAY_TEXTS[0]}",
 "{EVERYDAY_TEXTS[1]}", ...: `EVERYDAY_TEXTS` in `benchmarks/train_tts.py`), text k from seed k, score
-PER {speaking['speech-tts']['everyday_per']:.1%} (speech-tts) and {speaking['speech-tts-draft']['everyday_per']:.1%} (speech-tts-draft). The corpus' texts are emoji names,
-numbers and a few sentence templates; general text needs a corpus of general sentences.
+PER {speaking['speech-tts']['everyday_per']:.1%} (speech-tts) and {speaking['speech-tts-draft']['everyday_per']:.1%} (speech-tts-draft). {args.speaking_note}
 
 ## Sampling defaults
 
@@ -730,6 +760,7 @@ def main(argv: list[str] | None = None) -> None:
     cd.add_argument("--data-command", default="python -m benchmarks.data.speech --out data/speech16k.npz\n"
                     "python -m benchmarks.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1")
     cd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
+    cd.add_argument("--speaking-note", default="", help="what the speaking figures show, for the card")
     cd.add_argument("--codes-command", default="python -m benchmarks.train_speech tokenize --data data/speech16k.npz "
                     "--codec runs/speech-codec --out runs/speech-codes.npz")
     cd.add_argument("--target-command", default="python -m benchmarks.train_tts target --codes runs/speech-codes.npz "

@@ -16,12 +16,12 @@ C = 3  # codebooks of the tiny codec
 
 def fake_codes(path, n=20):
     """A codes file as `train_speech.py tokenize` writes it: random codes of 6-14 frames, every
-    5th utterance held out, each text's phonemes."""
+    5th utterance held out, each text's phonemes and kind."""
     rng = np.random.default_rng(0)
     frames = rng.integers(6, 15, n)
     np.savez(path, codes=rng.integers(0, V, (int(frames.sum()), C)).astype(np.int16),
              offsets=np.concatenate([[0], np.cumsum(frames)]), text=np.array([f"thing number {i}" for i in range(n)]),
-             phonemes=np.array(["θ ɪ ŋ n ʌ m b ɚ"] * n), is_eval=np.arange(n) % 5 == 4, frame_rate=np.array(RATE / 4),
+             phonemes=np.array(["θ ɪ ŋ n ʌ m b ɚ"] * n), kind=np.array(["emoji", "words"] * (n // 2)), is_eval=np.arange(n) % 5 == 4, frame_rate=np.array(RATE / 4),
              codebook_size=np.array(V))
 
 
@@ -197,6 +197,9 @@ def test_phoneme_input_and_the_spoken_held_out_figures(tmp_path):
     assert "the first 2 held-out texts" in speaking
     for row in ("| speech-tts |", "| speech-tts-draft |", "| codec round trip (floor) |"):
         assert row in speaking and "%" in speaking.split(row)[1].splitlines()[0]
+    # Per kind of held-out text (the first two held out are utterances 4 and 9), and the data named by its kinds.
+    assert "| emoji | 1 |" in speaking and "| words | 1 |" in speaking
+    assert "emoji names, strings of 2-7 words" in card.split("## Data")[1].split("##")[0]
 
 
 def test_a_second_stage_starts_from_another_runs_weights(tmp_path):
