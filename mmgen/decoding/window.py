@@ -88,7 +88,11 @@ class AdaptiveWindow:
     autoregressive steps probe one draft often: `probe_len` forwards each time `probe_len`
     forwards' worth of one draft's extra cost adds up to `probe_cost` of the AR steps between
     (with nothing accepted, the probes cost about that fraction; every 8 steps at one draft =
-    1.074 AR steps). Any accepted draft in a probe beats AR steps and starts the growth.
+    1.074 AR steps). Any accepted draft in a probe beats AR steps and starts the growth. A decode
+    that starts with AR steps probes first once the probe's extra cost is at most
+    `first_probe_cost` of the steps before it, and after `dwell` steps at the latest: soon where
+    a draft is cheap (a batch of rows, where one draft already costs more than `start_cost`), late
+    enough where it is dear that a short answer ends first.
     `decay`: weight of older forwards in a width's running figure.
     """
 
@@ -103,6 +107,7 @@ class AdaptiveWindow:
     warmup: int = 1
     probe_len: int = 2
     probe_cost: float = 0.02
+    first_probe_cost: float = 0.1
     margin: float = 0.15
 
     def __post_init__(self):
@@ -116,8 +121,10 @@ class AdaptiveWindow:
             raise ValueError(f"start_cost must be a number >= 1 (AR steps), got {self.start_cost!r}")
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be a finite number >= 0, got {self.margin!r}")
-        if not (math.isfinite(self.probe_cost) and self.probe_cost > 0):
-            raise ValueError(f"probe_cost must be a fraction > 0 of the AR steps, got {self.probe_cost!r}")
+        for name in ("probe_cost", "first_probe_cost"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a fraction > 0 of the AR steps, got {value!r}")
         for name, least in (("dwell", 1), ("probe_every", 1), ("jump", 1), ("warmup", 0), ("probe_len", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -235,8 +242,10 @@ class WindowChooser:
         # Between probes of one draft from autoregressive steps: they cost `probe_cost` of the steps.
         extra = policy.probe_len * (cost[1] - 1) if len(cost) > 1 else 0.0
         self.ar_interval = max(1, math.ceil(extra / policy.probe_cost))
-        # Starting with AR steps, the first probe comes after `dwell` of them (a short answer may accept).
-        self.since_probe = max(0, self.ar_interval - policy.dwell) if self.home == 0 else 0
+        # Starting with AR steps, the first probe comes once its extra cost is `first_probe_cost`
+        # of the steps before it, after `dwell` of them at the latest (a short answer may end first).
+        first = min(policy.dwell, math.ceil(extra / policy.first_probe_cost))
+        self.since_probe = max(0, self.ar_interval - first) if self.home == 0 else 0
         self.chosen: list[int] = []
 
     def _reset(self) -> None:
