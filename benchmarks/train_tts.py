@@ -379,8 +379,11 @@ class HeldOutSpeech:
                    "duration_within_25": round(float(np.mean(np.abs(ratios - 1) <= 0.25)), 3)}
         if self.data.kinds is not None:  # PER per kind of text (the codes file says each utterance's)
             kinds = self.data.kinds[:self.count]
-            figures["per_by_kind"] = {kind: {"texts": kinds.count(kind), "per": round(phoneme_error_rate(
-                [p for p, k in zip(self.data.phonemes, kinds) if k == kind], [h for h, k in zip(heard, kinds) if k == kind]), 4)}
+            figures["per_by_kind"] = {kind: {
+                "texts": kinds.count(kind),
+                "phonemes": sum(len(p.split()) for p, k in zip(self.data.phonemes, kinds) if k == kind),
+                "per": round(phoneme_error_rate([p for p, k in zip(self.data.phonemes, kinds) if k == kind],
+                                                [h for h, k in zip(heard, kinds) if k == kind]), 4)}
                 for kind in sorted(set(kinds))}
         return figures
 
@@ -714,6 +717,7 @@ python -m benchmarks.train_tts card --codes {args.codes} --target {args.target} 
     Path(args.out).write_text(text)
     print(f"wrote {args.out}")
     print(json.dumps({name: {k: v for k, v in f.items() if k != "config"} for name, f in facts.items()}, indent=1))
+    print(json.dumps({"speaking": speaking}))
 
 
 def main(argv: list[str] | None = None) -> None:
