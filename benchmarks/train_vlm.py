@@ -394,6 +394,13 @@ def heldout_curve(run: str) -> list[dict]:
     return [r for r in records if "heldout" in r]
 
 
+def augmentation(run_args: dict) -> str:
+    """A run's augmentation, for the card (runs from before `--colour-augment` had none)."""
+    share = run_args.get("colour_augment") or 0
+    return (f"{share:.0%} of colour questions about a copy with its channels permuted and maybe mirrored"
+            if share else "no augmentation")
+
+
 def card(args) -> None:
     e = json.loads(Path(args.eval).read_text())
     runs = {name: last_log(run) for name, run in (("target", args.target), ("draft", args.draft))}
@@ -453,7 +460,7 @@ ship as `vlm/assets/emoji-vlm-eval.jsonl`.
 Cross-entropy on the answer tokens and the end token only (prompts and image tokens carry no
 loss), one random (image, question kind) pair per example, a random paraphrase per example;
 AdamW (betas 0.9/0.95, weight decay {train('target')['weight_decay']:g}), cosine schedule with {train('target')['warmup']} warm-up steps,
-gradient clipping 1.0; no augmentation. Torch threads: {train('target')['threads']} (target), {train('draft')['threads']} (drafter).
+gradient clipping 1.0; {augmentation(train('target'))} (target), {augmentation(train('draft'))} (drafter). Torch threads: {train('target')['threads']} (target), {train('draft')['threads']} (drafter).
 {args.training_note}
 
 Held-out figures logged during the runs (teacher-forced: an answer counts as exact when every
