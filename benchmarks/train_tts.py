@@ -387,12 +387,14 @@ class HeldOutSpeech:
                 for kind in sorted(set(kinds))}
         return figures
 
-    def codec_floor(self) -> float:
-        """PER of the reference codes decoded by the codec: what a perfect code model would score."""
+    def codec_floor(self, kind: Optional[str] = None) -> float:
+        """PER of the reference codes decoded by the codec: what a perfect code model would score
+        (on the texts of one `kind`, where the codes file says each text's)."""
         from mmgen.audio.codec import Codec
 
-        n = self.count
-        return round(codec_round_trip_per(Codec(self.codec), self.data.codes[:n], self.data.phonemes[:n], self.recogniser), 4)
+        keep = [i for i in range(self.count) if kind is None or self.data.kinds[i] == kind]
+        return round(codec_round_trip_per(Codec(self.codec), [self.data.codes[i] for i in keep],
+                                          [self.data.phonemes[i] for i in keep], self.recogniser), 4)
 
 
 def codec_round_trip_per(codec: Any, codes: list[torch.Tensor], phonemes: list[str], recogniser: Any) -> float:
@@ -555,6 +557,8 @@ def speaking_figures(held_out: CodesData, assets: Path, count: Optional[int]) ->
 
     speaker = HeldOutSpeech(held_out, assets / "speech-tts" / "codec", count or len(held_out))
     figures: dict[str, Any] = {"count": speaker.count, "codec_floor": speaker.codec_floor()}
+    if held_out.kinds is not None:
+        figures["codec_floor_by_kind"] = {kind: speaker.codec_floor(kind) for kind in sorted(set(held_out.kinds[:speaker.count]))}
     for folder in ("speech-tts", "speech-tts-draft"):
         pipe = TTSPipeline.from_pretrained(assets / folder)
         figures[folder] = {**speaker.score(pipe, held_out.written), "everyday_per": everyday_per(pipe, speaker.recogniser)}
@@ -578,12 +582,14 @@ def kind_table(speaking: dict[str, Any]) -> str:
     target, draft = speaking["speech-tts"].get("per_by_kind"), speaking["speech-tts-draft"].get("per_by_kind")
     if not target:
         return ""
-    rows = "\n".join(f"| {kind} | {f['texts']} | {f['per']:.1%} | {draft[kind]['per']:.1%} |" for kind, f in target.items())
+    floor = speaking["codec_floor_by_kind"]
+    rows = "\n".join(f"| {kind} | {f['texts']} | {f['per']:.1%} | {draft[kind]['per']:.1%} | {floor[kind]:.1%} |"
+                      for kind, f in target.items())
     return f"""
-By kind of held-out text:
+By kind of held-out text (the codec's floor too: the recogniser hears some kinds worse than others):
 
-| kind | texts | speech-tts PER | speech-tts-draft PER |
-|---|---|---|---|
+| kind | texts | speech-tts PER | speech-tts-draft PER | codec round trip (floor) |
+|---|---|---|---|---|
 {rows}
 """
 

@@ -199,6 +199,7 @@ def test_phoneme_input_and_the_spoken_held_out_figures(tmp_path):
         assert row in speaking and "%" in speaking.split(row)[1].splitlines()[0]
     # Per kind of held-out text (the first two held out are utterances 4 and 9), and the data named by its kinds.
     assert "| emoji | 1 |" in speaking and "| words | 1 |" in speaking
+    assert all(row.count("%") == 3 for row in speaking.splitlines() if row.startswith(("| emoji |", "| words |")))
     assert "emoji names, strings of 2-7 words" in card.split("## Data")[1].split("##")[0]
 
 
