@@ -33,9 +33,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.data.emoji_vlm import (KINDS, QUESTIONS, SHORT_KINDS, dominant_colours, eval_records, image_answers,
+from benchmarks.data.emoji_vlm import (KINDS, PALETTE, QUESTIONS, SHORT_KINDS, dominant_colours, eval_records, image_answers,
                                        patch_mean_colours, read_jsonl, write_jsonl)
-from benchmarks.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop
+from benchmarks.train import add_training_arguments, cosine_lr, keep_window_cost, last_log, load_trained, round_to_half, train_loop
 
 IMAGE_SIZE, PATCH = 64, 8
 SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "image": "<image>"}
@@ -107,31 +107,47 @@ def build_tokenizer(args) -> None:
 # ---------------------------------------------------------------------------- models
 
 
-def vlm_config(preset: str, tokenizer: Any) -> Any:
+def vlm_config(preset: str, tokenizer: Any, text_layers: Optional[int] = None, vision_hidden: Optional[int] = None) -> Any:
+    """The preset's LlavaConfig; `text_layers` overrides its language model's depth,
+    `vision_hidden` its vision tower's width (the MLP 4x as wide)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     p = PRESETS[preset]
+    text = p["text"] | ({"num_hidden_layers": text_layers} if text_layers else {})
+    vision = p["vision"] | ({"hidden_size": vision_hidden, "intermediate_size": 4 * vision_hidden} if vision_hidden else {})
     ids = {f"{k}_token_id": tokenizer.convert_tokens_to_ids(SPECIAL[k]) for k in ("pad", "bos", "eos")}
     return LlavaConfig(
-        vision_config=CLIPVisionConfig(**p["vision"], image_size=IMAGE_SIZE, patch_size=PATCH),
-        text_config=LlamaConfig(**p["text"], vocab_size=len(tokenizer), max_position_embeddings=256,
+        vision_config=CLIPVisionConfig(**vision, image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config=LlamaConfig(**text, vocab_size=len(tokenizer), max_position_embeddings=256,
                                 tie_word_embeddings=True, **ids),
         image_token_index=tokenizer.convert_tokens_to_ids(SPECIAL["image"]), vision_feature_layer=-1,
         vision_feature_select_strategy="default", tie_word_embeddings=True,
     )
 
 
-def new_model(preset: str, tokenizer: Any, seed: int) -> Any:
+def new_model(preset: str, tokenizer: Any, seed: int, text_layers: Optional[int] = None,
+              vision_hidden: Optional[int] = None) -> Any:
     from transformers import LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(vlm_config(preset, tokenizer))
+    model = LlavaForConditionalGeneration(vlm_config(preset, tokenizer, text_layers, vision_hidden))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
 
 
 # ---------------------------------------------------------------------------- training data
+
+
+#: Every look of an image the colour head trains on: channel order x mirrored left-right.
+LOOKS = [(order, mirror) for order in itertools.permutations(range(3)) for mirror in (False, True)]
+
+
+def look(images: np.ndarray, k: int) -> np.ndarray:
+    """Images [N, H, W, 3] in look `k` of LOOKS."""
+    order, mirror = LOOKS[k]
+    out = images[..., list(order)]
+    return np.ascontiguousarray(out[:, :, ::-1] if mirror else out)
 
 
 class QAData:
@@ -163,11 +179,7 @@ class QAData:
     def recoloured(self, image: int, u: list[float]) -> tuple[torch.Tensor, list[int]]:
         """Pixel values and colour answer of image `image` with its channels permuted (one of the
         five non-identity orders, by `u[0]`) and mirrored left-right when `u[1]` < 0.5."""
-        order = list(itertools.permutations(range(3)))[1 + int(u[0] * 5)]
-        pixels = self.images[image][..., order]
-        if u[1] < 0.5:
-            pixels = pixels[:, ::-1]
-        pixels = np.ascontiguousarray(pixels)
+        pixels = look(self.images[image:image + 1], 2 * (1 + int(u[0] * 5)) + (u[1] < 0.5))[0]
         colour = dominant_colours(pixels[None])[0]
         if colour not in self.colour_answers:
             tok = self.processor.tokenizer
@@ -202,6 +214,51 @@ class QAData:
         pad = lambda rows, value: torch.tensor([r + [value] * (width - len(r)) for r in rows])
         return {"input_ids": pad(seqs, self.pad), "labels": pad(labels, -100),
                 "attention_mask": pad([[1] * len(s) for s in seqs], 0), "pixel_values": torch.stack(pixels)}
+
+
+class ColourLooks:
+    """The colour answer of every training image in every look (computed once), and the
+    processor's pixel values of a batch of (image, look) pairs: the images are already the
+    processor's size, so its resize and crop are identities and only rescaling and
+    normalisation remain (checked against the processor on construction)."""
+
+    def __init__(self, images: np.ndarray, processor: Any):
+        self.images = images
+        names = list(PALETTE)
+        self.labels = torch.tensor([[names.index(c) for c in dominant_colours(look(images, k))] for k in range(len(LOOKS))])
+        ip = processor.image_processor
+        self.scale = ip.rescale_factor
+        self.mean, self.std = (torch.tensor(v).view(1, 3, 1, 1) for v in (ip.image_mean, ip.image_std))
+        reference = ip(images=list(images[:4]), return_tensors="pt")["pixel_values"]
+        torch.testing.assert_close(self.pixels(images[:4]), reference, atol=1e-5, rtol=0)
+
+    def pixels(self, images: np.ndarray) -> torch.Tensor:
+        return (torch.from_numpy(images).permute(0, 3, 1, 2).float() * self.scale - self.mean) / self.std
+
+    def batch(self, size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.randint(len(self.images), (size,), generator=generator)
+        which = torch.randint(len(LOOKS), (size,), generator=generator)
+        images = np.stack([look(self.images[i:i + 1], k)[0] for i, k in zip(index.tolist(), which.tolist())])
+        return self.pixels(images), self.labels[which, index]
+
+
+class WithColourHead(torch.nn.Module):
+    """A VLM in training with an auxiliary colour classifier on its image features (the
+    projector's outputs, averaged over the image tokens): the tower is taught to carry each
+    image's colour where the language model reads it, from many recoloured looks per step at
+    the tower's cost alone. The head is dropped at export."""
+
+    def __init__(self, vlm: Any):
+        super().__init__()
+        self.vlm = vlm
+        self.colour_head = torch.nn.Linear(vlm.config.text_config.hidden_size, len(PALETTE))
+
+    def colour_logits(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        features = self.vlm.model.get_image_features(pixel_values=pixel_values, vision_feature_layer=-1,
+                                                     vision_feature_select_strategy="default").pooler_output
+        pooled = torch.stack(list(features)).mean(1).float()
+        # Normalised so the fresh head's first losses stay near log(11) rather than pulling hard on the tower.
+        return self.colour_head(F.layer_norm(pooled, pooled.shape[-1:]))
 
 
 def answer_logits(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,26 +311,57 @@ def train_model(args) -> None:
     qa = QAData(data["images"][train], [row for row, keep in zip(rows, train) if keep], processor,
                 colour_augment=args.colour_augment)
     heldout = QAData(data["images"][~train], [row for row, keep in zip(rows, train) if not keep], processor)
-    model = new_model(args.job, processor.tokenizer, args.seed)
+    model = new_model(args.job, processor.tokenizer, args.seed, args.text_layers, args.vision_hidden)
     if args.init:  # a warm start (a resumed run's checkpoint replaces these weights)
-        model = load_pipeline_weights(model, args.init)
+        model = load_pipeline_weights(model, args.init, partial=args.init_partial)
+
+    trainee = WithColourHead(model) if args.colour_aux else model
+    looks = ColourLooks(data["images"][train], processor) if args.colour_aux else None
 
     def loss_fn(index, generator):
         loss, accuracy = answer_loss(model, qa.batch(index, generator))
-        return loss, {"token_acc": round(accuracy.item(), 4)}
+        metrics = {"token_acc": round(accuracy.item(), 4)}
+        if looks is not None:
+            pixels, colours = looks.batch(args.colour_aux_batch, generator)
+            logits = trainee.colour_logits(pixels.to(loss.device))
+            colour_loss = F.cross_entropy(logits, colours.to(loss.device))
+            loss = loss + args.colour_aux * colour_loss
+            metrics |= {"colour_loss": round(colour_loss.item(), 4),
+                        "colour_acc": round((logits.argmax(-1).cpu() == colours).float().mean().item(), 4)}
+        return loss, metrics
 
     config = {"preset": args.job, "llava": model.config.to_dict(), "args": {k: str(v) if isinstance(v, Path) else v
                                                                            for k, v in vars(args).items()}}
-    train_loop(model, loss_fn, len(qa), args, config, heldout=lambda: heldout_figures(model, heldout))
+    train_loop(trainee, loss_fn, len(qa), args, config, heldout=lambda: heldout_figures(model, heldout))
 
 
-def load_pipeline_weights(model: Any, folder: str) -> Any:
-    """`model` with the weights of a saved model folder of the same preset (strict)."""
+def load_pipeline_weights(model: Any, folder: str, partial: bool = False) -> Any:
+    """`model` with the weights of a saved model folder of the same preset (strict), or with
+    `partial`, only the tensors whose name and shape match (a resized vision tower over a
+    trained language model); the names left as initialised are printed."""
     from transformers import LlavaForConditionalGeneration
 
-    saved = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-    model.load_state_dict(saved.state_dict(), strict=True)
+    saved = LlavaForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
+    if partial:
+        own = model.state_dict()
+        fresh = [k for k in own if k not in saved or saved[k].shape != own[k].shape]
+        saved = {k: v for k, v in saved.items() if k in own and k not in fresh}
+        print(f"warm start from {folder}: {len(saved)} tensors taken, {len(fresh)} initialised "
+              f"({sum(own[k].numel() for k in fresh) / 1e6:.2f}M parameters), e.g. {fresh[:3]}", flush=True)
+        model.load_state_dict(saved, strict=False)
+        return model
+    model.load_state_dict(saved, strict=True)
     return model
+
+
+def trained_vlm(preset: str, tokenizer: Any, run: str) -> Any:
+    """The VLM of a training run's last checkpoint (without the colour head a run with
+    `--colour-aux` trained alongside it)."""
+    args = json.loads((Path(run) / "config.json").read_text())["args"]
+    model = new_model(preset, tokenizer, 0, args.get("text_layers"), args.get("vision_hidden"))
+    if args.get("colour_aux"):
+        return load_trained(WithColourHead(model), run).vlm
+    return load_trained(model, run)
 
 
 # ---------------------------------------------------------------------------- export, evaluation, card
@@ -290,7 +378,7 @@ def export(args) -> None:
     processor = load_processor(args.processor)
     out = Path(args.out)
     for name, preset, run in (("emoji-vlm", "target", args.target), ("emoji-vlm-draft", "draft", args.draft)):
-        model = load_trained(new_model(preset, processor.tokenizer, 0), run)
+        model = trained_vlm(preset, processor.tokenizer, run)
         if args.dtype == "float16":
             model = round_to_half(model).half()
         keep_window_cost(model, out / name)
@@ -397,8 +485,22 @@ def heldout_curve(run: str) -> list[dict]:
 def augmentation(run_args: dict) -> str:
     """A run's augmentation, for the card (runs from before `--colour-augment` had none)."""
     share = run_args.get("colour_augment") or 0
-    return (f"{share:.0%} of colour questions about a copy with its channels permuted and maybe mirrored"
+    text = (f"{share:.0%} of colour questions about a copy with its channels permuted and maybe mirrored"
             if share else "no augmentation")
+    if run_args.get("colour_aux"):
+        text += (f"; plus {run_args['colour_aux']:g} x an auxiliary colour loss: a training-only linear head on the "
+                 f"image features (the projector's outputs averaged over the image tokens), "
+                 f"{run_args['colour_aux_batch']} images per step in any of their 12 looks (channel order x mirror)")
+    return text
+
+
+def architecture(run: str) -> tuple[str, str]:
+    """The vision tower and language model of a run, as the card states them."""
+    llava = json.loads((Path(run) / "config.json").read_text())["llava"]
+    v, t = llava["vision_config"], llava["text_config"]
+    tokens = (v["image_size"] // v["patch_size"]) ** 2
+    return (f"CLIP {v['num_hidden_layers']} layers, hidden {v['hidden_size']}, patch {v['patch_size']} ({tokens} tokens)",
+            f"Llama {t['num_hidden_layers']} layer{'s' * (t['num_hidden_layers'] > 1)}, hidden {t['hidden_size']}")
 
 
 def card(args) -> None:
@@ -418,6 +520,10 @@ def card(args) -> None:
         + " | ".join(f"{r['heldout']['exact'].get(kind, float('nan')):.1%}" for kind in KINDS)
         + f" | {r['heldout']['score']:.1%} |" for r in heldout_curve(run))
     train = lambda name: runs[name]["args"]
+    # A run with the colour head logs the sum; the table gives the answers' part.
+    answer_part = lambda name: runs[name]["final"]["loss"] - (train(name).get("colour_aux") or 0) * runs[name]["final"].get("colour_loss", 0)
+    augmentations = (f"{augmentation(train('target'))} (both models)" if augmentation(train("target")) == augmentation(train("draft"))
+                     else f"{augmentation(train('target'))} (target), {augmentation(train('draft'))} (drafter)")
     text = f"""# emoji-vlm and emoji-vlm-draft: bundled LLaVA-style question answering about emoji
 
 Two transformers `LlavaForConditionalGeneration` models (tiny CLIP vision tower, small Llama),
@@ -452,15 +558,15 @@ ship as `vlm/assets/emoji-vlm-eval.jsonl`.
 
 ## Models and training
 
-| model | vision tower | language model | parameters | steps (this run) | batch | peak lr | last logged loss / answer-token accuracy |
+| model | vision tower | language model | parameters | steps (this run) | batch | peak lr | last logged answer loss / answer-token accuracy |
 |---|---|---|---|---|---|---|---|
-| emoji-vlm | CLIP {PRESETS['target']['vision']['num_hidden_layers']} layers, hidden {PRESETS['target']['vision']['hidden_size']}, patch 8 (64 tokens) | Llama {PRESETS['target']['text']['num_hidden_layers']} layers, hidden {PRESETS['target']['text']['hidden_size']} | {e['target']['params'] / 1e6:.2f}M | {runs['target']['final']['step']} | {train('target')['batch_size']} | {train('target')['lr']:g} | {runs['target']['final']['loss']:.3f} / {runs['target']['final']['token_acc']:.3f} |
-| emoji-vlm-draft | CLIP {PRESETS['draft']['vision']['num_hidden_layers']} layers, hidden {PRESETS['draft']['vision']['hidden_size']} | Llama {PRESETS['draft']['text']['num_hidden_layers']} layer(s), hidden {PRESETS['draft']['text']['hidden_size']} | {e['draft']['params'] / 1e6:.2f}M | {runs['draft']['final']['step']} | {train('draft')['batch_size']} | {train('draft')['lr']:g} | {runs['draft']['final']['loss']:.3f} / {runs['draft']['final']['token_acc']:.3f} |
+| emoji-vlm | {' | '.join(architecture(args.target))} | {e['target']['params'] / 1e6:.2f}M | {runs['target']['final']['step']} | {train('target')['batch_size']} | {train('target')['lr']:g} | {answer_part('target'):.3f} / {runs['target']['final']['token_acc']:.3f} |
+| emoji-vlm-draft | {' | '.join(architecture(args.draft))} | {e['draft']['params'] / 1e6:.2f}M | {runs['draft']['final']['step']} | {train('draft')['batch_size']} | {train('draft')['lr']:g} | {answer_part('draft'):.3f} / {runs['draft']['final']['token_acc']:.3f} |
 
 Cross-entropy on the answer tokens and the end token only (prompts and image tokens carry no
 loss), one random (image, question kind) pair per example, a random paraphrase per example;
 AdamW (betas 0.9/0.95, weight decay {train('target')['weight_decay']:g}), cosine schedule with {train('target')['warmup']} warm-up steps,
-gradient clipping 1.0; {augmentation(train('target'))} (target), {augmentation(train('draft'))} (drafter). Torch threads: {train('target')['threads']} (target), {train('draft')['threads']} (drafter).
+gradient clipping 1.0; {augmentations}. Torch threads: {train('target')['threads']} (target), {train('draft')['threads']} (drafter).
 {args.training_note}
 
 Held-out figures logged during the runs (teacher-forced: an answer counts as exact when every
@@ -553,6 +659,57 @@ def colour_reading(args) -> None:
     print(json.dumps({"held_out_images": len(truth), "exact_by_patch": figures}))
 
 
+def colour_tower(args) -> None:
+    """Which vision tower can read the colour answer: a CLIP tower of the given size, a
+    per-token projector and a mean over the image tokens, trained on the colour answer alone
+    (every image in its 12 looks, the answer recomputed per look, so it is read off the pixels),
+    held-out accuracy on the original images. A quick probe of the tower, not of the pair: the
+    language model only has to pass the answer on."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(args.seed)
+    data = dict(np.load(args.data))
+    held_out = data["images"][data["is_eval"]]
+    t0 = time.perf_counter()
+    looks = ColourLooks(data["images"][~data["is_eval"]], load_processor(args.processor))
+    truth = torch.tensor([list(PALETTE).index(c) for c in dominant_colours(held_out)])
+    print(f"labels for {len(LOOKS)} looks in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    tower = CLIPVisionModel(CLIPVisionConfig(hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                                             num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                             image_size=IMAGE_SIZE, patch_size=args.patch))
+    head = torch.nn.Sequential(torch.nn.Linear(args.hidden, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    classify = torch.nn.Linear(256, len(PALETTE))
+    params = [*tower.parameters(), *head.parameters(), *classify.parameters()]
+    optimiser = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
+
+    def logits(pixels: torch.Tensor) -> torch.Tensor:
+        tokens = tower(pixel_values=pixels).last_hidden_state[:, 1:]
+        return classify(head(tokens).mean(1))
+
+    def accuracy() -> float:
+        tower.eval()
+        with torch.no_grad():
+            guess = torch.cat([logits(looks.pixels(held_out[i:i + 128])).argmax(-1) for i in range(0, len(held_out), 128)])
+        tower.train()
+        return round((guess == truth).float().mean().item(), 4)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    t0 = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        for group in optimiser.param_groups:
+            group["lr"] = cosine_lr(step - 1, args.steps, args.lr, 50)
+        pixels, colours = looks.batch(args.batch_size, generator)
+        loss = F.cross_entropy(logits(pixels), colours)
+        optimiser.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimiser.step()
+        if step % args.eval_every == 0 or step == args.steps:
+            print(json.dumps({"step": step, "loss": round(loss.item(), 4), "held_out_colour": accuracy(),
+                              "s": round(time.perf_counter() - t0)}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     jobs = parser.add_subparsers(dest="job", required=True)
@@ -568,6 +725,13 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--data", required=True)
         p.add_argument("--processor", required=True)
         p.add_argument("--init", help="start from the weights of this model folder (e.g. vlm/assets/emoji-vlm)")
+        p.add_argument("--init-partial", action="store_true",
+                       help="with --init: take only the tensors whose shape matches (e.g. a resized vision tower)")
+        p.add_argument("--text-layers", type=int, help="language model layers (default: the preset's)")
+        p.add_argument("--vision-hidden", type=int, help="vision tower width (default: the preset's)")
+        p.add_argument("--colour-aux", type=float, default=0.0, metavar="W",
+                       help="add W x an auxiliary colour loss on the image features (a training-only head)")
+        p.add_argument("--colour-aux-batch", type=int, default=64, help="recoloured images per step for --colour-aux")
         p.add_argument("--eval-every", type=int, default=500, help="held-out figures every N steps (0: never)")
         p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
         p.add_argument("--colour-augment", type=float, default=0.0, metavar="P",
@@ -585,6 +749,19 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--limit", type=int, default=0, help="only the first LIMIT questions (a dry run; 0: all)")
     cr = jobs.add_parser("colour-reading", help="held-out colour answers a reader of patch-mean colours gets right")
     cr.add_argument("--data", required=True)
+    ct = jobs.add_parser("colour-tower", help="train a vision tower on the colour answer alone (a probe of its size)")
+    ct.add_argument("--data", required=True)
+    ct.add_argument("--processor", default="vlm/assets/emoji-vlm")
+    ct.add_argument("--patch", type=int, default=PATCH)
+    ct.add_argument("--hidden", type=int, default=PRESETS["target"]["vision"]["hidden_size"])
+    ct.add_argument("--layers", type=int, default=PRESETS["target"]["vision"]["num_hidden_layers"])
+    ct.add_argument("--heads", type=int, default=PRESETS["target"]["vision"]["num_attention_heads"])
+    ct.add_argument("--steps", type=int, default=3000)
+    ct.add_argument("--batch-size", type=int, default=64)
+    ct.add_argument("--lr", type=float, default=1e-3)
+    ct.add_argument("--eval-every", type=int, default=250)
+    ct.add_argument("--seed", type=int, default=0)
+    ct.add_argument("--threads", type=int, default=1)
     cd = jobs.add_parser("card")
     for name in ("--eval", "--target", "--draft", "--out"):
         cd.add_argument(name, required=True)
@@ -598,7 +775,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     {"data": write_eval_data, "tokenizer": build_tokenizer, "target": train_model, "draft": train_model,
      "export": export, "eval": evaluate, "card": card,
-     "colour-reading": colour_reading}[args.job](args)
+     "colour-reading": colour_reading, "colour-tower": colour_tower}[args.job](args)
 
 
 if __name__ == "__main__":

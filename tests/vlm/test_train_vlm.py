@@ -133,3 +133,70 @@ def test_a_reader_of_one_pixel_patches_gives_the_colour_answer():
     two[0, :8, :8] = (220, 40, 40)  # red beside blue in one 16 px patch: their mean is purple
     two[0, 8:, 8:] = (50, 110, 220)
     assert patch_mean_colours(two, 16) == ["purple"] and patch_mean_colours(two, 8) == ["red"]
+
+
+def test_the_colour_head_trains_alongside_resumes_exactly_and_is_dropped_at_export(tmp_path):
+    """`--colour-aux`: every look's colour answer is the pixel rule on that look, its pixels are
+    the processor's; the run with the head resumes exactly, and the exported model is the VLM
+    alone (its weights those the run trained)."""
+    from benchmarks.data.emoji_vlm import PALETTE, dominant_colours
+    from benchmarks.train_vlm import LOOKS, ColourLooks, look, trained_vlm
+
+    data = tmp_path / "set.npz"
+    synthetic_set(data)
+    main(["tokenizer", "--data", str(data), "--out", str(tmp_path / "processor"), "--vocab-size", "300"])
+    processor = load_processor(str(tmp_path / "processor"))
+    images = np.load(data)["images"][:5]
+    looks = ColourLooks(images, processor)
+    for k in range(len(LOOKS)):
+        assert [list(PALETTE)[i] for i in looks.labels[k]] == dominant_colours(look(images, k))
+    assert torch.allclose(looks.pixels(images), processor.image_processor(images=list(images), return_tensors="pt")
+                          ["pixel_values"], atol=1e-5)
+
+    common = ["draft", "--data", str(data), "--processor", str(tmp_path / "processor"), "--batch-size", "8",
+              "--warmup", "2", "--log-every", "1", "--threads", "1", "--steps", "4", "--eval-every", "0",
+              "--colour-aux", "1", "--colour-aux-batch", "6"]
+    main([*common, "--out", str(tmp_path / "straight")])
+    main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "2"])
+    main([*common, "--out", str(tmp_path / "resumed")])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"]
+    straight, resumed = load("straight"), load("resumed")
+    assert straight.keys() == resumed.keys() and any(k.startswith("colour_head.") for k in straight)
+    for key, tensor in straight.items():
+        assert torch.equal(tensor, resumed[key]), key
+    logged = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+    assert all("colour_loss" in r for r in logged)
+
+    model = trained_vlm("draft", processor.tokenizer, str(tmp_path / "straight"))
+    exported = model.state_dict()
+    assert exported.keys() == new_model("draft", processor.tokenizer, 0).state_dict().keys()
+    for key, tensor in exported.items():
+        assert torch.equal(tensor, straight["vlm." + key]), key
+
+
+def test_a_partial_warm_start_takes_the_tensors_that_fit_a_deeper_or_wider_model(tmp_path):
+    """`--init-partial` with `--text-layers` / `--vision-hidden`: every saved tensor whose name and
+    shape fit is taken, the new layer and the resized tower stay as initialised; and the
+    exported model of such a run is rebuilt at the run's own sizes."""
+    data = tmp_path / "set.npz"
+    synthetic_set(data)
+    main(["tokenizer", "--data", str(data), "--out", str(tmp_path / "processor"), "--vocab-size", "300"])
+    tok = load_processor(str(tmp_path / "processor")).tokenizer
+    new_model("draft", tok, 0).save_pretrained(tmp_path / "saved")
+    saved = new_model("draft", tok, 0).state_dict()
+    for sizes in ({"text_layers": 2}, {"vision_hidden": 64}):
+        fresh = new_model("draft", tok, 1, **sizes)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        warm = load_pipeline_weights(fresh, str(tmp_path / "saved"), partial=True).state_dict()
+        for key, tensor in warm.items():
+            fits = key in saved and saved[key].shape == tensor.shape
+            assert torch.equal(tensor, saved[key] if fits else before[key]), key
+        taken = [k for k in warm if k in saved and saved[k].shape == warm[k].shape]
+        assert 0 < len(taken) < len(warm)
+    common = ["draft", "--data", str(data), "--processor", str(tmp_path / "processor"), "--batch-size", "4",
+              "--warmup", "1", "--threads", "1", "--steps", "1", "--eval-every", "0", "--text-layers", "2",
+              "--init", str(tmp_path / "saved"), "--init-partial"]
+    main([*common, "--out", str(tmp_path / "deeper")])
+    from benchmarks.train_vlm import trained_vlm
+
+    assert trained_vlm("draft", tok, str(tmp_path / "deeper")).config.text_config.num_hidden_layers == 2
