@@ -135,5 +135,8 @@ def test_every_lossless_method_equals_greedy_on_sentence_answers(pair, decoding)
     decoder = make_decoder("draft", drafter=drafter, num_draft=4) if decoding == "draft" else decoding
     out = target(prompts, pictures, max_new_tokens=40, decoding=decoder)
     assert torch.equal(out.token_ids, ar.token_ids) and torch.equal(out.lengths, ar.lengths)
-    if decoding in ("sjd:adapt=false", "draft"):  # (the prompt holds no n-gram of the answer for lookup to copy)
+    # (the prompt holds no n-gram of the answer for lookup to copy)
+    if decoding in ("sjd:adapt=false", "draft"):  # some row finalised drafts in some forward
+        assert sum(out.stats.accepted_histogram[2:]) > 0
+    if decoding == "draft":  # and the drafter's are accepted often enough to save whole batch forwards
         assert out.stats.forwards < ar.stats.forwards
