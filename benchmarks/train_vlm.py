@@ -107,13 +107,18 @@ def build_tokenizer(args) -> None:
 # ---------------------------------------------------------------------------- models
 
 
-def vlm_config(preset: str, tokenizer: Any, text_layers: Optional[int] = None, vision_hidden: Optional[int] = None) -> Any:
+def vlm_config(preset: str, tokenizer: Any, text_layers: Optional[int] = None, vision_hidden: Optional[int] = None,
+               text_hidden: Optional[int] = None) -> Any:
     """The preset's LlavaConfig; `text_layers` overrides its language model's depth,
-    `vision_hidden` its vision tower's width (the MLP 4x as wide)."""
+    `text_hidden` its width (the MLP 3x as wide, 64-wide heads), `vision_hidden` its vision
+    tower's width (the MLP 4x as wide)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
     p = PRESETS[preset]
     text = p["text"] | ({"num_hidden_layers": text_layers} if text_layers else {})
+    if text_hidden:
+        text |= {"hidden_size": text_hidden, "intermediate_size": 3 * text_hidden,
+                 "num_attention_heads": text_hidden // 64, "num_key_value_heads": text_hidden // 64}
     vision = p["vision"] | ({"hidden_size": vision_hidden, "intermediate_size": 4 * vision_hidden} if vision_hidden else {})
     ids = {f"{k}_token_id": tokenizer.convert_tokens_to_ids(SPECIAL[k]) for k in ("pad", "bos", "eos")}
     return LlavaConfig(
@@ -126,11 +131,11 @@ def vlm_config(preset: str, tokenizer: Any, text_layers: Optional[int] = None, v
 
 
 def new_model(preset: str, tokenizer: Any, seed: int, text_layers: Optional[int] = None,
-              vision_hidden: Optional[int] = None) -> Any:
+              vision_hidden: Optional[int] = None, text_hidden: Optional[int] = None) -> Any:
     from transformers import LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(vlm_config(preset, tokenizer, text_layers, vision_hidden))
+    model = LlavaForConditionalGeneration(vlm_config(preset, tokenizer, text_layers, vision_hidden, text_hidden))
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -311,7 +316,7 @@ def train_model(args) -> None:
     qa = QAData(data["images"][train], [row for row, keep in zip(rows, train) if keep], processor,
                 colour_augment=args.colour_augment)
     heldout = QAData(data["images"][~train], [row for row, keep in zip(rows, train) if not keep], processor)
-    model = new_model(args.job, processor.tokenizer, args.seed, args.text_layers, args.vision_hidden)
+    model = new_model(args.job, processor.tokenizer, args.seed, args.text_layers, args.vision_hidden, args.text_hidden)
     if args.init:  # a warm start (a resumed run's checkpoint replaces these weights)
         model = load_pipeline_weights(model, args.init, partial=args.init_partial)
 
@@ -358,7 +363,7 @@ def trained_vlm(preset: str, tokenizer: Any, run: str) -> Any:
     """The VLM of a training run's last checkpoint (without the colour head a run with
     `--colour-aux` trained alongside it)."""
     args = json.loads((Path(run) / "config.json").read_text())["args"]
-    model = new_model(preset, tokenizer, 0, args.get("text_layers"), args.get("vision_hidden"))
+    model = new_model(preset, tokenizer, 0, args.get("text_layers"), args.get("vision_hidden"), args.get("text_hidden"))
     if args.get("colour_aux"):
         return load_trained(WithColourHead(model), run).vlm
     return load_trained(model, run)
@@ -728,6 +733,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--init-partial", action="store_true",
                        help="with --init: take only the tensors whose shape matches (e.g. a resized vision tower)")
         p.add_argument("--text-layers", type=int, help="language model layers (default: the preset's)")
+        p.add_argument("--text-hidden", type=int, help="language model width, a multiple of 64 (default: the preset's)")
         p.add_argument("--vision-hidden", type=int, help="vision tower width (default: the preset's)")
         p.add_argument("--colour-aux", type=float, default=0.0, metavar="W",
                        help="add W x an auxiliary colour loss on the image features (a training-only head)")

@@ -175,7 +175,7 @@ def test_the_colour_head_trains_alongside_resumes_exactly_and_is_dropped_at_expo
 
 
 def test_a_partial_warm_start_takes_the_tensors_that_fit_a_deeper_or_wider_model(tmp_path):
-    """`--init-partial` with `--text-layers` / `--vision-hidden`: every saved tensor whose name and
+    """`--init-partial` with `--text-layers` / `--text-hidden` / `--vision-hidden`: every saved tensor whose name and
     shape fit is taken, the new layer and the resized tower stay as initialised; and the
     exported model of such a run is rebuilt at the run's own sizes."""
     data = tmp_path / "set.npz"
@@ -184,7 +184,7 @@ def test_a_partial_warm_start_takes_the_tensors_that_fit_a_deeper_or_wider_model
     tok = load_processor(str(tmp_path / "processor")).tokenizer
     new_model("draft", tok, 0).save_pretrained(tmp_path / "saved")
     saved = new_model("draft", tok, 0).state_dict()
-    for sizes in ({"text_layers": 2}, {"vision_hidden": 64}):
+    for sizes in ({"text_layers": 2}, {"vision_hidden": 64}, {"text_hidden": 192}):
         fresh = new_model("draft", tok, 1, **sizes)
         before = {k: v.clone() for k, v in fresh.state_dict().items()}
         warm = load_pipeline_weights(fresh, str(tmp_path / "saved"), partial=True).state_dict()
