@@ -361,7 +361,11 @@ def load_pipeline_weights(model: Any, folder: str, partial: bool = False) -> Any
 
 def trained_vlm(preset: str, tokenizer: Any, run: str) -> Any:
     """The VLM of a training run's last checkpoint (without the colour head a run with
-    `--colour-aux` trained alongside it)."""
+    `--colour-aux` trained alongside it), or of an exported model folder as it is."""
+    if is_model_folder(run):
+        from transformers import LlavaForConditionalGeneration
+
+        return LlavaForConditionalGeneration.from_pretrained(run, dtype=torch.float32).eval()
     args = json.loads((Path(run) / "config.json").read_text())["args"]
     model = new_model(preset, tokenizer, 0, args.get("text_layers"), args.get("vision_hidden"), args.get("text_hidden"))
     if args.get("colour_aux"):
@@ -370,6 +374,28 @@ def trained_vlm(preset: str, tokenizer: Any, run: str) -> Any:
 
 
 # ---------------------------------------------------------------------------- export, evaluation, card
+
+#: What an export keeps of a model's training run beside its weights: the run's arguments, its
+#: last logged step, its held-out curve and its architecture, so that a card can be written again
+#: once the run folder (runs/, scratch that does not outlive the machine) is gone.
+TRAINING_RECORD = "training.json"
+
+
+def is_model_folder(path: str | Path) -> bool:
+    """An exported model folder (weights as safetensors), not a training run (a checkpoint)."""
+    return (Path(path) / "model.safetensors").is_file() and not (Path(path) / "checkpoint.pt").is_file()
+
+
+def training_record(source: str | Path) -> dict:
+    """The card's facts about a model's training: from a run folder, or from the
+    `TRAINING_RECORD` an export left in a model folder."""
+    source = Path(source)
+    if is_model_folder(source):
+        if not (source / TRAINING_RECORD).is_file():
+            raise SystemExit(f"{source} is a model folder without {TRAINING_RECORD}: give its training run instead")
+        return json.loads((source / TRAINING_RECORD).read_text())
+    return {**last_log(str(source)), "heldout": heldout_curve(str(source)),
+            "llava": json.loads((source / "config.json").read_text())["llava"]}
 
 
 @torch.no_grad()
@@ -386,9 +412,11 @@ def export(args) -> None:
         model = trained_vlm(preset, processor.tokenizer, run)
         if args.dtype == "float16":
             model = round_to_half(model).half()
+        record = training_record(run)  # read before the folder is written: `run` may be that folder
         keep_window_cost(model, out / name)
         model.save_pretrained(out / name)
         processor.save_pretrained(out / name)
+        (out / name / TRAINING_RECORD).write_text(json.dumps(record, indent=1) + "\n")
         print(f"wrote {out / name}")
 
 
@@ -499,10 +527,9 @@ def augmentation(run_args: dict) -> str:
     return text
 
 
-def architecture(run: str) -> tuple[str, str]:
-    """The vision tower and language model of a run, as the card states them."""
-    llava = json.loads((Path(run) / "config.json").read_text())["llava"]
-    v, t = llava["vision_config"], llava["text_config"]
+def architecture(record: dict) -> tuple[str, str]:
+    """The vision tower and language model of a run (its `training_record`), as the card states them."""
+    v, t = record["llava"]["vision_config"], record["llava"]["text_config"]
     tokens = (v["image_size"] // v["patch_size"]) ** 2
     return (f"CLIP {v['num_hidden_layers']} layers, hidden {v['hidden_size']}, patch {v['patch_size']} ({tokens} tokens)",
             f"Llama {t['num_hidden_layers']} layer{'s' * (t['num_hidden_layers'] > 1)}, hidden {t['hidden_size']}")
@@ -510,7 +537,7 @@ def architecture(run: str) -> tuple[str, str]:
 
 def card(args) -> None:
     e = json.loads(Path(args.eval).read_text())
-    runs = {name: last_log(run) for name, run in (("target", args.target), ("draft", args.draft))}
+    runs = {name: training_record(run) for name, run in (("target", args.target), ("draft", args.draft))}
     groups = (*KINDS, "short", "all")
     rows = lambda part: "\n".join(
         f"| {group} | {e['target'][part][group]['n']} | {e['target'][part][group]['exact']:.1%} | {e['target'][part][group]['f1']:.3f} | "
@@ -520,10 +547,10 @@ def card(args) -> None:
                      f"{e[f'speculative_k{k}'].get('sentence', {}).get('tokens_per_target_forward', float('nan')):.2f} | "
                      f"{e[f'speculative_k{k}']['forwards']} (AR: {e['target_forwards']}) | "
                      f"{e[f'speculative_k{k}']['draft_forwards']} | {e[f'speculative_k{k}']['equals_ar']} |" for k in (2, 4))
-    curve = lambda name, run: "\n".join(
+    curve = lambda name, record: "\n".join(
         f"| {name} | {r['step']} | {r['heldout']['loss']:.3f} | "
         + " | ".join(f"{r['heldout']['exact'].get(kind, float('nan')):.1%}" for kind in KINDS)
-        + f" | {r['heldout']['score']:.1%} |" for r in heldout_curve(run))
+        + f" | {r['heldout']['score']:.1%} |" for r in record["heldout"])
     train = lambda name: runs[name]["args"]
     # A run with the colour head logs the sum; the table gives the answers' part.
     answer_part = lambda name: runs[name]["final"]["loss"] - (train(name).get("colour_aux") or 0) * runs[name]["final"].get("colour_loss", 0)
@@ -565,8 +592,8 @@ ship as `vlm/assets/emoji-vlm-eval.jsonl`.
 
 | model | vision tower | language model | parameters | steps (this run) | batch | peak lr | last logged answer loss / answer-token accuracy |
 |---|---|---|---|---|---|---|---|
-| emoji-vlm | {' | '.join(architecture(args.target))} | {e['target']['params'] / 1e6:.2f}M | {runs['target']['final']['step']} | {train('target')['batch_size']} | {train('target')['lr']:g} | {answer_part('target'):.3f} / {runs['target']['final']['token_acc']:.3f} |
-| emoji-vlm-draft | {' | '.join(architecture(args.draft))} | {e['draft']['params'] / 1e6:.2f}M | {runs['draft']['final']['step']} | {train('draft')['batch_size']} | {train('draft')['lr']:g} | {answer_part('draft'):.3f} / {runs['draft']['final']['token_acc']:.3f} |
+| emoji-vlm | {' | '.join(architecture(runs['target']))} | {e['target']['params'] / 1e6:.2f}M | {runs['target']['final']['step']} | {train('target')['batch_size']} | {train('target')['lr']:g} | {answer_part('target'):.3f} / {runs['target']['final']['token_acc']:.3f} |
+| emoji-vlm-draft | {' | '.join(architecture(runs['draft']))} | {e['draft']['params'] / 1e6:.2f}M | {runs['draft']['final']['step']} | {train('draft')['batch_size']} | {train('draft')['lr']:g} | {answer_part('draft'):.3f} / {runs['draft']['final']['token_acc']:.3f} |
 
 Cross-entropy on the answer tokens and the end token only (prompts and image tokens carry no
 loss), one random (image, question kind) pair per example, a random paraphrase per example;
@@ -580,8 +607,8 @@ decoding gives it; first paraphrase; "score" is exact over the short kinds):
 
 | model | step | answer-token loss | {' | '.join(KINDS)} | score |
 |---|---|---|{'---|' * len(KINDS)}---|
-{curve('emoji-vlm', args.target)}
-{curve('emoji-vlm-draft', args.draft)}
+{curve('emoji-vlm', runs['target'])}
+{curve('emoji-vlm-draft', runs['draft'])}
 
 ## Held-out figures (greedy, through `VLMPipeline`)
 

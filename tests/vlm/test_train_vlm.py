@@ -200,3 +200,37 @@ def test_a_partial_warm_start_takes_the_tensors_that_fit_a_deeper_or_wider_model
     from benchmarks.train_vlm import trained_vlm
 
     assert trained_vlm("draft", tok, str(tmp_path / "deeper")).config.text_config.num_hidden_layers == 2
+
+
+def test_an_export_keeps_its_training_record_so_the_card_outlives_the_run(tmp_path):
+    """The export writes each run's card facts (arguments, last step, held-out curve,
+    architecture) beside the weights, and a model folder serves as the source of a later export
+    (weights as they are, the record carried over), so a card can be rewritten after runs/ is gone."""
+    from safetensors.torch import load_file
+
+    from benchmarks.train_vlm import TRAINING_RECORD, training_record, trained_vlm
+
+    data = tmp_path / "set.npz"
+    synthetic_set(data)
+    main(["tokenizer", "--data", str(data), "--out", str(tmp_path / "processor"), "--vocab-size", "300"])
+    for preset in ("target", "draft"):
+        main([preset, "--data", str(data), "--processor", str(tmp_path / "processor"), "--batch-size", "4",
+              "--warmup", "1", "--threads", "1", "--steps", "2", "--eval-every", "1", "--log-every", "1",
+              "--out", str(tmp_path / preset)])
+    main(["export", "--processor", str(tmp_path / "processor"), "--target", str(tmp_path / "target"),
+          "--draft", str(tmp_path / "draft"), "--out", str(tmp_path / "first")])
+    for name, preset in (("emoji-vlm", "target"), ("emoji-vlm-draft", "draft")):
+        record = json.loads((tmp_path / "first" / name / TRAINING_RECORD).read_text())
+        assert record == training_record(tmp_path / preset) == training_record(tmp_path / "first" / name)
+        assert [r["step"] for r in record["heldout"]] == [1, 2] and record["final"]["step"] == 2
+    # Again from the exported folders: the same weights, the same records.
+    main(["export", "--processor", str(tmp_path / "processor"), "--target", str(tmp_path / "first" / "emoji-vlm"),
+          "--draft", str(tmp_path / "first" / "emoji-vlm-draft"), "--out", str(tmp_path / "again")])
+    tok = load_processor(str(tmp_path / "processor")).tokenizer
+    for name, preset in (("emoji-vlm", "target"), ("emoji-vlm-draft", "draft")):
+        first, again = (load_file(tmp_path / out / name / "model.safetensors") for out in ("first", "again"))
+        assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+        assert (tmp_path / "again" / name / TRAINING_RECORD).read_text() == (tmp_path / "first" / name / TRAINING_RECORD).read_text()
+        trained = trained_vlm(preset, tok, str(tmp_path / preset)).state_dict()
+        folder = trained_vlm(preset, tok, str(tmp_path / "first" / name)).state_dict()
+        assert trained.keys() == folder.keys() and all(torch.equal(trained[k], folder[k]) for k in trained)
