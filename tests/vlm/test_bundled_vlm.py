@@ -119,24 +119,27 @@ def test_batched_greedy_answers_equal_each_question_alone_and_generate(pair, sub
                             for q, p in zip(questions, pictures)]
 
 
-@pytest.mark.parametrize("decoding", ["sjd", "sjd:adapt=false", "lookup", "lookup:adapt=false", "draft"])
+@pytest.mark.parametrize("decoding", ["sjd", "sjd:adapt=false", "lookup", "lookup:adapt=false", "draft", "draft6"])
 def test_every_lossless_method_equals_greedy_on_sentence_answers(pair, decoding):
     """The long answers (a sentence of 16-34 tokens), where speculation has room: each lossless
-    method gives greedy AR's tokens, and the fixed Jacobi window and the drafter finalise
-    several tokens in some forwards."""
+    method gives greedy AR's tokens, and the fixed Jacobi window and the drafter (4 drafts, and
+    the 6 the pair's `decoding.json` measured) finalise several tokens in some forwards."""
     from PIL import Image
 
     target, drafter = pair
     records, images = load_eval(ASSETS)
-    rows = [r for r in records if r["kind"] == "sentence"][:4]
+    # 16 answers: greedy Jacobi drafts of this model pass rarely (about 10 of 360 row-forwards),
+    # and with 4 answers whether any passed depended on the thread count's rounding.
+    rows = [r for r in records if r["kind"] == "sentence"][:16]
     assert rows, "the held-out questions include sentence answers"
     prompts, pictures = [r["question"] for r in rows], [Image.fromarray(images[r["index"]]) for r in rows]
     ar = target(prompts, pictures, max_new_tokens=40)
-    decoder = make_decoder("draft", drafter=drafter, num_draft=4) if decoding == "draft" else decoding
+    drafts = {"draft": 4, "draft6": 6}.get(decoding)
+    decoder = make_decoder("draft", drafter=drafter, num_draft=drafts) if drafts else decoding
     out = target(prompts, pictures, max_new_tokens=40, decoding=decoder)
     assert torch.equal(out.token_ids, ar.token_ids) and torch.equal(out.lengths, ar.lengths)
     # (the prompt holds no n-gram of the answer for lookup to copy)
-    if decoding in ("sjd:adapt=false", "draft"):  # some row finalised drafts in some forward
+    if decoding in ("sjd:adapt=false", "draft", "draft6"):  # some row finalised drafts in some forward
         assert sum(out.stats.accepted_histogram[2:]) > 0
-    if decoding == "draft":  # and the drafter's are accepted often enough to save whole batch forwards
+    if drafts:  # and the drafter's are accepted often enough to save whole batch forwards
         assert out.stats.forwards < ar.stats.forwards
