@@ -552,6 +552,7 @@ def card(args) -> None:
         + " | ".join(f"{r['heldout']['exact'].get(kind, float('nan')):.1%}" for kind in KINDS)
         + f" | {r['heldout']['score']:.1%} |" for r in record["heldout"])
     train = lambda name: runs[name]["args"]
+    run_of = lambda name, source: train(name).get("out", source)  # the run an exported folder came from
     # A run with the colour head logs the sum; the table gives the answers' part.
     answer_part = lambda name: runs[name]["final"]["loss"] - (train(name).get("colour_aux") or 0) * runs[name]["final"].get("colour_loss", 0)
     augmentations = (f"{augmentation(train('target'))} (both models)" if augmentation(train("target")) == augmentation(train("draft"))
@@ -658,7 +659,7 @@ python -m benchmarks.data.emoji --out data/emoji64.npz
 python -m benchmarks.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
 {args.target_command}
 {args.draft_command}
-python -m benchmarks.train_vlm export --processor vlm/assets/emoji-vlm --target {args.target} --draft {args.draft} --out vlm/assets
+python -m benchmarks.train_vlm export --processor vlm/assets/emoji-vlm --target {run_of('target', args.target)} --draft {run_of('draft', args.draft)} --out vlm/assets
 python -m benchmarks.train_vlm eval --assets vlm/assets --out {args.eval} --threads {e['threads']}
 python -m benchmarks.train_vlm card --eval {args.eval} --target {args.target} --draft {args.draft} --out vlm/assets/emoji-vlm/MODEL_CARD.md \\
     --target-command ... --draft-command ... --training-note ...   # the training lines and notes above

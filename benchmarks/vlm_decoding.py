@@ -40,19 +40,32 @@ class ForwardCounter:
         self.count += 1
 
 
-def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int) -> dict[str, Callable]:
-    """name -> f(questions, images) -> generated token ids per question (lists), one call per batch."""
+def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
+            more_drafts: tuple[int, ...] = ()) -> dict[str, Callable]:
+    """name -> f(questions, images) -> generated token ids per question (lists), one call per batch;
+    `more_drafts`: draft counts besides `num_draft` for the two drafting methods (rows "..., k drafts")."""
     from mmgen.decoding import make_decoder
 
     eos = target.eos_token_ids
 
-    def hf(batch_one: bool = False, **extra):
+    def hf(batch_one: bool = False, assistant: dict | None = None, **extra):
+        """transformers' `generate`; `assistant`: the drafter's generation settings for assisted
+        generation (transformers reads the draft count, its schedule and the confidence stop from
+        the assistant's own generation config, not from `generate`'s arguments)."""
         def run(questions, images):
             if batch_one and len(questions) > 1:
                 raise ValueError("transformers runs this at batch 1 only")
             inputs = target.prepare_inputs(questions, [[image] for image in images])
-            out = target.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-                                        pad_token_id=target.pad_token_id, **extra)
+            config = drafter.model.generation_config
+            saved = {key: getattr(config, key, None) for key in (assistant or {})}
+            try:
+                for key, value in (assistant or {}).items():
+                    setattr(config, key, value)
+                out = target.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                                            pad_token_id=target.pad_token_id, **extra)
+            finally:
+                for key, value in saved.items():
+                    setattr(config, key, value)
             rows = [row[inputs["input_ids"].shape[1]:].tolist() for row in out]
             return [ids[: ids.index(eos[0]) + 1] if eos and eos[0] in ids else ids for ids in rows]
         return run
@@ -64,10 +77,16 @@ def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int) -> d
         return run
 
     draft = make_decoder("draft", drafter=drafter, num_draft=num_draft)
+    # k drafts every round, as mmgen's drafter: a constant schedule, no confidence stop.
+    assisted = lambda k: hf(batch_one=True, assistant_model=drafter.model, assistant=dict(
+        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0))
+    more = {}
+    for k in more_drafts:
+        more[f"hf assisted (drafter), {k} drafts"] = assisted(k)
+        more[f"mmgen draft (image-aware), {k} drafts"] = ours(make_decoder("draft", drafter=drafter, num_draft=k))
     return {
         "hf greedy": hf(),
-        "hf assisted (drafter)": hf(batch_one=True, assistant_model=drafter.model, num_assistant_tokens=num_draft,
-                                    num_assistant_tokens_schedule="constant"),
+        "hf assisted (drafter)": assisted(num_draft),
         "hf prompt lookup": hf(batch_one=True, prompt_lookup_num_tokens=num_draft),
         "mmgen ar": ours("ar"),
         "mmgen sjd": ours("sjd"),  # the adaptive window (the default)
@@ -80,6 +99,7 @@ def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int) -> d
         "mmgen lookup, fixed window": ours(make_decoder("lookup", num_draft=num_draft, adapt=False)),
         "mmgen draft (image-aware)": ours(draft),
         "mmgen draft, drafter on VisionZip 0.25": ours(draft, draft_dropping="visionzip:keep_ratio=0.25"),
+        **more,
     }
 
 
@@ -93,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=1, help="questions per call (transformers' assisted and lookup: 1 only)")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--num-draft", type=int, default=4)
+    p.add_argument("--more-drafts", type=int, nargs="+", default=[], metavar="K",
+                   help="also time assisted generation and image-aware drafting with K drafts (rows '..., K drafts')")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
@@ -111,7 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"no held-out questions of kind {args.kind!r}")
     pictures = {r["index"]: Image.fromarray(images[r["index"]]) for r in records}
     target_count, draft_count = ForwardCounter(target), ForwardCounter(drafter)
-    runs = methods(target, drafter, args.max_new_tokens, args.num_draft)
+    runs = methods(target, drafter, args.max_new_tokens, args.num_draft, tuple(args.more_drafts))
     if args.methods:
         unknown = set(args.methods) - set(runs)
         if unknown:
@@ -158,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"model": args.model, "drafter": args.drafter, "questions": len(records), "kind": args.kind,
               "batch_size": args.batch_size, "repeats": args.repeats,
               "threads": args.threads, "max_new_tokens": args.max_new_tokens, "num_draft": args.num_draft,
+              "more_drafts": args.more_drafts,
               "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
               "failures": failures}
     header = "| method | target fwd | drafter fwd | tok/target fwd | s (median) | spread | vs hf greedy | EM | F1 | = greedy |"

@@ -14,3 +14,15 @@ def test_rows_at_batch_one_and_two(tmp_path):
         if batch == 2:
             assert "batch 1 only" in result["failures"]["hf prompt lookup"] and "hf prompt lookup" not in rows
         assert result["batch_size"] == batch and rows["hf greedy"]["target_forwards"] > 0
+
+
+def test_more_draft_counts_add_rows_that_stay_lossless_and_reach_transformers():
+    """Rows with 6 drafts besides the default 4; transformers' assisted generation takes the count
+    from the assistant's own generation config, so the benchmark sets it there (with 6 drafts
+    a round, and no confidence stop, its drafter runs more forwards than with 4)."""
+    result = main(["--questions", "2", "--kind", "sentence", "--repeats", "1", "--threads", "1", "--more-drafts", "6",
+                   "--methods", "mmgen draft (image-aware), 6 drafts", "hf assisted (drafter), 6 drafts", "hf assisted (drafter)"])
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["mmgen draft (image-aware), 6 drafts"]["identical_to_greedy"]
+    assert rows["hf assisted (drafter), 6 drafts"]["identical_to_greedy"] and result["more_drafts"] == [6]
+    assert rows["hf assisted (drafter), 6 drafts"]["drafter_forwards"] > rows["hf assisted (drafter)"]["drafter_forwards"]

@@ -20,8 +20,9 @@ from .bounds import shown
 #: Name endings of second models (drafters, refiners, small models): companions, not main
 #: choices. A bundled main model brings its bundled companions; a folder X brings X-draft / X-small beside it.
 COMPANION_SUFFIXES = ("-draft", "-small")
-#: A model folder may say which lossless method measured fastest on it (`decoding.json`:
-#: {"default": "ar", "measured": "<the command>"}); surfaces start there.
+#: A model folder may say which lossless method measured fastest on it, and with which settings
+#: (`decoding.json`: {"default": "draft", "options": {"num_draft": 5}, "measured": "<the command>"});
+#: surfaces start there, and that method runs with those settings where a request sets none.
 MEASURED_DEFAULT = "decoding.json"
 
 
@@ -99,13 +100,26 @@ class Catalog:
         """The method a surface starts at: the fastest lossless one measured on this model (its
         folder's `decoding.json`), else its pipeline's default, else the first offered."""
         offered = self.methods(model)
-        source = Path(str(self.pipeline_source(model)))
-        try:
-            measured = read_json(source / MEASURED_DEFAULT).get("default")
-        except (OSError, ValueError, AttributeError):
-            measured = None
+        measured = self.measured(model).get("default")
         pipe = self.pipeline(model)
         return next((m for m in (measured, getattr(pipe, "default_decoding", None)) if m in offered), offered[0])
+
+    def measured(self, model: str) -> dict:
+        """The model folder's `decoding.json` ({} where it has none or it is not a JSON object)."""
+        try:
+            record = read_json(Path(str(self.pipeline_source(model))) / MEASURED_DEFAULT)
+        except (OSError, ValueError):
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def measured_options(self, model: str, method: str) -> dict:
+        """The settings `decoding.json` measured `method` with, where it is the measured default
+        (a mapping of setting -> number, string or bool; {} otherwise)."""
+        record = self.measured(model)
+        options = record.get("options")
+        if record.get("default") != method or not isinstance(options, dict):
+            return {}
+        return {str(k): v for k, v in options.items() if isinstance(v, (int, float, str, bool))}
 
     def pipeline_source(self, name: str) -> Any:
         """Where a model's files are: its folder (a bundled name resolved)."""
@@ -115,10 +129,12 @@ class Catalog:
         return registry.bundled_models().get(source, source)
 
     def decoder(self, name: str, model: str, **options: Any) -> Any:
-        """The decoder of method `name` for `model` (`decoder_from_spec`); a method that pairs a
+        """The decoder of method `name` for `model` (`decoder_from_spec`), with the settings the
+        model's `decoding.json` measured it with where `options` set none; a method that pairs a
         second model gets the catalogue's companion unless `options` name one."""
         from mmgen.loading import decoder_from_spec
 
+        options = {**self.measured_options(model, name), **options}
         pipe = self.pipeline(model)
         companion = pipe.companions.get(name)
         if companion is not None and companion.option not in options:

@@ -76,6 +76,30 @@ def test_default_method_is_the_measured_fastest_lossless_one(tmp_path):
         catalog.main_pipeline("other")
 
 
+def test_the_measured_default_runs_with_its_measured_settings_where_a_request_sets_none(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    catalog = _Catalog({"model": str(folder)})
+    assert catalog.measured_options("model", "sjd") == {}  # no decoding.json
+    (folder / "decoding.json").write_text(json.dumps({"default": "sjd", "options": {"adapt": False, "window": 4}}))
+    assert catalog.measured_options("model", "sjd") == {"adapt": False, "window": 4}
+    assert catalog.measured_options("model", "ar") == {}  # the settings belong to the measured method only
+    (folder / "decoding.json").write_text(json.dumps({"default": "sjd", "options": {"window": [4]}}))
+    assert catalog.measured_options("model", "sjd") == {}  # not a setting
+    (folder / "decoding.json").write_text("[1, 2]")
+    assert catalog.measured_options("model", "sjd") == {} and catalog.default_method("model") == "sjd"
+
+
+def test_the_bundled_vlm_drafts_with_its_measured_draft_count_unless_told_otherwise():
+    from mmgen.apps.requests.vlm import VLMCatalog
+
+    catalog = VLMCatalog.discover()
+    measured = json.loads((Path(__file__).parents[2] / "vlm/assets/emoji-vlm/decoding.json").read_text())
+    assert catalog.default_method("emoji-vlm") == measured["default"] == "draft"
+    assert catalog.decoder("draft", "emoji-vlm").num_draft == measured["options"]["num_draft"]
+    assert catalog.decoder("draft", "emoji-vlm", num_draft=2).num_draft == 2
+
+
 @pytest.mark.parametrize("folder, default", [("audio/assets/speech-tts", "ar"), ("vlm/assets/emoji-vlm", "draft")])
 def test_bundled_models_name_a_measured_default(folder, default):
     record = json.loads((Path(__file__).parents[2] / folder / "decoding.json").read_text())
