@@ -89,8 +89,12 @@ def train_loop(
     args: argparse.Namespace,
     config: dict,
     heldout: Optional[Callable[[], dict]] = None,
+    param_groups: Optional[list[dict]] = None,
 ) -> None:
     """AdamW + cosine schedule with warm-up; checkpoint/resume; a JSONL log of losses.
+
+    `param_groups`: AdamW's parameter groups, where a group's `lr_scale` multiplies the schedule's
+    learning rate for its parameters (default: every parameter of `model` at the schedule's rate).
 
     `heldout`: figures on held-out data, logged every `args.eval_every` steps (and at the end) as
     `{"step", "heldout": {...}}`; where they carry a `score` (higher is better), the best step's
@@ -101,7 +105,7 @@ def train_loop(
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(getattr(args, "device", "cpu"))
     model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(param_groups or model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     start = 0
     checkpoint = out / "checkpoint.pt"
     if checkpoint.exists():
@@ -121,7 +125,7 @@ def train_loop(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for step, index in zip(range(start, stop), batches(n, args.batch_size, args.seed, start)):
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup)
+            group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup) * group.get("lr_scale", 1.0)
         # Randomness derives from (seed, step) alone, so a resumed run equals an uninterrupted one.
         generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
         with autocast:

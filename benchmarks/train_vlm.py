@@ -337,7 +337,21 @@ def train_model(args) -> None:
 
     config = {"preset": args.job, "llava": model.config.to_dict(), "args": {k: str(v) if isinstance(v, Path) else v
                                                                            for k, v in vars(args).items()}}
-    train_loop(trainee, loss_fn, len(qa), args, config, heldout=lambda: heldout_figures(model, heldout))
+    train_loop(trainee, loss_fn, len(qa), args, config, heldout=lambda: heldout_figures(model, heldout),
+               param_groups=image_side_groups(trainee, args.tower_lr_scale))
+
+
+def image_side_groups(trainee: torch.nn.Module, scale: float) -> list[dict] | None:
+    """Parameter groups where the image side (vision tower, projector, colour head) learns at
+    `scale` times the language model's rate: a tower that must learn to read more of its pixels
+    (the colour answers) next to a language model that already answers; None at scale 1."""
+    if scale == 1.0:
+        return None
+    image_side = ("vision_tower.", "multi_modal_projector.", "colour_head.")
+    named = list(trainee.named_parameters())
+    faster = [p for name, p in named if any(part in name for part in image_side)]
+    rest = [p for name, p in named if not any(part in name for part in image_side)]
+    return [{"params": rest}, {"params": faster, "lr_scale": scale}]
 
 
 def load_pipeline_weights(model: Any, folder: str, partial: bool = False) -> Any:
@@ -524,6 +538,9 @@ def augmentation(run_args: dict) -> str:
         text += (f"; plus {run_args['colour_aux']:g} x an auxiliary colour loss: a training-only linear head on the "
                  f"image features (the projector's outputs averaged over the image tokens), "
                  f"{run_args['colour_aux_batch']} images per step in any of their 12 looks (channel order x mirror)")
+    if (run_args.get("tower_lr_scale") or 1.0) != 1.0:
+        text += (f"; the vision tower, projector and colour head at {run_args['tower_lr_scale']:g} x the peak "
+                 f"learning rate")
     return text
 
 
@@ -557,6 +574,8 @@ def card(args) -> None:
     answer_part = lambda name: runs[name]["final"]["loss"] - (train(name).get("colour_aux") or 0) * runs[name]["final"].get("colour_loss", 0)
     augmentations = (f"{augmentation(train('target'))} (both models)" if augmentation(train("target")) == augmentation(train("draft"))
                      else f"{augmentation(train('target'))} (target), {augmentation(train('draft'))} (drafter)")
+    warmups = (f"{train('target')['warmup']}" if train("target")["warmup"] == train("draft")["warmup"]
+               else f"{train('target')['warmup']} (target) and {train('draft')['warmup']} (drafter)")
     text = f"""# emoji-vlm and emoji-vlm-draft: bundled LLaVA-style question answering about emoji
 
 Two transformers `LlavaForConditionalGeneration` models (tiny CLIP vision tower, small Llama),
@@ -598,7 +617,7 @@ ship as `vlm/assets/emoji-vlm-eval.jsonl`.
 
 Cross-entropy on the answer tokens and the end token only (prompts and image tokens carry no
 loss), one random (image, question kind) pair per example, a random paraphrase per example;
-AdamW (betas 0.9/0.95, weight decay {train('target')['weight_decay']:g}), cosine schedule with {train('target')['warmup']} warm-up steps,
+AdamW (betas 0.9/0.95, weight decay {train('target')['weight_decay']:g}), cosine schedule with {warmups} warm-up steps,
 gradient clipping 1.0; {augmentations}. Torch threads: {train('target')['threads']} (target), {train('draft')['threads']} (drafter).
 {args.training_note}
 
@@ -765,6 +784,8 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--vision-hidden", type=int, help="vision tower width (default: the preset's)")
         p.add_argument("--colour-aux", type=float, default=0.0, metavar="W",
                        help="add W x an auxiliary colour loss on the image features (a training-only head)")
+        p.add_argument("--tower-lr-scale", type=float, default=1.0, metavar="S",
+                       help="the vision tower, projector and colour head learn at S times the peak lr")
         p.add_argument("--colour-aux-batch", type=int, default=64, help="recoloured images per step for --colour-aux")
         p.add_argument("--eval-every", type=int, default=500, help="held-out figures every N steps (0: never)")
         p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")

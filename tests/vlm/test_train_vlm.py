@@ -8,6 +8,7 @@ import itertools
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from benchmarks.data.emoji_vlm import KINDS, QUESTIONS, answers
@@ -234,3 +235,36 @@ def test_an_export_keeps_its_training_record_so_the_card_outlives_the_run(tmp_pa
         trained = trained_vlm(preset, tok, str(tmp_path / preset)).state_dict()
         folder = trained_vlm(preset, tok, str(tmp_path / "first" / name)).state_dict()
         assert trained.keys() == folder.keys() and all(torch.equal(trained[k], folder[k]) for k in trained)
+
+
+def test_the_image_side_learns_at_its_own_rate_and_resumes_exactly(tmp_path):
+    """`--tower-lr-scale S`: the vision tower, projector and colour head step at S times the
+    schedule's rate, the language model at the rate itself, and the run resumes exactly."""
+    from benchmarks.train_vlm import WithColourHead, image_side_groups
+
+    data = tmp_path / "set.npz"
+    synthetic_set(data)
+    main(["tokenizer", "--data", str(data), "--out", str(tmp_path / "processor"), "--vocab-size", "300"])
+    common = ["draft", "--data", str(data), "--processor", str(tmp_path / "processor"), "--batch-size", "8",
+              "--warmup", "2", "--log-every", "1", "--threads", "1", "--steps", "4", "--eval-every", "0",
+              "--colour-aux", "1", "--colour-aux-batch", "6", "--tower-lr-scale", "4"]
+    main([*common, "--out", str(tmp_path / "straight")])
+    main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "2"])
+    main([*common, "--out", str(tmp_path / "resumed")])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    straight, resumed = load("straight"), load("resumed")
+    for key, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    language, image_side = straight["optimizer"]["param_groups"]
+    assert image_side["lr_scale"] == 4 and image_side["lr"] == pytest.approx(4 * language["lr"]) and language["lr"] > 0
+
+    tokenizer = load_processor(str(tmp_path / "processor")).tokenizer
+    trainee = WithColourHead(new_model("draft", tokenizer, 0))
+    names = {id(p): n for n, p in trainee.named_parameters()}
+    rest, faster = (group["params"] for group in image_side_groups(trainee, 4.0))
+    assert len(rest) + len(faster) == len(names)
+    assert all("language_model" in names[id(p)] or "lm_head" in names[id(p)] for p in rest)
+    faster_names = [names[id(p)] for p in faster]
+    for part in ("vision_tower.", "multi_modal_projector.", "colour_head."):
+        assert any(part in name for name in faster_names), part
+    assert image_side_groups(trainee, 1.0) is None
