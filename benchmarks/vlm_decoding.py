@@ -28,22 +28,25 @@ from benchmarks.train_vlm import load_eval, token_f1
 
 
 class ForwardCounter:
-    """Counts forwards of a language-model trunk (a forward pre-hook), prefill included."""
+    """Counts forwards of the pipelines' language-model trunks (a forward pre-hook on each), prefill included."""
 
-    def __init__(self, pipe: Any):
+    def __init__(self, *pipes: Any):
         from mmgen.vlm.layout import text_trunk
 
         self.count = 0
-        text_trunk(pipe.model).register_forward_pre_hook(self._hit)
+        for pipe in pipes:
+            text_trunk(pipe.model).register_forward_pre_hook(self._hit)
 
     def _hit(self, *_: Any) -> None:
         self.count += 1
 
 
 def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
-            more_drafts: tuple[int, ...] = ()) -> dict[str, Callable]:
+            more_drafts: tuple[int, ...] = (), second_drafter: Any = None) -> dict[str, Callable]:
     """name -> f(questions, images) -> generated token ids per question (lists), one call per batch;
-    `more_drafts`: draft counts besides `num_draft` for the two drafting methods (rows "..., k drafts")."""
+    `more_drafts`: draft counts besides `num_draft` for the two drafting methods (rows "..., k drafts");
+    `second_drafter`: image-aware drafting with another drafter too, at every draft count (rows
+    "mmgen draft (image-aware), second drafter[, k drafts]"), so two drafters compare in one process."""
     from mmgen.decoding import make_decoder
 
     eos = target.eos_token_ids
@@ -84,6 +87,10 @@ def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
     for k in more_drafts:
         more[f"hf assisted (drafter), {k} drafts"] = assisted(k)
         more[f"mmgen draft (image-aware), {k} drafts"] = ours(make_decoder("draft", drafter=drafter, num_draft=k))
+    if second_drafter is not None:
+        for k in (num_draft, *more_drafts):
+            name = "mmgen draft (image-aware), second drafter" + ("" if k == num_draft else f", {k} drafts")
+            more[name] = ours(make_decoder("draft", drafter=second_drafter, num_draft=k))
     return {
         "hf greedy": hf(),
         "hf assisted (drafter)": assisted(num_draft),
@@ -115,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-draft", type=int, default=4)
     p.add_argument("--more-drafts", type=int, nargs="+", default=[], metavar="K",
                    help="also time assisted generation and image-aware drafting with K drafts (rows '..., K drafts')")
+    p.add_argument("--second-drafter", default=None, metavar="NAME_OR_FOLDER",
+                   help="also time image-aware drafting with this drafter (rows '..., second drafter')")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--methods", nargs="+", default=None, metavar="NAME",
@@ -132,8 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not records:
         raise SystemExit(f"no held-out questions of kind {args.kind!r}")
     pictures = {r["index"]: Image.fromarray(images[r["index"]]) for r in records}
-    target_count, draft_count = ForwardCounter(target), ForwardCounter(drafter)
-    runs = methods(target, drafter, args.max_new_tokens, args.num_draft, tuple(args.more_drafts))
+    second = load_pipeline(args.second_drafter) if args.second_drafter else None
+    # One count for the drafters: a method runs one drafter or none.
+    target_count, draft_count = ForwardCounter(target), ForwardCounter(*[d for d in (drafter, second) if d is not None])
+    runs = methods(target, drafter, args.max_new_tokens, args.num_draft, tuple(args.more_drafts), second)
     if args.methods:
         unknown = set(args.methods) - set(runs)
         if unknown:
@@ -177,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
             "token_f1": round(sum(token_f1(t, r["answer"]) for t, r in zip(texts, records)) / len(records), 4),
             "identical_to_greedy": answers[name] == greedy,
         })
-    result = {"model": args.model, "drafter": args.drafter, "questions": len(records), "kind": args.kind,
+    result = {"model": args.model, "drafter": args.drafter, "second_drafter": args.second_drafter, "questions": len(records), "kind": args.kind,
               "batch_size": args.batch_size, "repeats": args.repeats,
               "threads": args.threads, "max_new_tokens": args.max_new_tokens, "num_draft": args.num_draft,
               "more_drafts": args.more_drafts,

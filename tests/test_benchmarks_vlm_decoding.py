@@ -26,3 +26,19 @@ def test_more_draft_counts_add_rows_that_stay_lossless_and_reach_transformers():
     assert rows["mmgen draft (image-aware), 6 drafts"]["identical_to_greedy"]
     assert rows["hf assisted (drafter), 6 drafts"]["identical_to_greedy"] and result["more_drafts"] == [6]
     assert rows["hf assisted (drafter), 6 drafts"]["drafter_forwards"] > rows["hf assisted (drafter)"]["drafter_forwards"]
+
+
+def test_a_second_drafter_adds_rows_with_its_own_forwards():
+    """`--second-drafter`: image-aware drafting with another drafter (here the bundled drafter's
+    folder again) at each draft count, lossless, its drafter forwards counted like the first's."""
+    from mmgen.loading import resolve_model
+
+    result = main(["--questions", "2", "--kind", "sentence", "--repeats", "1", "--threads", "1", "--more-drafts", "5",
+                   "--second-drafter", str(resolve_model("emoji-vlm-draft")),
+                   "--methods", "mmgen draft (image-aware)", "mmgen draft (image-aware), second drafter",
+                   "mmgen draft (image-aware), second drafter, 5 drafts"])
+    rows = {r["method"]: r for r in result["rows"]}
+    first, second = rows["mmgen draft (image-aware)"], rows["mmgen draft (image-aware), second drafter"]
+    assert all(r["identical_to_greedy"] for r in rows.values()) and len(rows) == 4
+    assert second["drafter_forwards"] == first["drafter_forwards"] > 0
+    assert second["target_forwards"] == first["target_forwards"]
