@@ -1,5 +1,7 @@
 """Draft-model speculative decoding: a small model of the same tokenizer proposes, the target
-verifies (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318)."""
+verifies (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023, arXiv 2302.01318); a
+round's drafting may stop where the drafter is unsure (dynamic speculation lookahead, Mamou et
+al. 2024, arXiv 2405.04304, transformers' `assistant_confidence_threshold`)."""
 
 from __future__ import annotations
 
@@ -34,12 +36,20 @@ class DraftModelProposer(Proposer):
     Each round the drafter re-feeds the last two finalised tokens, so a row whose every draft
     was accepted (the last draft was never fed to the drafter) needs no special case, and
     shapes stay fixed.
+
+    With a `confidence` above 0, a round stops drafting after a draft that every active row's
+    drafter gave less than that probability (the softmax of its conditional logits at temperature
+    1, before guidance and truncation; for frames, the first codebook's token): the drafts it would go on to make are likely rejected, and each costs a
+    drafter forward and a wider verify. Where to stop depends only on drafts already drawn, so
+    acceptance stays exact (the target still judges every draft it is given). Each forward's
+    draft count then goes to the stats (`drafts_per_forward`).
     """
 
-    def __init__(self, drafter: TokenModel, num_draft: int):
-        self.drafter, self.num_draft = drafter, num_draft
+    def __init__(self, drafter: TokenModel, num_draft: int, confidence: float = 0.0):
+        self.drafter, self.num_draft, self.confidence = drafter, num_draft, confidence
         self.forwards, self.first_round = 1, True  # the drafter's prefill
         self.drafted = self.accepted = 0  # device tensors once a verify ran: no host sync per forward
+        self.chosen: list[int] = []  # each round's draft count (under a confidence stop)
 
     def start(self, run):
         guidance = run.sampling.uses_guidance
@@ -54,18 +64,32 @@ class DraftModelProposer(Proposer):
         complete = getattr(self.drafter, "complete_frame", None)
         for j in range(self.num_draft):
             at = run.pos[:, None] + 1 + j
-            q_j = run.probs(self.drafter.forward(self.state, feed)[:, -1:], at)
+            logits = self.drafter.forward(self.state, feed)[:, -1:]
+            q_j = run.probs(logits, at)
             slot = torch.full_like(run.pos, feed.shape[1])
             self.drafter.commit(self.state, slot)
-            feed = sample(q_j, run.generator)
+            # One-hot laws (greedy): the argmax is the sample, and no noise need be drawn.
+            feed = q_j.argmax(-1) if run.greedy else sample(q_j, run.generator)
             if complete is not None:  # codebooks drawn one after another by the drafter itself
                 frame, laws = complete_frame(complete, self.state, run.per_codebook, slot - 1, feed[:, 0],
                                              torch.ones_like(slot), run.generator, at)
                 feed, q_j = frame[:, None], torch.cat([q_j[:, :, :1], laws[:, None, 1:]], 2)
             drafts.append(feed)
             q.append(q_j)
-        self.forwards += self.num_draft
+            if self.confidence > 0 and j + 1 < self.num_draft and not self._confident(logits, feed, run.active):
+                break
+        self.forwards += len(drafts)
+        self.chosen.append(len(drafts))
         return torch.cat(drafts, 1), torch.cat(q, 1)
+
+    def _confident(self, logits: Any, draft: torch.Tensor, active: torch.Tensor) -> bool:
+        """Whether some active row's drafter gave its newest draft at least `confidence`
+        (`Logits` [B, 1(, K), V], draft [B, 1(, K)]; one host read)."""
+        logits = logits.cond
+        if draft.dim() == 3:  # frames: the first codebook's
+            logits, draft = logits[:, :, 0], draft[:, :, 0]
+        chosen = torch.softmax(logits.float(), -1).gather(-1, draft[..., None])[:, 0, 0]
+        return bool(((chosen >= self.confidence) & active).any())
 
     def update(self, run, n_acc, next_token, fresh, p, active):
         self.drafter.rewind(self.state, (run.pos - 1).clamp_min(0))
@@ -76,6 +100,8 @@ class DraftModelProposer(Proposer):
     def finish(self, stats):
         stats.extra = DraftCounters(draft_forwards=self.forwards, drafted=int(self.drafted),
                                     accepted_drafts=int(self.accepted))
+        if self.confidence > 0:
+            stats.drafts_per_forward = self.chosen
 
     @property
     def cache_bytes(self):
@@ -89,9 +115,14 @@ class DraftSpeculative(SpeculativeDecoder):
     drafter: Any = None
     num_draft: int = 4
     acceptance: Any = field(default_factory=ExactAcceptance)
+    #: Stop a round's drafting after a draft the drafter gave less than this probability (in
+    #: every row); 0: always `num_draft` drafts (`DraftModelProposer`).
+    confidence: float = 0.0
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)
+        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) or not 0 <= self.confidence < 1:
+            raise ValueError(f"confidence must be a probability in [0, 1), got {self.confidence!r}")
 
     @property
     def window(self) -> int:
@@ -104,4 +135,4 @@ class DraftSpeculative(SpeculativeDecoder):
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.vocab_size}")
         # More drafts than tokens have nothing to draft.
-        return DraftModelProposer(drafter, min(self.num_draft, num_tokens)), self.acceptance.bind(model)
+        return DraftModelProposer(drafter, min(self.num_draft, num_tokens), float(self.confidence)), self.acceptance.bind(model)

@@ -179,7 +179,7 @@ class Proposer:
 
     def propose(self, run: DecodeRun) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Drafts [B, k(, K)] and the laws they were drawn from [B, k(, K), V] (None for rules
-        that need none)."""
+        that need none); k may fall short of `run.num_draft` (the loop verifies what it gets)."""
         B = run.batch_size
         shape = (B, 0) if run.num_codebooks == 1 else (B, 0, run.num_codebooks)
         return torch.zeros(shape, dtype=torch.long, device=run.device), None
@@ -303,6 +303,7 @@ def speculative_decode(
         if d > 0:
             drafts, q = proposer.propose(run)
             drafts, q = drafts[:, :d], (None if q is None else q[:, :d])
+            d = run.num_draft = drafts.shape[1]  # a proposer may stop a round early (a drafter unsure)
         window = run.newest() if d == 0 else torch.cat([run.newest(), drafts], 1)
         index = run.pos[:, None] + 1 + slots[: d + 1]  # the generated-token index each slot predicts
         # Verify and finalise: one forward scores the window, the rule keeps a prefix of the drafts

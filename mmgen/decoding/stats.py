@@ -65,7 +65,7 @@ class DecodeStats:
     cache_bytes: int = 0
     baseline_forwards: Optional[int] = None
     accepted_per_forward: list[float] = field(default_factory=list)
-    drafts_per_forward: list[int] = field(default_factory=list)  # under an AdaptiveWindow: each forward's draft count
+    drafts_per_forward: list[int] = field(default_factory=list)  # under an AdaptiveWindow or a drafter's confidence stop: each forward's draft count
     extra: Optional[Any] = None
 
     def __getattr__(self, name: str) -> Any:

@@ -66,6 +66,43 @@ def test_sampling_matches_exact_distribution(enumerable, name):
     assert chi_square_pvalue(out.tokens, seqs, joint) > ALPHA
 
 
+@pytest.mark.parametrize("labels", [[3], [1, 5, 7, 9]])
+def test_a_confidence_stop_drafts_fewer_in_some_rounds_and_stays_token_identical(labels):
+    """`confidence`: a round stops after a draft every row's drafter gave less than that
+    probability; greedy output stays AR's, with CFG, alone and in a batch, and the stats say
+    how many drafts each forward verified."""
+    model = LlamaGenTokenModel(tiny_transformer())
+    sampling = SamplingConfig(top_k=1, guidance=4.0)
+    conditions = torch.tensor(labels)
+    ar = Autoregressive().generate(model, conditions, 64, sampling, torch.Generator().manual_seed(0))
+    out = DraftSpeculative(drafter=DRAFTER, num_draft=4, confidence=0.4).generate(
+        model, conditions, 64, sampling, torch.Generator().manual_seed(1))
+    assert torch.equal(ar.tokens, out.tokens)
+    counts = out.stats.drafts_per_forward
+    assert len(counts) == out.stats.forwards - 1 and min(counts) == 1 and max(counts) == 4
+    assert out.stats.draft_forwards == 1 + sum(counts)
+    with pytest.raises(ValueError, match="confidence must be a probability"):
+        DraftSpeculative(drafter=DRAFTER, confidence=1.0)
+
+
+def test_a_confidence_stop_keeps_the_exact_distribution(enumerable):
+    """Where a round stops depends on the drafts drawn so far (in every row of the batch), so the
+    target still judges every draft it is given: the sampled sequences follow the exact joint
+    (chi-square, 6,000 rows in batches of 12, so that every row of a batch is sometimes unsure)."""
+    sampling = SAMPLINGS["cfg+temperature+top_k"]
+    seqs, joint = exact_joint(enumerable, 1, sampling)
+    drafter = LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11))
+    decoder = DraftSpeculative(drafter=drafter, num_draft=3, confidence=0.7)
+    generator, samples, counts, accepted = torch.Generator().manual_seed(0), [], [], 0
+    for _ in range(500):
+        out = decoder.generate(enumerable, torch.full((12,), 1), LENGTH, sampling, generator)
+        samples.append(out.tokens)
+        counts += out.stats.drafts_per_forward
+        accepted += out.stats.accepted_drafts
+    assert min(counts) == 1 and max(counts) == 3 and accepted > 0  # the rule both stopped and not
+    assert chi_square_pvalue(torch.cat(samples), seqs, joint) > ALPHA
+
+
 def test_coupled_equals_autoregressive_sampling_with_the_same_noise(token_model):
     """Coupled Jacobi is AR sampling with noise fixed in advance (a counter-based function of
     one seed drawn from the generator, row and position), token for token."""

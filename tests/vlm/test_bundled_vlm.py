@@ -119,11 +119,15 @@ def test_batched_greedy_answers_equal_each_question_alone_and_generate(pair, sub
                             for q, p in zip(questions, pictures)]
 
 
-@pytest.mark.parametrize("decoding", ["sjd", "sjd:adapt=false", "lookup", "lookup:adapt=false", "draft", "draft6"])
+DRAFTERS = {"draft": dict(num_draft=4), "draft6": dict(num_draft=6), "draft10-confident": dict(num_draft=10, confidence=0.7)}
+
+
+@pytest.mark.parametrize("decoding", ["sjd", "sjd:adapt=false", "lookup", "lookup:adapt=false", *DRAFTERS])
 def test_every_lossless_method_equals_greedy_on_sentence_answers(pair, decoding):
     """The long answers (a sentence of 16-34 tokens), where speculation has room: each lossless
-    method gives greedy AR's tokens, and the fixed Jacobi window and the drafter (4 drafts, and
-    the 6 the pair's `decoding.json` measured) finalise several tokens in some forwards."""
+    method gives greedy AR's tokens, and the fixed Jacobi window and the drafter (4 drafts, 6,
+    and 10 stopped where the drafter is unsure) finalise several tokens in some forwards. A
+    confidence stop needs every row unsure, so it is also checked one question at a time."""
     from PIL import Image
 
     target, drafter = pair
@@ -134,12 +138,19 @@ def test_every_lossless_method_equals_greedy_on_sentence_answers(pair, decoding)
     assert rows, "the held-out questions include sentence answers"
     prompts, pictures = [r["question"] for r in rows], [Image.fromarray(images[r["index"]]) for r in rows]
     ar = target(prompts, pictures, max_new_tokens=40)
-    drafts = {"draft": 4, "draft6": 6}.get(decoding)
-    decoder = make_decoder("draft", drafter=drafter, num_draft=drafts) if drafts else decoding
+    options = DRAFTERS.get(decoding)
+    decoder = make_decoder("draft", drafter=drafter, **options) if options else decoding
     out = target(prompts, pictures, max_new_tokens=40, decoding=decoder)
     assert torch.equal(out.token_ids, ar.token_ids) and torch.equal(out.lengths, ar.lengths)
     # (the prompt holds no n-gram of the answer for lookup to copy)
-    if decoding in ("sjd:adapt=false", "draft", "draft6"):  # some row finalised drafts in some forward
+    if decoding in ("sjd:adapt=false", *DRAFTERS):  # some row finalised drafts in some forward
         assert sum(out.stats.accepted_histogram[2:]) > 0
-    if drafts:  # and the drafter's are accepted often enough to save whole batch forwards
+    if options:  # and the drafter's are accepted often enough to save whole batch forwards
         assert out.stats.forwards < ar.stats.forwards
+    if options and options.get("confidence"):
+        counts = []
+        for b in range(4):
+            alone = target(prompts[b], pictures[b], max_new_tokens=40, decoding=decoder)
+            assert alone.token_ids[0, : alone.lengths[0]].tolist() == ar.token_ids[b, : ar.lengths[b]].tolist()
+            counts += alone.stats.drafts_per_forward
+        assert min(counts) < options["num_draft"] == max(counts)  # rounds stopped early and rounds that did not
