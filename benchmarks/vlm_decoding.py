@@ -7,7 +7,8 @@ lookup, image-aware drafting, drafting on a pruned image) on the bundled `emoji-
 Per method, over the same held-out questions (batch 1, or `--batch-size` questions per call, left-padded): language-model forwards of the target
 (and of the drafter) counted by a hook on each trunk, prefill included, tokens per target forward, the
 median wall time of the whole question set over repeats (methods interleaved, order rotated per
-repeat, so a busy box slows all alike; the spread across repeats is reported), the speedup over
+repeat, so a busy box slows all alike; the spread across repeats is reported), where that time
+goes (`ForwardMeter`: the prefills and the steps of target and drafter, and the rest), the speedup over
 transformers' greedy `generate`, exact match / token F1 of the answers against the held-out
 answers, and whether every answer is token-identical to greedy (the lossless methods must be).
 """
@@ -27,26 +28,62 @@ from PIL import Image
 from benchmarks.train_vlm import load_eval, token_f1
 
 
-class ForwardCounter:
-    """Counts forwards of the pipelines' language-model trunks (a forward pre-hook on each), prefill included."""
+class ForwardMeter:
+    """Counts the forwards of the pipelines' language-model trunks, prefill included, and times
+    what runs inside them and their vision towers (forward hooks): `prefill` is the vision tower
+    and trunk calls over more than `PROMPT_WIDTH` positions (the prompts), `steps` every narrower
+    trunk call (one token, a draft or a verify window); the rest of a method's time is outside
+    both (the head, acceptance, cache bookkeeping, the processor, the loop)."""
+
+    PROMPT_WIDTH = 16  # wider than any window, narrower than the 64 image tokens of a prompt
 
     def __init__(self, *pipes: Any):
         from mmgen.vlm.layout import text_trunk
 
-        self.count = 0
+        self.count, self.prefill, self.steps, self._began = 0, 0.0, 0.0, 0.0
         for pipe in pipes:
-            text_trunk(pipe.model).register_forward_pre_hook(self._hit)
+            trunk = text_trunk(pipe.model)
+            trunk.register_forward_pre_hook(self._enter_trunk, with_kwargs=True)
+            trunk.register_forward_hook(self._leave_trunk, with_kwargs=True)
+            tower = getattr(pipe.model.model, "vision_tower", None)
+            if tower is not None:
+                tower.register_forward_pre_hook(self._enter)
+                tower.register_forward_hook(self._leave_tower)
 
-    def _hit(self, *_: Any) -> None:
+    def reset(self) -> None:
+        self.count, self.prefill, self.steps = 0, 0.0, 0.0
+
+    def _enter(self, *_: Any) -> None:
+        self._began = time.perf_counter()
+
+    def _enter_trunk(self, module: Any, args: tuple, kwargs: dict) -> None:
         self.count += 1
+        self._enter()
+
+    def _leave_tower(self, *_: Any) -> None:
+        self.prefill += time.perf_counter() - self._began
+
+    def _leave_trunk(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        spent = time.perf_counter() - self._began
+        inputs = kwargs.get("inputs_embeds")
+        if inputs is None:
+            inputs = kwargs.get("input_ids", args[0] if args else None)
+        if inputs.shape[1] > self.PROMPT_WIDTH:
+            self.prefill += spent
+        else:
+            self.steps += spent
 
 
 def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
-            more_drafts: tuple[int, ...] = (), second_drafter: Any = None) -> dict[str, Callable]:
+            more_drafts: tuple[int, ...] = (), second_drafter: Any = None,
+            confidences: tuple[float, ...] = ()) -> dict[str, Callable]:
     """name -> f(questions, images) -> generated token ids per question (lists), one call per batch;
     `more_drafts`: draft counts besides `num_draft` for the two drafting methods (rows "..., k drafts");
     `second_drafter`: image-aware drafting with another drafter too, at every draft count (rows
-    "mmgen draft (image-aware), second drafter[, k drafts]"), so two drafters compare in one process."""
+    "mmgen draft (image-aware), second drafter[, k drafts]"), so two drafters compare in one process;
+    `confidences`: image-aware drafting that stops a round's drafts below each confidence, at every
+    draft count (rows "mmgen draft (image-aware), k drafts, confidence c"; with a second drafter,
+    its rows too)."""
     from mmgen.decoding import make_decoder
 
     eos = target.eos_token_ids
@@ -91,6 +128,13 @@ def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
         for k in (num_draft, *more_drafts):
             name = "mmgen draft (image-aware), second drafter" + ("" if k == num_draft else f", {k} drafts")
             more[name] = ours(make_decoder("draft", drafter=second_drafter, num_draft=k))
+    for c in confidences:
+        for k in (num_draft, *more_drafts):
+            more[f"mmgen draft (image-aware), {k} drafts, confidence {c:g}"] = ours(
+                make_decoder("draft", drafter=drafter, num_draft=k, confidence=c))
+            if second_drafter is not None:
+                more[f"mmgen draft (image-aware), second drafter, {k} drafts, confidence {c:g}"] = ours(
+                    make_decoder("draft", drafter=second_drafter, num_draft=k, confidence=c))
     return {
         "hf greedy": hf(),
         "hf assisted (drafter)": assisted(num_draft),
@@ -122,6 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--num-draft", type=int, default=4)
     p.add_argument("--more-drafts", type=int, nargs="+", default=[], metavar="K",
                    help="also time assisted generation and image-aware drafting with K drafts (rows '..., K drafts')")
+    p.add_argument("--confidence", type=float, nargs="+", default=[], metavar="C",
+                   help="also time image-aware drafting that stops a round below drafter confidence C, at every draft count")
     p.add_argument("--second-drafter", default=None, metavar="NAME_OR_FOLDER",
                    help="also time image-aware drafting with this drafter (rows '..., second drafter')")
     p.add_argument("--threads", type=int, default=2)
@@ -143,8 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
     pictures = {r["index"]: Image.fromarray(images[r["index"]]) for r in records}
     second = load_pipeline(args.second_drafter) if args.second_drafter else None
     # One count for the drafters: a method runs one drafter or none.
-    target_count, draft_count = ForwardCounter(target), ForwardCounter(*[d for d in (drafter, second) if d is not None])
-    runs = methods(target, drafter, args.max_new_tokens, args.num_draft, tuple(args.more_drafts), second)
+    target_count, draft_count = ForwardMeter(target), ForwardMeter(*[d for d in (drafter, second) if d is not None])
+    runs = methods(target, drafter, args.max_new_tokens, args.num_draft, tuple(args.more_drafts), second,
+                   tuple(args.confidence))
     if args.methods:
         unknown = set(args.methods) - set(runs)
         if unknown:
@@ -163,14 +210,16 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = {n: [] for n in names}
     answers: dict[str, list] = {}
     forwards: dict[str, tuple[int, int]] = {}
+    parts = {n: [] for n in names}  # per repeat: target prefill, target steps, drafter prefill, drafter steps
     for repeat in range(args.repeats):
         order = names[repeat % len(names):] + names[: repeat % len(names)]
         for name in order:
-            target_count.count = draft_count.count = 0
+            target_count.reset(), draft_count.reset()
             begun = time.perf_counter()
             ids = [row for chunk in batches for row in call(runs[name], chunk)]
             seconds[name].append(time.perf_counter() - begun)
             answers[name], forwards[name] = ids, (target_count.count, draft_count.count)
+            parts[name].append((target_count.prefill, target_count.steps, draft_count.prefill, draft_count.steps))
     greedy = answers["hf greedy"]
     base = statistics.median(seconds["hf greedy"])
     decode = lambda ids: target.processor.tokenizer.decode(ids, skip_special_tokens=True).strip()
@@ -179,6 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
         texts = [decode(ids) for ids in answers[name]]
         tokens = sum(len(ids) for ids in answers[name])
         median = statistics.median(seconds[name])
+        # Each part's median over the repeats; the rest is the median of what the parts leave of each run.
+        part = [round(statistics.median(p[i] for p in parts[name]), 3) for i in range(4)]
+        rest = round(statistics.median(s - sum(p) for s, p in zip(seconds[name], parts[name])), 3)
         rows.append({
             "method": name, "target_forwards": forwards[name][0], "drafter_forwards": forwards[name][1],
             "tokens": tokens, "tokens_per_target_forward": round(tokens / max(1, forwards[name][0]), 3),
@@ -187,11 +239,12 @@ def main(argv: list[str] | None = None) -> dict:
             "exact_match": round(sum(t == r["answer"] for t, r in zip(texts, records)) / len(records), 4),
             "token_f1": round(sum(token_f1(t, r["answer"]) for t, r in zip(texts, records)) / len(records), 4),
             "identical_to_greedy": answers[name] == greedy,
+            "breakdown_s": dict(zip(("target_prefill", "target_steps", "drafter_prefill", "drafter_steps"), part), rest=rest),
         })
     result = {"model": args.model, "drafter": args.drafter, "second_drafter": args.second_drafter, "questions": len(records), "kind": args.kind,
               "batch_size": args.batch_size, "repeats": args.repeats,
               "threads": args.threads, "max_new_tokens": args.max_new_tokens, "num_draft": args.num_draft,
-              "more_drafts": args.more_drafts,
+              "more_drafts": args.more_drafts, "confidence": args.confidence,
               "torch": torch.__version__, "transformers": transformers.__version__, "rows": rows,
               "failures": failures}
     header = "| method | target fwd | drafter fwd | tok/target fwd | s (median) | spread | vs hf greedy | EM | F1 | = greedy |"
@@ -203,6 +256,14 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['exact_match']:.1%} | {r['token_f1']:.3f} | {'yes' if r['identical_to_greedy'] else 'no'} |")
     for name, error in failures.items():
         print(f"| {name} | fails: {error} |")
+    print("\nWhere the time goes (s, medians over repeats; prefill: vision towers and prompt-wide trunk calls, "
+          "steps: every narrower trunk call, rest: everything outside both)\n")
+    print("| method | target prefill | target steps | drafter prefill | drafter steps | rest | total |")
+    print("|" + "---|" * 7)
+    for r in rows:
+        b = r["breakdown_s"]
+        print(f"| {r['method']} | {b['target_prefill']} | {b['target_steps']} | {b['drafter_prefill']} | "
+              f"{b['drafter_steps']} | {b['rest']} | {r['seconds_median']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result

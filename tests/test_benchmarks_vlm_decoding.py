@@ -28,17 +28,25 @@ def test_more_draft_counts_add_rows_that_stay_lossless_and_reach_transformers():
     assert rows["hf assisted (drafter), 6 drafts"]["drafter_forwards"] > rows["hf assisted (drafter)"]["drafter_forwards"]
 
 
-def test_a_second_drafter_adds_rows_with_its_own_forwards():
+def test_a_second_drafter_and_confidence_stops_add_rows_that_stay_lossless():
     """`--second-drafter`: image-aware drafting with another drafter (here the bundled drafter's
-    folder again) at each draft count, lossless, its drafter forwards counted like the first's."""
+    folder again) at each draft count, lossless, its drafter forwards counted like the first's;
+    `--confidence`: rows that stop a round's drafts where the drafter is unsure, lossless too;
+    and every row says where its time went."""
     from mmgen.loading import resolve_model
 
     result = main(["--questions", "2", "--kind", "sentence", "--repeats", "1", "--threads", "1", "--more-drafts", "5",
-                   "--second-drafter", str(resolve_model("emoji-vlm-draft")),
+                   "--second-drafter", str(resolve_model("emoji-vlm-draft")), "--confidence", "0.7",
                    "--methods", "mmgen draft (image-aware)", "mmgen draft (image-aware), second drafter",
-                   "mmgen draft (image-aware), second drafter, 5 drafts"])
+                   "mmgen draft (image-aware), second drafter, 5 drafts", "mmgen draft (image-aware), 5 drafts, confidence 0.7"])
     rows = {r["method"]: r for r in result["rows"]}
     first, second = rows["mmgen draft (image-aware)"], rows["mmgen draft (image-aware), second drafter"]
-    assert all(r["identical_to_greedy"] for r in rows.values()) and len(rows) == 4
+    assert all(r["identical_to_greedy"] for r in rows.values()) and len(rows) == 5
+    confident = rows["mmgen draft (image-aware), 5 drafts, confidence 0.7"]
+    assert 0 < confident["drafter_forwards"] and result["confidence"] == [0.7]
+    for r in rows.values():  # the parts are times within the run, and the drafter's only where one ran
+        parts = r["breakdown_s"]
+        assert parts["target_prefill"] > 0 and parts["target_steps"] > 0 and min(parts.values()) >= 0
+        assert (parts["drafter_steps"] > 0) == (r["drafter_forwards"] > 0)
     assert second["drafter_forwards"] == first["drafter_forwards"] > 0
     assert second["target_forwards"] == first["target_forwards"]
