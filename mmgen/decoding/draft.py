@@ -37,10 +37,13 @@ class DraftModelProposer(Proposer):
     was accepted (the last draft was never fed to the drafter) needs no special case, and
     shapes stay fixed.
 
-    With a `confidence` above 0, a round stops drafting after a draft that every active row's
-    drafter gave less than that probability (the softmax of its conditional logits at temperature
-    1, before guidance and truncation; for frames, the first codebook's token): the drafts it would go on to make are likely rejected, and each costs a
-    drafter forward and a wider verify. Where to stop depends only on drafts already drawn, so
+    With a `confidence` above 0, a row drops out of a round's drafting at its first draft that
+    its drafter gave less than that probability (the softmax of its conditional logits at
+    temperature 1, before guidance and truncation; for frames, the first codebook's token): its
+    later drafts would likely follow a rejected one. The round stops once fewer than half of the
+    active rows are left in it (at batch 1: at the first unsure draft), since each more draft
+    costs every row a drafter forward and a wider verify (at batch 8 on the bundled VLM pair,
+    waiting for every row to drop out drafted 7.6 a round where 4 pay best: docs/benchmarks.md). Where to stop depends only on drafts already drawn, so
     acceptance stays exact (the target still judges every draft it is given). Each forward's
     draft count then goes to the stats (`drafts_per_forward`).
     """
@@ -62,6 +65,7 @@ class DraftModelProposer(Proposer):
         feed = gather_slots(run.tokens, (run.pos[:, None] + back).clamp_min(0))
         drafts, q = [], []
         complete = getattr(self.drafter, "complete_frame", None)
+        drafting = run.active  # the rows still sure of this round's drafts (under a confidence stop)
         for j in range(self.num_draft):
             at = run.pos[:, None] + 1 + j
             logits = self.drafter.forward(self.state, feed)[:, -1:]
@@ -76,20 +80,23 @@ class DraftModelProposer(Proposer):
                 feed, q_j = frame[:, None], torch.cat([q_j[:, :, :1], laws[:, None, 1:]], 2)
             drafts.append(feed)
             q.append(q_j)
-            if self.confidence > 0 and j + 1 < self.num_draft and not self._confident(logits, feed, run.active):
-                break
+            if self.confidence > 0 and j + 1 < self.num_draft:
+                drafting = drafting & self._confident(logits, feed)
+                sure, active = torch.stack([drafting.sum(), run.active.sum()]).tolist()  # one host read per draft
+                if sure == 0 or 2 * sure < active:
+                    break
         self.forwards += len(drafts)
         self.chosen.append(len(drafts))
         return torch.cat(drafts, 1), torch.cat(q, 1)
 
-    def _confident(self, logits: Any, draft: torch.Tensor, active: torch.Tensor) -> bool:
-        """Whether some active row's drafter gave its newest draft at least `confidence`
-        (`Logits` [B, 1(, K), V], draft [B, 1(, K)]; one host read)."""
+    def _confident(self, logits: Any, draft: torch.Tensor) -> torch.Tensor:
+        """[B] whether each row's drafter gave its newest draft at least `confidence`
+        (`Logits` [B, 1(, K), V], draft [B, 1(, K)])."""
         logits = logits.cond
         if draft.dim() == 3:  # frames: the first codebook's
             logits, draft = logits[:, :, 0], draft[:, :, 0]
         chosen = torch.softmax(logits.float(), -1).gather(-1, draft[..., None])[:, 0, 0]
-        return bool(((chosen >= self.confidence) & active).any())
+        return chosen >= self.confidence
 
     def update(self, run, n_acc, next_token, fresh, p, active):
         self.drafter.rewind(self.state, (run.pos - 1).clamp_min(0))
@@ -115,8 +122,9 @@ class DraftSpeculative(SpeculativeDecoder):
     drafter: Any = None
     num_draft: int = 4
     acceptance: Any = field(default_factory=ExactAcceptance)
-    #: Stop a round's drafting after a draft the drafter gave less than this probability (in
-    #: every row); 0: always `num_draft` drafts (`DraftModelProposer`).
+    #: A row drops out of a round's drafting at a draft its drafter gave less than this
+    #: probability, and the round stops when fewer than half the rows are left in it; 0: always
+    #: `num_draft` drafts (`DraftModelProposer`).
     confidence: float = 0.0
 
     def __post_init__(self):

@@ -68,9 +68,9 @@ def test_sampling_matches_exact_distribution(enumerable, name):
 
 @pytest.mark.parametrize("labels", [[3], [1, 5, 7, 9]])
 def test_a_confidence_stop_drafts_fewer_in_some_rounds_and_stays_token_identical(labels):
-    """`confidence`: a round stops after a draft every row's drafter gave less than that
-    probability; greedy output stays AR's, with CFG, alone and in a batch, and the stats say
-    how many drafts each forward verified."""
+    """`confidence`: a row drops out of a round at a draft its drafter gave less than that
+    probability, and the round stops once fewer than half the rows are left; greedy output stays
+    AR's, with CFG, alone and in a batch, and the stats say how many drafts each forward verified."""
     model = LlamaGenTokenModel(tiny_transformer())
     sampling = SamplingConfig(top_k=1, guidance=4.0)
     conditions = torch.tensor(labels)
@@ -88,7 +88,7 @@ def test_a_confidence_stop_drafts_fewer_in_some_rounds_and_stays_token_identical
 def test_a_confidence_stop_keeps_the_exact_distribution(enumerable):
     """Where a round stops depends on the drafts drawn so far (in every row of the batch), so the
     target still judges every draft it is given: the sampled sequences follow the exact joint
-    (chi-square, 6,000 rows in batches of 12, so that every row of a batch is sometimes unsure)."""
+    (chi-square, 6,000 rows in batches of 12)."""
     sampling = SAMPLINGS["cfg+temperature+top_k"]
     seqs, joint = exact_joint(enumerable, 1, sampling)
     drafter = LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11))

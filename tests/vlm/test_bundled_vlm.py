@@ -126,8 +126,8 @@ DRAFTERS = {"draft": dict(num_draft=4), "draft6": dict(num_draft=6), "draft10-co
 def test_every_lossless_method_equals_greedy_on_sentence_answers(pair, decoding):
     """The long answers (a sentence of 16-34 tokens), where speculation has room: each lossless
     method gives greedy AR's tokens, and the fixed Jacobi window and the drafter (4 drafts, 6,
-    and 10 stopped where the drafter is unsure) finalise several tokens in some forwards. A
-    confidence stop needs every row unsure, so it is also checked one question at a time."""
+    and 10 stopped where the drafter is unsure) finalise several tokens in some forwards; a
+    confidence stop also one question at a time, where it stops at the first unsure draft."""
     from PIL import Image
 
     target, drafter = pair
