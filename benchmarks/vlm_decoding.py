@@ -81,9 +81,9 @@ def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
     `more_drafts`: draft counts besides `num_draft` for the two drafting methods (rows "..., k drafts");
     `second_drafter`: image-aware drafting with another drafter too, at every draft count (rows
     "mmgen draft (image-aware), second drafter[, k drafts]"), so two drafters compare in one process;
-    `confidences`: image-aware drafting that stops a round's drafts below each confidence, at every
-    draft count (rows "mmgen draft (image-aware), k drafts, confidence c"; with a second drafter,
-    its rows too)."""
+    `confidences`: image-aware drafting that stops a round's drafts below each confidence, and
+    assisted generation with the same stop, at every draft count (rows "..., k drafts,
+    confidence c"; with a second drafter, its drafting rows too)."""
     from mmgen.decoding import make_decoder
 
     eos = target.eos_token_ids
@@ -118,8 +118,9 @@ def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
 
     draft = make_decoder("draft", drafter=drafter, num_draft=num_draft)
     # k drafts every round, as mmgen's drafter: a constant schedule, no confidence stop.
-    assisted = lambda k: hf(batch_one=True, assistant_model=drafter.model, assistant=dict(
-        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0))
+    # (with a confidence, transformers' own stop: the drafter's probability of its draft under c)
+    assisted = lambda k, c=0.0: hf(batch_one=True, assistant_model=drafter.model, assistant=dict(
+        num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=c))
     more = {}
     for k in more_drafts:
         more[f"hf assisted (drafter), {k} drafts"] = assisted(k)
@@ -130,6 +131,7 @@ def methods(target: Any, drafter: Any, max_new_tokens: int, num_draft: int,
             more[name] = ours(make_decoder("draft", drafter=second_drafter, num_draft=k))
     for c in confidences:
         for k in (num_draft, *more_drafts):
+            more[f"hf assisted (drafter), {k} drafts, confidence {c:g}"] = assisted(k, c)
             more[f"mmgen draft (image-aware), {k} drafts, confidence {c:g}"] = ours(
                 make_decoder("draft", drafter=drafter, num_draft=k, confidence=c))
             if second_drafter is not None:

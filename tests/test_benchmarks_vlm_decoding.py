@@ -31,17 +31,19 @@ def test_more_draft_counts_add_rows_that_stay_lossless_and_reach_transformers():
 def test_a_second_drafter_and_confidence_stops_add_rows_that_stay_lossless():
     """`--second-drafter`: image-aware drafting with another drafter (here the bundled drafter's
     folder again) at each draft count, lossless, its drafter forwards counted like the first's;
-    `--confidence`: rows that stop a round's drafts where the drafter is unsure, lossless too;
+    `--confidence`: rows that stop a round's drafts where the drafter is unsure (mmgen's, and
+    transformers' assisted generation with its own stop), lossless too;
     and every row says where its time went."""
     from mmgen.loading import resolve_model
 
     result = main(["--questions", "2", "--kind", "sentence", "--repeats", "1", "--threads", "1", "--more-drafts", "5",
                    "--second-drafter", str(resolve_model("emoji-vlm-draft")), "--confidence", "0.7",
                    "--methods", "mmgen draft (image-aware)", "mmgen draft (image-aware), second drafter",
-                   "mmgen draft (image-aware), second drafter, 5 drafts", "mmgen draft (image-aware), 5 drafts, confidence 0.7"])
+                   "mmgen draft (image-aware), second drafter, 5 drafts", "mmgen draft (image-aware), 5 drafts, confidence 0.7",
+                   "hf assisted (drafter), 5 drafts, confidence 0.7"])
     rows = {r["method"]: r for r in result["rows"]}
     first, second = rows["mmgen draft (image-aware)"], rows["mmgen draft (image-aware), second drafter"]
-    assert all(r["identical_to_greedy"] for r in rows.values()) and len(rows) == 5
+    assert all(r["identical_to_greedy"] for r in rows.values()) and len(rows) == 6
     confident = rows["mmgen draft (image-aware), 5 drafts, confidence 0.7"]
     assert 0 < confident["drafter_forwards"] and result["confidence"] == [0.7]
     for r in rows.values():  # the parts are times within the run, and the drafter's only where one ran
