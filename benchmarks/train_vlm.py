@@ -538,10 +538,13 @@ def augmentation(run_args: dict) -> str:
         text += (f"; plus {run_args['colour_aux']:g} x an auxiliary colour loss: a training-only linear head on the "
                  f"image features (the projector's outputs averaged over the image tokens), "
                  f"{run_args['colour_aux_batch']} images per step in any of their 12 looks (channel order x mirror)")
-    if (run_args.get("tower_lr_scale") or 1.0) != 1.0:
-        text += (f"; the vision tower, projector and colour head at {run_args['tower_lr_scale']:g} x the peak "
-                 f"learning rate")
     return text
+
+
+def image_side_rate(run_args: dict) -> str:
+    """A run's `--tower-lr-scale`, for the card ("" at the default)."""
+    scale = run_args.get("tower_lr_scale") or 1.0
+    return "" if scale == 1.0 else f"the vision tower, projector and colour head at {scale:g} x the peak learning rate"
 
 
 def architecture(record: dict) -> tuple[str, str]:
@@ -574,6 +577,10 @@ def card(args) -> None:
     answer_part = lambda name: runs[name]["final"]["loss"] - (train(name).get("colour_aux") or 0) * runs[name]["final"].get("colour_loss", 0)
     augmentations = (f"{augmentation(train('target'))} (both models)" if augmentation(train("target")) == augmentation(train("draft"))
                      else f"{augmentation(train('target'))} (target), {augmentation(train('draft'))} (drafter)")
+    rates = [f"{image_side_rate(train(name))} ({label})" for name, label in (("target", "target"), ("draft", "drafter"))
+             if image_side_rate(train(name))]
+    if rates:
+        augmentations += "; " + ", ".join(rates)
     warmups = (f"{train('target')['warmup']}" if train("target")["warmup"] == train("draft")["warmup"]
                else f"{train('target')['warmup']} (target) and {train('draft')['warmup']} (drafter)")
     text = f"""# emoji-vlm and emoji-vlm-draft: bundled LLaVA-style question answering about emoji

@@ -90,13 +90,14 @@ def test_the_measured_default_runs_with_its_measured_settings_where_a_request_se
     assert catalog.measured_options("model", "sjd") == {} and catalog.default_method("model") == "sjd"
 
 
-def test_the_bundled_vlm_drafts_with_its_measured_draft_count_unless_told_otherwise():
+def test_the_bundled_vlm_drafts_with_its_measured_settings_unless_told_otherwise():
     from mmgen.apps.requests.vlm import VLMCatalog
 
     catalog = VLMCatalog.discover()
     measured = json.loads((Path(__file__).parents[2] / "vlm/assets/emoji-vlm/decoding.json").read_text())
     assert catalog.default_method("emoji-vlm") == measured["default"] == "draft"
-    assert catalog.decoder("draft", "emoji-vlm").num_draft == measured["options"]["num_draft"]
+    decoder = catalog.decoder("draft", "emoji-vlm")
+    assert (decoder.num_draft, decoder.confidence) == (measured["options"]["num_draft"], measured["options"]["confidence"])
     assert catalog.decoder("draft", "emoji-vlm", num_draft=2).num_draft == 2
 
 

@@ -119,14 +119,15 @@ def test_batched_greedy_answers_equal_each_question_alone_and_generate(pair, sub
                             for q, p in zip(questions, pictures)]
 
 
-DRAFTERS = {"draft": dict(num_draft=4), "draft6": dict(num_draft=6), "draft10-confident": dict(num_draft=10, confidence=0.7)}
+# 4 drafts, 6, and the settings of the pair's decoding.json (12 drafts stopped where the drafter is unsure)
+DRAFTERS = {"draft": dict(num_draft=4), "draft6": dict(num_draft=6), "draft12-confident": dict(num_draft=12, confidence=0.7)}
 
 
 @pytest.mark.parametrize("decoding", ["sjd", "sjd:adapt=false", "lookup", "lookup:adapt=false", *DRAFTERS])
 def test_every_lossless_method_equals_greedy_on_sentence_answers(pair, decoding):
     """The long answers (a sentence of 16-34 tokens), where speculation has room: each lossless
     method gives greedy AR's tokens, and the fixed Jacobi window and the drafter (4 drafts, 6,
-    and 10 stopped where the drafter is unsure) finalise several tokens in some forwards; a
+    and 12 stopped where the drafter is unsure) finalise several tokens in some forwards; a
     confidence stop also one question at a time, where it stops at the first unsure draft."""
     from PIL import Image
 
