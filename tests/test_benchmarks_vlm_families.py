@@ -17,7 +17,10 @@ def test_smoke_rows_time_both_sides_with_the_same_tokens(tmp_path):
         for side in ("mmgen", "generate"):
             assert 0 < row[f"{side}_ttft_ms"] <= row[f"{side}_total_ms"]
         assert row["ratio_of_medians"] == round(row["generate_total_ms"] / row["mmgen_total_ms"], 3)
-        assert abs(row["ratio"] - row["ratio_of_medians"]) < 0.01  # one round: its ratio is the medians'
+        # One round: its ratio is the medians', up to the rounding of each total to 0.1 ms (a few
+        # percent on a tiny model's few-millisecond answers) and of each ratio to 3 decimals.
+        g, m = row["generate_total_ms"], row["mmgen_total_ms"]
+        assert abs(row["ratio"] - row["ratio_of_medians"]) <= row["ratio"] * (0.05 / g + 0.05 / m) * 1.01 + 0.001
 
 
 

@@ -42,9 +42,9 @@ class DraftModelProposer(Proposer):
     temperature 1, before guidance and truncation; for frames, the first codebook's token): its
     later drafts would likely follow a rejected one. The round stops once fewer than half of the
     active rows are left in it (at batch 1: at the first unsure draft), since each more draft
-    costs every row a drafter forward and a wider verify (at batch 8 on the bundled VLM pair,
-    waiting for every row to drop out drafted 7.6 a round where 4 pay best: docs/benchmarks.md). Where to stop depends only on drafts already drawn, so
-    acceptance stays exact (the target still judges every draft it is given). Each forward's
+    costs every row a drafter forward and a wider verify (on the bundled VLM pair at batch 8,
+    waiting for every row drafted 7.6 of 12 a round and ran slower than `ar`: docs/benchmarks.md).
+    Where to stop depends only on drafts already drawn, so acceptance stays exact (the target still judges every draft it is given). Each forward's
     draft count then goes to the stats (`drafts_per_forward`).
     """
 
