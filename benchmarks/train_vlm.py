@@ -348,9 +348,9 @@ def image_side_groups(trainee: torch.nn.Module, scale: float) -> list[dict] | No
     if scale == 1.0:
         return None
     image_side = ("vision_tower.", "multi_modal_projector.", "colour_head.")
-    named = list(trainee.named_parameters())
-    faster = [p for name, p in named if any(part in name for part in image_side)]
-    rest = [p for name, p in named if not any(part in name for part in image_side)]
+    rest, faster = [], []
+    for name, parameter in trainee.named_parameters():
+        (faster if any(part in name for part in image_side) else rest).append(parameter)
     return [{"params": rest}, {"params": faster, "lr_scale": scale}]
 
 

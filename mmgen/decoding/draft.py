@@ -86,7 +86,8 @@ class DraftModelProposer(Proposer):
                 if sure == 0 or 2 * sure < active:
                     break
         self.forwards += len(drafts)
-        self.chosen.append(len(drafts))
+        if self.confidence > 0:
+            self.chosen.append(len(drafts))
         return torch.cat(drafts, 1), torch.cat(q, 1)
 
     def _confident(self, logits: Any, draft: torch.Tensor) -> torch.Tensor:
