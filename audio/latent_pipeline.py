@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import CausalContinuousSpeculative
+from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -80,7 +81,7 @@ class LatentTTSPipeline(TTSPipeline):
             raise ValueError("VibeVoice's latents take no top-k or top-p: its head is a diffusion sampler")
         return SamplingConfig(temperature=1.0 if temperature is None else temperature)
 
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         text: Union[str, Sequence[str]],

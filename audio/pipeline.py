@@ -28,6 +28,7 @@ from mmgen.decoding import DecodeStats, Decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.hub import read_json
+from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -194,7 +195,7 @@ class TTSPipeline(Pipeline):
         scale = getattr(config, "guidance_scale", None) if scale is None else scale
         return scale, _generate_top_k(config)
 
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         text: Union[str, Sequence[str]],
@@ -243,7 +244,7 @@ class TTSPipeline(Pipeline):
         return TTSOutput(audio, self.sampling_rate, codes, result.tokens, result.lengths, result.stats, decode_s,
                          decode_s / longest if longest else 0.0)
 
-    @torch.no_grad()
+    @inference
     def speak_each(
         self,
         text: Union[str, Sequence[str]],

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.audio.phonemes import PHONEMES
+from mmgen.inference import inference
 
 #: The bundled recogniser's folder (package data).
 BUNDLED = Path(__file__).parent / "assets" / "phoneme-recogniser"
@@ -77,7 +78,7 @@ class PhonemeRecogniser(torch.nn.Module):
         x = torch.nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True, total_length=x.shape[1])[0]
         return self.head(x).log_softmax(-1)
 
-    @torch.no_grad()
+    @inference
     def transcribe(self, waves: Sequence[Union[torch.Tensor, np.ndarray]], sampling_rate: int) -> list[str]:
         """Greedy CTC: the space-joined phonemes heard in each mono waveform (floats in [-1, 1] at
         `sampling_rate`, resampled to the recogniser's with torchaudio). Each waveform is heard

@@ -21,6 +21,7 @@ from typing import Optional, Union
 import torch
 
 from mmgen.hub import load_state_dict, load_strict, read_json, save_safetensors
+from mmgen.inference import inference
 from mmgen.metrics import feature_statistics, frechet_distance
 
 
@@ -75,7 +76,7 @@ class ImageQualityProxies:
         save_safetensors(state, folder / "model.safetensors")
         save_safetensors({"mean": self.reference_mean.float(), "cov": self.reference_cov.float()}, folder / "reference_statistics.safetensors")
 
-    @torch.no_grad()
+    @inference
     def features_and_logits(self, images: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         if images.dim() != 4 or images.shape[1] != 3:
             raise ValueError(f"expected images [N, 3, H, W] in [0, 1], got shape {tuple(images.shape)}")

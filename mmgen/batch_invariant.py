@@ -33,6 +33,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from mmgen.inference import version
+
 #: The attention implementation's name in transformers' registries.
 ROWWISE = "mmgen_rowwise"
 
@@ -82,8 +84,8 @@ def row_groups(attention_mask: torch.Tensor, masks: torch.Tensor, device: torch.
     row), the keys they see (None: all of them)) per call. Every layer of a forward gets the
     same mask tensor, so the answer (one host read) is kept on the tensor for the later layers
     (until the tensor changes in place)."""
-    memo = getattr(attention_mask, "_mmgen_row_groups", None)
-    if memo is not None and memo[0] == (attention_mask._version, tuple(masks.shape)):
+    memo = getattr(attention_mask, "_mmgen_row_groups", None)  # an inference tensor: version -1, made per forward
+    if memo is not None and memo[0] == (version(attention_mask), tuple(masks.shape)):
         return memo[1]
     B = masks.shape[0]
     if B == 1 or device.type == "cuda":  # on a GPU a kernel may split by batch size: row by row
@@ -103,7 +105,7 @@ def row_groups(attention_mask: torch.Tensor, masks: torch.Tensor, device: torch.
     sees_all = seen_by_row.all(-1).tolist()
     calls = [(rows, None if len(rows) == 1 or len(rows) == B else torch.tensor(rows, device=device),
               None if sees_all[rows[0]] else seen_by_row[rows[0]].nonzero().flatten()) for rows in groups]
-    attention_mask._mmgen_row_groups = ((attention_mask._version, tuple(masks.shape)), calls)
+    attention_mask._mmgen_row_groups = ((version(attention_mask), tuple(masks.shape)), calls)
     return calls
 
 

@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
+from mmgen.inference import inference
 from mmgen.modeling import TokenModel
 
 
-@torch.no_grad()
+@inference
 def token_nll(model: TokenModel, conditions: Any, tokens: torch.Tensor) -> torch.Tensor:
     """Mean negative log-likelihood per token [B] of `tokens` [B, n] under the model's plain
     conditional distribution (no guidance, temperature 1, no filtering), teacher-forced in one

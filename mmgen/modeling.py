@@ -16,6 +16,7 @@ from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from mmgen.inference import version
 from mmgen.sampling import Logits
 
 
@@ -236,12 +237,12 @@ def normalised_rows(weight: torch.Tensor) -> torch.Tensor:
     """`weight` with l2-normalised rows (a VQ codebook as the decoder looks it up).
 
     Outside autograd the result is memoised on the parameter itself (tensors cannot key a
-    weak dictionary: their == is element-wise) while its storage and version are unchanged, so a model returns the same tensor on every call and the tables acceptance rules
+    weak dictionary: their == is element-wise) while its storage and version are unchanged (`mmgen.inference.version`), so a model returns the same tensor on every call and the tables acceptance rules
     derive from it (neighbour lists) are built once. Under autograd it is computed afresh.
     """
     if torch.is_grad_enabled():
         return torch.nn.functional.normalize(weight, p=2, dim=-1)
-    state = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    state = (weight.data_ptr(), version(weight), weight.dtype, weight.device)
     hit = getattr(weight, "_mmgen_normalised_rows", None)
     if hit is None or hit[0] != state:
         hit = (state, torch.nn.functional.normalize(weight, p=2, dim=-1))

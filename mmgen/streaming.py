@@ -13,6 +13,8 @@ import queue
 import threading
 from typing import Any, Callable, Generator, TypeVar
 
+import torch
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -73,7 +75,9 @@ class CallbackStreamer:
     def put(self, rows: list) -> None:
         for row, tokens in enumerate(rows):
             if len(tokens):
-                self.emit((row, tokens.clone()))
+                with torch.inference_mode(False):  # an ordinary copy, from a decode in inference mode too
+                    copy = tokens.clone()
+                self.emit((row, copy))
 
     def end(self) -> None:
         pass

@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from mmgen.cache import CachePolicy
 from mmgen.decoding import BlockStats, FlowSchedule
+from mmgen.inference import inference, ordinary
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.video.export import to_uint8
@@ -147,7 +148,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
                 raise ValueError(f"a prompt of {tokens} tokens ({len(prompt)} characters) is longer than this model reads "
                                  f"(max_sequence_length {self.max_sequence_length} tokens): shorten it")
 
-    @torch.no_grad()
+    @inference
     def encode_prompt(self, prompts: list[str]) -> torch.Tensor:
         """UMT5 states [B, max_sequence_length, D], zero past each prompt's tokens (WanPipeline's)."""
         batch = self.tokenizer(prompts, padding="max_length", max_length=self.max_sequence_length, truncation=True,
@@ -191,6 +192,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
             raise ValueError(f"{companion.role}: the small model's VAE has {other.vae.config.z_dim} latent channels, not {self.vae.config.z_dim}")
 
     # ---------------------------------------------------------------- call
+    @inference
     def __call__(
         self,
         prompt: Union[str, list[str]],
@@ -262,19 +264,18 @@ class BlockDiffusionVideoPipeline(Pipeline):
                 frames = to_uint8(streaming.decode(latents))
                 pieces.append(frames)
             if callback is not None:
-                callback(index, latents, frames)
+                callback(index, ordinary(latents), ordinary(frames))  # the caller may keep or change them
             profiler.block_done()
             progress.update(1)
 
         profiler.start()
         try:
-            with torch.no_grad():
-                out = decoder.generate(model, conditions, num_blocks, generator, guidance_scale=guidance_scale,
-                                       switches=switched, callback=on_block, schedule=self.schedule)
-                latents = torch.cat(out.latents, dim=2)
-                frames = torch.cat(pieces, dim=1) if streaming is not None else None
-                if decode == "end":
-                    frames = to_uint8(decode_latents(self.vae, latents))
+            out = decoder.generate(model, conditions, num_blocks, generator, guidance_scale=guidance_scale,
+                                   switches=switched, callback=on_block, schedule=self.schedule)
+            latents = torch.cat(out.latents, dim=2)
+            frames = torch.cat(pieces, dim=1) if streaming is not None else None
+            if decode == "end":
+                frames = to_uint8(decode_latents(self.vae, latents))
         except BaseException:
             profiler.close()  # no profile of a failed call; the sampling thread stops
             raise

@@ -23,6 +23,7 @@ from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
+from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -214,7 +215,7 @@ class VLMPipeline(Pipeline):
         return PrunedView(self, dropping)
 
     # ---------------------------------------------------------------- generation
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         prompts: Union[Prompt, Sequence[Prompt]],
@@ -290,7 +291,7 @@ class VLMPipeline(Pipeline):
         draft_report = drafter.last.last_report if isinstance(drafter, PrunedView) and drafter.last is not None else None
         return VLMOutput(texts, result.tokens, lengths, result.stats, ttft, rate, model.last_report, draft_report)
 
-    @torch.no_grad()
+    @inference
     def answer_each(
         self,
         prompts: Union[Prompt, Sequence[Prompt]],

@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import Decoder
+from mmgen.inference import inference
 from mmgen.pipeline import Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import ConstantGuidance, SamplingConfig, make_generator
@@ -123,7 +124,7 @@ class JanusPipeline(Pipeline):
         inputs = self.processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
         return JanusConditions(inputs["input_ids"].to(self.device), inputs["attention_mask"].to(self.device))
 
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         prompt: Union[str, Sequence[str]],
@@ -164,7 +165,7 @@ class JanusPipeline(Pipeline):
             result = decoder.generate(self.token_model(), conditions, self.num_image_tokens, sampling, generator, bar)
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
 
-    @torch.no_grad()
+    @inference
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
         """Image tokens [B, num_image_tokens] -> images through the model's VQ decoder."""
         check_output_type(output_type)

@@ -15,6 +15,7 @@ from mmgen.decoding import Decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode, split_rows
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
+from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import IntervalGuidance, SamplingConfig
@@ -203,7 +204,7 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
 
         return ContinuousServer(decode, result, lock)
 
-    @torch.no_grad()
+    @inference
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
         """Image tokens [B, grid * grid] -> images through the VQ decoder."""
         check_output_type(output_type)
@@ -301,7 +302,7 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
         self.check_image_size(image_size)
         return labels
 
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         class_labels: Union[int, Sequence[int]],

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5EncoderModel
 
 from mmgen.decoding import Decoder
 from mmgen.hub import CheckpointError, PathLike
+from mmgen.inference import inference
 from mmgen.registry import register_pipeline
 
 from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
@@ -113,7 +114,7 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
         self.check_image_size(image_size)
         return list(prompts)
 
-    @torch.no_grad()
+    @inference
     def encode_prompt(self, prompt: Union[str, Sequence[str]]) -> CaptionConditions:
         """Prompts -> left-padded T5 features and mask on the pipeline's device."""
         prompts = [normalize_prompt(p) for p in self.check_inputs(prompt, None)]
@@ -127,7 +128,7 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
         captions = CaptionConditions.left_padded(features, mask)
         return CaptionConditions(captions.embeddings.to(self.device), captions.mask.to(self.device))
 
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         prompt: Union[str, Sequence[str]],

@@ -9,6 +9,7 @@ import torch
 
 from mmgen.decoding import ContinuousDecoder, ContinuousSpeculative
 from mmgen.hub import CheckpointError, PathLike, load_state_dict, load_strict, resolve_path
+from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import ConstantGuidance, LinearProgressGuidance, SamplingConfig
@@ -78,7 +79,7 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
                     else ConstantGuidance(o["guidance_scale"]))
         return SamplingConfig(temperature=o["temperature"], guidance=guidance)
 
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         class_labels: Union[int, Sequence[int]],
@@ -118,7 +119,7 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
             bar.update(bar.total - bar.n)
         return ImageGenerationOutput(self.decode_tokens(result.tokens, output_type), result.tokens, result.stats)
 
-    @torch.no_grad()
+    @inference
     def decode_tokens(self, tokens: torch.Tensor, output_type: str = "pil"):
         """Token latents [B, seq_len, D] -> images through the VAE decoder (latents / its
         scaling factor, officially 0.2325)."""

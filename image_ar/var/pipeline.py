@@ -10,6 +10,7 @@ import torch
 from mmgen.decoding import Collaborative, ScaleDecoder
 from mmgen.decoding.pruning import CachedTokenPruning
 from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
+from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
 from mmgen.sampling import RampGuidance, SamplingConfig
@@ -90,7 +91,7 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
             raise ValueError(f"unknown preset {name!r}; choose from {sorted(VAR_PRESETS)}")
         return VAR_PRESETS[name]
 
-    @torch.no_grad()
+    @inference
     def __call__(
         self,
         class_labels: Union[int, Sequence[int]],
@@ -144,7 +145,7 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         images = self.decode_tokens(result.tokens, output_type)
         return ImageGenerationOutput(images, torch.cat(result.tokens, 1), result.stats)
 
-    @torch.no_grad()
+    @inference
     def decode_tokens(self, tokens: Union[torch.Tensor, Sequence[torch.Tensor]], output_type: str = "pil"):
         """Token maps (a list per scale, or all scales concatenated [B, L]) -> images."""
         check_output_type(output_type)

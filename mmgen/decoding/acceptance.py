@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from mmgen.decoding.base import check_int
+from mmgen.inference import version
 from mmgen.modeling import token_table
 from mmgen.sampling import uniform
 
@@ -459,7 +460,7 @@ def _cached(kind: str, table: torch.Tensor, param, build):
     detached table views, and bumped by in-place updates); the entry keeps the table alive, so
     no other tensor can take that address while the entry exists.
     """
-    key = (kind, table.data_ptr(), table._version, tuple(table.shape), table.stride(), table.dtype, str(table.device), param)
+    key = (kind, table.data_ptr(), version(table), tuple(table.shape), table.stride(), table.dtype, str(table.device), param)
     if key not in _TABLE_CACHE:
         if len(_TABLE_CACHE) >= 8:
             _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))

@@ -51,6 +51,7 @@ from mmgen.decoding.base import check_int, check_num_tokens, raise_if_masked
 from mmgen.decoding.feed import follows_requests
 from mmgen.decoding.stats import DecodeStats
 from mmgen.decoding.window import resolve_adaptive
+from mmgen.inference import ordinary
 from mmgen.modeling import TokenModel
 from mmgen.sampling import RowGenerators, SamplingConfig
 
@@ -226,7 +227,7 @@ class ContinuousServer:
             if future.cancelled():  # no one waits for its result
                 return
             try:
-                result = self._result(done)
+                result = ordinary(self._result(done))
             except BaseException as error:  # the result's own failure goes to its caller
                 failed(error)
                 return
@@ -255,7 +256,7 @@ class ContinuousServer:
             self.queue.wait()
             self.sessions += 1
             try:
-                with self._lock:
+                with self._lock, torch.inference_mode():  # as a pipeline's call decodes (mmgen.inference)
                     self._decode(self.queue)
             except BaseException as error:  # every request of the failed decode hears of it
                 self.queue.fail(error)

@@ -11,6 +11,7 @@ import torch
 
 from mmgen.decoding.base import DecodeOutput, Progress
 from mmgen.decoding.frames import frame_index
+from mmgen.inference import ordinary
 
 
 @dataclass
@@ -132,7 +133,7 @@ class TokenQueueStreamer:
     def put(self, rows):
         for row, tokens in enumerate(rows):
             if len(tokens):
-                self._queue.put((row, tokens))
+                self._queue.put((row, ordinary(tokens)))
 
     def end(self):
         self._queue.put(None)
