@@ -28,7 +28,7 @@ from mmgen.decoding import DecodeStats, Decoder
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
 from mmgen.hub import read_json
-from mmgen.inference import inference
+from mmgen.inference import inference, ordinary
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -289,8 +289,8 @@ class TTSPipeline(Pipeline):
             codes, audio = self._speech(frames)
             codec_s += time.perf_counter() - begin
             rows[done.index] = (frames, codes, audio)
-            if on_audio is not None:
-                on_audio(done.index, audio, frames, done.stats)
+            if on_audio is not None:  # the caller may keep or change them (mmgen.inference)
+                on_audio(done.index, *ordinary((audio, frames, done.stats)))
 
         begin = time.perf_counter()
         requests = [Request(conditions, g) for (conditions, _), g in zip(prepared, generators)]

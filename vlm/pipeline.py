@@ -23,7 +23,7 @@ from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
-from mmgen.inference import inference
+from mmgen.inference import inference, ordinary
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
 from mmgen.sampling import SamplingConfig
@@ -332,8 +332,8 @@ class VLMPipeline(Pipeline):
             tokens = done.checked().tokens
             text = self.processor.tokenizer.decode(tokens.tolist(), skip_special_tokens=True).strip()
             answers[done.index] = (text, tokens)
-            if on_answer is not None:
-                on_answer(done.index, text, tokens, done.stats)
+            if on_answer is not None:  # the caller may keep or change them (mmgen.inference)
+                on_answer(done.index, text, *ordinary((tokens, done.stats)))
 
         requests = [Request(x, g) for x, g in zip(inputs, generators)]
         _, stats = continuous_decode(decoder, self.token_model(), requests, max_new_tokens, sampling,

@@ -86,6 +86,9 @@ def test_served_and_streamed_tokens_are_ordinary_tensors():
     server = vlm.serve("ar", batch_size=1, max_new_tokens=3, stop_token_ids=[])
     _, tokens, _ = server.submit(PROMPTS[0], generator=make_generator(0)).result(timeout=120)
     streamed = list(vlm.stream(PROMPTS[0], max_new_tokens=3, stop_token_ids=[], generator=make_generator(0)))
-    assert not tokens.is_inference()
+    answered = []
+    vlm.answer_each([PROMPTS[0]], generators=[make_generator(0)], max_new_tokens=3, stop_token_ids=[],
+                    on_answer=lambda i, text, ids, stats: answered.append(ids))
+    assert not tokens.is_inference() and not answered[0].is_inference()
     assert streamed and tokens.tolist() == vlm(PROMPTS[0], max_new_tokens=3, stop_token_ids=[],
                                                 generator=make_generator(0)).token_ids[0].tolist()
