@@ -75,8 +75,10 @@ def held_out(path: str, count: int) -> list[dict[str, Any]]:
 
 
 def methods(target: Any, drafter: Any, greedy: bool, num_draft: int,
-            threshold: Optional[float] = None) -> dict[str, Callable[..., Decoded]]:
-    """name -> f(text, seed, max_new_frames) -> Decoded, for batch-1 calls."""
+            threshold: Optional[float] = None, confidence: tuple[float, ...] = ()) -> dict[str, Callable[..., Decoded]]:
+    """name -> f(text, seed, max_new_frames) -> Decoded, for batch-1 calls; one draft row per
+    drafter confidence stop in `confidence` (a round ends at the first frame its drafter gave
+    less than C)."""
     from mmgen.decoding import DraftSpeculative, EntropySwitch
 
     adapter = target.adapter
@@ -112,6 +114,8 @@ def methods(target: Any, drafter: Any, greedy: bool, num_draft: int,
         "mmgen sjd": ours("sjd"),
         f"mmgen draft ({num_draft})": ours(DraftSpeculative(drafter=drafter, num_draft=num_draft)),
         "mmgen entropy-switch": ours(EntropySwitch(small=drafter, **({} if threshold is None else {"threshold": threshold}))),
+        **{f"mmgen draft ({num_draft}) confidence {c}": ours(DraftSpeculative(drafter=drafter, num_draft=num_draft, confidence=c))
+           for c in confidence},
     }
 
 
@@ -194,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--utterances", type=int, default=20, help="the first N held-out utterances")
     p.add_argument("--max-frames", type=int, default=None, help="frame budget per utterance (default: the model's context)")
     p.add_argument("--num-draft", type=int, default=4)
+    p.add_argument("--confidence", type=float, nargs="+", default=[], metavar="C",
+                   help="also time draft with a drafter confidence stop at C (rows 'mmgen draft (K) confidence C')")
     p.add_argument("--entropy-threshold", type=float, default=None, help="entropy switching's threshold in nats "
                    "(default the decoder's; a frame's entropy under top-k k is at most ln k)")
     p.add_argument("--greedy", action="store_true", help="greedy instead of the generation config's sampling")
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     recogniser = load_recogniser(args.recogniser)
     utterances = held_out(args.codes, args.utterances)
     refs = [u["phonemes"] for u in utterances]
-    runs = methods(target, drafter, args.greedy, args.num_draft, args.entropy_threshold)
+    runs = methods(target, drafter, args.greedy, args.num_draft, args.entropy_threshold, tuple(args.confidence))
     if args.methods:
         chosen = [m.strip() for m in args.methods.split(",")]
         unknown = [m for m in chosen if m not in runs]
