@@ -7,8 +7,9 @@ diffusers' pipelines run), on the bundled models, in one process.
 Each case is one pipeline call repeated over a few inputs (one round); rounds alternate the two
 modes (one warm-up round each first), and the table gives each mode's median round with its
 spread and the ratio of medians (above 1: inference mode faster). The no_grad side calls the
-undecorated body of the same method (`__wrapped__`), so the two differ only in the mode; every
-case checks both modes give the same outputs.
+undecorated body of the same method (`__wrapped__`), so the two differ only in the mode of the
+decode (the image VQ decoder and the video prompt encoder, decorated entries of their own, run
+under inference mode on both sides); every case checks both modes give the same outputs.
 """
 
 from __future__ import annotations

@@ -57,13 +57,18 @@ def ordinary(value: Any) -> Any:
 
 def inference(fn: F) -> F:
     """Decorate a generation entry point (a pipeline's `__call__`, say): it runs under
-    `torch.inference_mode` and returns `ordinary` tensors. Not for generator functions (a
-    stream): their body runs between the caller's `next()` calls, outside the decorator."""
+    `torch.inference_mode` and returns `ordinary` tensors. Called where inference mode is already
+    on (one decorated entry inside another, a server's worker, a caller's own `inference_mode`),
+    it runs as it is and copies nothing: the outermost boundary hands back. Not for generator
+    functions (a stream): their body runs between the caller's `next()` calls, outside the
+    decorator."""
     if inspect.isgeneratorfunction(fn):
         raise TypeError(f"{fn.__qualname__} is a generator function; run its work through a decorated call")
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_inference_mode_enabled():  # called from a decorated call (or a caller's own
+            return fn(*args, **kwargs)         # inference mode): the outermost one hands back
         with torch.inference_mode():
             out = fn(*args, **kwargs)
         return ordinary(out)

@@ -44,8 +44,9 @@ class DraftModelProposer(Proposer):
     active rows are left in it (at batch 1: at the first unsure draft), since each more draft
     costs every row a drafter forward and a wider verify (on the bundled VLM pair at batch 8,
     waiting for every row drafted 7.6 of 12 a round and ran slower than `ar`: docs/benchmarks.md).
-    Where to stop depends only on drafts already drawn, so acceptance stays exact (the target still judges every draft it is given). Each forward's
-    draft count then goes to the stats (`drafts_per_forward`).
+    Where to stop depends only on drafts already drawn, so acceptance stays exact (the target
+    still judges every draft it is given). Each forward's draft count then goes to the stats
+    (`drafts_per_forward`).
     """
 
     def __init__(self, drafter: TokenModel, num_draft: int, confidence: float = 0.0):

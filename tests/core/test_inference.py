@@ -57,6 +57,22 @@ def test_inference_runs_in_inference_mode_and_returns_tensors_a_user_can_change(
     assert weight.grad.tolist() == [1.0, 1.0, 1.0]
 
 
+def test_a_call_inside_inference_mode_copies_nothing_and_the_outermost_hands_back():
+    @inference
+    def inner():
+        return torch.zeros(2)
+
+    @inference
+    def outer():
+        made = inner()
+        assert made.is_inference()  # not copied on the way out of the nested call
+        return made
+
+    assert not outer().is_inference()
+    with torch.inference_mode():
+        assert outer().is_inference()  # the caller asked for inference mode: left as it is
+
+
 def test_version_reads_an_inference_tensor_as_minus_one():
     plain = torch.zeros(2)
     plain.add_(1)
