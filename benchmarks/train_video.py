@@ -21,13 +21,15 @@ The loop, checkpointing and data order are `benchmarks/train.py`'s (`train_loop`
 randomness from (seed, step)), so a killed and resumed run ends with the weights of one that never
 stopped.
 
-    python -m benchmarks.train_video vae --out runs/video-vae --threads 1
+    python -m benchmarks.train_video vae --out runs/video-vae --z-dim 16 --eval-every 500 --threads 1
     # or on a borrowed GPU: bf16 autocast, clips drawn ahead in 12 processes, stop after 4 minutes
     python -m benchmarks.train_video vae --device cuda --workers 12 --batch-size 32 --minutes 4 --out runs/video-vae
+    python -m benchmarks.train_video vae-quality --vae runs/video-vae --threads 1   # PSNR, proxies through the VAE
     python -m benchmarks.train_video latents --vae runs/video-vae --out runs/video-latents.npz --threads 1
-    python -m benchmarks.train_video target --latents runs/video-latents.npz --out runs/video-target --threads 1
+    python -m benchmarks.train_video target --latents runs/video-latents.npz --out runs/video-target --threads 1 \
+        --eval-every 500 --vae runs/video-vae
     python -m benchmarks.train_video small --latents runs/video-latents.npz --text-encoder runs/video-target/text_encoder \
-        --out runs/video-small --threads 1
+        --out runs/video-small --threads 1 --eval-every 500 --vae runs/video-vae
     python -m benchmarks.train_video export --vae runs/video-vae --target runs/video-target --small runs/video-small \
         --out video/assets
     python -m benchmarks.train_video card --vae runs/video-vae --target runs/video-target --small runs/video-small \
@@ -55,7 +57,8 @@ TRAIN_SEED, HELD_OUT_SEED, PROMPT_SEED, REFERENCE_SEED = 100, 2, 0, 1
 TRAIN_CLIPS = 100_000
 
 #: The VAE: Wan's layout at emoji scale. Three levels (x4 in space, so a 16-24 px sprite is 4-6
-#: latent pixels), both downsamplings also in time (x4: 17 frames -> 5 latent frames).
+#: latent pixels), both downsamplings also in time (x4: 17 frames -> 5 latent frames). `base_dim`
+#: and `z_dim` are the `vae` job's `--base-dim` / `--z-dim` (a run's config.json keeps them).
 VAE = dict(base_dim=16, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
            scale_factor_spatial=4, scale_factor_temporal=4)
 #: Per-element KL weight against the mean L1 + L2 pixel loss: latents stay near N(0, s^2) without
@@ -66,8 +69,8 @@ VAE = dict(base_dim=16, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_
 KL_WEIGHT = 1e-3
 
 
-def vae_config() -> dict:
-    config = dict(VAE, latents_mean=[0.0] * VAE["z_dim"], latents_std=[1.0] * VAE["z_dim"])
+def vae_config(base_dim: int = VAE["base_dim"], z_dim: int = VAE["z_dim"]) -> dict:
+    config = dict(VAE, base_dim=base_dim, z_dim=z_dim, latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
     assert config["scale_factor_spatial"] == 2 ** (len(config["dim_mult"]) - 1)
     assert config["scale_factor_temporal"] == 2 ** sum(config["temperal_downsample"])
     return config
@@ -140,11 +143,17 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------- VAE
 
 
-def new_vae(seed: int = 0):
+def new_vae(seed: int = 0, config: Optional[dict] = None):
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(seed)
-    return AutoencoderKLWan(**vae_config())
+    return AutoencoderKLWan(**(config or vae_config()))
+
+
+def run_vae_config(run: str | Path) -> dict:
+    """The VAE configuration a `vae` run trains (its config.json), the default for runs without one."""
+    saved = Path(run) / "config.json"
+    return json.loads(saved.read_text())["vae"] if saved.exists() else vae_config()
 
 
 def train_vae(args) -> None:
@@ -152,9 +161,11 @@ def train_vae(args) -> None:
     of training clips; the last `--full-steps` steps see whole 64x64 frames (the mid-block's
     attention then works at the size it will be used at). Finished, `finish_vae` writes `<out>/vae`."""
     data = corpus(TRAIN_SEED, num_frames=17)
-    vae = new_vae(args.seed)
+    config = vae_config(args.base_dim, args.z_dim)
+    vae = new_vae(args.seed, config)
     params = sum(p.numel() for p in vae.parameters())
-    print(f"vae: {params / 1e6:.2f}M parameters, latents x{VAE['scale_factor_spatial']} space x{VAE['scale_factor_temporal']} time")
+    print(f"vae: {params / 1e6:.2f}M parameters, {args.z_dim} latent channels, "
+          f"x{VAE['scale_factor_spatial']} space x{VAE['scale_factor_temporal']} time")
     full_from = args.steps - args.full_steps
     calls = {"step": None}
     draw = (lambda index: clips(data, index)) if not args.workers else \
@@ -170,7 +181,14 @@ def train_vae(args) -> None:
         kl = 0.5 * (posterior.mean.pow(2) + posterior.var - 1 - posterior.logvar).mean()
         return rec + KL_WEIGHT * kl, {"recon": round(rec.item(), 5), "kl": round(kl.item(), 4), "size": size}
 
-    train_loop(vae, loss_fn, len(data), args, {"vae": vae_config(), "params": params, "args": vars(args)})
+    held_out = clips(corpus(HELD_OUT_SEED, args.heldout_clips), torch.arange(args.heldout_clips))
+
+    def heldout() -> dict:  # train_loop calls it in eval mode, without gradients
+        score = psnr(vae(held_out.to(args.device)).sample.float().cpu(), held_out)
+        return {"psnr_db": round(score, 3), "score": score, "metric": "psnr_db"}
+
+    train_loop(vae, loss_fn, len(data), args, {"vae": config, "params": params, "args": vars(args)},
+               heldout=heldout if args.eval_every else None)
     if int(torch.load(Path(args.out) / "checkpoint.pt", map_location="cpu", weights_only=True)["step"]) == args.steps:
         finish_vae(args.out, args.stats_clips, args.eval_clips)
 
@@ -194,7 +212,7 @@ def load_vae_run(run: str | Path):
     folder = Path(run) / "vae"
     if (folder / "config.json").exists():
         return AutoencoderKLWan.from_pretrained(str(folder)).eval()
-    return round_to_half(load_trained(new_vae(), str(run)))
+    return round_to_half(load_trained(new_vae(config=run_vae_config(run)), str(run)))
 
 
 @torch.no_grad()
@@ -202,7 +220,7 @@ def finish_vae(run: str | Path, stats_clips: int, eval_clips: int) -> dict:
     """Round the trained VAE to float16 (as it ships), set its config's per-channel
     `latents_mean` / `latents_std` from the posterior means of `stats_clips` training clips, save
     it as `<run>/vae` (diffusers folder) and its held-out reconstruction PSNR in `<run>/eval.json`."""
-    vae = round_to_half(load_trained(new_vae(), str(run)))
+    vae = round_to_half(load_trained(new_vae(config=run_vae_config(run)), str(run)))
     data = corpus(TRAIN_SEED)
     total, total_sq, count = 0.0, 0.0, 0
     for start in range(0, stats_clips, 16):
@@ -317,14 +335,13 @@ class PromptEncoder:
 
 # ---------------------------------------------------------------------------- transformers
 
-#: The two denoisers (diffusers' WanTransformer3DModel fields). Latents are 8 channels at 16x16
-#: per latent frame; 2x2 patches make 64 tokens a frame.
+#: The two denoisers (diffusers' WanTransformer3DModel fields). Latents are the VAE's `z_dim`
+#: channels at 16x16 per latent frame; 2x2 patches make 64 tokens a frame.
 PRESETS = {
     "target": dict(num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=4),
     "small": dict(num_attention_heads=2, attention_head_dim=32, ffn_dim=256, num_layers=2),
 }
-TRANSFORMER_COMMON = dict(patch_size=(1, 2, 2), in_channels=VAE["z_dim"], out_channels=VAE["z_dim"],
-                          text_dim=TEXT_ENCODER["d_model"], freq_dim=64, cross_attn_norm=True, rope_max_seq_len=1024)
+TRANSFORMER_COMMON = dict(patch_size=(1, 2, 2), text_dim=TEXT_ENCODER["d_model"], freq_dim=64, cross_attn_norm=True, rope_max_seq_len=1024)
 #: Latent frames per block (the first latent frame is one video frame, each later one four).
 BLOCK_FRAMES = 1
 #: Training noise levels: u ~ U(0, 1) per block, warped by the flow shift (as `FlowSchedule` warps
@@ -332,11 +349,12 @@ BLOCK_FRAMES = 1
 TRAIN_SHIFT = 3.0
 
 
-def new_transformer(preset: str, seed: int = 0):
+def new_transformer(preset: str, seed: int = 0, channels: int = VAE["z_dim"]):
+    """A denoiser of `channels` latent channels (the VAE's `z_dim`)."""
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    return WanTransformer3DModel(**PRESETS[preset], **TRANSFORMER_COMMON)
+    return WanTransformer3DModel(**PRESETS[preset], **TRANSFORMER_COMMON, in_channels=channels, out_channels=channels)
 
 
 def shifted(u: torch.Tensor, shift: float) -> torch.Tensor:
@@ -430,7 +448,7 @@ def train_transformer(args) -> None:
     float16 (as it ships) and frozen after `--text-steps` steps and saved to `<out>/text_encoder`
     (what `small` reads). `small`: the transformer alone on that frozen text encoder."""
     data = Latents(args.latents)
-    transformer = new_transformer(args.job, args.seed)
+    transformer = new_transformer(args.job, args.seed, channels=data.latents.shape[1])
     tokenizer = new_tokenizer()
     if args.job == "target":
         text_encoder = new_text_encoder(args.seed + 1)
@@ -459,9 +477,44 @@ def train_transformer(args) -> None:
     config = {"preset": args.job, "transformer": dict(transformer.config), "text_encoder": text_encoder.config.to_dict(),
               "block_frames": BLOCK_FRAMES, "params": params,
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
-    train_loop(model, loss_fn, len(data), args, config)
+    heldout = None
+    if args.eval_every:
+        if not args.vae:
+            raise ValueError("--eval-every needs --vae (the VAE run the latents came from)")
+        heldout = GeneratedQuality(load_vae_run(args.vae), transformer, text_encoder, args.eval_clips, args.reference_clips)
+    train_loop(model, loss_fn, len(data), args, config, heldout=heldout)
     if args.job == "target" and args.text_steps >= args.steps and step_of(args, None) == args.steps:
         freeze_text_encoder(text_encoder, snapshot)
+
+
+class GeneratedQuality:
+    """Held-out figures of a denoiser in training: the quality proxies of clips it makes (copies of
+    the modules, rounded to float16 as they ship; 8 Euler steps, shift 3, seeded) for the first
+    `clips` evaluation prompts. Score: the mean of class and direction accuracy."""
+
+    def __init__(self, vae, transformer, text_encoder, clips: int, reference_clips: int):
+        self.vae, self.transformer, self.text_encoder = round_to_half(vae), transformer, text_encoder
+        self.prompts, self.reference_clips, self.score = eval_prompts(clips), reference_clips, None
+
+    def __call__(self) -> dict:
+        import copy
+
+        from mmgen.decoding import FlowSchedule
+        from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+
+        if self.score is None:
+            self.score = scorer(self.reference_clips)
+        schedule = FlowSchedule.uniform(8, 3.0)
+        # Copies: the pipeline may wrap the transformer's blocks, which training must not see.
+        pipe = BlockDiffusionVideoPipeline(transformer=round_to_half(copy.deepcopy(self.transformer)), vae=self.vae,
+                                           text_encoder=round_to_half(copy.deepcopy(self.text_encoder)), tokenizer=new_tokenizer(),
+                                           **dict(PIPELINE, timesteps=schedule.timesteps, shift=3.0))
+        pipe.set_progress_bar_config(disable=True)
+        clips_, _ = generate(pipe, self.prompts)
+        figures = self.score(clips_, self.prompts)
+        keep = ("class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy")
+        return {**{k: round(figures[k], 4) for k in keep}, "metric": "class+direction",
+                "score": (figures["class_accuracy"] + figures["direction_accuracy"]) / 2}
 
 
 def freeze_text_encoder(text_encoder, folder: Path) -> None:
@@ -575,6 +628,42 @@ def scorer(reference_clips: int = 256):
     return VideoQualityProxies.from_dataset(reference_clips, REFERENCE_SEED)
 
 
+@torch.no_grad()
+def through_vae(vae, clips_: int) -> np.ndarray:
+    """The proxies' real clips (the first `clips_` of corpus `PROMPT_SEED`) encoded to the
+    pipeline's latents and decoded: uint8 [N, T, H, W, 3]."""
+    from mmgen.video.data import frames_to_tensor, tensor_to_frames
+    from mmgen.video.vae import decode_latents, encode_video
+
+    real = np.stack([c.frames for c in corpus(PROMPT_SEED, clips_)])
+    return np.concatenate([tensor_to_frames(decode_latents(vae, encode_video(vae, frames_to_tensor(real[i:i + 16]))))
+                           for i in range(0, len(real), 16)])
+
+
+def vae_quality(args) -> None:
+    """A VAE run's round trip as the card will state it: the proxies (class and direction accuracy,
+    FID-proxy) of the real clips through it, and its held-out PSNR; `--checkpoint` picks the
+    last step or the best held-out one. Writes `<run>/quality-<checkpoint>.json`. Before
+    `finish_vae` the latent statistics are the identity, which changes no round trip."""
+    run = Path(args.vae)
+    if args.checkpoint == "last":
+        vae = load_vae_run(run)
+        step = int(torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)["step"])
+    else:
+        vae = new_vae(config=run_vae_config(run))
+        state = torch.load(run / "best.pt", map_location="cpu", weights_only=True)
+        vae.load_state_dict(state["model"])
+        vae, step = round_to_half(vae.eval()), int(state["step"])
+    held_out = corpus(HELD_OUT_SEED, args.eval_clips)
+    with torch.no_grad():
+        scores = [(psnr(vae(x).sample, x), len(x)) for x in
+                  (clips(held_out, torch.arange(i, min(i + 16, args.eval_clips))) for i in range(0, args.eval_clips, 16))]
+    result = {"step": step, "psnr_db": sum(p * n for p, n in scores) / args.eval_clips, "eval_clips": args.eval_clips,
+              "through_vae": scorer(args.reference_clips)(through_vae(vae, args.clips), eval_prompts(args.clips)), "clips": args.clips}
+    (run / f"quality-{args.checkpoint}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+
+
 def sweep(args) -> None:
     """The proxies of the target and/or the small model over sampler settings on `--clips` prompts:
     each `--configs` entry is STEPS:SHIFT:GUIDANCE (Euler steps, flow shift, guidance scale).
@@ -607,8 +696,6 @@ def card(args) -> None:
     from mmgen.decoding import CollaborativeDenoising
     from mmgen.video.pipeline import BlockDiffusionVideoPipeline
     from mmgen.video.quality import calibrate
-    from mmgen.video.vae import decode_latents, encode_video
-    from mmgen.video.data import frames_to_tensor, tensor_to_frames
 
     assets = Path(args.assets)
     pipes = {}
@@ -624,11 +711,8 @@ def card(args) -> None:
         rows = json.loads(quality.read_text())
     calibration = {} if rows else calibrate(num_clips=args.clips, seed=PROMPT_SEED, scorer=score)
     if not rows:
-        real = np.stack([c.frames for c in corpus(PROMPT_SEED, args.clips)])
-        through_vae = np.concatenate([tensor_to_frames(decode_latents(target.vae, encode_video(target.vae, frames_to_tensor(real[i:i + 16]))))
-                                      for i in range(0, len(real), 16)])
         rows["real clips"] = calibration["real"]
-        rows["real clips through the VAE"] = score(through_vae, prompts)
+        rows["real clips through the VAE"] = score(through_vae(target.vae, args.clips), prompts)
     steps = len(target.schedule.timesteps)
     runs = [("emoji-motion", target, {}), ("emoji-motion-small", small, {})]
     runs += [(f"collaborative, large first {k} of {steps}", target, {"decoding": CollaborativeDenoising(small=small, large_steps=k)})
@@ -645,6 +729,8 @@ def card(args) -> None:
     facts = {
         "rows": rows, "clips": args.clips, "reference_clips": args.reference_clips, "steps": steps, "schedule": target.pipeline_config(),
         "vae_eval": json.loads((Path(args.vae) / "eval.json").read_text()),
+        "vae_config": dict(target.vae.config),
+        "latent_shape": f"{target.vae.config.z_dim} x {target.latent_frames(17)} x {64 // target.spatial_ratio} x {64 // target.spatial_ratio}",
         "runs": {name: last_log(run) for name, run in (("vae", args.vae), ("target", args.target), ("small", args.small))},
         "minutes": {name: run_minutes(run) for name, run in (("vae", args.vae), ("target", args.target), ("small", args.small))},
         "params": {name: sum(p.numel() for p in m.parameters()) for name, m in
@@ -662,6 +748,8 @@ def run_minutes(run: str | Path) -> float:
     log's clock), steps that a kill made it repeat included."""
     total, last = 0.0, 0.0
     for record in map(json.loads, (Path(run) / "log.jsonl").read_text().splitlines()):
+        if "seconds" not in record:  # a held-out record
+            continue
         if record["seconds"] < last:
             total += last
         last = record["seconds"]
@@ -679,7 +767,7 @@ def model_card(f: dict, args) -> str:
         return (f"| {name} | {r['class_accuracy']:.1%} | {r['direction_accuracy']:.1%} | {r['temporal_l1']:.4f} | "
                 f"{r['fid_proxy']:.1f} | {seconds} |")
 
-    t, s = PRESETS["target"], PRESETS["small"]
+    t, s, v = PRESETS["target"], PRESETS["small"], f["vae_config"]
     vae_row = f["rows"]["real clips through the VAE"]
     sc = f["schedule"]
     vae_args, target_args = f["runs"]["vae"]["args"], f["runs"]["target"]["args"]
@@ -717,7 +805,7 @@ thousand distinct ones); the clips do not.
 
 | component | what | parameters | steps | batch | peak lr | last logged loss | wall clock |
 |---|---|---|---|---|---|---|---|
-{run_row("vae", f"AutoencoderKLWan, base {VAE['base_dim']}, dim_mult {VAE['dim_mult']}, z {VAE['z_dim']}; x{VAE['scale_factor_spatial']} space, x{VAE['scale_factor_temporal']} time", f['params']['vae'])}
+{run_row("vae", f"AutoencoderKLWan, base {v['base_dim']}, dim_mult {v['dim_mult']}, z {v['z_dim']}; x{v['scale_factor_spatial']} space, x{v['scale_factor_temporal']} time", f['params']['vae'])}
 {run_row("target", f"WanTransformer3DModel {t['num_attention_heads']}x{t['attention_head_dim']} wide, {t['num_layers']} layers, ffn {t['ffn_dim']}, patch 1x2x2 (+ text encoder)", f['params']['target'] + f['params']['text_encoder'])}
 {run_row("small", f"WanTransformer3DModel {s['num_attention_heads']}x{s['attention_head_dim']} wide, {s['num_layers']} layers, ffn {s['ffn_dim']}", f['params']['small'])}
 
@@ -726,7 +814,7 @@ thousand distinct ones); the clips do not.
   training clips, the last {vae_args['full_steps']} steps on whole 64x64 frames. Held-out reconstruction PSNR:
   **{f['vae_eval']['psnr_db']:.2f} dB** on {f['vae_eval']['eval_clips']} clips. The config's `latents_mean` / `latents_std`
   are the per-channel statistics of the posterior means of {f['vae_eval']['stats_clips']} training clips: the
-  transformers denoise normalised latents (8 x 5 x 16 x 16 per clip).
+  transformers denoise normalised latents ({f['latent_shape']} per clip).
 - **Text**: a word-level tokenizer over the captions' {len(caption_words())} words (T5's `<pad>`, `</s>`, `<unk>`;
   every text ends with `</s>`), {MAX_TEXT} tokens per prompt; a UMT5 encoder ({TEXT_ENCODER['num_layers']} layers,
   d_model {TEXT_ENCODER['d_model']}, {f['params']['text_encoder'] / 1e6:.2f}M parameters) trained with the target for its first
@@ -796,6 +884,10 @@ def main(argv: list[str] | None = None) -> None:
     vae.add_argument("--eval-clips", type=int, default=64)
     vae.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
     vae.add_argument("--workers", type=int, default=0, help="processes drawing clips ahead of the loop (0: none)")
+    vae.add_argument("--base-dim", type=int, default=VAE["base_dim"], help="channels of the first level")
+    vae.add_argument("--z-dim", type=int, default=VAE["z_dim"], help="latent channels")
+    vae.add_argument("--eval-every", type=int, default=0, help="log the held-out PSNR every N steps (best.pt keeps the best)")
+    vae.add_argument("--heldout-clips", type=int, default=16, help="held-out clips of that PSNR (whole 17-frame 64x64 clips)")
     add_training_arguments(vae, 1e-3, 8)
     vae.set_defaults(steps=700, log_every=10, save_every=50, warmup=50)
     lat = jobs.add_parser("latents", help="encode training clips")
@@ -814,9 +906,21 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--text-encoder", required=True, help="the target's frozen text encoder (<target>/text_encoder)")
         p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
         p.add_argument("--shift", type=float, default=TRAIN_SHIFT)
+        p.add_argument("--eval-every", type=int, default=0, help="log the proxies of generated clips every N steps "
+                       "(best.pt keeps the best mean of class and direction accuracy)")
+        p.add_argument("--vae", help="the VAE run the latents came from (for --eval-every)")
+        p.add_argument("--eval-clips", type=int, default=16)
+        p.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
         add_training_arguments(p, lr, 16)
         p.set_defaults(log_every=10, save_every=50, warmup=50)
     runs = ("--vae", "--target", "--small")
+    vq = jobs.add_parser("vae-quality", help="a VAE run's held-out PSNR and the proxies of real clips through it")
+    vq.add_argument("--vae", required=True)
+    vq.add_argument("--checkpoint", choices=("last", "best"), default="last")
+    vq.add_argument("--clips", type=int, default=64)
+    vq.add_argument("--eval-clips", type=int, default=64)
+    vq.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
+    vq.add_argument("--threads", type=int, default=0)
     exp = jobs.add_parser("export", help="write video/assets/emoji-motion and emoji-motion-small")
     swp = jobs.add_parser("sweep", help="quality proxies over sampler settings")
     crd = jobs.add_parser("card", help="write MODEL_CARD.md")
@@ -848,7 +952,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
-    jobs_ = {"vae": train_vae, "latents": encode_latents, "target": train_transformer, "small": train_transformer,
+    jobs_ = {"vae": train_vae, "vae-quality": vae_quality, "latents": encode_latents, "target": train_transformer, "small": train_transformer,
              "export": export, "sweep": sweep, "card": card}
     jobs_[args.job](args)
 

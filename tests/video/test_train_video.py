@@ -1,6 +1,8 @@
 """The video trainer (`benchmarks/train_video.py`): its teacher-forced forward is the cached block
 decode (float64), its prompt encoding is the pipeline's, and a killed and resumed run ends with the
-weights of one that never stopped (VAE, target with its text-encoder freeze, small)."""
+weights of one that never stopped (VAE, target with its text-encoder freeze, small); runs log
+held-out figures as they go (the VAE's PSNR, the proxies of a denoiser's clips) without changing
+what they train."""
 
 import json
 
@@ -57,11 +59,11 @@ def test_prompt_encoding_is_the_pipelines():
     assert ids[1] == [1] and ids[2][-1] == 1 and 2 not in sum(ids, [])  # </s> ends each; no unknown words
 
 
-def fake_latents(path, n=12):
-    """A latents file as `latents` writes it: [N, 8, 3, 4, 4] (4 tokens per latent frame)."""
+def fake_latents(path, n=12, channels=8):
+    """A latents file as `latents` writes it: [N, channels, 3, 4, 4] (4 tokens per latent frame)."""
     rng = np.random.default_rng(0)
     captions = [["red heart moving left", "sun bouncing vertically", "snake moving up and airplane moving down"][i % 3] for i in range(n)]
-    np.savez(path, latents=rng.standard_normal((n, 8, 3, 4, 4)).astype(np.float16), captions=np.array(captions), indices=np.arange(n))
+    np.savez(path, latents=rng.standard_normal((n, channels, 3, 4, 4)).astype(np.float16), captions=np.array(captions), indices=np.arange(n))
 
 
 def straight_and_resumed(tmp_path, common, steps, stops, resumed_options=()):
@@ -82,7 +84,7 @@ def straight_and_resumed(tmp_path, common, steps, stops, resumed_options=()):
 
 def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
     path = tmp_path / "latents.npz"
-    fake_latents(path)
+    fake_latents(path, channels=4)  # the denoisers take the latents' channels
     common = ["--latents", str(path), "--batch-size", "4", "--warmup", "2", "--log-every", "1", "--threads", "1",
               "--text-dropout", "0.5"]
     # The text encoder trains for 2 steps, then is rounded to float16, frozen and saved; a run
@@ -102,13 +104,37 @@ def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
     small = ["small", *common, "--text-encoder", str(tmp_path / "target" / "straight" / "text_encoder")]
     state = straight_and_resumed(tmp_path / "small", small, 3, [2])
     assert not any(k.startswith("text_encoder.") for k in state["model"])
+    assert state["model"]["transformer.patch_embedding.weight"].shape[1] == 4
 
 
 def test_resumed_vae_training_equals_an_uninterrupted_run(tmp_path):
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
-              "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1"]
+              "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1",
+              "--base-dim", "8", "--z-dim", "4", "--eval-every", "2", "--heldout-clips", "1"]
     # Resumed with clips drawn ahead in two worker processes: the same clips, so the same weights.
     straight_and_resumed(tmp_path, common, 3, [1], resumed_options=["--workers", "2"])
     config = json.loads((tmp_path / "straight" / "vae" / "config.json").read_text())
-    assert len(config["latents_std"]) == 8 and all(s > 0 for s in config["latents_std"])
+    assert config["z_dim"] == 4 and config["base_dim"] == 8
+    assert len(config["latents_std"]) == 4 and all(s > 0 for s in config["latents_std"])
+    # The held-out PSNR is logged as it goes (every 2 steps and at the end); best.pt keeps the best.
+    for run in ("straight", "resumed"):
+        records = [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+        heldout = [r for r in records if "heldout" in r]
+        assert [r["step"] for r in heldout] == [2, 3] and all(np.isfinite(r["heldout"]["psnr_db"]) for r in heldout)
+        best = json.loads((tmp_path / run / "best.json").read_text())
+        assert best["score"] == max(r["heldout"]["score"] for r in heldout)
     assert json.loads((tmp_path / "resumed" / "eval.json").read_text()) == json.loads((tmp_path / "straight" / "eval.json").read_text())
+    # A denoiser trained on that VAE's latents logs the proxies of clips it makes as it goes, and
+    # the evaluation changes nothing the training computes.
+    main(["latents", "--vae", str(tmp_path / "straight"), "--out", str(tmp_path / "latents.npz"), "--clips", "4", "--threads", "1"])
+    target = ["target", "--latents", str(tmp_path / "latents.npz"), "--batch-size", "2", "--warmup", "1", "--log-every", "1",
+              "--threads", "1", "--text-steps", "1", "--steps", "2"]
+    main([*target, "--out", str(tmp_path / "plain")])
+    main([*target, "--out", str(tmp_path / "evaluated"), "--eval-every", "2", "--vae", str(tmp_path / "straight"),
+          "--eval-clips", "2", "--reference-clips", "8"])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(v, load("evaluated")[k]) for k, v in load("plain").items())
+    records = [json.loads(line) for line in (tmp_path / "evaluated" / "log.jsonl").read_text().splitlines()]
+    (figures,) = [r["heldout"] for r in records if "heldout" in r]
+    assert 0 <= figures["class_accuracy"] <= 1 and 0 <= figures["direction_accuracy"] <= 1
+    assert figures["score"] == (figures["class_accuracy"] + figures["direction_accuracy"]) / 2
