@@ -23,6 +23,7 @@ stopped.
 
     python -m benchmarks.train_video vae --out runs/video-vae --z-dim 16 --eval-every 500 --threads 1
     # or on a borrowed GPU: bf16 autocast, clips drawn ahead in 12 processes, stop after 4 minutes
+    # (the denoisers take --device cuda and --minutes too)
     python -m benchmarks.train_video vae --device cuda --workers 12 --batch-size 32 --minutes 4 --out runs/video-vae
     python -m benchmarks.train_video vae-quality --vae runs/video-vae --threads 1   # PSNR, proxies through the VAE
     python -m benchmarks.train_video latents --vae runs/video-vae --out runs/video-latents.npz --threads 1
@@ -327,8 +328,9 @@ class PromptEncoder:
             batch = self.tokenizer([text], padding="max_length", max_length=self.max_length, truncation=True,
                                    add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
             self.ids[text] = (batch.input_ids[0], batch.attention_mask[0])
-        ids = torch.stack([self.ids[t][0] for t in texts])
-        mask = torch.stack([self.ids[t][1] for t in texts])
+        device = next(self.text_encoder.parameters()).device
+        ids = torch.stack([self.ids[t][0] for t in texts]).to(device)
+        mask = torch.stack([self.ids[t][1] for t in texts]).to(device)
         states = self.text_encoder(ids, mask).last_hidden_state
         return states * mask[..., None].to(states.dtype)
 
@@ -422,19 +424,22 @@ class Latents:
 def flow_loss(transformer, prompts: PromptEncoder, data: Latents, index: torch.Tensor, generator: torch.Generator,
               text_dropout: float, shift: float, block_frames: int = BLOCK_FRAMES, train_text: bool = True) -> torch.Tensor:
     """Teacher-forced flow matching on latents `index`: x_sigma = (1 - sigma) x0 + sigma noise per
-    block, MSE of the predicted velocity against noise - x0 over the noisy blocks."""
+    block, MSE of the predicted velocity against noise - x0 over the noisy blocks. Randomness is
+    drawn on the CPU (the same on every device), then moved to the transformer's device."""
+    device = transformer.patch_embedding.weight.device
     x0 = data.latents[index].float()
     B, _, F_, _, _ = x0.shape
     drop = (torch.rand(B, generator=generator) < text_dropout).tolist()
     texts = ["" if d else data.captions[int(i)] for i, d in zip(index, drop)]
-    noise = torch.randn(x0.shape, generator=generator)
-    sigmas = shifted(torch.rand(B, F_ // block_frames, generator=generator), shift)
+    noise = torch.randn(x0.shape, generator=generator).to(device)
+    sigmas = shifted(torch.rand(B, F_ // block_frames, generator=generator), shift).to(device)
+    x0 = x0.to(device)
     s = sigmas.repeat_interleave(block_frames, dim=1)[:, None, :, None, None]
     noisy = (1 - s) * x0 + s * noise
     with torch.set_grad_enabled(train_text and torch.is_grad_enabled()):
         text = prompts(texts)
     v = teacher_forcing_velocity(transformer, x0, noisy, sigmas, text, block_frames)
-    return F.mse_loss(v, noise - x0)
+    return F.mse_loss(v.float(), noise - x0)
 
 
 def load_text_encoder(folder: str | Path):
@@ -454,7 +459,7 @@ def train_transformer(args) -> None:
         text_encoder = new_text_encoder(args.seed + 1)
         model = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
     else:
-        text_encoder = load_text_encoder(args.text_encoder)
+        text_encoder = load_text_encoder(args.text_encoder).to(args.device)
         text_encoder.requires_grad_(False)
         model = torch.nn.ModuleDict({"transformer": transformer})
     prompts = PromptEncoder(tokenizer, text_encoder)
@@ -506,8 +511,9 @@ class GeneratedQuality:
             self.score = scorer(self.reference_clips)
         schedule = FlowSchedule.uniform(8, 3.0)
         # Copies: the pipeline may wrap the transformer's blocks, which training must not see.
-        pipe = BlockDiffusionVideoPipeline(transformer=round_to_half(copy.deepcopy(self.transformer)), vae=self.vae,
-                                           text_encoder=round_to_half(copy.deepcopy(self.text_encoder)), tokenizer=new_tokenizer(),
+        copied = lambda module: round_to_half(copy.deepcopy(module).cpu().float())  # made on the CPU, whatever trains
+        pipe = BlockDiffusionVideoPipeline(transformer=copied(self.transformer), vae=self.vae,
+                                           text_encoder=copied(self.text_encoder), tokenizer=new_tokenizer(),
                                            **dict(PIPELINE, timesteps=schedule.timesteps, shift=3.0))
         pipe.set_progress_bar_config(disable=True)
         clips_, _ = generate(pipe, self.prompts)
@@ -906,6 +912,7 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--text-encoder", required=True, help="the target's frozen text encoder (<target>/text_encoder)")
         p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
         p.add_argument("--shift", type=float, default=TRAIN_SHIFT)
+        p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
         p.add_argument("--eval-every", type=int, default=0, help="log the proxies of generated clips every N steps "
                        "(best.pt keeps the best mean of class and direction accuracy)")
         p.add_argument("--vae", help="the VAE run the latents came from (for --eval-every)")
