@@ -110,7 +110,7 @@ def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
 def test_resumed_vae_training_equals_an_uninterrupted_run(tmp_path):
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
               "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1",
-              "--base-dim", "8", "--z-dim", "4", "--eval-every", "2", "--heldout-clips", "1"]
+              "--base-dim", "8", "--z-dim", "4", "--eval-every", "2", "--heldout-clips", "1", "--foreground-weight", "4"]
     # Resumed with clips drawn ahead in two worker processes: the same clips, so the same weights.
     straight_and_resumed(tmp_path, common, 3, [1], resumed_options=["--workers", "2"])
     config = json.loads((tmp_path / "straight" / "vae" / "config.json").read_text())
@@ -138,3 +138,18 @@ def test_resumed_vae_training_equals_an_uninterrupted_run(tmp_path):
     (figures,) = [r["heldout"] for r in records if "heldout" in r]
     assert 0 <= figures["class_accuracy"] <= 1 and 0 <= figures["direction_accuracy"] <= 1
     assert figures["score"] == (figures["class_accuracy"] + figures["direction_accuracy"]) / 2
+
+
+def test_foreground_mask_covers_the_sprites_and_not_the_background():
+    """`--foreground-weight`'s mask: 1 at every object's centroid in every frame, 0 on most of the
+    plain background."""
+    from benchmarks.train_video import TRAIN_SEED, clips, corpus, foreground_mask
+
+    data = corpus(TRAIN_SEED, length=4)
+    mask = foreground_mask(clips(data, torch.arange(4)))
+    assert mask.shape == (4, 1, 17, 64, 64) and set(mask.unique().tolist()) <= {0.0, 1.0}
+    for i in range(4):
+        for track in data[i].tracks:
+            for t, (x, y) in enumerate(track):
+                assert mask[i, 0, t, int(round(y)), int(round(x))] == 1
+        assert mask[i].mean() < 0.4
