@@ -171,8 +171,9 @@ def run_vae_config(run: str | Path) -> dict:
 def train_vae(args) -> None:
     """Reconstruction (L1 + L2; `--foreground-weight` weighs the sprites' pixels up, as they are
     what the class proxy reads and a small share of each frame) plus a small KL on random crops
-    (`--frames` frames, `--crop` px) of training clips; the last `--full-steps` steps see whole 64x64 frames (the mid-block's
-    attention then works at the size it will be used at). Finished, `finish_vae` writes `<out>/vae`."""
+    (`--frames` frames, `--crop` px) of training clips; the last `--full-steps` steps see whole
+    64x64 frames (the mid-block's attention then works at the size it will be used at).
+    Finished, `finish_vae` writes `<out>/vae`."""
     data = corpus(TRAIN_SEED, num_frames=17)
     config = vae_config(args.base_dim, args.z_dim)
     vae = new_vae(args.seed, config)
