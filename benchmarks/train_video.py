@@ -137,6 +137,21 @@ def foreground_mask(video: torch.Tensor, threshold: float = 0.05) -> torch.Tenso
     return F.max_pool3d(torch.stack(masks), (1, 3, 3), stride=1, padding=(0, 1, 1))
 
 
+def gradient_difference(recon: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Mean L1 distance between the horizontal and vertical pixel differences of two videos
+    [B, C, T, H, W] (Mathieu et al., 2016's gradient difference loss), weighted per pixel by
+    `weight` [B, 1, T, H, W] where given: it penalises blur, which L1 + L2 on pixels tolerates."""
+    total = 0.0
+    for dim in (3, 4):
+        error = (recon.diff(dim=dim) - target.diff(dim=dim)).abs()
+        if weight is None:
+            total = total + error.mean()
+        else:
+            w = weight.narrow(dim, 1, weight.shape[dim] - 1)
+            total = total + (w * error).mean() / w.mean()
+    return total
+
+
 def random_crop(video: torch.Tensor, frames: int, size: int, generator: torch.Generator) -> torch.Tensor:
     """Per clip, `frames` consecutive frames from a random start and a random size x size window."""
     B, _, T, H, W = video.shape
@@ -201,7 +216,13 @@ def train_vae(args) -> None:
             error = (recon - x).abs() + (recon - x).pow(2)
             rec = (weight * error).mean() / weight.mean()
         kl = 0.5 * (posterior.mean.pow(2) + posterior.var - 1 - posterior.logvar).mean()
-        return rec + KL_WEIGHT * kl, {"recon": round(rec.item(), 5), "kl": round(kl.item(), 4), "size": size}
+        metrics = {"recon": round(rec.item(), 5), "kl": round(kl.item(), 4), "size": size}
+        loss = rec + KL_WEIGHT * kl
+        if args.gradient_weight:
+            edges = gradient_difference(recon, x, weight)
+            loss = loss + args.gradient_weight * edges
+            metrics["edges"] = round(edges.item(), 5)
+        return loss, metrics
 
     held_out = clips(corpus(HELD_OUT_SEED, args.heldout_clips), torch.arange(args.heldout_clips))
 
@@ -915,6 +936,8 @@ def main(argv: list[str] | None = None) -> None:
     vae.add_argument("--workers", type=int, default=0, help="processes drawing clips ahead of the loop (0: none)")
     vae.add_argument("--foreground-weight", type=float, default=0.0, help="extra reconstruction weight on the sprites' "
                      "pixels (1 + W there, 1 on the background; the loss is normalised by the mean weight)")
+    vae.add_argument("--gradient-weight", type=float, default=0.0, help="weight of the gradient difference loss "
+                     "(L1 between the reconstruction's and the clip's pixel differences: against blur)")
     vae.add_argument("--base-dim", type=int, default=VAE["base_dim"], help="channels of the first level")
     vae.add_argument("--z-dim", type=int, default=VAE["z_dim"], help="latent channels")
     vae.add_argument("--eval-every", type=int, default=0, help="log the held-out PSNR every N steps (best.pt keeps the best)")

@@ -110,7 +110,8 @@ def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
 def test_resumed_vae_training_equals_an_uninterrupted_run(tmp_path):
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
               "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1",
-              "--base-dim", "8", "--z-dim", "4", "--eval-every", "2", "--heldout-clips", "1", "--foreground-weight", "4"]
+              "--base-dim", "8", "--z-dim", "4", "--eval-every", "2", "--heldout-clips", "1", "--foreground-weight", "4",
+              "--gradient-weight", "1"]
     # Resumed with clips drawn ahead in two worker processes: the same clips, so the same weights.
     straight_and_resumed(tmp_path, common, 3, [1], resumed_options=["--workers", "2"])
     config = json.loads((tmp_path / "straight" / "vae" / "config.json").read_text())
@@ -153,3 +154,14 @@ def test_foreground_mask_covers_the_sprites_and_not_the_background():
             for t, (x, y) in enumerate(track):
                 assert mask[i, 0, t, int(round(y)), int(round(x))] == 1
         assert mask[i].mean() < 0.4
+
+
+def test_gradient_difference_is_zero_for_equal_videos_and_penalises_blur():
+    from benchmarks.train_video import gradient_difference
+
+    video = torch.rand(1, 3, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+    blurred = torch.nn.functional.avg_pool3d(video, (1, 3, 3), stride=1, padding=(0, 1, 1), count_include_pad=False)
+    assert gradient_difference(video, video) == 0
+    assert gradient_difference(blurred, video) > 0.1
+    weight = torch.ones(1, 1, 2, 8, 8)
+    assert torch.allclose(gradient_difference(blurred, video, weight), gradient_difference(blurred, video))
