@@ -177,6 +177,17 @@ def new_vae(seed: int = 0, config: Optional[dict] = None):
     return AutoencoderKLWan(**(config or vae_config()))
 
 
+@torch.no_grad()
+def held_out_psnr(vae, count: int, device: str = "cpu") -> float:
+    """Reconstruction PSNR (dB) of the first `count` held-out clips (corpus `HELD_OUT_SEED`, whole
+    17-frame clips), a mean over clips in batches of 16."""
+    data, total = corpus(HELD_OUT_SEED, count), 0.0
+    for start in range(0, count, 16):
+        x = clips(data, torch.arange(start, min(start + 16, count)))
+        total += psnr(vae(x.to(device)).sample.float().cpu(), x) * len(x)
+    return total / count
+
+
 def run_vae_config(run: str | Path) -> dict:
     """The VAE configuration a `vae` run trains (its config.json), the default for runs without one."""
     saved = Path(run) / "config.json"
@@ -224,10 +235,8 @@ def train_vae(args) -> None:
             metrics["edges"] = round(edges.item(), 5)
         return loss, metrics
 
-    held_out = clips(corpus(HELD_OUT_SEED, args.heldout_clips), torch.arange(args.heldout_clips))
-
     def heldout() -> dict:  # train_loop calls it in eval mode, without gradients
-        score = psnr(vae(held_out.to(args.device)).sample.float().cpu(), held_out)
+        score = held_out_psnr(vae, args.heldout_clips, args.device)
         return {"psnr_db": round(score, 3), "score": score, "metric": "psnr_db"}
 
     train_loop(vae, loss_fn, len(data), args, {"vae": config, "params": params, "args": vars(args)},
@@ -274,12 +283,7 @@ def finish_vae(run: str | Path, stats_clips: int, eval_clips: int) -> dict:
     mean = total / count
     std = (total_sq / count - mean.pow(2)).clamp_min(1e-12).sqrt()
     vae.register_to_config(latents_mean=[round(float(m), 5) for m in mean], latents_std=[round(float(s), 5) for s in std])
-    held_out = corpus(HELD_OUT_SEED, eval_clips)
-    scores = []
-    for start in range(0, eval_clips, 16):
-        x = clips(held_out, torch.arange(start, min(start + 16, eval_clips)))
-        scores.append((psnr(vae(x).sample, x), len(x)))
-    result = {"psnr_db": sum(p * n for p, n in scores) / eval_clips, "eval_clips": eval_clips, "stats_clips": stats_clips,
+    result = {"psnr_db": held_out_psnr(vae, eval_clips), "eval_clips": eval_clips, "stats_clips": stats_clips,
               "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std}
     vae.save_pretrained(str(Path(run) / "vae"))
     (Path(run) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -540,7 +544,7 @@ class GeneratedQuality:
     `clips` evaluation prompts. Score: the mean of class and direction accuracy."""
 
     def __init__(self, vae, transformer, text_encoder, clips: int, reference_clips: int):
-        self.vae, self.transformer, self.text_encoder = round_to_half(vae), transformer, text_encoder
+        self.vae, self.transformer, self.text_encoder = vae, transformer, text_encoder  # the VAE as it ships
         self.prompts, self.reference_clips, self.score = eval_prompts(clips), reference_clips, None
 
     def __call__(self) -> dict:
@@ -702,11 +706,7 @@ def vae_quality(args) -> None:
         state = torch.load(run / "best.pt", map_location="cpu", weights_only=True)
         vae.load_state_dict(state["model"])
         vae, step = round_to_half(vae.eval()), int(state["step"])
-    held_out = corpus(HELD_OUT_SEED, args.eval_clips)
-    with torch.no_grad():
-        scores = [(psnr(vae(x).sample, x), len(x)) for x in
-                  (clips(held_out, torch.arange(i, min(i + 16, args.eval_clips))) for i in range(0, args.eval_clips, 16))]
-    result = {"step": step, "psnr_db": sum(p * n for p, n in scores) / args.eval_clips, "eval_clips": args.eval_clips,
+    result = {"step": step, "psnr_db": held_out_psnr(vae, args.eval_clips), "eval_clips": args.eval_clips,
               "through_vae": scorer(args.reference_clips)(through_vae(vae, args.clips), eval_prompts(args.clips)), "clips": args.clips}
     (run / f"quality-{args.checkpoint}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
