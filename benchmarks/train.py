@@ -94,7 +94,9 @@ def train_loop(
     """AdamW + cosine schedule with warm-up; checkpoint/resume; a JSONL log of losses.
 
     `param_groups`: AdamW's parameter groups, where a group's `lr_scale` multiplies the schedule's
-    learning rate for its parameters (default: every parameter of `model` at the schedule's rate).
+    learning rate for its parameters (default: every parameter of `model` at the schedule's rate)
+    and a group marked `clip_apart` has its gradient norm clipped on its own (a GAN's critic, whose
+    gradients should not shrink the generator's); the rest are clipped together.
 
     `heldout`: figures on held-out data, logged every `args.eval_every` steps (and at the end) as
     `{"step", "heldout": {...}}`; where they carry a `score` (higher is better), the best step's
@@ -132,7 +134,11 @@ def train_loop(
             loss, metrics = loss_fn(index, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        apart = [g["params"] for g in optimizer.param_groups if g.get("clip_apart")]
+        kept_apart = {id(p) for params in apart for p in params}
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if id(p) not in kept_apart], 1.0)
+        for params in apart:
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         done = step + 1
         out_of_time = deadline is not None and time.time() >= deadline

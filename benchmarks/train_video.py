@@ -170,6 +170,69 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------- VAE
 
 
+class PatchCritic(torch.nn.Module):
+    """A PatchGAN discriminator (Isola et al., 2017) on single frames, as VQGAN's adversarial term
+    uses one (Esser et al., 2021): a real-or-reconstructed logit per 22 px patch of each frame.
+    Trained from scratch beside the VAE; no pretrained network enters the loss."""
+
+    def __init__(self, channels: int = 32):
+        super().__init__()
+        c, act = channels, lambda: torch.nn.LeakyReLU(0.2)
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, c, 4, 2, 1), act(),
+            torch.nn.Conv2d(c, 2 * c, 4, 2, 1), torch.nn.GroupNorm(8, 2 * c), act(),
+            torch.nn.Conv2d(2 * c, 4 * c, 3, 1, 1), torch.nn.GroupNorm(8, 4 * c), act(),
+            torch.nn.Conv2d(4 * c, 1, 3, 1, 1))
+
+    def forward(self, video: torch.Tensor) -> torch.Tensor:
+        """[B, 3, T, H, W] in [-1, 1] -> logits [B * T, 1, H / 4, W / 4]."""
+        return self.net(video.transpose(1, 2).flatten(0, 1))
+
+
+class VAEWithCritic(torch.nn.Module):
+    """What an adversarial `vae` run checkpoints: the VAE (keys `vae.*`) and its critic (`critic.*`)."""
+
+    def __init__(self, vae, critic: PatchCritic):
+        super().__init__()
+        self.vae, self.critic = vae, critic
+
+
+def vae_weights(state: dict) -> dict:
+    """The VAE's weights from a `vae` run's checkpoint: the whole state of a plain run, the `vae.*`
+    keys (unprefixed) of an adversarial one."""
+    if not any(key.startswith("critic.") for key in state):
+        return state
+    return {key[len("vae."):]: value for key, value in state.items() if key.startswith("vae.")}
+
+
+def adaptive_weight(reconstruction: torch.Tensor, adversarial: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """VQGAN's balance of the adversarial term: the ratio of the two losses' gradient norms at the
+    decoder's last layer, so the critic's push is as large as the reconstruction's whatever the scale."""
+    g_rec = torch.autograd.grad(reconstruction, last, retain_graph=True)[0]
+    g_adv = torch.autograd.grad(adversarial, last, retain_graph=True)[0]
+    return (g_rec.norm() / (g_adv.norm() + 1e-4)).clamp(0, 1e4).detach()
+
+
+def branch_checkpoint(parent: Path, out: Path, critic: Optional[PatchCritic], critic_lr_scale: float) -> None:
+    """Start run `out` at `parent`'s checkpoint (weights, optimizer, step) and log. With `critic`,
+    a plain parent's state is lifted into `VAEWithCritic`'s: its VAE under `vae.*`, the fresh critic
+    beside it, and an optimizer group for the critic without moments yet."""
+    from benchmarks.train import save_atomic
+
+    state = torch.load(parent / "checkpoint.pt", map_location="cpu", weights_only=True)
+    if critic is not None and not any(key.startswith("critic.") for key in state["model"]):
+        state["model"] = {**{f"vae.{k}": v for k, v in state["model"].items()},
+                          **{f"critic.{k}": v for k, v in critic.state_dict().items()}}
+        groups = state["optimizer"]["param_groups"]
+        first = len(groups[0]["params"])
+        groups.append({**groups[0], "params": list(range(first, first + len(list(critic.parameters())))),
+                       "lr_scale": critic_lr_scale, "clip_apart": True})
+    out.mkdir(parents=True, exist_ok=True)
+    if (parent / "log.jsonl").exists():
+        (out / "log.jsonl").write_bytes((parent / "log.jsonl").read_bytes())
+    save_atomic(state, out / "checkpoint.pt")
+
+
 def new_vae(seed: int = 0, config: Optional[dict] = None):
     from diffusers import AutoencoderKLWan
 
@@ -199,11 +262,23 @@ def train_vae(args) -> None:
     what the class proxy reads and a small share of each frame) plus a small KL on random crops
     (`--frames` frames, `--crop` px) of training clips; the last `--full-steps` steps see whole
     64x64 frames (the mid-block's attention then works at the size it will be used at).
+    `--adversarial-weight` adds VQGAN's hinge GAN term from `--adversarial-from` on: a
+    `PatchCritic` judges reconstructed frames against real ones, against the blur that pixel
+    losses settle for. `--branch-from RUN` starts at another run's checkpoint.
     Finished, `finish_vae` writes `<out>/vae`."""
     data = corpus(TRAIN_SEED, num_frames=17)
     config = vae_config(args.base_dim, args.z_dim)
     vae = new_vae(args.seed, config)
     params = sum(p.numel() for p in vae.parameters())
+    critic = None
+    if args.adversarial_weight:
+        torch.manual_seed(args.seed + 1)
+        critic = PatchCritic()
+    if args.branch_from and not (Path(args.out) / "checkpoint.pt").exists():
+        branch_checkpoint(Path(args.branch_from), Path(args.out), critic, args.critic_lr_scale)
+    model = vae if critic is None else VAEWithCritic(vae, critic)
+    groups = None if critic is None else [{"params": list(vae.parameters())}, {
+        "params": list(critic.parameters()), "lr_scale": args.critic_lr_scale, "clip_apart": True}]
     print(f"vae: {params / 1e6:.2f}M parameters, {args.z_dim} latent channels, "
           f"x{VAE['scale_factor_spatial']} space x{VAE['scale_factor_temporal']} time")
     full_from = args.steps - args.full_steps
@@ -233,14 +308,23 @@ def train_vae(args) -> None:
             edges = gradient_difference(recon, x, weight)
             loss = loss + args.gradient_weight * edges
             metrics["edges"] = round(edges.item(), 5)
+        if critic is not None and step >= args.adversarial_from:
+            # The generator's term sees the critic's weights as constants and the critic's term the
+            # reconstruction as one, so one backward trains each against the other.
+            frozen = {name: w.detach() for name, w in critic.named_parameters()}
+            fooled = -torch.func.functional_call(critic, frozen, (recon,)).mean()
+            balance = adaptive_weight(loss, fooled, vae.decoder.conv_out.weight)
+            judged = F.relu(1 - critic(x)).mean() + F.relu(1 + critic(recon.detach())).mean()
+            loss = loss + args.adversarial_weight * balance * fooled + judged
+            metrics.update(fooled=round(fooled.item(), 4), balance=round(balance.item(), 4), critic=round(judged.item(), 4))
         return loss, metrics
 
     def heldout() -> dict:  # train_loop calls it in eval mode, without gradients
         score = held_out_psnr(vae, args.heldout_clips, args.device)
         return {"psnr_db": round(score, 3), "score": score, "metric": "psnr_db"}
 
-    train_loop(vae, loss_fn, len(data), args, {"vae": config, "params": params, "args": vars(args)},
-               heldout=heldout if args.eval_every else None)
+    train_loop(model, loss_fn, len(data), args, {"vae": config, "params": params, "args": vars(args)},
+               heldout=heldout if args.eval_every else None, param_groups=groups)
     if int(torch.load(Path(args.out) / "checkpoint.pt", map_location="cpu", weights_only=True)["step"]) == args.steps:
         finish_vae(args.out, args.stats_clips, args.eval_clips)
 
@@ -264,7 +348,14 @@ def load_vae_run(run: str | Path):
     folder = Path(run) / "vae"
     if (folder / "config.json").exists():
         return AutoencoderKLWan.from_pretrained(str(folder)).eval()
-    return round_to_half(load_trained(new_vae(config=run_vae_config(run)), str(run)))
+    return load_vae_checkpoint(run)
+
+
+def load_vae_checkpoint(run: str | Path, name: str = "checkpoint.pt"):
+    """The VAE of a run's `checkpoint.pt` (or `best.pt`), rounded to float16 (as it ships)."""
+    vae = new_vae(config=run_vae_config(run))
+    vae.load_state_dict(vae_weights(torch.load(Path(run) / name, map_location="cpu", weights_only=True)["model"]))
+    return round_to_half(vae.eval())
 
 
 @torch.no_grad()
@@ -272,7 +363,7 @@ def finish_vae(run: str | Path, stats_clips: int, eval_clips: int) -> dict:
     """Round the trained VAE to float16 (as it ships), set its config's per-channel
     `latents_mean` / `latents_std` from the posterior means of `stats_clips` training clips, save
     it as `<run>/vae` (diffusers folder) and its held-out reconstruction PSNR in `<run>/eval.json`."""
-    vae = round_to_half(load_trained(new_vae(config=run_vae_config(run)), str(run)))
+    vae = load_vae_checkpoint(run)
     data = corpus(TRAIN_SEED)
     total, total_sq, count = 0.0, 0.0, 0
     for start in range(0, stats_clips, 16):
@@ -702,10 +793,8 @@ def vae_quality(args) -> None:
         vae = load_vae_run(run)
         step = int(torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)["step"])
     else:
-        vae = new_vae(config=run_vae_config(run))
-        state = torch.load(run / "best.pt", map_location="cpu", weights_only=True)
-        vae.load_state_dict(state["model"])
-        vae, step = round_to_half(vae.eval()), int(state["step"])
+        vae = load_vae_checkpoint(run, "best.pt")
+        step = int(torch.load(run / "best.pt", map_location="cpu", weights_only=True)["step"])
     result = {"step": step, "psnr_db": held_out_psnr(vae, args.eval_clips), "eval_clips": args.eval_clips,
               "through_vae": scorer(args.reference_clips)(through_vae(vae, args.clips), eval_prompts(args.clips)), "clips": args.clips}
     (run / f"quality-{args.checkpoint}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -938,6 +1027,12 @@ def main(argv: list[str] | None = None) -> None:
                      "pixels (1 + W there, 1 on the background; the loss is normalised by the mean weight)")
     vae.add_argument("--gradient-weight", type=float, default=0.0, help="weight of the gradient difference loss "
                      "(L1 between the reconstruction's and the clip's pixel differences: against blur)")
+    vae.add_argument("--adversarial-weight", type=float, default=0.0, help="weight of the hinge GAN term against a "
+                     "PatchCritic (times VQGAN's adaptive balance at the decoder's last layer); 0: none")
+    vae.add_argument("--adversarial-from", type=int, default=0, help="the step the critic and its term start at")
+    vae.add_argument("--critic-lr-scale", type=float, default=1.0, help="the critic's learning rate over the VAE's")
+    vae.add_argument("--branch-from", help="a vae run whose checkpoint (weights, optimizer, step, log) this run starts "
+                     "at, when --out has none; a plain run's is lifted beside a fresh critic")
     vae.add_argument("--base-dim", type=int, default=VAE["base_dim"], help="channels of the first level")
     vae.add_argument("--z-dim", type=int, default=VAE["z_dim"], help="latent channels")
     vae.add_argument("--eval-every", type=int, default=0, help="log the held-out PSNR every N steps (best.pt keeps the best)")

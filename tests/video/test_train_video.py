@@ -165,3 +165,52 @@ def test_gradient_difference_is_zero_for_equal_videos_and_penalises_blur():
     assert gradient_difference(blurred, video) > 0.1
     weight = torch.ones(1, 1, 2, 8, 8)
     assert torch.allclose(gradient_difference(blurred, video, weight), gradient_difference(blurred, video))
+
+
+def test_an_adversarial_branch_lifts_a_plain_run_and_resumes_exactly(tmp_path):
+    """`--branch-from` a plain run with `--adversarial-weight`: the VAE starts at the parent's
+    weights with a fresh critic beside it, the GAN term starts at `--adversarial-from`, a killed
+    and resumed branch ends as one that never stopped, and the finished VAE loads without the critic."""
+    from benchmarks.train_video import load_vae_checkpoint
+
+    common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
+              "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1",
+              "--base-dim", "8", "--z-dim", "4", "--foreground-weight", "4"]
+    main([*common, "--out", str(tmp_path / "plain"), "--steps", "5", "--run-steps", "2"])
+    parent = torch.load(tmp_path / "plain" / "checkpoint.pt", weights_only=True)["model"]
+    branch = [*common, "--branch-from", str(tmp_path / "plain"), "--adversarial-weight", "0.5", "--adversarial-from", "3"]
+    state = straight_and_resumed(tmp_path, branch, 5, [1])  # the resumed branch stops at step 3, resumes to 5
+    assert any(k.startswith("critic.") for k in state["model"]) and set(parent) == {
+        k[len("vae."):] for k in state["model"] if k.startswith("vae.")}
+    records = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]  # the parent's log continues
+    assert [("fooled" in r) for r in records] == [False, False, False, True, True]
+    assert all(r["balance"] > 0 and np.isfinite(r["critic"]) for r in records[3:])
+    vae = load_vae_checkpoint(tmp_path / "straight")
+    assert all(torch.equal(v, state["model"][f"vae.{k}"].half().float()) for k, v in vae.state_dict().items())
+    assert (tmp_path / "straight" / "vae" / "config.json").exists()
+
+
+def test_the_adversarial_terms_train_each_side_against_the_other():
+    """The generator's term moves the reconstruction and not the critic; the critic's hinge term
+    moves the critic and not the reconstruction; the balance is VQGAN's gradient-norm ratio."""
+    from benchmarks.train_video import PatchCritic, adaptive_weight
+
+    torch.manual_seed(0)
+    critic, last = PatchCritic(), torch.randn(3, 3, requires_grad=True)
+    recon = torch.einsum("dc,bcthw->bdthw", last, torch.randn(2, 3, 2, 16, 16)).tanh()
+    real = torch.rand(2, 3, 2, 16, 16) * 2 - 1
+    assert critic(recon).shape == (4, 1, 4, 4)
+    frozen = {name: w.detach() for name, w in critic.named_parameters()}
+    fooled = -torch.func.functional_call(critic, frozen, (recon,)).mean()
+    fooled.backward(retain_graph=True)
+    assert all(w.grad is None for w in critic.parameters()) and last.grad.abs().sum() > 0
+    last.grad = None
+    judged = torch.nn.functional.relu(1 - critic(real)).mean() + torch.nn.functional.relu(1 + critic(recon.detach())).mean()
+    judged.backward()
+    assert last.grad is None and all(w.grad is not None for w in critic.parameters())
+    reconstruction = recon.pow(2).mean()
+    fooled = -torch.func.functional_call(critic, frozen, (recon,)).mean()
+    balance = adaptive_weight(reconstruction, fooled, last)
+    assert torch.allclose(adaptive_weight(reconstruction, 10 * fooled, last), balance / 10, rtol=1e-2)  # up to the 1e-4 in the denominator
+    assert torch.allclose(adaptive_weight(3 * reconstruction, fooled, last), 3 * balance, rtol=1e-2)
