@@ -170,7 +170,8 @@ def test_gradient_difference_is_zero_for_equal_videos_and_penalises_blur():
 def test_an_adversarial_branch_lifts_a_plain_run_and_resumes_exactly(tmp_path):
     """`--branch-from` a plain run with `--adversarial-weight`: the VAE starts at the parent's
     weights with a fresh critic beside it, the GAN term starts at `--adversarial-from`, a killed
-    and resumed branch ends as one that never stopped, and the finished VAE loads without the critic."""
+    and resumed branch (bf16 autocast on the CPU) ends as one that never stopped, and the finished
+    VAE loads without the critic."""
     from benchmarks.train_video import load_vae_checkpoint
 
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
@@ -178,7 +179,9 @@ def test_an_adversarial_branch_lifts_a_plain_run_and_resumes_exactly(tmp_path):
               "--base-dim", "8", "--z-dim", "4", "--foreground-weight", "4"]
     main([*common, "--out", str(tmp_path / "plain"), "--steps", "5", "--run-steps", "2"])
     parent = torch.load(tmp_path / "plain" / "checkpoint.pt", weights_only=True)["model"]
-    branch = [*common, "--branch-from", str(tmp_path / "plain"), "--adversarial-weight", "0.5", "--adversarial-from", "3"]
+    # The branch runs under bf16 autocast on the CPU, which resumes exactly too.
+    branch = [*common, "--branch-from", str(tmp_path / "plain"), "--adversarial-weight", "0.5", "--adversarial-from", "3",
+              "--autocast", "bf16"]
     state = straight_and_resumed(tmp_path, branch, 5, [1])  # the resumed branch stops at step 3, resumes to 5
     assert any(k.startswith("critic.") for k in state["model"]) and set(parent) == {
         k[len("vae."):] for k in state["model"] if k.startswith("vae.")}
