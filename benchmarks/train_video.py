@@ -172,7 +172,7 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 class PatchCritic(torch.nn.Module):
     """A PatchGAN discriminator (Isola et al., 2017) on single frames, as VQGAN's adversarial term
-    uses one (Esser et al., 2021): a real-or-reconstructed logit per 22 px patch of each frame.
+    uses one (Esser et al., 2021): a real-or-reconstructed logit per 26 px patch of each frame.
     Trained from scratch beside the VAE; no pretrained network enters the loss."""
 
     def __init__(self, channels: int = 32):
@@ -276,6 +276,12 @@ def train_vae(args) -> None:
         critic = PatchCritic()
     if args.branch_from and not (Path(args.out) / "checkpoint.pt").exists():
         branch_checkpoint(Path(args.branch_from), Path(args.out), critic, args.critic_lr_scale)
+    checkpoint = Path(args.out) / "checkpoint.pt"
+    if checkpoint.exists():
+        adversarial = any(k.startswith("critic.") for k in torch.load(checkpoint, map_location="cpu", weights_only=True)["model"])
+        if adversarial != (critic is not None):
+            raise SystemExit(f"{checkpoint} is {'an adversarial' if adversarial else 'a plain'} run's: "
+                             f"{'add' if adversarial else 'drop'} --adversarial-weight, or --branch-from it into a new --out")
     model = vae if critic is None else VAEWithCritic(vae, critic)
     groups = None if critic is None else [{"params": list(vae.parameters())}, {
         "params": list(critic.parameters()), "lr_scale": args.critic_lr_scale, "clip_apart": True}]
@@ -1030,7 +1036,8 @@ def main(argv: list[str] | None = None) -> None:
     vae.add_argument("--adversarial-weight", type=float, default=0.0, help="weight of the hinge GAN term against a "
                      "PatchCritic (times VQGAN's adaptive balance at the decoder's last layer); 0: none")
     vae.add_argument("--adversarial-from", type=int, default=0, help="the step the critic and its term start at")
-    vae.add_argument("--critic-lr-scale", type=float, default=1.0, help="the critic's learning rate over the VAE's")
+    vae.add_argument("--critic-lr-scale", type=float, default=1.0, help="the critic's learning rate over the VAE's "
+                     "(kept in the checkpoint from the run's first adversarial step)")
     vae.add_argument("--branch-from", help="a vae run whose checkpoint (weights, optimizer, step, log) this run starts "
                      "at, when --out has none; a plain run's is lifted beside a fresh critic")
     vae.add_argument("--base-dim", type=int, default=VAE["base_dim"], help="channels of the first level")

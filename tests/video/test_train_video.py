@@ -179,6 +179,8 @@ def test_an_adversarial_branch_lifts_a_plain_run_and_resumes_exactly(tmp_path):
               "--base-dim", "8", "--z-dim", "4", "--foreground-weight", "4"]
     main([*common, "--out", str(tmp_path / "plain"), "--steps", "5", "--run-steps", "2"])
     parent = torch.load(tmp_path / "plain" / "checkpoint.pt", weights_only=True)["model"]
+    with pytest.raises(SystemExit, match="a plain run's"):  # not resumed as what it is not
+        main([*common, "--out", str(tmp_path / "plain"), "--steps", "5", "--adversarial-weight", "0.5"])
     # The branch runs under bf16 autocast on the CPU, which resumes exactly too.
     branch = [*common, "--branch-from", str(tmp_path / "plain"), "--adversarial-weight", "0.5", "--adversarial-from", "3",
               "--autocast", "bf16"]
