@@ -172,12 +172,13 @@ class VideoQualityProxies:
         return cls.fit(np.stack([data[i].frames for i in range(num_clips)]), **kwargs)
 
     def __call__(self, videos: Videos, captions: Sequence[str]) -> dict[str, float]:
-        """{"class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy", "num_clips"}."""
+        """{"class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy", "num_clips",
+        "class_accuracy_by_sprite"} (the last: {sprite name: class accuracy of its cut-outs})."""
         frames = as_frames(videos)
         if len(frames) != len(captions):
             raise ValueError(f"{len(frames)} clips for {len(captions)} captions")
         image_size = self.scorer.config.image_size
-        crops, present, labels, directions = [], [], [], []
+        crops, present, labels, names, directions = [], [], [], [], []
         for clip, caption in zip(frames, captions):
             prompt = Prompt.from_caption(caption)
             k = len(prompt.class_ids)
@@ -185,6 +186,7 @@ class VideoQualityProxies:
             crops.append(clip_crops.flatten(0, 1))
             present.append(clip_present.reshape(-1))
             labels.append(np.repeat(prompt.class_ids, clip.shape[0]))
+            names += [name for name, _ in parse_caption(caption) for _ in range(clip.shape[0])]
             tracks = track(clip, k, prompt.axis, self.threshold)
             min_move = self.min_move * max(clip.shape[1:3])
             directions += [motion_of(tracks[i], min_move) == prompt.motions[i] for i in range(k)]
@@ -198,6 +200,7 @@ class VideoQualityProxies:
             "temporal_l1": float(np.abs(np.diff(frames.astype(np.float32), axis=1)).mean() / 255),
             "fid_proxy": frechet_distance(mean, cov, self.scorer.reference_mean, self.scorer.reference_cov),
             "num_clips": len(frames),
+            "class_accuracy_by_sprite": {name: float(correct[np.array(names) == name].mean()) for name in sorted(set(names))},
         }
 
 

@@ -93,6 +93,12 @@ def test_proxies_separate_real_shuffled_and_noise():
     assert real["temporal_l1"] < shuffled["temporal_l1"] < noise["temporal_l1"] and frozen["temporal_l1"] == 0
     assert real["class_accuracy"] >= 0.9 and noise["class_accuracy"] < 0.2  # 1.0 on 64 clips
     assert noise["fid_proxy"] > 10 * real["fid_proxy"]
+    # Per sprite: the objects' accuracies, whose object-weighted mean is the whole figure.
+    names = [name for c in (MovingEmoji(config, seed=0, length=8)[i] for i in range(8)) for name in c.names]
+    for r in (real, noise):
+        by_sprite = r["class_accuracy_by_sprite"]
+        assert set(by_sprite) == set(names)
+        assert np.isclose(sum(by_sprite[n] for n in names) / len(names), r["class_accuracy"])
     # float videos in [-1, 1] score like their uint8 frames
     clips = [MovingEmoji(config, seed=0, length=2)[i] for i in range(2)]
     as_float = torch.stack([c.tensor() for c in clips])
