@@ -103,8 +103,8 @@ def train_loop(
     weights are kept in `<out>/best.pt`, so a run stopped for time leaves its best checkpoint and
     its curve. It runs under `no_grad` with its own randomness, so it changes nothing a resumed
     run replays. The forward runs under bf16 autocast on `args.device` "cuda", and on the CPU where
-    `args.autocast` is "bf16" (oneDNN's bf16 convolutions: 1.6x a float32 step of the base-32 video
-    VAE on this box's AVX512-BF16 cores)."""
+    `args.autocast` is "bf16" (oneDNN's bf16 convolutions: 1.46x a float32 step of the base-32 video
+    VAE on AVX512-BF16 cores; docs/benchmarks.md has the command)."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(getattr(args, "device", "cpu"))
@@ -128,6 +128,10 @@ def train_loop(
     eval_every = getattr(args, "eval_every", 0) or 0
     mode = getattr(args, "autocast", "auto")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda" if mode == "auto" else mode == "bf16")
+    # Gradient clipping: the groups marked `clip_apart` each on their own, every other parameter together.
+    apart = [group["params"] for group in optimizer.param_groups if group.get("clip_apart")]
+    kept_apart = {id(p) for params in apart for p in params}
+    together = [p for p in model.parameters() if id(p) not in kept_apart]
     for step, index in zip(range(start, stop), batches(n, args.batch_size, args.seed, start)):
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, args.steps, args.lr, args.warmup) * group.get("lr_scale", 1.0)
@@ -137,9 +141,7 @@ def train_loop(
             loss, metrics = loss_fn(index, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        apart = [g["params"] for g in optimizer.param_groups if g.get("clip_apart")]
-        kept_apart = {id(p) for params in apart for p in params}
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if id(p) not in kept_apart], 1.0)
+        torch.nn.utils.clip_grad_norm_(together, 1.0)
         for params in apart:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
