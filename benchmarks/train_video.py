@@ -70,8 +70,10 @@ VAE = dict(base_dim=16, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_
 KL_WEIGHT = 1e-3
 
 
-def vae_config(base_dim: int = VAE["base_dim"], z_dim: int = VAE["z_dim"]) -> dict:
+def vae_config(base_dim: int = VAE["base_dim"], z_dim: int = VAE["z_dim"], decoder_base_dim: Optional[int] = None) -> dict:
     config = dict(VAE, base_dim=base_dim, z_dim=z_dim, latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
+    if decoder_base_dim and decoder_base_dim != base_dim:
+        config["decoder_base_dim"] = decoder_base_dim
     assert config["scale_factor_spatial"] == 2 ** (len(config["dim_mult"]) - 1)
     assert config["scale_factor_temporal"] == 2 ** sum(config["temperal_downsample"])
     return config
@@ -265,11 +267,23 @@ def train_vae(args) -> None:
     `--adversarial-weight` adds VQGAN's hinge GAN term from `--adversarial-from` on: a
     `PatchCritic` judges reconstructed frames against real ones, against the blur that pixel
     losses settle for. `--branch-from RUN` starts at another run's checkpoint.
+    `--encoder-from RUN` trains a decoder alone (`--decoder-base-dim` channels wide) behind RUN's
+    finished, frozen encoder, so RUN's latents, and denoisers trained on them, stay valid.
     Finished, `finish_vae` writes `<out>/vae`."""
     data = corpus(TRAIN_SEED, num_frames=17)
-    config = vae_config(args.base_dim, args.z_dim)
+    if args.encoder_from:
+        if not (Path(args.encoder_from) / "vae" / "config.json").exists():
+            raise SystemExit(f"--encoder-from {args.encoder_from}: not a finished vae run (no vae/ folder)")
+        encoder_vae = load_vae_run(args.encoder_from)
+        config = dict(vae_config(encoder_vae.config.base_dim, encoder_vae.config.z_dim, args.decoder_base_dim),
+                      latents_mean=list(encoder_vae.config.latents_mean), latents_std=list(encoder_vae.config.latents_std))
+    else:
+        config = vae_config(args.base_dim, args.z_dim, args.decoder_base_dim)
     vae = new_vae(args.seed, config)
-    params = sum(p.numel() for p in vae.parameters())
+    if args.encoder_from:
+        freeze_encoder(vae, encoder_vae)
+    trained = [p for p in vae.parameters() if p.requires_grad]
+    params = sum(p.numel() for p in trained)
     critic = None
     if args.adversarial_weight:
         torch.manual_seed(args.seed + 1)
@@ -283,10 +297,10 @@ def train_vae(args) -> None:
             raise SystemExit(f"{checkpoint} is {'an adversarial' if adversarial else 'a plain'} run's: "
                              f"{'add' if adversarial else 'drop'} --adversarial-weight, or --branch-from it into a new --out")
     model = vae if critic is None else VAEWithCritic(vae, critic)
-    groups = None if critic is None else [{"params": list(vae.parameters())}, {
-        "params": list(critic.parameters()), "lr_scale": args.critic_lr_scale, "clip_apart": True}]
-    print(f"vae: {params / 1e6:.2f}M parameters, {args.z_dim} latent channels, "
-          f"x{VAE['scale_factor_spatial']} space x{VAE['scale_factor_temporal']} time")
+    groups = [{"params": trained}] + ([] if critic is None else [{
+        "params": list(critic.parameters()), "lr_scale": args.critic_lr_scale, "clip_apart": True}])
+    print(f"vae: {params / 1e6:.2f}M parameters trained{' (the decoder; the encoder frozen)' if args.encoder_from else ''}, "
+          f"{config['z_dim']} latent channels, x{VAE['scale_factor_spatial']} space x{VAE['scale_factor_temporal']} time")
     full_from = args.steps - args.full_steps
     calls = {"step": None}
     draw = (lambda index: clips(data, index)) if not args.workers else \
@@ -307,9 +321,11 @@ def train_vae(args) -> None:
         else:
             error = (recon - x).abs() + (recon - x).pow(2)
             rec = (weight * error).mean() / weight.mean()
-        kl = 0.5 * (posterior.mean.pow(2) + posterior.var - 1 - posterior.logvar).mean()
-        metrics = {"recon": round(rec.item(), 5), "kl": round(kl.item(), 4), "size": size}
-        loss = rec + KL_WEIGHT * kl
+        metrics, loss = {"recon": round(rec.item(), 5), "size": size}, rec
+        if not args.encoder_from:
+            kl = 0.5 * (posterior.mean.pow(2) + posterior.var - 1 - posterior.logvar).mean()
+            metrics["kl"] = round(kl.item(), 4)
+            loss = loss + KL_WEIGHT * kl
         if args.gradient_weight:
             edges = gradient_difference(recon, x, weight)
             loss = loss + args.gradient_weight * edges
@@ -333,6 +349,17 @@ def train_vae(args) -> None:
                heldout=heldout if args.eval_every else None, param_groups=groups)
     if int(torch.load(Path(args.out) / "checkpoint.pt", map_location="cpu", weights_only=True)["step"]) == args.steps:
         finish_vae(args.out, args.stats_clips, args.eval_clips)
+
+
+def freeze_encoder(vae, source) -> None:
+    """Give `vae` the encoder side (`encoder.*`, `quant_conv.*`) of `source` and freeze it: its
+    posterior, hence every latent it encodes, is `source`'s."""
+    encoder_side = {k: v for k, v in source.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
+    missing = vae.load_state_dict(encoder_side, strict=False)
+    if missing.unexpected_keys:
+        raise SystemExit(f"the encoder does not fit this VAE: {missing.unexpected_keys[:3]}")
+    for module in (vae.encoder, vae.quant_conv):
+        module.requires_grad_(False)
 
 
 def step_of(args, previous: Optional[int]) -> int:
@@ -368,18 +395,22 @@ def load_vae_checkpoint(run: str | Path, name: str = "checkpoint.pt"):
 def finish_vae(run: str | Path, stats_clips: int, eval_clips: int) -> dict:
     """Round the trained VAE to float16 (as it ships), set its config's per-channel
     `latents_mean` / `latents_std` from the posterior means of `stats_clips` training clips, save
-    it as `<run>/vae` (diffusers folder) and its held-out reconstruction PSNR in `<run>/eval.json`."""
+    it as `<run>/vae` (diffusers folder) and its held-out reconstruction PSNR in `<run>/eval.json`.
+    A decoder-only run (`--encoder-from`) keeps its frozen encoder's statistics, which the latents
+    it decodes were normalised with."""
     vae = load_vae_checkpoint(run)
-    data = corpus(TRAIN_SEED)
-    total, total_sq, count = 0.0, 0.0, 0
-    for start in range(0, stats_clips, 16):
-        z = vae.encode(clips(data, torch.arange(start, min(start + 16, stats_clips)))).latent_dist.mode().double()
-        total = total + z.sum((0, 2, 3, 4))
-        total_sq = total_sq + z.pow(2).sum((0, 2, 3, 4))
-        count += z[:, 0].numel()
-    mean = total / count
-    std = (total_sq / count - mean.pow(2)).clamp_min(1e-12).sqrt()
-    vae.register_to_config(latents_mean=[round(float(m), 5) for m in mean], latents_std=[round(float(s), 5) for s in std])
+    if vae.config.latents_std == [1.0] * vae.config.z_dim:
+        data = corpus(TRAIN_SEED)
+        total, total_sq, count = 0.0, 0.0, 0
+        for start in range(0, stats_clips, 16):
+            z = vae.encode(clips(data, torch.arange(start, min(start + 16, stats_clips)))).latent_dist.mode().double()
+            total = total + z.sum((0, 2, 3, 4))
+            total_sq = total_sq + z.pow(2).sum((0, 2, 3, 4))
+            count += z[:, 0].numel()
+        mean = total / count
+        std = (total_sq / count - mean.pow(2)).clamp_min(1e-12).sqrt()
+        vae.register_to_config(latents_mean=[round(float(m), 5) for m in mean],
+                               latents_std=[round(float(s), 5) for s in std])
     result = {"psnr_db": held_out_psnr(vae, eval_clips), "eval_clips": eval_clips, "stats_clips": stats_clips,
               "latents_mean": vae.config.latents_mean, "latents_std": vae.config.latents_std}
     vae.save_pretrained(str(Path(run) / "vae"))
@@ -1041,6 +1072,9 @@ def main(argv: list[str] | None = None) -> None:
     vae.add_argument("--branch-from", help="a vae run whose checkpoint (weights, optimizer, step, log) this run starts "
                      "at, when --out has none; a plain run's is lifted beside a fresh critic")
     vae.add_argument("--base-dim", type=int, default=VAE["base_dim"], help="channels of the first level")
+    vae.add_argument("--decoder-base-dim", type=int, help="channels of the decoder's last level (default: --base-dim)")
+    vae.add_argument("--encoder-from", help="a finished vae run whose encoder is taken and frozen: only the decoder "
+                     "trains, so that run's latents stay valid (its --base-dim and --z-dim apply)")
     vae.add_argument("--z-dim", type=int, default=VAE["z_dim"], help="latent channels")
     vae.add_argument("--eval-every", type=int, default=0, help="log the held-out PSNR every N steps (best.pt keeps the best)")
     vae.add_argument("--heldout-clips", type=int, default=16, help="held-out clips of that PSNR (whole 17-frame 64x64 clips)")

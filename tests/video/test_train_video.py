@@ -196,6 +196,34 @@ def test_an_adversarial_branch_lifts_a_plain_run_and_resumes_exactly(tmp_path):
     assert (tmp_path / "straight" / "vae" / "config.json").exists()
 
 
+def test_a_decoder_trained_behind_a_frozen_encoder_keeps_its_latents(tmp_path):
+    """`--encoder-from RUN --decoder-base-dim N`: a wider decoder trains alone behind RUN's
+    finished encoder, so every latent (and the latents' statistics) is RUN's; it resumes exactly,
+    and `latents` of the new run are byte-identical to RUN's."""
+    from benchmarks.train_video import load_vae_run
+
+    common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
+              "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1", "--foreground-weight", "4"]
+    main([*common, "--base-dim", "8", "--z-dim", "4", "--out", str(tmp_path / "parent"), "--steps", "2"])
+    with pytest.raises(SystemExit, match="not a finished vae run"):
+        main([*common, "--encoder-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"), "--steps", "2"])
+    child = [*common, "--encoder-from", str(tmp_path / "parent"), "--decoder-base-dim", "12",
+             "--adversarial-weight", "0.5", "--adversarial-from", "1"]
+    state = straight_and_resumed(tmp_path, child, 3, [1])
+    parent, vae = load_vae_run(tmp_path / "parent"), load_vae_run(tmp_path / "straight")
+    assert vae.config.decoder_base_dim == 12 and vae.config.base_dim == 8
+    assert vae.config.latents_mean == parent.config.latents_mean and vae.config.latents_std == parent.config.latents_std
+    theirs, ours = parent.state_dict(), vae.state_dict()
+    for key, tensor in ours.items():
+        if key.startswith(("encoder.", "quant_conv.")):
+            assert torch.equal(tensor, theirs[key]), key
+    assert ours["decoder.conv_out.weight"].shape != theirs["decoder.conv_out.weight"].shape
+    assert any(k.startswith("critic.") for k in state["model"])
+    for run in ("parent", "straight"):
+        main(["latents", "--vae", str(tmp_path / run), "--out", str(tmp_path / f"{run}.npz"), "--clips", "2", "--threads", "1"])
+    assert (tmp_path / "parent.npz").read_bytes() == (tmp_path / "straight.npz").read_bytes()
+
+
 def test_the_adversarial_terms_train_each_side_against_the_other():
     """The generator's term moves the reconstruction and not the critic; the critic's hinge term
     moves the critic and not the reconstruction; the balance is VQGAN's gradient-norm ratio."""
