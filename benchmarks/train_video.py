@@ -900,21 +900,74 @@ def card(args) -> None:
         print(name, json.dumps(rows[name]), flush=True)
     for kind in calibration.keys() - {"real"}:
         rows[f"real clips, {kind} (calibration)"] = calibration[kind]
+    trained_runs = [("vae", args.vae), ("target", args.target), ("small", args.small)]
+    encoder_from = last_log(args.vae)["args"].get("encoder_from")
+    if encoder_from:  # the decoder trained alone behind this run's frozen encoder
+        trained_runs.append(("vae encoder", encoder_from))
     facts = {
         "rows": rows, "clips": args.clips, "reference_clips": args.reference_clips, "steps": steps, "schedule": target.pipeline_config(),
         "vae_eval": json.loads((Path(args.vae) / "eval.json").read_text()),
         "vae_config": dict(target.vae.config),
         "latent_shape": f"{target.vae.config.z_dim} x {target.latent_frames(17)} x {64 // target.spatial_ratio} x {64 // target.spatial_ratio}",
-        "runs": {name: last_log(run) for name, run in (("vae", args.vae), ("target", args.target), ("small", args.small))},
-        "minutes": {name: run_minutes(run) for name, run in (("vae", args.vae), ("target", args.target), ("small", args.small))},
-        "params": {name: sum(p.numel() for p in m.parameters()) for name, m in
-                   (("vae", target.vae), ("text_encoder", target.text_encoder), ("target", target.transformer), ("small", small.transformer))},
+        "runs": {name: last_log(run) for name, run in trained_runs},
+        "minutes": {name: run_minutes(run) for name, run in trained_runs},
+        "branched_at": {name: branch_step(run) for name, run in trained_runs},
+        "params": {name: sum(p.numel() for p in (m if isinstance(m, list) else m.parameters())) for name, m in
+                   (("vae", target.vae), ("text_encoder", target.text_encoder), ("target", target.transformer), ("small", small.transformer),
+                    ("vae encoder", [*target.vae.encoder.parameters(), *target.vae.quant_conv.parameters()]))},
         "sizes": {name: sum(f.stat().st_size for f in (assets / name).rglob("*") if f.is_file()) for name in pipes},
         "sweep": [row for path in args.sweep for row in json.loads(Path(path).read_text())],
     }
     Path(args.out).write_text(model_card(facts, args))
     quality.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def branch_step(run: str | Path) -> Optional[int]:
+    """The step a `--branch-from` run left its parent at (the last step of the log they share),
+    None for a run that started from scratch."""
+    parent = json.loads((Path(run) / "config.json").read_text())["args"].get("branch_from")
+    if not parent or not (Path(parent) / "log.jsonl").exists():
+        return None
+    shared = None
+    for ours, theirs in zip((Path(run) / "log.jsonl").read_text().splitlines(), (Path(parent) / "log.jsonl").read_text().splitlines()):
+        if ours != theirs:
+            break
+        shared = json.loads(ours)["step"]
+    return shared
+
+
+def by_sprite(row: dict) -> str:
+    """"; by sprite: red heart 71%, ..." (best first), or "" for figures without the breakdown."""
+    shares = sorted(row.get("class_accuracy_by_sprite", {}).items(), key=lambda kv: -kv[1])
+    return "; by sprite: " + ", ".join(f"{name} {share:.0%}" for name, share in shares) if shares else ""
+
+
+def vae_recipe(f: dict) -> str:
+    """The VAE bullet of the card, from the runs' arguments."""
+    a, steps = f["runs"]["vae"]["args"], f["runs"]["vae"]["final"]["step"]
+    loss = "L1 + L2 reconstruction" + (f" with the sprites' pixels weighted {1 + a['foreground_weight']:g}x"
+                                       if a.get("foreground_weight") else "")
+    if a.get("gradient_weight"):
+        loss += f", plus {a['gradient_weight']:g} x the gradient difference loss"
+    if a.get("encoder_from"):
+        e = f["runs"]["vae encoder"]["args"]
+        text = (f"the encoder (base {e['base_dim']}) is run `{a['encoder_from']}`'s, trained "
+                f"{f['runs']['vae encoder']['final']['step']} steps with its own decoder and frozen since; the decoder here "
+                f"(base {f['vae_config'].get('decoder_base_dim') or f['vae_config']['base_dim']}) trained alone behind it for "
+                f"{steps} steps on {loss}")
+    else:
+        text = f"{loss} plus {KL_WEIGHT:g} x the per-element KL, {steps} steps"
+    if a.get("adversarial_weight"):
+        branched = f["branched_at"].get("vae")
+        start = max(a.get("adversarial_from") or 0, branched or 0)
+        text += (f"; from step {start} on, VQGAN's hinge GAN term (weight {a['adversarial_weight']:g} x the adaptive balance) "
+                 f"against a PatchGAN critic on single frames, trained from scratch beside it")
+    elif f["branched_at"].get("vae") is not None:
+        text += f" (branched at step {f['branched_at']['vae']} from `{a['branch_from']}`)"
+    return (f"{text}. The decoder reads the posterior's mode (what the pipeline's latents are); random "
+            f"{a['frames']}-frame {a['crop']}x{a['crop']} crops of training clips, the last {a['full_steps']} steps on whole "
+            f"64x64 frames.")
 
 
 def run_minutes(run: str | Path) -> float:
@@ -944,7 +997,15 @@ def model_card(f: dict, args) -> str:
     t, s, v = PRESETS["target"], PRESETS["small"], f["vae_config"]
     vae_row = f["rows"]["real clips through the VAE"]
     sc = f["schedule"]
-    vae_args, target_args = f["runs"]["vae"]["args"], f["runs"]["target"]["args"]
+    target_args = f["runs"]["target"]["args"]
+    shape = (f"dim_mult {v['dim_mult']}, z {v['z_dim']}; x{v['scale_factor_spatial']} space, x{v['scale_factor_temporal']} time")
+    if "vae encoder" in f["runs"]:
+        vae_rows = "\n".join([
+            run_row("vae encoder", f"AutoencoderKLWan's encoder, base {v['base_dim']}, {shape}", f["params"]["vae encoder"]),
+            run_row("vae", f"its decoder, base {v.get('decoder_base_dim') or v['base_dim']} (trained alone)",
+                    f["params"]["vae"] - f["params"]["vae encoder"])])
+    else:
+        vae_rows = run_row("vae", f"AutoencoderKLWan, base {v['base_dim']}, {shape}", f["params"]["vae"])
     sweep = ""
     if f["sweep"]:
         lines = [f"| {r['model']} | {r['steps']} | {r['shift']:g} | {r['guidance']:g} | {r['class_accuracy']:.1%} | "
@@ -979,13 +1040,11 @@ thousand distinct ones); the clips do not.
 
 | component | what | parameters | steps | batch | peak lr | last logged loss | wall clock |
 |---|---|---|---|---|---|---|---|
-{run_row("vae", f"AutoencoderKLWan, base {v['base_dim']}, dim_mult {v['dim_mult']}, z {v['z_dim']}; x{v['scale_factor_spatial']} space, x{v['scale_factor_temporal']} time", f['params']['vae'])}
+{vae_rows}
 {run_row("target", f"WanTransformer3DModel {t['num_attention_heads']}x{t['attention_head_dim']} wide, {t['num_layers']} layers, ffn {t['ffn_dim']}, patch 1x2x2 (+ text encoder)", f['params']['target'] + f['params']['text_encoder'])}
 {run_row("small", f"WanTransformer3DModel {s['num_attention_heads']}x{s['attention_head_dim']} wide, {s['num_layers']} layers, ffn {s['ffn_dim']}", f['params']['small'])}
 
-- **VAE**: L1 + L2 reconstruction plus {KL_WEIGHT:g} x the per-element KL, decoding the posterior's mode
-  (what the pipeline's latents are), on random {vae_args['frames']}-frame {vae_args['crop']}x{vae_args['crop']} crops of
-  training clips, the last {vae_args['full_steps']} steps on whole 64x64 frames. Held-out reconstruction PSNR:
+- **VAE**: {vae_recipe(f)} Held-out reconstruction PSNR:
   **{f['vae_eval']['psnr_db']:.2f} dB** on {f['vae_eval']['eval_clips']} clips. The config's `latents_mean` / `latents_std`
   are the per-channel statistics of the posterior means of {f['vae_eval']['stats_clips']} training clips: the
   transformers denoise normalised latents ({f['latent_shape']} per clip).
@@ -1027,17 +1086,14 @@ clip: one prompt per call (17 frames, decoded), median of 3, on this machine's C
 ## Limits
 
 A CPU-trained toy, for offline tests and for benchmarks of block-diffusion decoding with honest
-quality figures; not a good video model, and undertrained. The VAE is the bottleneck: real clips
-through it keep {vae_row['direction_accuracy']:.0%} of their motions readable but only {vae_row['class_accuracy']:.1%} of
-their objects classifiable (sprites come back as coloured blobs, the first frame greyish, colours
-drifting over the clip; {f['vae_eval']['psnr_db']:.1f} dB held out), so class accuracy is near zero for every model.
-The transformers make plausible backgrounds and blobs (FID-proxy near the VAE's) but hardly follow
-the prompted motion (direction accuracy {f['rows']['emoji-motion']['direction_accuracy']:.0%}, against {vae_row['direction_accuracy']:.0%} through the VAE and
-{f['rows'].get('real clips, shuffled (calibration)', {}).get('direction_accuracy', float('nan')):.0%} for shuffled real frames), and later blocks drift (teacher forcing trains on clean
-context only). It knows only the corpus' eight sprites, six motions and caption grammar, 64x64
-frames and 17-frame clips (5 latent frames: longer rollouts put frames at rotary positions it
-never trained on). The small model scores like the target: neither learned much beyond the
-latents' statistics in this budget.
+quality figures; not a good video model. The VAE caps what any model here can show: real clips
+through it keep {vae_row['direction_accuracy']:.0%} of their motions readable and {vae_row['class_accuracy']:.1%} of their objects
+classifiable ({f['vae_eval']['psnr_db']:.1f} dB held out){by_sprite(vae_row)}. emoji-motion follows the prompted motion for
+{f['rows']['emoji-motion']['direction_accuracy']:.0%} of objects and emoji-motion-small for {f['rows']['emoji-motion-small']['direction_accuracy']:.0%} (shuffled real frames:
+{f['rows'].get('real clips, shuffled (calibration)', {}).get('direction_accuracy', float('nan')):.0%}); their class accuracy is {f['rows']['emoji-motion']['class_accuracy']:.1%} and {f['rows']['emoji-motion-small']['class_accuracy']:.1%}. Teacher forcing
+trains on clean context only, so an early block's error is not corrected by later blocks. It
+knows only the corpus' eight sprites, six motions and caption grammar, 64x64 frames and 17-frame clips (5 latent frames: longer rollouts put frames at rotary positions it
+never trained on).
 
 ## Reproduce
 

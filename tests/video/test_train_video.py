@@ -247,3 +247,44 @@ def test_the_adversarial_terms_train_each_side_against_the_other():
     balance = adaptive_weight(reconstruction, fooled, last)
     assert torch.allclose(adaptive_weight(reconstruction, 10 * fooled, last), balance / 10, rtol=1e-2)  # up to the 1e-4 in the denominator
     assert torch.allclose(adaptive_weight(3 * reconstruction, fooled, last), 3 * balance, rtol=1e-2)
+
+
+def card_facts(encoder_from: bool) -> dict:
+    """What `card` gathers, made up: figures of a decoder-only VAE run or of a whole one."""
+    quality = lambda c, d: {"class_accuracy": c, "direction_accuracy": d, "temporal_l1": 0.01, "fid_proxy": 5.0,
+                            "class_accuracy_by_sprite": {"red heart": 0.7, "sun": 0.03}}
+    args = dict(frames=17, crop=32, full_steps=100, foreground_weight=4.0, gradient_weight=0.0, adversarial_weight=0.5,
+                adversarial_from=1500, batch_size=8, lr=1e-3, warmup=100, weight_decay=0.05, text_steps=150, shift=3.0,
+                base_dim=16, encoder_from="runs/encoder" if encoder_from else None, branch_from=None)
+    run = lambda step: {"final": {"step": step, "loss": 0.1}, "args": args}
+    runs = {"vae": run(8000), "target": run(8000), "small": run(4000)}
+    if encoder_from:
+        runs["vae encoder"] = run(9000)
+    return {"rows": {"real clips": quality(0.99, 1.0), "real clips through the VAE": quality(0.2, 1.0),
+                     "emoji-motion": quality(0.1, 0.8), "emoji-motion-small": quality(0.05, 0.6)},
+            "clips": 64, "reference_clips": 256, "steps": 8, "schedule": {"shift": 3.0},
+            "vae_eval": {"psnr_db": 26.1, "eval_clips": 64, "stats_clips": 256},
+            "vae_config": {"base_dim": 16, "decoder_base_dim": 32 if encoder_from else None, "z_dim": 16, "dim_mult": [1, 2, 2],
+                           "scale_factor_spatial": 4, "scale_factor_temporal": 4},
+            "latent_shape": "16 x 5 x 16 x 16", "runs": runs, "minutes": {name: 60.0 for name in runs},
+            "branched_at": {name: None for name in runs},
+            "params": {"vae": 1_850_000, "vae encoder": 330_000, "text_encoder": 80_000, "target": 1_230_000, "small": 300_000},
+            "sizes": {"emoji-motion": 5e6, "emoji-motion-small": 6e5}, "sweep": []}
+
+
+@pytest.mark.parametrize("encoder_from", [False, True])
+def test_the_model_card_states_the_vae_recipe_and_limits_from_the_figures(encoder_from):
+    """The card's VAE rows and recipe follow the run (a decoder trained behind another run's
+    frozen encoder gets a row for each), and its limits quote the figures, per sprite."""
+    from types import SimpleNamespace
+
+    from benchmarks.train_video import model_card
+
+    card = model_card(card_facts(encoder_from), SimpleNamespace(training_note="", commands="python -m ..."))
+    assert ("| vae encoder | AutoencoderKLWan's encoder, base 16" in card) == encoder_from
+    assert ("its decoder, base 32 (trained alone)" in card) == encoder_from
+    assert ("frozen since" in card) == encoder_from and ("per-element KL" in card) != encoder_from
+    assert "from step 1500 on, VQGAN's hinge GAN term" in card and "weighted 5x" in card
+    assert "keep 100% of their motions readable and 20.0% of their objects" in card
+    assert "by sprite: red heart 70%, sun 3%" in card and "emoji-motion follows the prompted motion for\n80%" in card
+    assert "{" not in card.split("## Reproduce")[0]  # no placeholder left unformatted
