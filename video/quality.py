@@ -38,7 +38,8 @@ import torch
 
 from mmgen.image_ar.quality import ImageQualityProxies
 from mmgen.metrics import feature_statistics, frechet_distance
-from mmgen.video.data import MOTION_AXIS, MovingEmoji, MovingEmojiConfig, parse_caption, sprite_class, tensor_to_frames
+from mmgen.video.data import (MOTION_AXIS, MovingEmoji, MovingEmojiConfig, class_names, parse_caption, sprite_class,
+                              tensor_to_frames)
 
 Videos = Union[np.ndarray, torch.Tensor]
 
@@ -173,7 +174,10 @@ class VideoQualityProxies:
 
     def __call__(self, videos: Videos, captions: Sequence[str]) -> dict[str, float]:
         """{"class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy", "num_clips",
-        "class_accuracy_by_sprite"} (the last: {sprite name: class accuracy of its cut-outs})."""
+        "class_accuracy_by_sprite", "class_accuracy_by_frame", "read_as"}: the breakdowns are
+        {sprite name: class accuracy of its cut-outs}, the accuracy of each frame position (a causal
+        VAE encodes frame 0 alone), and {sprite name: {class name: share}}, the classes its
+        cut-outs are read as (the three most common; "absent" where the object has no pixels)."""
         frames = as_frames(videos)
         if len(frames) != len(captions):
             raise ValueError(f"{len(frames)} clips for {len(captions)} captions")
@@ -191,7 +195,9 @@ class VideoQualityProxies:
             min_move = self.min_move * max(clip.shape[1:3])
             directions += [motion_of(tracks[i], min_move) == prompt.motions[i] for i in range(k)]
         _, logits = self.scorer.features_and_logits(torch.cat(crops))
-        correct = (logits.argmax(-1).numpy() == np.concatenate(labels)) & np.concatenate(present)
+        predicted, present = logits.argmax(-1).numpy(), np.concatenate(present)
+        correct = (predicted == np.concatenate(labels)) & present
+        names, steps = np.array(names), frames.shape[1]
         features, _ = self.scorer.features_and_logits(_flat_images(frames))
         mean, cov = feature_statistics(features)
         return {
@@ -200,8 +206,18 @@ class VideoQualityProxies:
             "temporal_l1": float(np.abs(np.diff(frames.astype(np.float32), axis=1)).mean() / 255),
             "fid_proxy": frechet_distance(mean, cov, self.scorer.reference_mean, self.scorer.reference_cov),
             "num_clips": len(frames),
-            "class_accuracy_by_sprite": {name: float(correct[np.array(names) == name].mean()) for name in sorted(set(names))},
+            "class_accuracy_by_sprite": {name: float(correct[names == name].mean()) for name in sorted(set(names))},
+            "class_accuracy_by_frame": [float(a) for a in correct.reshape(-1, steps).mean(0)],
+            "read_as": {name: read_as(predicted[names == name], present[names == name]) for name in sorted(set(names))},
         }
+
+
+def read_as(predicted: np.ndarray, present: np.ndarray, top: int = 3) -> dict[str, float]:
+    """{class name: share} of the `top` most common readings of some cut-outs ("absent": no pixels)."""
+    readings = [class_names()[c] if here else "absent" for c, here in zip(predicted.tolist(), present.tolist())]
+    kinds, counts = np.unique(readings, return_counts=True)
+    order = np.argsort(-counts, kind="stable")[:top]
+    return {str(kinds[i]): float(counts[i] / len(readings)) for i in order}
 
 
 def _flat_images(frames: np.ndarray) -> torch.Tensor:

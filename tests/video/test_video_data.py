@@ -16,8 +16,8 @@ from benchmarks.data.emoji import FONT
 # installs it), so its absence fails here with the remedy instead of skipping.
 assert os.path.exists(FONT), f"{FONT} is missing: apt-get install fonts-noto-color-emoji unicode-data"
 
-from mmgen.video.data import (MOTIONS, PHRASES, MovingEmoji, MovingEmojiConfig, caption, load_shard, make_clip, parse_caption,
-                              tensor_to_frames, write_shard)
+from mmgen.video.data import (MOTIONS, PHRASES, MovingEmoji, MovingEmojiConfig, caption, class_names, load_shard, make_clip,
+                              parse_caption, sprite_class, tensor_to_frames, write_shard)
 from mmgen.video.quality import Prompt, VideoQualityProxies, calibrate, motion_of, track
 
 
@@ -99,6 +99,13 @@ def test_proxies_separate_real_shuffled_and_noise():
         by_sprite = r["class_accuracy_by_sprite"]
         assert set(by_sprite) == set(names)
         assert np.isclose(sum(by_sprite[n] for n in names) / len(names), r["class_accuracy"])
+        # Per frame position, 9 figures averaging to the whole; and what each sprite is read as.
+        assert len(r["class_accuracy_by_frame"]) == 9 and np.isclose(np.mean(r["class_accuracy_by_frame"]), r["class_accuracy"])
+        for name in set(names):
+            shares = r["read_as"][name]
+            assert 0 < len(shares) <= 3 and sum(shares.values()) <= 1 + 1e-9 and list(shares.values()) == sorted(shares.values(), reverse=True)
+            if r is real:  # read right: its own class leads
+                assert next(iter(shares)) == class_names()[sprite_class(name)]
     # float videos in [-1, 1] score like their uint8 frames
     clips = [MovingEmoji(config, seed=0, length=2)[i] for i in range(2)]
     as_float = torch.stack([c.tensor() for c in clips])
