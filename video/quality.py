@@ -214,7 +214,8 @@ class VideoQualityProxies:
 
 def read_as(predicted: np.ndarray, present: np.ndarray, top: int = 3) -> dict[str, float]:
     """{class name: share} of the `top` most common readings of some cut-outs ("absent": no pixels)."""
-    readings = [class_names()[c] if here else "absent" for c, here in zip(predicted.tolist(), present.tolist())]
+    names = class_names()
+    readings = [names[c] if here else "absent" for c, here in zip(predicted.tolist(), present.tolist())]
     kinds, counts = np.unique(readings, return_counts=True)
     order = np.argsort(-counts, kind="stable")[:top]
     return {str(kinds[i]): float(counts[i] / len(readings)) for i in order}
