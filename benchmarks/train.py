@@ -22,6 +22,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -82,6 +83,50 @@ def cosine_lr(step: int, steps: int, base: float, warmup: int) -> float:
     return base * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
 
 
+class WeightAverage:
+    """An exponential moving average of a model's trained weights (Polyak averaging; diffusion
+    models are evaluated on it: DDPM, Ho et al. 2020; DiT, Peebles and Xie 2023). The decay warms
+    up as min(decay, (1 + k) / (10 + k)) over its first k updates. Frozen parameters and buffers
+    are copied, not averaged, so a part frozen mid-run (the video target's text encoder) stays
+    exactly the weights the rest trained against."""
+
+    def __init__(self, model: torch.nn.Module, decay: float, state: Optional[dict] = None):
+        self.model, self.decay = model, decay
+        live = model.state_dict()
+        self.weights = {k: v.detach().clone() for k, v in (state["weights"] if state else live).items()}
+        self.updates = int(state["updates"]) if state else 0
+
+    def update(self) -> None:
+        live = self.model.state_dict()
+        trained = {name for name, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        with torch.no_grad():
+            for name, weight in self.weights.items():
+                if name in trained and weight.is_floating_point():
+                    weight.lerp_(live[name].detach().to(weight.dtype), 1 - decay)
+                else:
+                    weight.copy_(live[name])
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"weights": self.weights, "updates": self.updates}
+
+    @contextmanager
+    def swapped_in(self):
+        """The model holds the averaged weights inside the block, its own again after."""
+        own = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.model.load_state_dict(self.weights)
+        try:
+            yield
+        finally:
+            self.model.load_state_dict(own)
+
+
+def trained_weights(state: dict) -> dict:
+    """The weights a run's checkpoint stands for: its average (`--ema`) where it kept one."""
+    return state["ema"]["weights"] if "ema" in state else state["model"]
+
+
 def train_loop(
     model: torch.nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Generator], tuple[torch.Tensor, dict]],
@@ -104,13 +149,17 @@ def train_loop(
     its curve. It runs under `no_grad` with its own randomness, so it changes nothing a resumed
     run replays. The forward runs under bf16 autocast on `args.device` "cuda", and on the CPU where
     `args.autocast` is "bf16" (oneDNN's bf16 convolutions: 1.46x a float32 step of the base-32 video
-    VAE on AVX512-BF16 cores; docs/benchmarks.md has the command)."""
+    VAE on AVX512-BF16 cores; docs/benchmarks.md has the command).
+
+    `args.ema` > 0 keeps a `WeightAverage` of that decay in the checkpoint (from the first step, or
+    from the step a run without one is resumed with it); held-out figures, `best.pt` and
+    `load_trained` then use the averaged weights."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(getattr(args, "device", "cpu"))
     model.to(device)
     optimizer = torch.optim.AdamW(param_groups or model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    start = 0
+    start, state = 0, {}
     checkpoint = out / "checkpoint.pt"
     if checkpoint.exists():
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
@@ -120,6 +169,11 @@ def train_loop(
         print(f"resumed {checkpoint} at step {start}")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     log = open(out / "log.jsonl", "a")
+    decay = getattr(args, "ema", 0.0) or 0.0
+    average = WeightAverage(model, decay, state.get("ema")) if decay else None
+    if average is not None and "ema" not in state:  # the average starts here: the log says where
+        log.write(json.dumps({"step": start, "weight_average": {"decay": decay}}) + "\n")
+        log.flush()
     model.train()
     started = time.time()
     stop = args.steps if args.run_steps is None else min(args.steps, start + args.run_steps)
@@ -145,6 +199,8 @@ def train_loop(
         for params in apart:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        if average is not None:
+            average.update()
         done = step + 1
         out_of_time = deadline is not None and time.time() >= deadline
         if done % args.log_every == 0 or done == args.steps or out_of_time:
@@ -153,12 +209,13 @@ def train_loop(
             log.flush()
             print(json.dumps(record), flush=True)
         if heldout is not None and eval_every and (done % eval_every == 0 or done == args.steps):
-            record = log_heldout(model, heldout, done, out, autocast)
+            record = log_heldout(model, heldout, done, out, autocast, average)
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
         if done % args.save_every == 0 or done == stop or out_of_time:
-            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done}, checkpoint)
+            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": done,
+                         **({"ema": average.state_dict()} if average is not None else {})}, checkpoint)
         if out_of_time:
             print(f"stopped after {minutes} minutes at step {done} of {args.steps}; the same command resumes", flush=True)
             break
@@ -171,11 +228,14 @@ def save_atomic(state: dict, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, out: Path, autocast) -> dict:
-    """One held-out measurement; `best.pt` keeps the weights of the best `score` so far."""
+def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, out: Path, autocast,
+                average: Optional[WeightAverage] = None) -> dict:
+    """One held-out measurement (of the weight average, where the run keeps one); `best.pt` keeps
+    the weights of the best `score` so far."""
     model.eval()
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, (average.swapped_in() if average is not None else nullcontext()):
         figures = heldout()
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     model.train()
     record = {"step": step, "heldout": figures}
     best = out / "best.json"
@@ -184,7 +244,7 @@ def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, 
         kept = json.loads(best.read_text()) if best.exists() else {}
         previous = kept.get("score", -math.inf) if kept.get("metric") == figures.get("metric") else -math.inf
         if figures["score"] > previous:
-            save_atomic({"model": model.state_dict(), "step": step}, out / "best.pt")
+            save_atomic({"model": weights, "step": step}, out / "best.pt")
             write_atomic(best, (json.dumps({"step": step, "score": figures["score"], "metric": figures.get("metric")}) + "\n").encode())
     return record
 
@@ -410,8 +470,9 @@ def round_to_half(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def load_trained(model: torch.nn.Module, run: str) -> torch.nn.Module:
+    """`model` with a run's trained weights (`trained_weights`: the average where it kept one)."""
     state = torch.load(Path(run) / "checkpoint.pt", map_location="cpu", weights_only=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(trained_weights(state))
     return model.eval()
 
 
@@ -455,6 +516,8 @@ def add_training_arguments(p: argparse.ArgumentParser, lr: float, batch: int) ->
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--autocast", choices=("auto", "bf16", "off"), default="auto",
                    help="bf16 autocast of the forward (auto: on CUDA only)")
+    p.add_argument("--ema", type=float, default=0.0, help="keep an exponential moving average of the weights with this "
+                   "decay (e.g. 0.999); held-out figures, best.pt and the exported weights are the average's")
     p.add_argument("--run-steps", type=int, help="train at most this many steps in this invocation, then "
                    "checkpoint and exit; the same command resumes (bounded CPU sessions)")
     p.add_argument("--minutes", type=float, help="train at most this many minutes of wall clock in this invocation, "

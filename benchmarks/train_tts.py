@@ -77,7 +77,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop
+from benchmarks.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop, trained_weights
 from mmgen.audio.dia import TEXT_FRONTEND_KEY
 from mmgen.audio.phonemes import spell_phonemes
 
@@ -414,7 +414,7 @@ def train_model(args) -> None:
     if args.init is not None and not (Path(args.out) / "checkpoint.pt").exists():
         # A second stage: another run's weights (same preset and codes layout), a fresh optimizer
         # and schedule; a resumed run reads its own checkpoint instead.
-        model.load_state_dict(torch.load(Path(args.init) / "checkpoint.pt", map_location="cpu", weights_only=True)["model"])
+        model.load_state_dict(trained_weights(torch.load(Path(args.init) / "checkpoint.pt", map_location="cpu", weights_only=True)))
     if args.guided_attention or args.eval_every:
         model.set_attn_implementation("eager")  # attention weights to guide and to measure; the same function
     clock = steps_per_second()

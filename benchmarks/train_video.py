@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop, trained_weights
 
 #: Clips of the training corpus, the VAE's held-out corpus (never trained on) and the proxies' corpora.
 TRAIN_SEED, HELD_OUT_SEED, PROMPT_SEED, REFERENCE_SEED = 100, 2, 0, 1
@@ -223,6 +223,7 @@ def branch_checkpoint(parent: Path, out: Path, critic: Optional[PatchCritic], cr
 
     state = torch.load(parent / "checkpoint.pt", map_location="cpu", weights_only=True)
     if critic is not None and not any(key.startswith("critic.") for key in state["model"]):
+        state.pop("ema", None)  # a weight average restarts beside the new critic
         state["model"] = {**{f"vae.{k}": v for k, v in state["model"].items()},
                           **{f"critic.{k}": v for k, v in critic.state_dict().items()}}
         groups = state["optimizer"]["param_groups"]
@@ -387,7 +388,7 @@ def load_vae_run(run: str | Path):
 def load_vae_checkpoint(run: str | Path, name: str = "checkpoint.pt"):
     """The VAE of a run's `checkpoint.pt` (or `best.pt`), rounded to float16 (as it ships)."""
     vae = new_vae(config=run_vae_config(run))
-    vae.load_state_dict(vae_weights(torch.load(Path(run) / name, map_location="cpu", weights_only=True)["model"]))
+    vae.load_state_dict(vae_weights(trained_weights(torch.load(Path(run) / name, map_location="cpu", weights_only=True))))
     return round_to_half(vae.eval())
 
 
@@ -912,6 +913,7 @@ def card(args) -> None:
         "runs": {name: last_log(run) for name, run in trained_runs},
         "minutes": {name: run_minutes(run) for name, run in trained_runs},
         "branched_at": {name: branch_step(run) for name, run in trained_runs},
+        "averaged": {name: weight_average(run) for name, run in trained_runs},
         "params": {name: sum(p.numel() for p in (m if isinstance(m, list) else m.parameters())) for name, m in
                    (("vae", target.vae), ("text_encoder", target.text_encoder), ("target", target.transformer), ("small", small.transformer),
                     ("vae encoder", [*target.vae.encoder.parameters(), *target.vae.quant_conv.parameters()]))},
@@ -968,6 +970,23 @@ def vae_recipe(f: dict) -> str:
     return (f"{text}. The decoder reads the posterior's mode (what the pipeline's latents are); random "
             f"{a['frames']}-frame {a['crop']}x{a['crop']} crops of training clips, the last {a['full_steps']} steps on whole "
             f"64x64 frames.")
+
+
+def weight_average(run: str | Path) -> Optional[dict]:
+    """{"decay", "from_step"} of the weight average a run keeps (`--ema`; the log marks where it
+    started), None for a run without one."""
+    for record in map(json.loads, (Path(run) / "log.jsonl").read_text().splitlines()):
+        if "weight_average" in record:
+            return {**record["weight_average"], "from_step": record["step"]}
+    return None
+
+
+def averaged_note(f: dict) -> str:
+    """The card's sentence on which shipped weights are weight averages."""
+    parts = [f"{name}'s from step {a['from_step']} (decay {a['decay']:g})"
+             for name, a in f.get("averaged", {}).items() if a is not None]
+    return ("The shipped weights are exponential moving averages of the trained ones (`--ema`): "
+            + "; ".join(parts) + ".") if parts else ""
 
 
 def run_minutes(run: str | Path) -> float:
@@ -1060,6 +1079,7 @@ thousand distinct ones); the clips do not.
   velocity against noise - x0 on the noisy half. {TEXT_DROPOUT:.0%} of the captions are "" (the
   negative prompt) for classifier-free guidance. AdamW (betas 0.9/0.95, weight decay
   {target_args['weight_decay']:g}), cosine schedule, {target_args['warmup']} warm-up steps, gradient clipping 1.0; one CPU thread each.
+  {averaged_note(f)}
 {args.training_note}
 
 ## Sampling defaults

@@ -268,6 +268,7 @@ def card_facts(encoder_from: bool) -> dict:
                            "scale_factor_spatial": 4, "scale_factor_temporal": 4},
             "latent_shape": "16 x 5 x 16 x 16", "runs": runs, "minutes": {name: 60.0 for name in runs},
             "branched_at": {name: None for name in runs},
+            "averaged": {name: {"decay": 0.999, "from_step": 3400} if name == "target" else None for name in runs},
             "params": {"vae": 1_850_000, "vae encoder": 330_000, "text_encoder": 80_000, "target": 1_230_000, "small": 300_000},
             "sizes": {"emoji-motion": 5e6, "emoji-motion-small": 6e5}, "sweep": []}
 
@@ -287,4 +288,5 @@ def test_the_model_card_states_the_vae_recipe_and_limits_from_the_figures(encode
     assert "from step 1500 on, VQGAN's hinge GAN term" in card and "weighted 5x" in card
     assert "keep 100% of their motions readable and 20.0% of their objects" in card
     assert "by sprite: red heart 70%, sun 3%" in card and "emoji-motion follows the prompted motion for\n80%" in card
+    assert "exponential moving averages of the trained ones (`--ema`): target's from step 3400 (decay 0.999)." in card
     assert "{" not in card.split("## Reproduce")[0]  # no placeholder left unformatted
