@@ -93,7 +93,8 @@ class WeightAverage:
     def __init__(self, model: torch.nn.Module, decay: float, state: Optional[dict] = None):
         self.model, self.decay = model, decay
         live = model.state_dict()
-        self.weights = {k: v.detach().clone() for k, v in (state["weights"] if state else live).items()}
+        kept = state["weights"] if state else live
+        self.weights = {k: kept[k].detach().clone().to(v.device) for k, v in live.items()}
         self.updates = int(state["updates"]) if state else 0
 
     def update(self) -> None:

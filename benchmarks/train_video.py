@@ -641,12 +641,14 @@ def train_transformer(args) -> None:
     snapshot = Path(args.out) / "text_encoder"
     if args.job == "target" and args.text_steps < step_of(args, None):  # resumed past the freeze
         assert snapshot.exists(), f"{snapshot} is missing"
+        text_encoder.requires_grad_(False)
     calls: dict[str, Any] = {"step": None}
 
     def loss_fn(index, generator):
         step = calls["step"] = step_of(args, calls["step"])
         if args.job == "target" and step == args.text_steps:
             freeze_text_encoder(text_encoder, snapshot)  # the same weights however often it runs (resumes)
+            text_encoder.requires_grad_(False)  # a weight average copies it from here on
         trained = args.job == "target" and step < args.text_steps
         loss = flow_loss(transformer, prompts, data, index, generator, args.text_dropout, args.shift, train_text=trained)
         return loss, {"text": "trained" if trained else "frozen"}

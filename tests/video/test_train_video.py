@@ -88,11 +88,14 @@ def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
     common = ["--latents", str(path), "--batch-size", "4", "--warmup", "2", "--log-every", "1", "--threads", "1",
               "--text-dropout", "0.5"]
     # The text encoder trains for 2 steps, then is rounded to float16, frozen and saved; a run
-    # stopped at step 1 and at step 3 (either side of the freeze) ends as one that never stopped.
-    target = straight_and_resumed(tmp_path / "target", ["target", *common, "--text-steps", "2"], 4, [1, 2])
+    # stopped at step 1 and at step 3 (either side of the freeze) ends as one that never stopped,
+    # its weight average included, and the average holds the frozen text encoder exactly.
+    target = straight_and_resumed(tmp_path / "target", ["target", *common, "--text-steps", "2", "--ema", "0.9"], 4, [1, 2])
     frozen = {k[len("text_encoder."):]: v for k, v in target["model"].items() if k.startswith("text_encoder.")}
     for run in ("straight", "resumed"):
         saved = torch.load(tmp_path / "target" / run / "checkpoint.pt", weights_only=True)
+        assert all(torch.equal(v, target["ema"]["weights"][k]) for k, v in saved["ema"]["weights"].items())
+        assert all(torch.equal(saved["ema"]["weights"][f"text_encoder.{k}"], v) for k, v in frozen.items())
         from transformers import UMT5EncoderModel
 
         snapshot = UMT5EncoderModel.from_pretrained(str(tmp_path / "target" / run / "text_encoder")).state_dict()
@@ -100,6 +103,8 @@ def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
         assert all(torch.equal(v, v.half().float()) for v in frozen.values())
         assert saved["step"] == 4
     logs = [json.loads(line) for line in (tmp_path / "target" / "straight" / "log.jsonl").read_text().splitlines()]
+    assert logs[0] == {"step": 0, "weight_average": {"decay": 0.9}}  # where the average started
+    logs = [r for r in logs if "loss" in r]
     assert [r["text"] for r in logs] == ["trained", "trained", "frozen", "frozen"] and all(np.isfinite(r["loss"]) for r in logs)
     small = ["small", *common, "--text-encoder", str(tmp_path / "target" / "straight" / "text_encoder")]
     state = straight_and_resumed(tmp_path / "small", small, 3, [2])
