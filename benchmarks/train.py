@@ -234,19 +234,18 @@ def log_heldout(model: torch.nn.Module, heldout: Callable[[], dict], step: int, 
     """One held-out measurement (of the weight average, where the run keeps one); `best.pt` keeps
     the weights of the best `score` so far."""
     model.eval()
+    best = out / "best.json"
     with torch.no_grad(), autocast, (average.swapped_in() if average is not None else nullcontext()):
         figures = heldout()
-        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if "score" in figures:
+            # A score of another metric (a run resumed with other held-out figures) does not compare.
+            kept = json.loads(best.read_text()) if best.exists() else {}
+            previous = kept.get("score", -math.inf) if kept.get("metric") == figures.get("metric") else -math.inf
+            if figures["score"] > previous:
+                save_atomic({"model": model.state_dict(), "step": step}, out / "best.pt")
+                write_atomic(best, (json.dumps({"step": step, "score": figures["score"], "metric": figures.get("metric")}) + "\n").encode())
     model.train()
     record = {"step": step, "heldout": figures}
-    best = out / "best.json"
-    if "score" in figures:
-        # A score of another metric (a run resumed with other held-out figures) does not compare.
-        kept = json.loads(best.read_text()) if best.exists() else {}
-        previous = kept.get("score", -math.inf) if kept.get("metric") == figures.get("metric") else -math.inf
-        if figures["score"] > previous:
-            save_atomic({"model": weights, "step": step}, out / "best.pt")
-            write_atomic(best, (json.dumps({"step": step, "score": figures["score"], "metric": figures.get("metric")}) + "\n").encode())
     return record
 
 
@@ -376,6 +375,19 @@ def last_log(run: str) -> dict:
     records = [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines()]
     final = next(r for r in reversed(records) if r["step"] <= step and "loss" in r)  # not a held-out record
     return {"final": {**final, "step": step}, "args": json.loads((Path(run) / "config.json").read_text())["args"]}
+
+
+def wall_clock(run: str | Path) -> tuple[float, int]:
+    """Training seconds of a run summed over its invocations (each restarts the log's clock, so a
+    drop in `seconds` starts a new one; time after an invocation's last record is not counted),
+    and the number of invocations."""
+    records = [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines()]
+    total, last, invocations = 0.0, 0.0, 1
+    for seconds in (r["seconds"] for r in records if "seconds" in r):
+        if seconds < last:
+            total, invocations = total + last, invocations + 1
+        last = seconds
+    return total + last, invocations
 
 
 def model_card(f: dict) -> str:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import torchaudio
 
 from benchmarks.data.speech import SAMPLE_RATE, load_corpus, utterance
-from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop
+from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop, wall_clock
 from mmgen.audio.phonemes import PHONEMES, reduce_phonemes
 from mmgen.audio.recogniser import PhonemeRecogniser, phoneme_error_rate
 
@@ -401,19 +401,6 @@ def unseen_per(recogniser: PhonemeRecogniser, texts: tuple[str, ...] = UNSEEN_TE
         waves.append(torch.from_numpy(to_16k(audio, rate).astype(np.float32) / 32768))
         refs.append(" ".join(reduce_phonemes(ipa)))
     return phoneme_error_rate(refs, recogniser.transcribe(waves, SAMPLE_RATE))
-
-
-def wall_clock(run: str | Path) -> tuple[float, int]:
-    """Training seconds of a run summed over its invocations (each restarts the log's clock, so a
-    drop in `seconds` starts a new one; time after an invocation's last record is not counted),
-    and the number of invocations."""
-    records = [json.loads(line) for line in (Path(run) / "log.jsonl").read_text().splitlines()]
-    total, last, invocations = 0.0, 0.0, 1
-    for seconds in (r["seconds"] for r in records if "seconds" in r):
-        if seconds < last:
-            total, invocations = total + last, invocations + 1
-        last = seconds
-    return total + last, invocations
 
 
 def recogniser_card(f: dict[str, Any]) -> str:

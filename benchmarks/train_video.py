@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop, trained_weights
+from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop, trained_weights, wall_clock
 
 #: Clips of the training corpus, the VAE's held-out corpus (never trained on) and the proxies' corpora.
 TRAIN_SEED, HELD_OUT_SEED, PROMPT_SEED, REFERENCE_SEED = 100, 2, 0, 1
@@ -356,9 +356,9 @@ def freeze_encoder(vae, source) -> None:
     """Give `vae` the encoder side (`encoder.*`, `quant_conv.*`) of `source` and freeze it: its
     posterior, hence every latent it encodes, is `source`'s."""
     encoder_side = {k: v for k, v in source.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
-    missing = vae.load_state_dict(encoder_side, strict=False)
-    if missing.unexpected_keys:
-        raise SystemExit(f"the encoder does not fit this VAE: {missing.unexpected_keys[:3]}")
+    unexpected = vae.load_state_dict(encoder_side, strict=False).unexpected_keys
+    if unexpected:
+        raise SystemExit(f"the encoder does not fit this VAE: {unexpected[:3]}")
     for module in (vae.encoder, vae.quant_conv):
         module.requires_grad_(False)
 
@@ -913,7 +913,7 @@ def card(args) -> None:
         "vae_config": dict(target.vae.config),
         "latent_shape": f"{target.vae.config.z_dim} x {target.latent_frames(17)} x {64 // target.spatial_ratio} x {64 // target.spatial_ratio}",
         "runs": {name: last_log(run) for name, run in trained_runs},
-        "minutes": {name: run_minutes(run) for name, run in trained_runs},
+        "minutes": {name: wall_clock(run)[0] / 60 for name, run in trained_runs},
         "branched_at": {name: branch_step(run) for name, run in trained_runs},
         "averaged": {name: weight_average(run) for name, run in trained_runs},
         "params": {name: sum(p.numel() for p in (m if isinstance(m, list) else m.parameters())) for name, m in
@@ -989,19 +989,6 @@ def averaged_note(f: dict) -> str:
              for name, a in f.get("averaged", {}).items() if a is not None]
     return ("The shipped weights are exponential moving averages of the trained ones (`--ema`): "
             + "; ".join(parts) + ".") if parts else ""
-
-
-def run_minutes(run: str | Path) -> float:
-    """Wall-clock minutes of a run's training steps over all its invocations (each restarts the
-    log's clock), steps that a kill made it repeat included."""
-    total, last = 0.0, 0.0
-    for record in map(json.loads, (Path(run) / "log.jsonl").read_text().splitlines()):
-        if "seconds" not in record:  # a held-out record
-            continue
-        if record["seconds"] < last:
-            total += last
-        last = record["seconds"]
-    return (total + last) / 60
 
 
 def model_card(f: dict, args) -> str:

@@ -1,6 +1,8 @@
 """The training harness resumes exactly: killed at a checkpoint and restarted, it ends with the
 weights of a run that never stopped."""
 
+import json
+
 import numpy as np
 import torch
 
@@ -94,3 +96,13 @@ def test_a_run_with_a_weight_average_resumes_exactly_and_loads_the_average(tmp_p
     assert weight_average(tmp_path / "vae") == {"decay": 0.5, "from_step": 0} and weight_average(tmp_path / "straight") is not None
     vae = load_vae_checkpoint(tmp_path / "vae")
     assert all(torch.equal(v, state["ema"]["weights"][k].half().float()) for k, v in vae.state_dict().items())
+
+
+def test_wall_clock_sums_the_invocations_of_a_resumed_run(tmp_path):
+    from benchmarks.train import wall_clock
+
+    # Two invocations (the second restarts the clock); held-out records carry no seconds.
+    records = [{"step": 50, "seconds": 10.0}, {"step": 100, "seconds": 20.0}, {"step": 100, "heldout": {}},
+               {"step": 150, "seconds": 12.5}, {"step": 200, "seconds": 25.0}]
+    (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert wall_clock(tmp_path) == (45.0, 2)
