@@ -32,7 +32,13 @@ never stopped. Held-out utterances (the corpus' `is_eval`) are never trained on.
 
 The card also hears the exported folders (`--assets`) speak the held-out texts as written, one
 call per text (PER under the bundled recogniser, texts that end, durations; `--speak N` for the
-first N only), beside the codec's round-trip floor.
+first N only), beside the codec's round-trip floor. Its "Decoding" section is the frame decoders
+on the exported pair, from the benchmarks' results: `--decoding` takes `benchmarks.tts_bundled
+--out` files (batch 1, one per thread count), `--batch-decoding` a `benchmarks.tts_continuous_batching
+--json` file. The `decoding` job writes that section alone into an existing card:
+
+    python -m benchmarks.train_tts decoding --card audio/assets/speech-tts/MODEL_CARD.md \
+        --results runs/speech-bundled-t1.json runs/speech-bundled-t2.json --batch-results runs/speech-batch8-t1.json
 
 `--codec` is either a codec run of `train_speech.py codec` (checkpoint.pt + config.json) or a
 transformers `DacModel` folder (`train_speech.py export` writes one in `<out>/codec`).
@@ -80,6 +86,7 @@ import torch.nn.functional as F
 from benchmarks.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop, trained_weights
 from mmgen.audio.dia import TEXT_FRONTEND_KEY
 from mmgen.audio.phonemes import spell_phonemes
+from mmgen.files import write_atomic
 
 #: Encoder / decoder sizes of the pair (transformers' DiaEncoderConfig / DiaDecoderConfig fields).
 PRESETS = {
@@ -594,6 +601,83 @@ By kind of held-out text (the codec's floor too: the recogniser hears some kinds
 """
 
 
+#: Frame decoders whose frames do not follow the target's law (`tts_bundled` method names).
+LOSSY_METHODS = ("mmgen entropy-switch",)
+
+
+def decoding_section(bundled: list[dict[str, Any]], batched: Optional[dict[str, Any]], note: str = "") -> str:
+    """The card's "## Decoding" section from `benchmarks.tts_bundled` results (batch 1, one per
+    thread count) and a `benchmarks.tts_continuous_batching --json` result (batches): per method,
+    frames per target forward, ms per frame, real-time factor and PER, against `mmgen ar` and
+    transformers' `generate` on the same weights."""
+    lines = ["## Decoding", "",
+             "Batch 1: the shipped pair loaded in float32 on this project's CPU machine, each held-out utterance "
+             "from its own seed, shared by every method; methods interleaved, medians over utterances (PER over "
+             "all of them). \"= generate\": utterances whose frames equal transformers' `generate`'s with the same seed.",
+             "", "| threads | method | frames per target forward | ms/frame (IQR) | vs mmgen ar | real-time factor | PER | = generate |",
+             "|---|---|---|---|---|---|---|---|"]
+    best = []
+    for result in sorted(bundled, key=lambda r: r["threads"]):
+        rows = {r["method"]: r for r in result["rows"]}
+        ar = rows["mmgen ar"]["ms_per_frame"]["median"]
+        for name, r in rows.items():
+            t = r["ms_per_frame"]
+            label = f"{name} (lossy; the target sampled {r['target_frame_share']:.0%} of the frames)" if name in LOSSY_METHODS else name
+            lines.append(f"| {result['threads']} | {label} | {r['frames_per_forward']:.2f} | {t['median']:.2f} "
+                         f"({t['q1']:.2f}-{t['q3']:.2f}) | {ar / t['median']:.2f}x | {r['rtf']:.3f} | {r['per']:.1%} | "
+                         f"{r['identical_to_generate']:.0%} |")
+        for name, error in result["failures"].items():
+            lines.append(f"| {result['threads']} | {name} | | | | | | {error} |")
+        lossless = [(ar / r["ms_per_frame"]["median"], name) for name, r in rows.items()
+                    if name.startswith("mmgen") and name != "mmgen ar" and name not in LOSSY_METHODS]
+        if lossless:
+            best.append(f"{max(lossless)[1]} at {max(lossless)[0]:.2f}x `mmgen ar` ({threads(result['threads'])})")
+    first = bundled[0]
+    s = first["sampling"]
+    lines += ["", f"{first['utterances']} held-out utterances, {'greedy' if first['greedy'] else 'sampled'} at the "
+              f"defaults (temperature {s['temperature']}, top-k {s['top_k']}, guidance {s['guidance_scale']}); the "
+              f"codec's own round trip scores {first['reference_per']['codec round trip']:.1%} PER on them. Fastest "
+              f"lossless frame speculation: {'; '.join(best)}."]
+    if batched is not None:
+        lines += ["", f"Batches of {batched['rows'][0]['batch_size']} ({batched['rows'][0]['utterances']} held-out texts, "
+                  f"{'sampled' if batched['sampled'] else 'greedy'}, {threads(batched['threads'])}, codec decoding "
+                  "included): static calls of that many texts against continuous batching (a row takes the next text "
+                  "when its speech ends), utterances per second, medians.", "",
+                  "| method | static | continuous | forwards static / continuous |", "|---|---|---|---|"]
+        lines += [f"| {r['method']} | {r['static_utterances_per_s']:.2f} | {r['continuous_utterances_per_s']:.2f} | "
+                  f"{r['static_forwards']} / {r['continuous_forwards']} |" for r in batched["rows"]]
+    if note:
+        lines += ["", note]
+    lines += ["", "```", *[r["command"] for r in sorted(bundled, key=lambda r: r["threads"])],
+              *([batched["command"]] if batched is not None else []), "```", ""]
+    return "\n".join(lines)
+
+
+def threads(n: int) -> str:
+    return f"{n} thread{'s' if n > 1 else ''}"
+
+
+def replace_section(card_text: str, section: str, before: str = "## Sampling defaults") -> str:
+    """`card_text` with its section of `section`'s heading replaced by `section` (or put before
+    the `before` heading where it has none)."""
+    heading = section.split("\n", 1)[0] + "\n"
+    if heading in card_text:
+        start = card_text.index(heading)
+        end = card_text.find("\n## ", start + len(heading))
+        return card_text[:start] + section + ("\n" + card_text[end + 1:] if end >= 0 else "")
+    at = card_text.index(before)
+    return card_text[:at] + section + "\n" + card_text[at:]
+
+
+def decoding(args) -> None:
+    """Write the decoding figures into an existing card (its other sections stay as they are)."""
+    bundled = [json.loads(Path(path).read_text()) for path in args.results]
+    batched = json.loads(Path(args.batch_results).read_text()) if args.batch_results else None
+    card_path = Path(args.card)
+    write_atomic(card_path, replace_section(card_path.read_text(), decoding_section(bundled, batched, args.decoding_note)).encode())
+    print(f"wrote {card_path}")
+
+
 def card(args) -> None:
     """MODEL_CARD.md from the runs' logs, the held-out teacher-forced losses of the trained
     weights (rounded to float16 as exported) and the exported pipelines (`--assets`) speaking the
@@ -609,6 +693,9 @@ def card(args) -> None:
         facts[name] = {"params": parameters(model), "config": model.config,
                        "text": held_out_loss(model, held_out), "no_text": held_out_loss(model, held_out, drop_text=True)}
     speaking = speaking_figures(held_out, Path(args.assets), args.speak)
+    bundled = [json.loads(Path(path).read_text()) for path in args.decoding]
+    batched = json.loads(Path(args.batch_decoding).read_text()) if args.batch_decoding else None
+    decoding_text = decoding_section(bundled, batched, args.decoding_note) + "\n" if bundled else ""
     uniform = math.log(held_out.codebook_size)
     C, V = held_out.num_codebooks, held_out.codebook_size
     seconds = lambda data: sum(len(c) for c in data.codes) / (data.frame_rate or 50)
@@ -695,7 +782,7 @@ Sentences of none of the corpus' kinds: {len(EVERYDAY_TEXTS)} everyday ones ("{E
 "{EVERYDAY_TEXTS[1]}", ...: `EVERYDAY_TEXTS` in `benchmarks/train_tts.py`), text k from seed k, score
 PER {speaking['speech-tts']['everyday_per']:.1%} (speech-tts) and {speaking['speech-tts-draft']['everyday_per']:.1%} (speech-tts-draft). {args.speaking_note}
 
-## Sampling defaults
+{decoding_text}## Sampling defaults
 
 Saved in `generation_config.json`: sampled (`do_sample`), temperature {SAMPLING['temperature']}, top-k
 {SAMPLING['top_k']} (Dia also filters its guided candidates with this k), guidance scale {SAMPLING['guidance_scale']},
@@ -724,6 +811,15 @@ python -m benchmarks.train_tts card --codes {args.codes} --target {args.target} 
     print(f"wrote {args.out}")
     print(json.dumps({name: {k: v for k, v in f.items() if k != "config"} for name, f in facts.items()}, indent=1))
     print(json.dumps({"speaking": speaking}))
+
+
+def decoding_arguments(p: argparse.ArgumentParser, results: str, batch_results: str, required: bool) -> None:
+    """The options naming the decoding benchmarks' results (the `card` job's are optional)."""
+    p.add_argument(results, nargs="+" if required else "*", required=required, default=[], metavar="JSON",
+                   help="`benchmarks.tts_bundled --out` results of the shipped pair (one per thread count)")
+    p.add_argument(batch_results, default=None, metavar="JSON",
+                   help="a `benchmarks.tts_continuous_batching --json` result of the shipped pair")
+    p.add_argument("--decoding-note", default="", help="what the decoding figures show, for the card")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -771,16 +867,20 @@ def main(argv: list[str] | None = None) -> None:
                     "python -m benchmarks.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1")
     cd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
     cd.add_argument("--speaking-note", default="", help="what the speaking figures show, for the card")
+    decoding_arguments(cd, "--decoding", "--batch-decoding", required=False)
     cd.add_argument("--codes-command", default="python -m benchmarks.train_speech tokenize --data data/speech16k.npz "
                     "--codec runs/speech-codec --out runs/speech-codes.npz")
     cd.add_argument("--target-command", default="python -m benchmarks.train_tts target --codes runs/speech-codes.npz "
                     "--out runs/tts-target --threads 1")
     cd.add_argument("--draft-command", default="python -m benchmarks.train_tts draft --codes runs/speech-codes.npz "
                     "--out runs/tts-draft --threads 1")
+    dec = jobs.add_parser("decoding", help="write the decoding figures into an existing MODEL_CARD.md")
+    dec.add_argument("--card", required=True)
+    decoding_arguments(dec, "--results", "--batch-results", required=True)
     args = parser.parse_args(argv)
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
-    {"target": train_model, "draft": train_model, "export": export, "card": card}[args.job](args)
+    {"target": train_model, "draft": train_model, "export": export, "card": card, "decoding": decoding}[args.job](args)
 
 
 if __name__ == "__main__":

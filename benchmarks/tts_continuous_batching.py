@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -71,7 +73,10 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
 
     rows = compare_modes(args.methods, static, continuous, n, B, args.repeats, "utterances", same=torch.equal)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows) + "\n")
+        command = "python -m benchmarks.tts_continuous_batching " + shlex.join(sys.argv[1:] if argv is None else argv)
+        result = {"command": command, "model": args.model, "threads": torch.get_num_threads(), "sampled": args.sampled,
+                  "max_new_frames": args.max_new_frames, "rows": rows}
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return rows
 
 

@@ -214,3 +214,42 @@ def test_a_second_stage_starts_from_another_runs_weights(tmp_path):
           "--init", str(tmp_path / "first"), "--out", str(tmp_path / "second")])
     first, second = (torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)["model"] for run in ("first", "second"))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_the_cards_decoding_section_is_written_from_the_benchmarks_results(tmp_path):
+    spread = lambda m: {"median": m, "q1": m - 0.1, "q3": m + 0.1, "min": m - 0.2, "max": m + 0.2}
+    row = lambda name, fpf, ms, share=1.0: {"method": name, "frames_per_forward": fpf, "ms_per_frame": spread(ms), "rtf": 0.4,
+                                            "per": 0.2, "identical_to_generate": 1.0 if name.endswith(("ar", "generate")) else 0.0,
+                                            "target_frame_share": share}
+    bundled = [{"threads": t, "utterances": 16, "greedy": False, "command": f"python -m benchmarks.tts_bundled --threads {t}",
+                "sampling": {"temperature": 1.0, "top_k": 32, "top_p": None, "guidance_scale": 3.0},
+                "reference_per": {"codec round trip": 0.25}, "failures": {"transformers assisted (drafter)": "refused"},
+                "rows": [row("transformers generate", 1.0, 8.0), row("mmgen ar", 1.0, 8.0), row("mmgen sjd", 1.2, ms),
+                         row("mmgen draft (4)", 1.1, 20.0), row("mmgen entropy-switch", 2.3, 5.0, 0.3)]}
+               for t, ms in ((2, 7.0), (1, 8.4))]
+    batched = {"command": "python -m benchmarks.tts_continuous_batching --sampled", "threads": 1, "sampled": True,
+               "rows": [{"method": "ar", "batch_size": 8, "utterances": 32, "static_utterances_per_s": 2.5,
+                         "continuous_utterances_per_s": 3.0, "static_forwards": 400, "continuous_forwards": 380}]}
+    paths = []
+    for result in bundled:
+        paths.append(tmp_path / f"t{result['threads']}.json")
+        paths[-1].write_text(json.dumps(result))
+    (tmp_path / "batch.json").write_text(json.dumps(batched))
+    card = tmp_path / "MODEL_CARD.md"
+    card.write_text("# card\n\n## Speaking\n\ntext\n\n## Sampling defaults\n\nsampled\n")
+    argv = ["decoding", "--card", str(card), "--results", *map(str, paths), "--batch-results", str(tmp_path / "batch.json"),
+            "--decoding-note", "Why: acceptance."]
+    main(argv)
+    text = card.read_text()
+    section = text[text.index("## Decoding"):text.index("## Sampling defaults")]
+    assert text.index("## Speaking") < text.index("## Decoding") < text.index("## Sampling defaults")
+    # Rows by thread count, speeds against mmgen ar, the lossy method marked, the refusal kept.
+    assert section.index("| 1 | mmgen sjd | 1.20 | 8.40 (8.30-8.50) | 0.95x |") < section.index("| 2 | mmgen sjd | 1.20 | 7.00")
+    assert "| 2 | mmgen sjd | 1.20 | 7.00 (6.90-7.10) | 1.14x |" in section
+    assert "mmgen entropy-switch (lossy; the target sampled 30% of the frames)" in section
+    assert "| 1 | transformers assisted (drafter) | | | | | | refused |" in section
+    assert "mmgen sjd at 0.95x `mmgen ar` (1 thread); mmgen sjd at 1.14x `mmgen ar` (2 threads)" in section
+    assert "| ar | 2.50 | 3.00 | 400 / 380 |" in section and "Why: acceptance." in section
+    assert "python -m benchmarks.tts_bundled --threads 1\npython -m benchmarks.tts_bundled --threads 2\n" in section
+    main(argv)  # written again: the section is replaced, not repeated
+    assert card.read_text() == text
