@@ -1,7 +1,7 @@
 """The bundled text-to-speech pair (`speech-tts` and its drafter `speech-tts-draft`) on held-out
 utterances: transformers' own `DiaForConditionalGeneration.generate` (and its assisted generation
 with the drafter, where Dia's `generate` takes it) against mmgen's frame decoders through
-`TTSPipeline` (AR, SJD, the drafter, entropy switching), on the same weights, in one process.
+`TTSPipeline` (AR, SJD, prompt lookup, the drafter, entropy switching), on the same weights, in one process.
 
     python -m benchmarks.tts_bundled --model audio/assets/speech-tts --draft audio/assets/speech-tts-draft \
         --codes runs/speech-codes-long.npz --utterances 20 --threads 1 \
@@ -112,6 +112,7 @@ def methods(target: Any, drafter: Any, greedy: bool, num_draft: int,
         "transformers assisted (drafter)": hf(assistant_model=drafter.model),
         "mmgen ar": ours("ar"),
         "mmgen sjd": ours("sjd"),
+        "mmgen lookup": ours("lookup"),
         f"mmgen draft ({num_draft})": ours(DraftSpeculative(drafter=drafter, num_draft=num_draft)),
         "mmgen entropy-switch": ours(EntropySwitch(small=drafter, **({} if threshold is None else {"threshold": threshold}))),
         **{f"mmgen draft ({num_draft}) confidence {c}": ours(DraftSpeculative(drafter=drafter, num_draft=num_draft, confidence=c))
