@@ -205,7 +205,7 @@ def test_a_decoder_trained_behind_a_frozen_encoder_keeps_its_latents(tmp_path):
     """`--encoder-from RUN --decoder-base-dim N`: a wider decoder trains alone behind RUN's
     finished encoder, so every latent (and the latents' statistics) is RUN's; it resumes exactly,
     and `latents` of the new run are byte-identical to RUN's."""
-    from benchmarks.train_video import load_vae_run
+    from benchmarks.train_video import TRAIN_SEED, corpus, load_vae_run
 
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
               "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1", "--foreground-weight", "4"]
@@ -227,6 +227,16 @@ def test_a_decoder_trained_behind_a_frozen_encoder_keeps_its_latents(tmp_path):
     for run in ("parent", "straight"):
         main(["latents", "--vae", str(tmp_path / run), "--out", str(tmp_path / f"{run}.npz"), "--clips", "2", "--threads", "1"])
     assert (tmp_path / "parent.npz").read_bytes() == (tmp_path / "straight.npz").read_bytes()
+    # Two chunks (16 and 2 clips), each clip's latents and caption in its place.
+    main(["latents", "--vae", str(tmp_path / "parent"), "--first", "3", "--clips", "18", "--threads", "1",
+          "--out", str(tmp_path / "two.npz")])
+    written = np.load(tmp_path / "two.npz")
+    assert written["latents"].shape[0] == 18 and list(written["indices"]) == list(range(3, 21))
+    main(["latents", "--vae", str(tmp_path / "parent"), "--first", "19", "--clips", "2", "--threads", "1",
+          "--out", str(tmp_path / "last.npz")])  # the second chunk alone
+    last = np.load(tmp_path / "last.npz")
+    assert np.array_equal(written["latents"][16:], last["latents"]) and list(written["captions"][16:]) == list(last["captions"])
+    assert written["captions"][17] == corpus(TRAIN_SEED)[20].caption
 
 
 def test_the_adversarial_terms_train_each_side_against_the_other():
