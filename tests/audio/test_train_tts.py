@@ -189,9 +189,13 @@ def test_phoneme_input_and_the_spoken_held_out_figures(tmp_path):
     assert bytes(conditions.input_ids[0, 1: int(conditions.attention_mask[0].sum())].tolist()) == bytes(expected[4:])
 
     # The card hears the exported pair speak held-out texts as written (the pipeline spells them).
+    (tmp_path / "t1.json").write_text(json.dumps(bundled_result(1, 8.4)))
     main(["card", "--codes", str(data_path), "--target", str(tmp_path / "run"), "--draft", str(tmp_path / "run"),
-          "--assets", str(tmp_path / "assets"), "--speak", "2", "--out", str(tmp_path / "MODEL_CARD.md")])
+          "--assets", str(tmp_path / "assets"), "--speak", "2", "--out", str(tmp_path / "MODEL_CARD.md"),
+          "--decoding", str(tmp_path / "t1.json")])
     card = (tmp_path / "MODEL_CARD.md").read_text()
+    assert card.index("## Speaking the held-out texts") < card.index("## Decoding") < card.index("## Sampling defaults")
+    assert "| 1 | mmgen sjd | 1.20 | 8.40 (8.30-8.50) | 0.95x |" in card
     assert "The encoder reads phonemes" in card and "phoneme letters" in card
     speaking = card.split("## Speaking the held-out texts")[1].split("##")[0]
     assert "the first 2 held-out texts" in speaking
@@ -216,17 +220,21 @@ def test_a_second_stage_starts_from_another_runs_weights(tmp_path):
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
-def test_the_cards_decoding_section_is_written_from_the_benchmarks_results(tmp_path):
+def bundled_result(threads: int, sjd_ms: float) -> dict:
+    """A `benchmarks.tts_bundled --out` result of that shape (the other methods' figures fixed)."""
     spread = lambda m: {"median": m, "q1": m - 0.1, "q3": m + 0.1, "min": m - 0.2, "max": m + 0.2}
     row = lambda name, fpf, ms, share=1.0: {"method": name, "frames_per_forward": fpf, "ms_per_frame": spread(ms), "rtf": 0.4,
                                             "per": 0.2, "identical_to_generate": 1.0 if name.endswith(("ar", "generate")) else 0.0,
                                             "target_frame_share": share}
-    bundled = [{"threads": t, "utterances": 16, "greedy": False, "command": f"python -m benchmarks.tts_bundled --threads {t}",
-                "sampling": {"temperature": 1.0, "top_k": 32, "top_p": None, "guidance_scale": 3.0},
-                "reference_per": {"codec round trip": 0.25}, "failures": {"transformers assisted (drafter)": "refused"},
-                "rows": [row("transformers generate", 1.0, 8.0), row("mmgen ar", 1.0, 8.0), row("mmgen sjd", 1.2, ms),
-                         row("mmgen draft (4)", 1.1, 20.0), row("mmgen entropy-switch", 2.3, 5.0, 0.3)]}
-               for t, ms in ((2, 7.0), (1, 8.4))]
+    return {"threads": threads, "utterances": 16, "greedy": False, "command": f"python -m benchmarks.tts_bundled --threads {threads}",
+            "sampling": {"temperature": 1.0, "top_k": 32, "top_p": None, "guidance_scale": 3.0},
+            "reference_per": {"codec round trip": 0.25}, "failures": {"transformers assisted (drafter)": "refused"},
+            "rows": [row("transformers generate", 1.0, 8.0), row("mmgen ar", 1.0, 8.0), row("mmgen sjd", 1.2, sjd_ms),
+                     row("mmgen draft (4)", 1.1, 20.0), row("mmgen entropy-switch", 2.3, 5.0, 0.3)]}
+
+
+def test_the_cards_decoding_section_is_written_from_the_benchmarks_results(tmp_path):
+    bundled = [bundled_result(2, 7.0), bundled_result(1, 8.4)]
     batched = {"command": "python -m benchmarks.tts_continuous_batching --sampled", "threads": 1, "sampled": True,
                "rows": [{"method": "ar", "batch_size": 8, "utterances": 32, "static_utterances_per_s": 2.5,
                          "continuous_utterances_per_s": 3.0, "static_forwards": 400, "continuous_forwards": 380}]}
