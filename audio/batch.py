@@ -21,7 +21,8 @@ into calls of up to `--batch-size` rows, with one generator seeded from their se
 (`mmgen.batch.group_seed`). With `--continuous` (`ar` or the sjd family, adaptive
 windows chosen per row) `--batch-size` rows keep decoding and each row takes the next job as its
 speech ends; every file then equals its job run alone with its seed (`mmgen generate speech
---seed`), and its record holds that seed. Files are written atomically and recorded in the
+--seed`; under the adaptive window with `batch_rows=<batch size>` added to its decoding spec,
+`mmgen.decoding.row_spec`), and its record holds that seed. Files are written atomically and recorded in the
 manifest with the decoder's stats and the group, so a killed run resumes without losing or
 duplicating files.
 """

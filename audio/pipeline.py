@@ -264,7 +264,8 @@ class TTSPipeline(Pipeline):
         (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all), and
         a row whose speech ends takes the next text, prefilled alone. Output i is the one a call
         with text i alone (and its voice) and `generators[i]` gives (the decoder: `ar` or the
-        sjd family, under the adaptive window each row choosing its own widths). `on_audio(i, audio, frames, stats)` receives each row's waveform
+        sjd family; under the adaptive window each row chooses its own widths, judged at what
+        they cost the batch, as a call with `row_decoder(decoding, batch_size)` does). `on_audio(i, audio, frames, stats)` receives each row's waveform
         as its speech ends, with its frames [n, C] and its own stats (a batch-1 decode's). The
         output's stats are the run's; `decode_s` leaves out the codec decoding of finished rows,
         as `__call__`'s does."""
@@ -312,7 +313,8 @@ class TTSPipeline(Pipeline):
         """A shared continuous batch for texts from many threads (a demo's queue): requests that
         overlap in time decode together in up to `batch_size` rows, each output the one a call
         with its text alone, its voice, its generator and its frame budget gives (`ar` or the
-        sjd family; one sampling and guidance for all). `max_new_frames` caps every request
+        sjd family, the adaptive window as `row_decoder(decoding, batch_size)`; one sampling
+        and guidance for all). `max_new_frames` caps every request
         (default the model's context); a request may ask for fewer. (A call narrows its window
         to a budget below it; such a request decodes as its text alone at the cap's window.)
         `lock` (a context manager) is held while the batch decodes."""

@@ -4,7 +4,8 @@ Static batching decodes the requests in groups of `--batch-size` (one `generate`
 so each group takes as many forwards as its slowest row. Continuous batching
 (`mmgen.decoding.batching`) keeps `--batch-size` rows decoding and refills a row as soon as it
 finishes; every image then equals its request decoded alone with its seed (the benchmark
-checks it for the first `--check` requests). Token decoding only (the VQ decoder costs the same
+checks it for the first `--check` requests; an adaptive window alone with the rows' policy,
+`row_decoder`). Token decoding only (the VQ decoder costs the same
 either way). Modes run in turn within each repeat (interleaved); medians reported.
 
     python -m benchmarks.continuous_batching --model emoji64 --requests 32 --batch-size 8 --repeats 3
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from mmgen.decoding import resolve_decoder
-from mmgen.decoding.batching import Request, continuous_decode
+from mmgen.decoding.batching import Request, continuous_decode, row_decoder
 from mmgen.sampling import make_generator
 
 from benchmarks.adaptive_window import build
@@ -128,9 +129,9 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
                     done, stats = continuous(decoder, model, labels, num_tokens, sampling, args.batch_size, 0)
                     forwards[mode], busy[mode] = stats.forwards, utilisation(stats, min(args.batch_size, args.requests))
                 times[mode].append(time.perf_counter() - begun)
-        identical = 0
+        identical, single = 0, row_decoder(decoder, args.batch_size)  # the adaptive window as the rows judge it
         for i in range(min(args.check, args.requests)):
-            alone = decoder.generate(model, labels[i : i + 1], num_tokens, sampling, make_generator(i, labels.device))
+            alone = single.generate(model, labels[i : i + 1], num_tokens, sampling, make_generator(i, labels.device))
             identical += bool(torch.equal(alone.tokens[0], done[i].tokens))
         row = {"method": spec, "requests": args.requests, "batch_size": args.batch_size, "tokens": num_tokens,
                "identical_to_alone": f"{identical}/{min(args.check, args.requests)}"}

@@ -43,8 +43,9 @@ the unit of sharding and failure; within one, `--batch-size` rows decode at a ti
 that finishes takes the next waiting row at once (`mmgen.decoding.batching`). Every row draws
 from its own generator (seed `seed + k`) and is prefilled alone, so its image is the one
 `mmgen generate image --seed <seed + k>` makes with its class and options, whatever rows it
-shared forwards with; its record holds that command (`command`, `command_file`) and its own
-decode stats. Each image is written as soon as it is decoded, so a failure or a kill loses only
+shared forwards with (under the adaptive window, with `batch_rows=<batch size>` added to its
+decoding spec: rows judge widths at what they cost the batch, `mmgen.decoding.row_spec`); its
+record holds that command (`command`, `command_file`) and its own decode stats. Each image is written as soon as it is decoded, so a failure or a kill loses only
 the images still decoding.
 
 Outputs and resume. Files are written atomically, then recorded with their sha256 and the
@@ -76,7 +77,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,7 @@ import torch
 from mmgen.batch import (CONTINUOUS_GROUP_BATCHES, FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output,
                          form_groups, group_seed, model_memo, read_jsonl, run_groups, start_run)
 from mmgen.cli import check_seed
+from mmgen.decoding import row_spec
 
 from mmgen.image_ar.generation import (
     ImageOptions,
@@ -259,13 +261,17 @@ def run_batch(args: argparse.Namespace) -> int:
         its own seed, writing each as soon as it is decoded."""
         call, todo = calls[rows[0].job.key], run.todo
         model = rows[0].job.spec["model"]
+        # Each row decodes as alone with the rows' window policy (`row_spec`: the adaptive
+        # window judged at what it costs the batch), which its command names.
+        spec = row_spec(call.spec, args.batch_size)
 
         def write(i: int, image, stats) -> None:
             row = todo[i]
+            options = replace(row.job.options, decoding=spec) if spec != call.spec else row.job.options
             run.record(row, png_bytes(image), {
                 "index": row.index, "class_id": row.job.class_id, "seed": row.seed,
-                "command": reproduce_command([row], row.seed, args),
-                "command_file": image_file_names([row.job.class_id], model, row.seed, row.job.options, call.spec)[0],
+                "command": reproduce_command([row], row.seed, args, options),
+                "command_file": image_file_names([row.job.class_id], model, row.seed, options, spec)[0],
                 "stats": stats.to_dict(per_forward=False)})
 
         call.each([row.job.class_id for row in todo], [row.seed for row in todo], device, args.batch_size, write)
@@ -274,11 +280,13 @@ def run_batch(args: argparse.Namespace) -> int:
                       started=run.started, invalid_lines=len(errors), progress=not args.no_progress)
 
 
-def reproduce_command(rows: list[Row], seed: int, args: argparse.Namespace) -> str:
+def reproduce_command(rows: list[Row], seed: int, args: argparse.Namespace, options: Any = None) -> str:
     """The `mmgen generate image` command that regenerates a group (it names its images by
-    `generation.image_file_names`; each record holds its own as `command_file`)."""
+    `generation.image_file_names`; each record holds its own as `command_file`), with the job's
+    options or `options`."""
     job = rows[0].job
-    command = ["mmgen", "generate", "image", "--model", job.spec["model"], *job.options.flags(), "--seed", str(seed),
+    options = options or job.options
+    command = ["mmgen", "generate", "image", "--model", job.spec["model"], *options.flags(), "--seed", str(seed),
                "--class-labels", *(str(row.job.class_id) for row in rows), "--out", "OUT"]
     command += [] if args.device == "cpu" else ["--device", args.device]
     command += [] if args.dtype == "float32" else ["--dtype", args.dtype]

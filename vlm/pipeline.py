@@ -311,7 +311,8 @@ class VLMPipeline(Pipeline):
         (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all), and
         a row whose answer ends takes the next prompt, prefilled alone. Answer i is the one a
         call with prompt i alone (and its images and videos) and `generators[i]` gives (the
-        decoder: `ar` or the sjd family, its window fixed or adaptive per row; no token dropping).
+        decoder: `ar` or the sjd family, its window fixed or adaptive per row, the adaptive one
+        as `row_decoder(decoding, batch_size)`; no token dropping).
         `on_answer(i, text, token_ids, stats)` receives each answer as it ends, with its own
         stats (a batch-1 decode's). The output's stats are the run's."""
         check_budget(max_new_tokens)

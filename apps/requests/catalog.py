@@ -148,8 +148,8 @@ class Catalog:
     def server(self, model: str, method: str, decoder: Any, **options: Any) -> Optional[Any]:
         """The shared continuous batch of `model` for this method and options (its pipeline's
         `serve(decoder, batch_size=..., lock=..., **options)`), or None when continuous batching
-        is off or cannot run it (adaptive windows, two-model methods, models that cannot
-        restart a row): those decode alone."""
+        is off or cannot run it (two-model methods, models that cannot restart a row): those
+        decode alone."""
         pipe = self.pipeline(model)
         if not self.continuous_batch or not hasattr(pipe, "serve"):
             return None

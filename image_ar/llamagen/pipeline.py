@@ -150,8 +150,8 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
         """One image per condition row, each from its own generator, by continuous batching
         (`mmgen.decoding.batching`): at most `batch_size` rows decode at once (default: all)
         and a finished row takes the next waiting one. Image i is the image a call with
-        condition row i alone and `generators[i]` makes (the decoder needs a fixed window:
-        `adapt=False`). `on_image(i, image, stats)` receives each image as soon as it is decoded,
+        condition row i alone and `generators[i]` makes (under the adaptive window, a call with
+        `row_decoder(decoding, batch_size)`: rows judge widths at what they cost the batch). `on_image(i, image, stats)` receives each image as soon as it is decoded,
         with its own stats (those of a batch-1 decode); the output then holds no images (a long
         run keeps none in memory), only tokens and the run's stats."""
         decoder = self.decoder(decoding)
@@ -187,8 +187,9 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
               lock: Any = None, official_attention: Optional[bool] = None) -> ContinuousServer:
         """A `ContinuousServer` for requests from many threads (a demo's queue): `submit(Request(
         conditions_row, generator))` returns a future of `(image, stats)`, the image being the
-        one a call with that row alone and that generator makes; requests that overlap in time
-        share one continuous batch of up to `batch_size` rows. `lock` (a context manager) is
+        one a call with that row alone and that generator makes (under the adaptive window, with
+        `row_decoder(decoding, batch_size)`); requests that overlap in time share one
+        continuous batch of up to `batch_size` rows. `lock` (a context manager) is
         held while the batch decodes, to keep other users of this pipeline off it."""
         decoder = self.decoder(decoding)
         check_continuous(decoder)

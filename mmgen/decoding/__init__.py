@@ -20,7 +20,7 @@ from mmgen.decoding.acceptance import (
     residual_distribution,
 )
 from mmgen.decoding.autoregressive import Autoregressive
-from mmgen.decoding.batching import Finished, Request, continuous_decode
+from mmgen.decoding.batching import Finished, Request, continuous_decode, row_decoder
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, Decoder
 from mmgen.decoding.block_diffusion import BlockDecodeOutput, BlockDenoising, BlockStats, CollaborativeDenoising, FlowSchedule
 from mmgen.decoding.continuous import (
@@ -43,7 +43,7 @@ from mmgen.decoding.pruning import CachedTokenPruning
 from mmgen.decoding.speculative import Proposer, speculative_decode
 from mmgen.decoding.stats import DecodeStats, DraftCounters, StageCounters
 from mmgen.decoding.stopping import Stopping, Streamer, TokenQueueStreamer
-from mmgen.decoding.window import AdaptiveWindow
+from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
 
 #: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
 DECODERS: dict[str, Callable[[], Decoder]] = {
@@ -81,23 +81,46 @@ SCALE_DECODERS: dict[str, Callable[[], ScaleDecoder]] = {
 def make_decoder(name: str, registry: dict[str, Callable[[], Any]] = DECODERS, **options: Any) -> Any:
     """The decoder a shortcut names, with `options` applied to the decoder's fields or, for
     names the decoder lacks, to its acceptance rule's (`make_decoder("lantern", delta=0.2,
-    window=8)`); rule options apply to an `acceptance=` given alongside them. Unknown options
-    are an error that lists the valid ones."""
+    window=8)`) or its adaptive window's (`make_decoder("sjd", batch_rows=8)`: `AdaptiveWindow`'s
+    fields but `widths`); rule options apply to an `acceptance=` given alongside them. Unknown
+    options are an error that lists the valid ones."""
     if not isinstance(name, str) or name.lower() not in registry:
         raise ValueError(f"unknown decoding {name!r}: use one of {sorted(registry)} or a decoder object")
     decoder = registry[name.lower()]()
     own = {k: v for k, v in options.items() if k in _field_names(decoder)}
-    rest = {k: v for k, v in options.items() if k not in own}
+    window_fields = _WINDOW_OPTIONS if "adapt" in _field_names(decoder) else set()
+    window = {k: v for k, v in options.items() if k in window_fields and k not in own}
+    rest = {k: v for k, v in options.items() if k not in own and k not in window}
     rule = own.get("acceptance", getattr(decoder, "acceptance", None))
     if "acceptance" in own and not isinstance(rule, AcceptanceRule):
         raise ValueError(f"acceptance must be an AcceptanceRule object, got {rule!r}; pick a rule by its shortcut instead")
     unknown = sorted(k for k in rest if rule is None or k not in _field_names(rule))
     if unknown:
-        valid = sorted(_field_names(decoder) | (_field_names(rule) if rule is not None else set()))
+        valid = sorted(_field_names(decoder) | (_field_names(rule) if rule is not None else set()) | window_fields)
         raise ValueError(f"unknown option(s) {unknown} for decoding {name!r}; valid options: {valid}")
     if rest:
         own["acceptance"] = replace(rule, **rest)
+    if window:
+        adapt = resolve_adaptive(own.get("adapt", decoder.adapt))
+        if adapt is None:
+            raise ValueError(f"option(s) {sorted(window)} of decoding {name!r} set the adaptive window, which adapt=false turns off")
+        own["adapt"] = replace(adapt, **window)
     return replace(decoder, **own) if own else decoder
+
+
+#: The `AdaptiveWindow` fields a decoding spec may set ("sjd:batch_rows=8,dwell=10").
+_WINDOW_OPTIONS = {f.name for f in fields(AdaptiveWindow)} - {"widths"}
+
+
+def row_spec(spec: str, batch_size: int) -> str:
+    """The decoding spec whose batch-1 decode each request of a `batch_size`-row continuous
+    batch decodes (`batching.row_decoder` for a spec, kept a spec for a command line): `spec`
+    with `batch_rows` added where its decoder adapts its window and the spec names none."""
+    name, options = parse_decoding(spec)
+    decoder = make_decoder(name, **options) if name in DECODERS else None
+    if decoder is None or resolve_adaptive(getattr(decoder, "adapt", None)) is None or "batch_rows" in options:
+        return spec
+    return f"{spec}{',' if ':' in spec else ':'}batch_rows={batch_size}"
 
 
 def parse_decoding(spec: str) -> tuple[str, dict[str, Any]]:
@@ -175,6 +198,8 @@ __all__ = [
     "Finished",
     "Request",
     "continuous_decode",
+    "row_decoder",
+    "row_spec",
     "AdaptiveWindow",
     "DraftCounters",
     "StageCounters",

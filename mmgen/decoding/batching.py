@@ -16,7 +16,10 @@ Decoders: autoregressive and the Jacobi family (sjd, gsd, lantern, lantern++), w
 window or the adaptive one; under the adaptive window each row chooses its own draft counts
 from its own tokens (`window.RowWindows`), as its decode alone does, and verifies only those
 (a forward holds the largest; a row's draws cover its own slots: `RowGenerators.narrowed`),
-tokens and frames alike.
+tokens and frames alike. A row's width widens the whole padded forward, so rows judge widths
+at what they cost the batch (`AdaptiveWindow.batch_rows` = `batch_size`, `row_policy`); a
+request then decodes what a batch-1 decode with that policy decodes (under greedy decoding,
+what any decode does).
 
 A server's batch (`LiveQueue`) changes width with its requests where the model can keep a
 subset of its rows (`select_rows`: LlamaGen, the VLM adapter, Dia): it starts as wide as the
@@ -50,7 +53,7 @@ import torch
 from mmgen.decoding.base import check_int, check_num_tokens, raise_if_masked
 from mmgen.decoding.feed import follows_requests
 from mmgen.decoding.stats import DecodeStats
-from mmgen.decoding.window import resolve_adaptive
+from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
 from mmgen.inference import ordinary
 from mmgen.modeling import TokenModel
 from mmgen.sampling import RowGenerators, SamplingConfig
@@ -323,7 +326,7 @@ def continuous_decode(
     # The batch is sized by the first request's conditions; each row is prefilled again alone.
     result = speculative_decode(model, _stack([head.conditions] * rows), num_tokens, sampling, generators, proposer, rule,
                                 decoder.capacity(num_tokens), stopping=stopping, feed=queue,
-                               adapt=resolve_adaptive(getattr(decoder, "adapt", None)))
+                               adapt=row_policy(resolve_adaptive(getattr(decoder, "adapt", None)), batch_size))
     stats = result.stats
     # Forwards: the batch's decode forwards plus one batch-1 prefill per request. The baseline
     # is autoregressive decoding of the same tokens in rows packed without a gap (a prefill per
@@ -332,6 +335,26 @@ def continuous_decode(
     stats.forwards, stats.rows, stats.tokens = stats.forwards + count, count, num_tokens
     stats.baseline_forwards = count + -(-(tokens - count) // max(1, min(rows, count)))
     return sorted(done, key=lambda f: f.index), stats
+
+
+def row_policy(adapt: Optional[AdaptiveWindow], batch_size: int) -> Optional[AdaptiveWindow]:
+    """The adaptive window of a continuous batch's rows: judged as rows of `batch_size` rows
+    (`AdaptiveWindow.batch_rows`), unless the policy names its own. A fixed setting, never the
+    batch's current width, so what a request decodes does not depend on the load."""
+    if adapt is None or adapt.batch_rows is not None:
+        return adapt
+    return dataclasses.replace(adapt, batch_rows=batch_size)
+
+
+def row_decoder(decoder: Any, batch_size: int) -> Any:
+    """The decoder whose batch-1 decode each request of a `batch_size`-row continuous batch
+    decodes: `decoder` itself, or under the adaptive window the same decoder with its rows'
+    policy (`row_policy`). A decoder object or a spec; a decoder object is returned."""
+    from mmgen.decoding import resolve_decoder
+
+    decoder = resolve_decoder(decoder)
+    adapt = resolve_adaptive(getattr(decoder, "adapt", None))
+    return decoder if adapt is None else dataclasses.replace(decoder, adapt=row_policy(adapt, batch_size))
 
 
 def check_request(request: Any) -> Request:

@@ -277,8 +277,16 @@ def speculative_decode(
     check_num_tokens(num_tokens)
     if feed is not None:
         check_row_feed(model, proposer, adapt)
+    rows_of = adapt.batch_rows if adapt is not None else None
+    if adapt is not None and proposer.num_draft > 0 and adapt.never_drafts(proposer.num_draft, generator.device):
+        # A row whose window no width can pay for (a continuous batch's row on a compute-bound
+        # device): autoregressive steps, in a cache without the window's room (fewer keys).
+        proposer.num_draft, adapt, capacity = 0, None, None
     run = DecodeRun.begin(model, conditions, num_tokens, sampling, generator, proposer.num_draft, capacity)
     B, k, K, state, device = run.batch_size, run.num_draft, run.num_codebooks, run.state, run.device
+    if rows_of is not None and feed is None and B > 1:
+        raise ValueError(f"batch_rows={rows_of} is for a decode of one row (a continuous batch's row, or alone); "
+                         f"this static batch of {B} rows shares one window: leave batch_rows out")
     recorder = StatsRecorder(device, max_accepted=k + 1)
     ends = RowEnds(stopping, B, num_tokens, device)
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one

@@ -33,6 +33,14 @@ A linear cost misses what small models show on a CPU: a forward of two tokens pe
 than one (LlamaGen emoji64: 0.96x at 2 and 4 tokens). A model can carry its measured curve, a
 `window_cost` (window width -> forward time relative to width 1, per device type and CPU thread
 count, measured at batch 1 by `benchmarks/window_cost.py`); batch-1 decodes there use it instead.
+
+A row of a continuous batch chooses its own width (each request must decode what it decodes
+alone), but a padded forward is as wide as its widest row: a row that widens alone widens every
+row's forward. So such a row (`batch_rows` = B > 1) is charged what its width costs the batch,
+counted in its own share of an AR step (1 / B of the batch's): 1 + B * beta_B * d, beta_B for the
+B rows' feed. Where that exceeds the tokens a width could finalise even if every draft passed
+(1 + d > cost for no width: B * beta_B >= 1, a compute-bound CPU at batch 8 with guidance), no
+draft can pay and the row runs autoregressive steps without probing.
 """
 
 from __future__ import annotations
@@ -94,6 +102,12 @@ class AdaptiveWindow:
     a draft is cheap (a batch of rows, where one draft already costs more than `start_cost`), late
     enough where it is dear that a short answer ends first.
     `decay`: weight of older forwards in a width's running figure.
+
+    `batch_rows`: the rows of the continuous batch this decode is one row of (see the module
+    docstring); None for a decode of its own, or the batch size where `continuous_decode` runs it.
+    A request decodes the same tokens as a batch-1 decode with the same `batch_rows` (under
+    greedy decoding, the same as any window). Where no width can pay such a row, it decodes
+    autoregressively (`never_drafts`). A static batch shares one width and refuses it.
     """
 
     token_cost: Optional[float] = None
@@ -109,6 +123,7 @@ class AdaptiveWindow:
     probe_cost: float = 0.02
     first_probe_cost: float = 0.1
     margin: float = 0.15
+    batch_rows: Optional[int] = None
 
     def __post_init__(self):
         if self.token_cost is not None and not (math.isfinite(self.token_cost) and self.token_cost >= 0):
@@ -125,8 +140,10 @@ class AdaptiveWindow:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a fraction > 0 of the AR steps, got {value!r}")
-        for name, least in (("dwell", 1), ("probe_every", 1), ("jump", 1), ("warmup", 0), ("probe_len", 1)):
+        for name, least in (("dwell", 1), ("probe_every", 1), ("jump", 1), ("warmup", 0), ("probe_len", 1), ("batch_rows", 1)):
             value = getattr(self, name)
+            if name == "batch_rows" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.widths is not None and (not self.widths or any(int(w) != w or w < 0 for w in self.widths)):
@@ -134,17 +151,29 @@ class AdaptiveWindow:
 
     def start(self, max_draft: int, rows_fed: int, device, window_cost: Optional[WindowCost] = None) -> "WindowChooser":
         """The chooser of one decode: at most `max_draft` drafts, `rows_fed` rows per forward
-        (2 x batch with guidance). `window_cost`: the model's measured curve, for a batch-1
-        decode (None otherwise); it applies on its device type unless `token_cost` is set."""
+        (2 x batch with guidance; for a row of a continuous batch, that row's: 2 or 1).
+        `window_cost`: the model's measured curve, for a batch-1 decode (None otherwise); it
+        applies on its device type unless `token_cost` is set, and not to a row of a batch."""
         widths = self.widths if self.widths is not None else _powers(max_draft)
         widths = sorted({min(int(w), max_draft) for w in widths} | {0})
         kind = torch.device(device).type
-        curve = measured_curve(window_cost, kind) if self.token_cost is None else None
+        rows = self.batch_rows or 1
+        curve = measured_curve(window_cost, kind) if self.token_cost is None and rows == 1 else None
         if curve is not None:
             return WindowChooser(self, widths, [interpolate_cost(curve, d + 1) for d in widths])
         rho = self.token_cost if self.token_cost is not None else TOKEN_COST.get(kind, TOKEN_COST["cuda"])
-        beta = draft_cost(rho, rows_fed)
+        beta = rows * draft_cost(rho, rows_fed * rows)  # in this row's share of the batch's AR step
         return WindowChooser(self, widths, [1 + beta * d for d in widths])
+
+    def never_drafts(self, max_draft: int, device) -> bool:
+        """Whether a row of a batch (`batch_rows` set) would never draft: it starts with AR steps
+        and no width pays even with every draft accepted, at its cheapest (one row fed, without
+        guidance; the linear cost only grows with the rows fed). The loop then runs plain AR
+        steps. False without `batch_rows`: a decode of its own keeps its probes."""
+        if self.batch_rows is None:
+            return False
+        chooser = self.start(max_draft, 1, device)
+        return chooser.home == 0 and not chooser.can_pay
 
 
 def draft_cost(token_cost: float, rows_fed: int) -> float:
@@ -229,6 +258,8 @@ class WindowChooser:
     def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float]):
         self.policy, self.widths, self.cost = policy, widths, cost
         self.top = len(widths) - 1
+        # Whether any width can pay even if all its drafts pass; if none can, no probe is made.
+        self.can_pay = any(1 + w > c for w, c in zip(widths, cost) if w > 0)
         self.home = [level for level, c in enumerate(cost) if c <= policy.start_cost][-1]
         self.growing = self.home < self.top
         self.level = self.home  # this forward's
@@ -257,7 +288,7 @@ class WindowChooser:
         return 1.0 if self.home == 0 else self.sums[0] / max(self.sums[1], 1e-9)
 
     def choose(self) -> int:
-        if self.trial is None and len(self.widths) > 1:
+        if self.trial is None and self.can_pay:
             if self.home == 0 and self.since_probe >= self.ar_interval:
                 self.trial = [1, self.policy.probe_len, 0.0, 0.0, 0]
             elif self.home > 0 and self.since_probe >= self.interval:
@@ -391,9 +422,9 @@ class AdaptingWindow:
 
 class RowWindows:
     """The speculative loop's window under an `AdaptiveWindow` in continuous batching: one
-    chooser per row, started with the row's request as a batch-1 decode's (`window_cost`
-    included) and fed that row's own tokens, so each request verifies the draft counts, and
-    makes the draws, of its decode alone. A forward holds the largest count of its rows; each
+    chooser per row, started with the row's request as a batch-1 decode with the same policy
+    would start (`batch_rows`: `continuous_decode` sets its batch size) and fed that row's own
+    tokens, so each request verifies the draft counts, and makes the draws, of its decode alone. A forward holds the largest count of its rows; each
     row verifies its own (`DecodeRun.row_drafts`, `RowGenerators.narrowed`, `finalise`'s
     `limit`), and its stats carry its own `drafts_per_forward` (`chosen`)."""
 
@@ -435,7 +466,8 @@ def window_chooser(adapt: Optional[AdaptiveWindow], max_draft: int, batch: int, 
                    window_cost: Optional[WindowCost] = None) -> Union[AdaptingWindow, FixedWindow]:
     """The draft counts of one decode of `batch` rows (`guided`: both halves of a guided batch
     are fed): `adapt`'s, or a fixed window without one or without drafts. A model's measured
-    `window_cost` is for batch 1, so only a batch-1 decode uses it."""
+    `window_cost` is for batch 1, so only a batch-1 decode uses it; a static batch's rows share
+    one width, so `batch_rows` is for batch-1 decodes only (the loop refuses it in a batch)."""
     if adapt is None or max_draft == 0:
         return FixedWindow(max_draft)
     return AdaptingWindow(adapt.start(max_draft, batch * (2 if guided else 1), device, window_cost if batch == 1 else None))

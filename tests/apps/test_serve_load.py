@@ -45,3 +45,17 @@ def test_speech_load_and_a_vanished_client(tmp_path):
     assert others["lost"] == others["duplicated"] == others["mismatched"] == 0
     assert vanish["next_request_ok"]
     assert report["answers"]["mismatched"] == 0
+
+
+def test_answers_are_checked_within_each_server_and_counted_against_the_lone_one():
+    """A key answered alike within each server is no mismatch, even where two servers answer it
+    differently (the adaptive window's rows judge widths at the batch's cost); that difference
+    is counted apart, and a server whose own answers disagree is a mismatch."""
+    Outcome = serve_load.Outcome
+    same = lambda digest, key=0: Outcome(index=0, key=key, digest=digest, complete=True)
+    runs = {"continuous": [({}, [same("a"), same("a"), same("c", 1)])], "alone": [({}, [same("b"), same("b"), same("c", 1)])]}
+    faults = [({}, [same("a")])]
+    answers = serve_load.check_answers(runs, faults, "continuous")
+    assert answers == {"keys": 2, "answers": 7, "mismatched": 0, "keys_differing_from_alone": {"continuous": 1}}
+    runs["alone"][0][1].append(same("x"))
+    assert serve_load.check_answers(runs, faults, "continuous")["mismatched"] == 1

@@ -15,7 +15,7 @@ import torch
 
 from mmgen.audio.dia import DiaTokenModel
 from mmgen.decoding import make_decoder
-from mmgen.decoding.batching import Request, continuous_decode
+from mmgen.decoding.batching import Request, continuous_decode, row_decoder
 from mmgen.sampling import SamplingConfig
 
 from tests.audio.tiny import RATE, tiny_csm, tiny_dia
@@ -50,7 +50,9 @@ def test_each_text_speaks_what_it_speaks_alone(pipe, decoding, temperature, guid
                           on_audio=lambda i, audio, frames, stats: heard.append((i, audio, frames, stats)), **options)
     lengths = []
     for i, text in enumerate(TEXTS):
-        alone = pipe(text, VOICES[i], VOICE_TEXTS[i], generator=torch.Generator().manual_seed(7 + i), **options)
+        # Under the adaptive window, its rows judge widths as rows of 2 (`row_decoder`).
+        alone = pipe(text, VOICES[i], VOICE_TEXTS[i], generator=torch.Generator().manual_seed(7 + i),
+                     **dict(options, decoding=row_decoder(decoding, 2)))
         n = int(alone.lengths[0])
         lengths.append(n)
         assert int(out.lengths[i]) == n and torch.equal(out.frames[i, :n], alone.frames[0, :n])
@@ -81,7 +83,8 @@ def test_csm_speaks_each_text_as_alone_its_depth_decoder_drawing_from_the_rows_g
     out = csm.speak_each(texts, voices, voice_texts, generators(5), batch_size=2, **options)
     lengths = []
     for i, text in enumerate(texts):
-        alone = csm(text, voices[i], voice_texts[i], generator=torch.Generator().manual_seed(5 + i), **options)
+        alone = csm(text, voices[i], voice_texts[i], generator=torch.Generator().manual_seed(5 + i),
+                    **dict(options, decoding=row_decoder(decoding, 2)))
         n = int(alone.lengths[0])
         lengths.append(n)
         assert int(out.lengths[i]) == n and torch.equal(out.frames[i, :n], alone.frames[0, :n]), f"text {i}"

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mmgen.decoding import AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding
+from mmgen.decoding import (AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding,
+                            row_decoder, row_spec)
 from mmgen.decoding.stopping import Stopping
 from mmgen.decoding.window import TOKEN_COST, _powers, draft_cost, interpolate_cost, parse_window_cost, resolve_adaptive
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
@@ -269,9 +270,48 @@ def test_options_and_errors():
         SpeculativeJacobi(adapt="often")
     with pytest.raises(ValueError, match="adapt must be"):
         PromptLookup(adapt=[1])
+    # A spec sets the adaptive window's fields; `row_spec` adds a continuous batch's rows.
+    name, options = parse_decoding("sjd:batch_rows=8,dwell=10")
+    assert make_decoder(name, **options).adapt == AdaptiveWindow(batch_rows=8, dwell=10)
+    assert make_decoder("sjd", adapt=0.05, batch_rows=2).adapt == AdaptiveWindow(token_cost=0.05, batch_rows=2)
+    with pytest.raises(ValueError, match="adapt=false"):
+        make_decoder("sjd", adapt=False, batch_rows=8)
+    with pytest.raises(ValueError, match="unknown option"):
+        make_decoder("draft", batch_rows=8)  # no adaptive window there
+    assert row_spec("sjd", 8) == "sjd:batch_rows=8" and row_spec("lantern:delta=0.2", 4) == "lantern:delta=0.2,batch_rows=4"
+    assert [row_spec(s, 8) for s in ("ar", "sjd:adapt=false", "sjd:batch_rows=1")] == ["ar", "sjd:adapt=false", "sjd:batch_rows=1"]
+    assert row_decoder("sjd", 8) == make_decoder("sjd", batch_rows=8) and row_decoder("ar", 8) == make_decoder("ar")
     name, options = parse_decoding("sjd:adapt=1")  # on, or a cost of 1.0? ambiguous: refused
     with pytest.raises(ValueError, match="decimal"):
         make_decoder(name, **options)
+
+
+def test_a_row_of_a_batch_pays_for_widening_the_batch_and_never_probes_where_no_width_can_pay():
+    """A continuous batch's row (`batch_rows` = 8) is charged what its width costs the padded
+    batch, in its share of an AR step; on the CPU's token cost at 8 rows no width can pay even
+    with every draft accepted, so it decodes autoregressively and never probes."""
+    row = AdaptiveWindow(batch_rows=8).start(15, 1, "cpu")
+    beta = draft_cost(TOKEN_COST["cpu"], 8)
+    assert row.cost == pytest.approx([1 + 8 * beta * d for d in row.widths]) and 8 * beta > 1
+    assert not row.can_pay and row.home == 0
+    assert AdaptiveWindow(batch_rows=8).never_drafts(15, "cpu") and not AdaptiveWindow().never_drafts(15, "cpu")
+    # Everything would be accepted, and still no draft: autoregressive steps in the loop, in a
+    # cache without the window's room, as `Autoregressive` decodes (the same tokens).
+    sampling, seed = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
+    out = SpeculativeJacobi(window=16, adapt=AdaptiveWindow(batch_rows=8)).generate(
+        ContextFree(), torch.zeros(1, dtype=torch.long), 256, sampling, seed)
+    plain = Autoregressive().generate(ContextFree(), torch.zeros(1, dtype=torch.long), 256, sampling, torch.Generator().manual_seed(0))
+    assert out.stats.forwards == plain.stats.forwards == 256 and torch.equal(out.tokens, plain.tokens)
+    # Where a batch forward is nearly free per token (the CUDA default) the same row drafts.
+    assert AdaptiveWindow(batch_rows=8).start(15, 1, "cuda").can_pay
+    # One row is a decode of its own; a static batch shares one width and refuses batch_rows.
+    assert AdaptiveWindow(batch_rows=1).start(15, 2, "cpu").cost == AdaptiveWindow().start(15, 2, "cpu").cost
+    with pytest.raises(ValueError, match="static batch of 2 rows"):
+        SpeculativeJacobi(window=16, adapt=AdaptiveWindow(batch_rows=2)).generate(
+            ContextFree(), torch.zeros(2, dtype=torch.long), 8, sampling, torch.Generator().manual_seed(0))
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="batch_rows"):
+            AdaptiveWindow(batch_rows=bad)
 
 
 # A small model's measured curve on a CPU: one more token per row costs a third of a step (the

@@ -137,14 +137,16 @@ def test_sampled_outputs_follow_the_exact_law(enumerable):  # noqa: F811
                          ids=["sjd-sampled", "sjd-greedy", "lantern-sampled"])
 def test_under_the_adaptive_window_each_row_chooses_its_own_widths_as_alone(name, sampling):
     """The default sjd (adaptive window) in continuous batching: each row's chooser sees only
-    its own tokens, so each request verifies the draft counts of its decode alone (rows at
-    different widths in one forward) and decodes its tokens, stats and draws."""
+    its own tokens, so each request verifies the draft counts of its decode alone with the
+    batch's policy (`batch_rows` = 3: rows at different widths in one forward) and decodes its
+    tokens, stats and draws."""
     decoder = make_decoder(name, window=8)
     requests = [Request(torch.tensor([label]), make_generator(10 + i)) for i, label in enumerate(LABELS)]
     done, _ = continuous_decode(decoder, MODEL, requests, 64, sampling, batch_size=3)
+    single = make_decoder(name, window=8, adapt=AdaptiveWindow(batch_rows=3))
     for i, label in enumerate(LABELS):
         generator = make_generator(10 + i)
-        alone = decoder.generate(MODEL, torch.tensor([label]), 64, sampling, generator)
+        alone = single.generate(MODEL, torch.tensor([label]), 64, sampling, generator)
         assert torch.equal(done[i].tokens, alone.tokens[0]), f"request {i}"
         assert done[i].stats.drafts_per_forward == alone.stats.drafts_per_forward, f"request {i}"
         assert done[i].stats.accepted_histogram == alone.stats.accepted_histogram
@@ -162,13 +164,38 @@ def test_adaptive_rows_sample_the_exact_law(enumerable, rule_name, lossless):  #
     sampling = SAMPLINGS["cfg+temperature+top_k"]
     seqs, joint = exact_joint(enumerable, 1, sampling)
     acceptance = rule(rule_name)
-    decoder = SpeculativeJacobi(window=3, acceptance=acceptance)  # the adaptive window (the default)
+    # The adaptive window, each row judged as a decode of its own (at 64 rows' costs no draft
+    # would pay, and the rows would decode autoregressively).
+    decoder = SpeculativeJacobi(window=3, acceptance=acceptance, adapt=AdaptiveWindow(batch_rows=1))
     requests = (Request(torch.tensor([1]), make_generator(i)) for i in range(2000))
     done, _ = continuous_decode(decoder, enumerable, requests, LENGTH, sampling, batch_size=64)
     assert acceptance.speculated(), acceptance.counts
     assert len({tuple(f.stats.drafts_per_forward) for f in done}) > 1  # the rows chose their own widths
     samples = torch.stack([f.tokens for f in done])
     assert (chi_square_pvalue(samples, seqs, joint) > ALPHA) == lossless
+
+
+def test_rows_judge_widths_at_the_batch_cost_and_draft_nothing_where_no_width_can_pay():
+    """A row's width widens the whole padded forward: at 8 guided rows on the CPU's token cost
+    a draft costs the batch more than a token, so the rows decode autoregressively (no probe),
+    each as a batch-1 decode with `batch_rows=8` does; at 2 rows they still draft."""
+    decoder = make_decoder("sjd", window=8)
+    requests = [Request(torch.tensor([label]), make_generator(10 + i)) for i, label in enumerate(LABELS)]
+    done, stats = continuous_decode(decoder, MODEL, requests, 64, SAMPLED, batch_size=8)
+    assert all(f.stats.mean_accepted_length == 1 for f in done)
+    single = make_decoder("sjd", window=8, adapt=AdaptiveWindow(batch_rows=8))
+    for i, label in enumerate(LABELS):
+        alone = single.generate(MODEL, torch.tensor([label]), 64, SAMPLED, make_generator(10 + i))
+        assert torch.equal(done[i].tokens, alone.tokens[0]), f"request {i}"
+        assert done[i].stats.forwards == alone.stats.forwards == 64
+    two, _ = continuous_decode(decoder, MODEL, [Request(r.conditions, make_generator(10 + i)) for i, r in enumerate(requests)],
+                               64, SAMPLED, batch_size=2)
+    assert any(max(f.stats.drafts_per_forward) > 0 for f in two)
+    # A policy that names its own batch_rows keeps it (1: each row as a decode of its own).
+    own, _ = continuous_decode(make_decoder("sjd", window=8, adapt=AdaptiveWindow(batch_rows=1)), MODEL,
+                               [Request(torch.tensor([1]), make_generator(3))], 64, SAMPLED, batch_size=8)
+    alone = make_decoder("sjd", window=8).generate(MODEL, torch.tensor([1]), 64, SAMPLED, make_generator(3))
+    assert own[0].stats.drafts_per_forward == alone.stats.drafts_per_forward and max(alone.stats.drafts_per_forward) > 0
 
 
 def test_what_cannot_be_batched_continuously_is_refused_before_any_work():

@@ -333,7 +333,7 @@ def test_every_rows_seed_reaches_its_groups_generator():
 
 CONTINUOUS_JOBS = [
     {"model": "emoji64", "class_label": "cat-face", "seed": 3, "decoding": "sjd:adapt=false", "count": 3, "output": "cat"},
-    {"model": "emoji64", "class_label": 25, "seed": 40, "decoding": "sjd:adapt=false", "count": 2, "output": "mammal"},
+    {"model": "emoji64", "class_label": 25, "seed": 40, "decoding": "sjd", "count": 2, "output": "mammal"},  # adaptive
     {"model": "emoji64", "class_label": 4, "seed": 9, "decoding": "ar", "count": 1, "output": "concerned"},
 ]
 
@@ -354,6 +354,8 @@ def test_continuous_batching_gives_every_image_its_seeds_image_and_resumes(tmp_p
         assert main([*argv, "--no-progress"]) == 0
         assert (tmp_path / "gen" / record["command_file"]).read_bytes() == (out / record["file"]).read_bytes()
     assert "--seed 4 " in records[1]["command"]
+    # The adaptive window's rows judge widths at the batch's cost: the command names its rows.
+    assert "--decoding=sjd:batch_rows=2 --seed 40 " in records[3]["command"]
     before = {r["file"]: r["sha256"] for r in records}
     (out / "mammal_001.png").unlink()
     capsys.readouterr()

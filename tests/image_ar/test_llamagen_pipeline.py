@@ -5,7 +5,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgen.decoding import Autoregressive, Request, SpeculativeJacobi
+from mmgen.decoding import Autoregressive, Request, SpeculativeJacobi, row_decoder
 from mmgen.hub import CheckpointError
 from mmgen.image_ar.llamagen import LlamaGenPipeline
 
@@ -169,11 +169,12 @@ def test_a_server_merges_requests_from_threads_into_one_batch(pipe):
     with pytest.raises(IndexError):  # a decode's failure reaches its callers; the server serves on
         failing.submit(Request(torch.tensor([10**6]), gen(0))).result(timeout=60)
     assert failing.submit(Request(torch.tensor([3]), gen(0))).result(timeout=60)[1].rows == 1
-    # The adaptive window (the default sjd): each row chooses its own widths, as alone.
+    # The adaptive window (the default sjd): each row chooses its own widths, as alone with the
+    # rows' policy (`row_decoder`: widths judged at what they cost a batch of 2).
     adaptive = pipe.serve("sjd", pipe.sampling_config(), batch_size=2, output_type="np")
     futures = [adaptive.submit(Request(torch.tensor([label]), gen(i))) for i, label in enumerate([3, 4, 3])]
     for i, label in enumerate([3, 4, 3]):
-        alone = pipe([label], decoding="sjd", generator=gen(i), output_type="np")
+        alone = pipe([label], decoding=row_decoder("sjd", 2), generator=gen(i), output_type="np")
         assert np.array_equal(futures[i].result(timeout=60)[0], alone.images[0])
 
 

@@ -10,7 +10,7 @@ import torch
 
 from mmgen.cache import SlotKVCache
 from mmgen.decoding import make_decoder
-from mmgen.decoding.batching import Request, continuous_decode
+from mmgen.decoding.batching import Request, continuous_decode, row_decoder
 from mmgen.decoding.stopping import Stopping
 from mmgen.sampling import SamplingConfig, make_generator
 
@@ -80,7 +80,7 @@ def test_the_pipeline_answers_each_prompt_as_alone_and_hands_answers_over_as_the
                            max_new_tokens=10, decoding=decoding, temperature=1.0)
     assert sorted(i for i, *_ in seen) == list(range(len(prompts)))
     for k, (prompt, pics) in enumerate(zip(prompts, per_prompt)):
-        alone = pipe(prompt, pics or None, max_new_tokens=10, decoding=decoding, temperature=1.0,
+        alone = pipe(prompt, pics or None, max_new_tokens=10, decoding=row_decoder(decoding, 2), temperature=1.0,
                      generator=make_generator(20 + k))
         n = int(alone.lengths[0])
         assert out.texts[k] == alone.texts[0] and int(out.lengths[k]) == n
