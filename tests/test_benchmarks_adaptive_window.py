@@ -21,6 +21,9 @@ def test_rows_curve_and_summary(tmp_path, capsys):
     summary = result["summary"]
     assert summary["best_fixed"] in rows and summary["adaptive_vs_ar"] == pytest.approx(rows["sjd"]["seconds"] / rows["ar"]["seconds"])
     assert summary["measured_vs_ar_modelled"] == pytest.approx(rows["sjd, measured curve"]["modelled"])
+    # One decode per method: its mean is its median.
+    assert rows["sjd"]["modelled_mean"] == pytest.approx(rows["sjd"]["modelled"])
+    assert summary["adaptive_vs_best_fixed_modelled_mean"] == pytest.approx(summary["adaptive_vs_best_fixed_modelled"])
     assert json.loads((tmp_path / "result.json").read_text())["summary"] == summary
     out = capsys.readouterr().out
     assert "| sjd:adapt=false,window=4 |" in out and "the best fixed window" in out
