@@ -85,7 +85,8 @@ class AdaptiveWindow:
     drafts in its new slots and is not judged (`warmup`). After `dwell` judged
     forwards a width that pays less than autoregressive steps gives way to the next narrower
     one, or straight to autoregressive steps when it finalised fewer than 1 + `barren` tokens
-    per forward; it also gives way to the next narrower one when that one, cut to its own width
+    per forward (a barren first width of one draft first gets one try of the next width: a
+    Jacobi window of two holds one stale draft, where wider ones converge over iterations); it also gives way to the next narrower one when that one, cut to its own width
     in the same forwards, would have paid more than 1 + `margin` times as much (the estimate
     flatters narrow Jacobi windows, whose deeper drafts the wide one refined: hence the margin).
     A width that pays is probed against its neighbours every `probe_every`
@@ -261,6 +262,9 @@ class WindowChooser:
         # Whether any width can pay even if all its drafts pass; if none can, no probe is made.
         self.can_pay = any(1 + w > c for w, c in zip(widths, cost) if w > 0)
         self.home = [level for level, c in enumerate(cost) if c <= policy.start_cost][-1]
+        # A decode that starts at one draft and finds nothing there gets one try of the next
+        # width before AR steps (`observe`); later visits to one draft do not.
+        self.tried_wider = self.home != 1
         self.growing = self.home < self.top
         self.level = self.home  # this forward's
         self.warm = 0  # forwards left whose new slots still hold fresh drafts (not judged)
@@ -347,6 +351,14 @@ class WindowChooser:
             # Drafting pays less than plain steps here: with next to nothing accepted, fall back
             # to them at once; otherwise try the next narrower window first.
             barren = self.sums[0] / self.forwards < 1 + self.policy.barren
+            if barren and self.home == 1 and self.growing and not self.tried_wider and self.top >= 2:
+                # A Jacobi window of one draft carries a single stale draft; wider ones converge
+                # over iterations. So a barren one-draft window gets one try of the next width
+                # before AR steps (emoji64: a third of its decodes accept nothing at one draft
+                # and do at three).
+                self.tried_wider = True
+                self._move(2, growing=True)
+                return
             self._move(0 if barren else self.home - 1, growing=False)
         elif self.home > 1 and self.below[0] / self.below[1] > (1 + self.policy.margin) * self.value():
             # The wider half of the window does not pay for itself, by this forward's own outcome.

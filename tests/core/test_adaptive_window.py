@@ -286,6 +286,25 @@ def test_options_and_errors():
         make_decoder(name, **options)
 
 
+def test_a_barren_first_window_of_one_draft_tries_the_next_width_once_before_ar_steps():
+    """A Jacobi window of two carries one stale draft: finding nothing there says little, so the
+    next width gets one try (`dwell` judged forwards after its warm-up) before AR steps."""
+    policy = AdaptiveWindow()
+    chooser = policy.start(15, 2, "cpu")  # guided batch 1 on the CPU default: it starts at one draft
+    assert chooser.widths[chooser.home] == 1
+    for _ in range(policy.dwell):
+        chooser.choose(), chooser.observe(1.0)
+    assert chooser.widths[chooser.home] == 3 and chooser.tried_wider
+    for _ in range(policy.warmup + policy.dwell):
+        chooser.choose(), chooser.observe(1.0)
+    assert chooser.home == 0  # barren there too: AR steps, and no second try
+    again = policy.start(15, 2, "cpu")
+    again.tried_wider = True
+    for _ in range(policy.dwell):
+        again.choose(), again.observe(1.0)
+    assert again.home == 0
+
+
 def test_a_row_of_a_batch_pays_for_widening_the_batch_and_never_probes_where_no_width_can_pay():
     """A continuous batch's row (`batch_rows` = 8) is charged what its width costs the padded
     batch, in its share of an AR step; on the CPU's token cost at 8 rows no width can pay even
