@@ -32,7 +32,8 @@ codebook is resampled from its residual and the later ones are the target's own 
 With codebooks that are independent given the prefix (parallel heads, as Dia's), every
 codebook of that frame is then distributed as the target's, so the loop stays lossless.
 Models whose later codebooks depend on earlier ones (CSM's depth decoder) score each drafted
-frame's codebook k given that frame's codebooks before it, and offer
+frame's codebook k given that frame's codebooks before it (the forward's last position, whose
+frame is not drafted, holds zeros for codebooks 1..), and offer
 `complete_frame(state, slot, frame, known, probs, generator)`: the loop then has the model
 sample every codebook it could not finalise (all but codebook 0 of a new frame, those after
 the first rejected codebook) from its own conditionals, which keeps the loop lossless too.
@@ -428,6 +429,8 @@ class VerifyStep:
         """The torch path up to `finalise` (frames: also how many codebooks it finalised);
         `limit` [B]: each row's own draft count, or None."""
         run, d, every = self.run, index.shape[1] - 1, self.every
+        if limit is not None and self.complete is not None:
+            logits = _frame_placeholders(logits, limit)
         p = run.probs(logits, index)
         if d > 0 and self.greedy_exact:
             # One-hot laws: the exact rule accepts a draft exactly when it is the argmax (ratio
@@ -446,6 +449,22 @@ class VerifyStep:
                 fresh[:, :-1] if residual is None else self.proposer.draw(run, residual, index[:, :-1]))
             n_acc, next_token, known = finalise(accepted, resampled, fresh, drafts, run.num_codebooks, limit)
         return p, fresh, n_acc, next_token, known
+
+
+def _frame_placeholders(logits, limit: torch.Tensor):
+    """A frame-completing model's logits [B, n, K, V] with each row's own last slot (`limit[b]`,
+    its bonus) holding the placeholders a forward of its own width ends on: zeros for codebooks
+    1.. (`complete_frame` draws them). Without this a row verifying fewer drafts than the forward
+    would draw those codebooks from the scores of a stale draft there, which Jacobi carries on
+    as its next drafts: other drafts, other frames than its decode alone."""
+    rows = torch.arange(limit.shape[0], device=limit.device)
+    out = []
+    for part in (logits.cond, logits.uncond):
+        if part is not None:
+            part = part.clone()
+            part[rows, limit, 1:] = 0
+        out.append(part)
+    return type(logits)(*out)
 
 
 def check_row_feed(model: TokenModel, proposer: Proposer, adapt: Optional[AdaptiveWindow]) -> None:

@@ -173,8 +173,8 @@ class AdaptiveWindow:
         steps. False without `batch_rows`: a decode of its own keeps its probes."""
         if self.batch_rows is None:
             return False
-        chooser = self.start(max_draft, 1, device)
-        return chooser.home == 0 and not chooser.can_pay
+        chooser = self.start(max_draft, 1, device)  # a subclass's chooser may not say: then it may draft
+        return getattr(chooser, "home", None) == 0 and not getattr(chooser, "can_pay", True)
 
 
 def draft_cost(token_cost: float, rows_fed: int) -> float:

@@ -93,6 +93,25 @@ def test_csm_speaks_each_text_as_alone_its_depth_decoder_drawing_from_the_rows_g
         assert len(set(lengths)) > 1  # rows ended at different frames, so rows were refilled mid-run
 
 
+@pytest.mark.parametrize("cycle", [(1, 1, 3, 3, 0), (3, 3, 3, 1)])
+def test_csm_rows_narrower_than_the_forward_draw_their_own_last_slot_as_alone(cycle):
+    """Rows at different draft counts in one CSM forward (cycled, whatever is accepted): a row
+    verifying fewer drafts than the forward ends on its own last slot, where a forward of its
+    width holds the placeholders `complete_frame` fills, not scores of a stale draft; Jacobi
+    carries that slot's samples on as drafts, so every later frame depends on it."""
+    from tests.core.test_adaptive_window import CyclingWindow
+
+    csm = tiny_csm(0, eos_boost=3.0)
+    texts = [t.removeprefix("[S1] ") for t in TEXTS]
+    decoder = make_decoder("sjd", window=4, adapt=CyclingWindow(cycle=cycle))
+    options = dict(max_new_frames=40, decoding=decoder, temperature=1.0, top_k=20)
+    out = csm.speak_each(texts, [None] * len(texts), [None] * len(texts), generators(5), batch_size=2, **options)
+    for i, text in enumerate(texts):
+        alone = csm(text, generator=torch.Generator().manual_seed(5 + i), **options)
+        n = int(alone.lengths[0])
+        assert int(out.lengths[i]) == n and torch.equal(out.frames[i, :n], alone.frames[0, :n]), f"text {i}"
+
+
 def test_restart_grows_the_encoder_axis_and_the_prompt_region(pipe, monkeypatch):
     """The first two requests are short texts without voices; later ones are longer (the encoder
     axis grows for every row) and voiced (the decoder's prompt region grows)."""
