@@ -1,4 +1,4 @@
-"""Train the bundled block-diffusion video pair on moving-emoji clips: `emoji-motion` and its
+r"""Train the bundled block-diffusion video pair on moving-emoji clips: `emoji-motion` and its
 small companion `emoji-motion-small` (`mmgen.video.pipeline.BlockDiffusionVideoPipeline`).
 
 Every component is diffusers' or transformers' own module in a small configuration: a Wan-layout
@@ -21,20 +21,32 @@ The loop, checkpointing and data order are `benchmarks/train.py`'s (`train_loop`
 randomness from (seed, step)), so a killed and resumed run ends with the weights of one that never
 stopped.
 
-    python -m benchmarks.train_video vae --out runs/video-vae --z-dim 16 --eval-every 500 --threads 1
+    # The shipped VAE: a base-16 encoder trained plainly, then with the sprites weighted, then
+    # against a critic (each run starting from the last one's checkpoint), and a base-32 decoder
+    # trained behind that encoder, frozen (so the denoisers' latents stay valid).
+    python -m benchmarks.train_video vae --out runs/video-vae2 --z-dim 16 --steps 9000 --frames 9 --eval-every 500 \
+        --threads 1  # to 2,800; then without --frames 9 (whole 17-frame clips) to 3,800
+    cp -r runs/video-vae2 runs/video-vae2-fg  # at step 3,800
+    python -m benchmarks.train_video vae --out runs/video-vae2-fg --foreground-weight 4 --z-dim 16 --steps 9000 \
+        --eval-every 500 --threads 1  # from 3,800 to 5,600
+    python -m benchmarks.train_video vae --out runs/video-vae2-gan --branch-from runs/video-vae2-fg --foreground-weight 4 \
+        --adversarial-weight 0.5 --z-dim 16 --steps 9000 --eval-every 500 --threads 1  # from 5,600 to 9,000
+    python -m benchmarks.train_video vae --out runs/video-dec32-gan --encoder-from runs/video-vae2-gan --decoder-base-dim 32 \
+        --steps 8000 --autocast bf16 --frames 17 --foreground-weight 4 --adversarial-weight 0.5 --adversarial-from 1500 \
+        --eval-every 500 --threads 1
     # or on a borrowed GPU: bf16 autocast, clips drawn ahead in 12 processes, stop after 4 minutes
     # (the denoisers take --device cuda and --minutes too, `latents` --device cuda)
     python -m benchmarks.train_video vae --device cuda --workers 12 --batch-size 32 --minutes 4 --out runs/video-vae
-    python -m benchmarks.train_video vae-quality --vae runs/video-vae --threads 1   # PSNR, proxies through the VAE
-    python -m benchmarks.train_video latents --vae runs/video-vae --out runs/video-latents.npz --threads 1
-    python -m benchmarks.train_video target --latents runs/video-latents.npz --out runs/video-target --threads 1 \
-        --eval-every 500 --vae runs/video-vae
-    python -m benchmarks.train_video small --latents runs/video-latents.npz --text-encoder runs/video-target/text_encoder \
-        --out runs/video-small --threads 1 --eval-every 500 --vae runs/video-vae
-    python -m benchmarks.train_video export --vae runs/video-vae --target runs/video-target --small runs/video-small \
-        --out video/assets
-    python -m benchmarks.train_video card --vae runs/video-vae --target runs/video-target --small runs/video-small \
-        --assets video/assets --out video/assets/emoji-motion/MODEL_CARD.md
+    python -m benchmarks.train_video vae-quality --vae runs/video-dec32-gan --threads 1   # PSNR, proxies through the VAE
+    python -m benchmarks.train_video latents --vae runs/video-vae2-gan --out runs/video-latents-gan.npz --clips 8000 --threads 1
+    python -m benchmarks.train_video target --latents runs/video-latents-gan.npz --out runs/video-target-gan --steps 8000 \
+        --ema 0.999 --threads 1 --eval-every 500 --vae runs/video-vae2-gan  # --ema from step 3,200 on
+    python -m benchmarks.train_video small --latents runs/video-latents-gan.npz --text-encoder runs/video-target-gan/text_encoder \
+        --out runs/video-small-gan --steps 8000 --ema 0.999 --threads 1 --eval-every 500 --vae runs/video-vae2-gan
+    python -m benchmarks.train_video export --vae runs/video-dec32-gan --target runs/video-target-gan \
+        --small runs/video-small-gan --out video/assets
+    python -m benchmarks.train_video card --vae runs/video-dec32-gan --target runs/video-target-gan \
+        --small runs/video-small-gan --assets video/assets --out video/assets/emoji-motion/MODEL_CARD.md
 """
 
 from __future__ import annotations
@@ -718,8 +730,9 @@ def freeze_text_encoder(text_encoder, folder: Path) -> None:
 #: The bundle's pipeline settings: 17 frames (5 latent frames) of 64x64 at 8 fps, one latent frame
 #: per block. The sampler (Euler on the flow, `--sampling-steps` uniform steps warped by
 #: `--sampling-shift`) is chosen by `sweep`.
+#: The saved sampling defaults; guidance 3 from the sweep of the shipped target (docs/benchmarks.md).
 PIPELINE = dict(block_frames=BLOCK_FRAMES, num_frames=17, height=64, width=64, fps=8.0, max_sequence_length=MAX_TEXT,
-                stochastic=False, negative_prompt="")
+                stochastic=False, negative_prompt="", guidance_scale=3.0)
 SHARED = {"vae": "../emoji-motion/vae", "text_encoder": "../emoji-motion/text_encoder", "tokenizer": "../emoji-motion/tokenizer"}
 
 
@@ -997,6 +1010,12 @@ def averaged_note(f: dict) -> str:
 
 
 def model_card(f: dict, args) -> str:
+    sweep_note = (f"Chosen from the sweep below ({f['sweep'][0]['num_clips']} prompts: differences of a few points there "
+                  "are within their noise)." if f["sweep"] else
+                  "No sampler sweep was run on these weights; the table's guidance rows measure the alternatives.")
+    scale = f["schedule"].get("guidance_scale", 1.0)
+    guidance = "no guidance (scale 1)" if scale == 1 else f"classifier-free guidance at scale {scale:g}"
+
     def run_row(name: str, what: str, params: int) -> str:
         run = f["runs"][name]
         return (f"| {name} | {what} | {params / 1e6:.2f}M | {run['final']['step']} | {run['args']['batch_size']} | "
@@ -1079,9 +1098,8 @@ thousand distinct ones); the clips do not.
 ## Sampling defaults
 
 Saved with the pipelines: one latent frame per block, {f['steps']} Euler steps per block on the flow
-(`FlowSchedule.uniform({f['steps']}, shift={sc['shift']:g})`, stochastic False), no guidance (scale 1);
-the negative prompt for guidance is "". Chosen from the sweep below, though the settings' differences
-there are within the noise of 32 prompts (about 49 objects).
+(`FlowSchedule.uniform({f['steps']}, shift={sc['shift']:g})`, stochastic False), {guidance};
+the negative prompt for guidance is "". {sweep_note}
 
 ## Quality
 
@@ -1204,7 +1222,7 @@ def main(argv: list[str] | None = None) -> None:
     crd.add_argument("--out", required=True)
     crd.add_argument("--clips", type=int, default=64)
     crd.add_argument("--large-steps", type=int, nargs="+", default=[1, 2])
-    crd.add_argument("--guidance", type=float, nargs="+", default=[3.0])
+    crd.add_argument("--guidance", type=float, nargs="+", default=[1.0], help="guidance scales measured beside the default")
     crd.add_argument("--sweep", nargs="*", default=[], help="the JSON files `sweep` wrote, for the card")
     crd.add_argument("--reuse-quality", action="store_true", help="take the figures from the quality.json beside --out "
                      "(an earlier card run) instead of measuring them again")
