@@ -86,7 +86,8 @@ class AdaptiveWindow:
     forwards a width that pays less than autoregressive steps gives way to the next narrower
     one, or straight to autoregressive steps when it finalised fewer than 1 + `barren` tokens
     per forward (a barren first width of one draft first gets one try of the next width: a
-    Jacobi window of two holds one stale draft, where wider ones converge over iterations); it also gives way to the next narrower one when that one, cut to its own width
+    Jacobi window of two holds one stale draft, where wider ones converge over iterations); it
+    also gives way to the next narrower one when that one, cut to its own width
     in the same forwards, would have paid more than 1 + `margin` times as much (the estimate
     flatters narrow Jacobi windows, whose deeper drafts the wide one refined: hence the margin).
     A width that pays is probed against its neighbours every `probe_every`
@@ -436,9 +437,10 @@ class RowWindows:
     """The speculative loop's window under an `AdaptiveWindow` in continuous batching: one
     chooser per row, started with the row's request as a batch-1 decode with the same policy
     would start (`batch_rows`: `continuous_decode` sets its batch size) and fed that row's own
-    tokens, so each request verifies the draft counts, and makes the draws, of its decode alone. A forward holds the largest count of its rows; each
-    row verifies its own (`DecodeRun.row_drafts`, `RowGenerators.narrowed`, `finalise`'s
-    `limit`), and its stats carry its own `drafts_per_forward` (`chosen`)."""
+    tokens, so each request verifies the draft counts, and makes the draws, of its decode
+    alone. A forward holds the largest count of its rows; each row verifies its own
+    (`DecodeRun.row_drafts`, `RowGenerators.narrowed`, `finalise`'s `limit`), and its stats carry
+    its own `drafts_per_forward` (`chosen`)."""
 
     def __init__(self, policy: AdaptiveWindow, max_draft: int, guided: bool, device, window_cost: Optional[WindowCost], run: Any):
         self.policy, self.max_draft, self.device, self.window_cost, self.run = policy, max_draft, device, window_cost, run
