@@ -17,7 +17,9 @@ Methods are decoded in turn within each repeat (interleaved; a dropped warm-up r
 medians reported with min-max. Every forward is timed by its width while the decodes run, which
 gives this model's cost curve on this machine and thread count (width -> forward time over
 width 1, printed with the linear model's token cost it implies); "modelled" columns weigh each
-decode's forwards by that curve, so they are exact for its choices and free of the box's load.
+decode's forwards by that curve, so they are exact for its choices and free of the box's load;
+`--curve` weighs them by a given curve instead (another machine's: curves differ far more
+between CPUs than between runs), so runs on different machines compare on one curve.
 At batch 1 a row "sjd, measured curve" runs the adaptive window with the curve measured in the
 warm-up round, as a model that carries its `window_cost` would (the default row runs the linear
 model with the CPU's default token cost).
@@ -94,6 +96,15 @@ def curve_of(times: dict[int, list[float]]) -> dict[int, float]:
     return {w: statistics.median(t) / base for w, t in sorted(times.items())}
 
 
+def parse_curve(items: list[str]) -> dict[int, float]:
+    """`--curve` WIDTH:COST items, width 1 at cost 1 unless given."""
+    try:
+        curve = {int(w): float(c) for w, c in (item.split(":") for item in items)}
+    except ValueError:
+        raise SystemExit(f"--curve takes WIDTH:COST items such as 2:1.05, got {' '.join(items)}") from None
+    return {1: 1.0, **curve}
+
+
 def linear_token_cost(curve: dict[int, float], rows_fed: int) -> float:
     """The `token_cost` (rho) of the linear model whose widest forward costs what the curve says."""
     width = max(curve)
@@ -158,9 +169,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--curve", nargs="+", metavar="WIDTH:COST", help="weigh the modelled columns by this cost curve "
+                        "(e.g. another machine's: 2:1.053 4:1.156 8:1.334 16:1.673) instead of the one this run measures")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    given = parse_curve(args.curve) if args.curve else None  # before any work
     model_name, init_std = (args.model, args.init_std) if args.model else CASES[args.case]
     on_pipeline = args.model is None and args.case in PIPELINE_CASES
     if on_pipeline and (args.batch_size != 1 or args.sampling != "model" or args.device != "cpu"):
@@ -191,7 +205,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         token_model.window_cost = carried
     if MEASURED in runs and not runs[MEASURED]:
         del runs[MEASURED]
-    curve = curve_of(times)
+    curve = given or curve_of(times)
     # Rows a forward feeds: guidance doubles them (Dia's own guidance too: its forwards feed both halves).
     guided = sampling.uses_guidance if sampling is not None else args.case == "speech-tts"
     rows_fed = args.batch_size * (2 if guided else 1)
@@ -227,7 +241,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     name = args.model or args.case
     print(f"\n{name} ({model_name}, init std {init_std}), {args.sampling} sampling, batch {args.batch_size}, {tokens} tokens, "
           f"{args.repeats} repeats, threads {torch.get_num_threads()}")
-    print("cost curve (forward time by width over width 1): "
+    print(("cost curve given (--curve)" if args.curve else "cost curve (forward time by width over width 1)") + ": "
           + ", ".join(f"{w}: {c:.2f}" for w, c in curve.items())
           + f"; as a linear model's token cost: {linear_token_cost(curve, rows_fed):.3f}")
     unit, scale = ("ms / token", 1000.0) if on_pipeline else ("s / decode", 1.0)

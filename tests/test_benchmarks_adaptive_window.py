@@ -40,3 +40,15 @@ def test_a_bundled_pair_through_its_pipeline(capsys):
     assert "| method | ms / token" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="batch-1"):
         main(["--case", "speech-tts", "--batch-size", "2"])
+
+
+def test_a_given_curve_weighs_the_modelled_columns(capsys):
+    """`--curve`: the modelled columns weigh each decode's forwards by another machine's curve."""
+    result = main(["--case", "emoji64", "--repeats", "1", "--threads", "1", "--sweep", "4", "--tokens", "16",
+                   "--curve", "2:1.5", "4:2.0", "8:3.0", "16:5.0"])
+    assert result["curve"] == {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}
+    fixed = result["rows"]["sjd:adapt=false,window=4"]
+    assert fixed["modelled"] == pytest.approx((1 + 2.0 * (fixed["forwards"] - 1)) / 16)
+    assert "cost curve given (--curve)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="WIDTH:COST"):
+        main(["--case", "emoji64", "--curve", "2=1.5"])

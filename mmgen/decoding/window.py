@@ -86,7 +86,9 @@ class AdaptiveWindow:
     forwards a width that pays less than autoregressive steps gives way to the next narrower
     one, or straight to autoregressive steps when it finalised fewer than 1 + `barren` tokens
     per forward (a barren first width of one draft first gets one try of the next width: a
-    Jacobi window of two holds one stale draft, where wider ones converge over iterations); it
+    Jacobi window of two holds one stale draft, where wider ones converge over iterations; and
+    once drafts have paid in the decode, a barren width above one draft only steps one width
+    down, still growing: such a stretch often passes, and one-draft probes are slow to notice); it
     also gives way to the next narrower one when that one, cut to its own width
     in the same forwards, would have paid more than 1 + `margin` times as much (the estimate
     flatters narrow Jacobi windows, whose deeper drafts the wide one refined: hence the margin).
@@ -271,6 +273,7 @@ class WindowChooser:
         self.warm = 0  # forwards left whose new slots still hold fresh drafts (not judged)
         self.jumped_from: Optional[int] = None  # the home before a jump, until two forwards confirm it
         self.may_jump = True  # until a jump turns out to have been luck
+        self.paid = False  # whether drafts have paid in this decode (it widened on them, or a probe paid)
         self._reset()
         self.trial: Optional[list] = None  # [level, forwards left, tokens, cost, forwards judged] while probing
         self.interval = policy.probe_every  # between probes of a drafting home; doubles after each that did not pay
@@ -323,6 +326,7 @@ class WindowChooser:
         drafts = self.widths[self.home]
         if self.growing and tokens >= 1 + drafts / 2:  # half the drafts passed (all: the window limited it): widen
             home, jump = self.home, (self.policy.jump if tokens >= 1 + drafts and self.may_jump else 1)
+            self.paid = True
             self._move(min(self.top, home + jump), growing=True)
             self.jumped_from = home if jump > 1 else None
             return
@@ -360,6 +364,13 @@ class WindowChooser:
                 self.tried_wider = True
                 self._move(2, growing=True)
                 return
+            if barren and self.home > 1 and self.paid:
+                # A barren stretch after drafts have paid in this decode often passes, and from
+                # AR steps only one-draft probes look for its end, which on emoji64 found
+                # nothing for 20-30 forwards where a 4-token window accepted: so one width down,
+                # still growing. AR steps only from one draft, the cheapest window to keep.
+                self._move(self.home - 1, growing=True)
+                return
             self._move(0 if barren else self.home - 1, growing=False)
         elif self.home > 1 and self.below[0] / self.below[1] > (1 + self.policy.margin) * self.value():
             # The wider half of the window does not pay for itself, by this forward's own outcome.
@@ -381,6 +392,7 @@ class WindowChooser:
                 self.interval *= 2
             return
         upward = level > self.home
+        self.paid = True
         if upward and level < self.top and tokens >= 1 + self.widths[level] and self.may_jump:  # it ended accepting its whole window
             self._move(min(self.top, level + self.policy.jump), growing=True)
             self.jumped_from = level
@@ -393,6 +405,7 @@ class WindowChooser:
 
     def _move(self, level: int, growing: bool) -> None:
         self.warm = self.policy.warmup if level > self.home else 0
+        self.tried_wider = self.tried_wider or level > 1
         self.home, self.growing, self.since_probe, self.jumped_from = level, growing, 0, None
         self.interval = self.policy.probe_every
         self._reset()

@@ -305,6 +305,32 @@ def test_a_barren_first_window_of_one_draft_tries_the_next_width_once_before_ar_
     assert again.home == 0
 
 
+def test_a_barren_stretch_after_drafts_paid_steps_one_width_down_still_growing():
+    """Once drafts have paid in a decode, a barren stretch above one draft steps down one width,
+    still growing, so a draft that passes again widens at once; AR steps come only from one
+    draft. Before anything paid, a barren window falls straight back to AR steps."""
+    policy = AdaptiveWindow()
+    chooser = policy.start(15, 2, "cpu")  # at one draft
+    chooser.choose(), chooser.observe(1.5)  # half its drafts passed: it widens (drafts paid)
+    assert chooser.widths[chooser.home] == 3 and chooser.paid
+    for _ in range(policy.warmup + policy.dwell):
+        chooser.choose(), chooser.observe(1.0)
+    assert chooser.widths[chooser.home] == 1 and chooser.growing  # barren: one width down
+    chooser.choose(), chooser.observe(1.5)
+    assert chooser.widths[chooser.home] == 3  # it grows again at once
+    for _ in range(policy.warmup + policy.dwell):
+        chooser.choose(), chooser.observe(1.0)
+    assert chooser.widths[chooser.home] == 1
+    for _ in range(policy.dwell):
+        chooser.choose(), chooser.observe(1.0)
+    assert chooser.home == 0  # from one draft: AR steps (its first-width try was spent)
+    fresh = policy.start(15, 2, "cpu")
+    fresh._move(3, growing=True)  # at 7 drafts, nothing paid yet
+    for _ in range(policy.warmup + policy.dwell):
+        fresh.choose(), fresh.observe(1.0)
+    assert fresh.home == 0 and not fresh.paid
+
+
 def test_a_row_of_a_batch_pays_for_widening_the_batch_and_never_probes_where_no_width_can_pay():
     """A continuous batch's row (`batch_rows` = 8) is charged what its width costs the padded
     batch, in its share of an AR step; on the CPU's token cost at 8 rows no width can pay even
