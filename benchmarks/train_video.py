@@ -47,6 +47,13 @@ stopped.
         --small runs/video-small-gan --out video/assets
     python -m benchmarks.train_video card --vae runs/video-dec32-gan --target runs/video-target-gan \
         --small runs/video-small-gan --assets video/assets --out video/assets/emoji-motion/MODEL_CARD.md
+
+Run folders do not outlive the machine they trained on; the shipped weights do. A denoiser run
+can start from them (`target --init-from video/assets/emoji-motion --text-steps 0`, `small
+--init-from video/assets/emoji-motion-small --text-encoder video/assets/emoji-motion/text_encoder`):
+a new run with a fresh optimizer and its own schedule, its held-out figures logged first at
+step 0 for the weights it starts from. `--vae video/assets/emoji-motion` reads the shipped VAE
+(for `latents` and the held-out figures), whose encoder made the shipped denoisers' latents.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import argparse
 import json
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -62,7 +70,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop, trained_weights, wall_clock
+from benchmarks.train import (add_training_arguments, last_log, load_trained, log_heldout, round_to_half, train_loop,
+                              trained_weights, wall_clock)
 
 #: Clips of the training corpus, the VAE's held-out corpus (never trained on) and the proxies' corpora.
 TRAIN_SEED, HELD_OUT_SEED, PROMPT_SEED, REFERENCE_SEED = 100, 2, 0, 1
@@ -635,9 +644,10 @@ def flow_loss(transformer, prompts: PromptEncoder, data: Latents, index: torch.T
 
 
 def load_text_encoder(folder: str | Path):
+    """A saved text encoder in float32 (a shipped one is stored in float16)."""
     from transformers import UMT5EncoderModel
 
-    return UMT5EncoderModel.from_pretrained(str(folder)).eval()
+    return UMT5EncoderModel.from_pretrained(str(folder)).float().eval()
 
 
 def train_transformer(args) -> None:
@@ -645,10 +655,14 @@ def train_transformer(args) -> None:
     float16 (as it ships) and frozen after `--text-steps` steps and saved to `<out>/text_encoder`
     (what `small` reads). `small`: the transformer alone on that frozen text encoder."""
     data = Latents(args.latents)
-    transformer = new_transformer(args.job, args.seed, channels=data.latents.shape[1])
+    started_from = init_from(args)
+    if started_from is not None:
+        transformer = started_from["transformer"]
+    else:
+        transformer = new_transformer(args.job, args.seed, channels=data.latents.shape[1])
     tokenizer = new_tokenizer()
     if args.job == "target":
-        text_encoder = new_text_encoder(args.seed + 1)
+        text_encoder = started_from["text_encoder"] if started_from is not None else new_text_encoder(args.seed + 1)
         model = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
     else:
         text_encoder = load_text_encoder(args.text_encoder).to(args.device)
@@ -672,7 +686,7 @@ def train_transformer(args) -> None:
 
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in (("transformer", transformer), ("text_encoder", text_encoder))}
     print(f"{args.job}: transformer {params['transformer'] / 1e6:.2f}M, text encoder {params['text_encoder'] / 1e6:.2f}M "
-          f"({'trained' if args.job == 'target' else 'frozen'}), {len(data)} clips, latents {tuple(data.latents.shape[1:])}")
+          f"({'trained' if args.job == 'target' and args.text_steps > 0 else 'frozen'}), {len(data)} clips, latents {tuple(data.latents.shape[1:])}")
     config = {"preset": args.job, "transformer": dict(transformer.config), "text_encoder": text_encoder.config.to_dict(),
               "block_frames": BLOCK_FRAMES, "params": params,
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
@@ -681,9 +695,34 @@ def train_transformer(args) -> None:
         if not args.vae:
             raise ValueError("--eval-every needs --vae (the VAE run the latents came from)")
         heldout = GeneratedQuality(load_vae_run(args.vae), transformer, text_encoder, args.eval_clips, args.reference_clips)
+    if started_from is not None and heldout is not None:  # the curve starts at the weights it continues
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        record = {**log_heldout(model, heldout, 0, Path(args.out), nullcontext()), "init_from": str(args.init_from)}
+        with open(Path(args.out) / "log.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
     train_loop(model, loss_fn, len(data), args, config, heldout=heldout)
     if args.job == "target" and args.text_steps >= args.steps and step_of(args, None) == args.steps:
         freeze_text_encoder(text_encoder, snapshot)
+
+
+def init_from(args) -> Optional[dict]:
+    """The modules a new run starts from with `--init-from` (a pipeline folder as it ships, e.g.
+    video/assets/emoji-motion): its transformer, and for the target its text encoder, in float32.
+    None without the option or where `--out` already holds a checkpoint (a resume goes on from
+    that). Shipped weights are what survives a machine that lost its run folders; a run from them
+    is a new run (fresh optimizer, its own schedule), not a resume of the one that made them."""
+    from diffusers import WanTransformer3DModel
+
+    if not args.init_from or (Path(args.out) / "checkpoint.pt").exists():
+        return None
+    folder = Path(args.init_from)
+    if args.job == "target" and args.text_steps != 0:
+        raise ValueError("--init-from keeps the shipped text encoder frozen (the small model reads it): give --text-steps 0")
+    modules = {"transformer": WanTransformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=torch.float32)}
+    if args.job == "target":
+        modules["text_encoder"] = load_text_encoder(folder / "text_encoder")
+    return modules
 
 
 class GeneratedQuality:
@@ -1135,6 +1174,18 @@ never trained on).
 """
 
 
+def reproduce_block() -> str:
+    """The commands that made the bundle: this module docstring's first indented block."""
+    lines = __doc__.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("    "))
+    block = []
+    for line in lines[start:]:
+        if line and not line.startswith("    "):
+            break
+        block.append(line[4:])
+    return "\n".join(block).strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     jobs = parser.add_subparsers(dest="job", required=True)
@@ -1188,7 +1239,10 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
         p.add_argument("--eval-every", type=int, default=0, help="log the proxies of generated clips every N steps "
                        "(best.pt keeps the best mean of class and direction accuracy)")
-        p.add_argument("--vae", help="the VAE run the latents came from (for --eval-every)")
+        p.add_argument("--vae", help="the VAE run the latents came from (for --eval-every; a pipeline folder "
+                       "such as video/assets/emoji-motion reads its vae/)")
+        p.add_argument("--init-from", help="start a new run from a shipped pipeline folder's weights (e.g. "
+                       "video/assets/emoji-motion): its transformer, and for the target its text encoder, frozen")
         p.add_argument("--eval-clips", type=int, default=16)
         p.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
         add_training_arguments(p, lr, 16)
@@ -1227,7 +1281,7 @@ def main(argv: list[str] | None = None) -> None:
     crd.add_argument("--reuse-quality", action="store_true", help="take the figures from the quality.json beside --out "
                      "(an earlier card run) instead of measuring them again")
     crd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
-    crd.add_argument("--commands", default=__doc__.split("\n\n    ")[1].replace("\n    ", "\n").strip(),
+    crd.add_argument("--commands", default=reproduce_block(),
                      help="the commands that made the bundle")
     args = parser.parse_args(argv)
     if getattr(args, "threads", 0):

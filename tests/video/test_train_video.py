@@ -305,3 +305,30 @@ def test_the_model_card_states_the_vae_recipe_and_limits_from_the_figures(encode
     assert "by sprite: red heart 70%, sun 3%" in card and "emoji-motion follows the prompted motion for\n80%" in card
     assert "exponential moving averages of the trained ones (`--ema`): target's from step 3400 (decay 0.999)." in card
     assert "{" not in card.split("## Reproduce")[0]  # no placeholder left unformatted
+
+
+def test_a_new_run_starts_from_shipped_weights(tmp_path):
+    """`--init-from` starts a run from a pipeline folder as it ships (what survives a machine
+    that lost its run folders): at learning rate 0 the run's weights stay exactly those."""
+    from benchmarks.train_video import load_transformer_run
+
+    path = tmp_path / "latents.npz"
+    fake_latents(path, channels=4)
+    common = ["--latents", str(path), "--batch-size", "4", "--warmup", "2", "--log-every", "1", "--threads", "1", "--steps", "2"]
+    main(["target", *common, "--text-steps", "1", "--out", str(tmp_path / "first")])
+    transformer, text_encoder = load_transformer_run(tmp_path / "first", with_text_encoder=True)
+    shipped = tmp_path / "shipped"
+    transformer.to(torch.float16).save_pretrained(shipped / "transformer")
+    text_encoder.to(torch.float16).save_pretrained(shipped / "text_encoder")
+    with pytest.raises(ValueError, match="--text-steps 0"):
+        main(["target", *common, "--init-from", str(shipped), "--out", str(tmp_path / "refused")])
+    main(["target", *common, "--init-from", str(shipped), "--text-steps", "0", "--lr", "0", "--out", str(tmp_path / "target")])
+    main(["small", *common, "--init-from", str(shipped), "--text-encoder", str(shipped / "text_encoder"), "--lr", "0",
+          "--out", str(tmp_path / "small")])
+    expected = {**{f"transformer.{k}": v for k, v in transformer.state_dict().items()},
+                **{f"text_encoder.{k}": v for k, v in text_encoder.state_dict().items()}}
+    for run in ("target", "small"):
+        state = torch.load(tmp_path / run / "checkpoint.pt", weights_only=True)
+        assert state["step"] == 2 and state["model"].keys() <= expected.keys()
+        for key, tensor in state["model"].items():
+            assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[key].half().float()), key
