@@ -47,6 +47,15 @@ stopped.
         --small runs/video-small-gan --out video/assets
     python -m benchmarks.train_video card --vae runs/video-dec32-gan --target runs/video-target-gan \
         --small runs/video-small-gan --assets video/assets --out video/assets/emoji-motion/MODEL_CARD.md
+    # Then, on a machine without those runs, the target continued from the shipped weights (a new
+    # run: fresh optimizer and schedule) and was exported beside the shipped VAE and small model:
+    python -m benchmarks.train_video latents --vae video/assets/emoji-motion --out runs/video-latents-shipped.npz \
+        --clips 8000 --threads 1
+    python -m benchmarks.train_video target --init-from video/assets/emoji-motion --text-steps 0 \
+        --latents runs/video-latents-shipped.npz --out runs/video-target-ft --steps 2400 --lr 5e-4 --warmup 50 \
+        --ema 0.999 --threads 1 --eval-every 400 --vae video/assets/emoji-motion
+    python -m benchmarks.train_video export --vae video/assets/emoji-motion --target runs/video-target-ft \
+        --small video/assets/emoji-motion-small --out video/assets
 
 Run folders do not outlive the machine they trained on; the shipped weights do. A denoiser run
 can start from them (`target --init-from video/assets/emoji-motion --text-steps 0`, `small
@@ -776,10 +785,15 @@ SHARED = {"vae": "../emoji-motion/vae", "text_encoder": "../emoji-motion/text_en
 
 
 def load_transformer_run(run: str | Path, with_text_encoder: bool = False):
-    """A run's trained transformer (and text encoder, for the target), configs from its config.json."""
+    """A run's trained transformer (and text encoder, for the target), configs from its config.json;
+    or a shipped pipeline folder's (in float32), e.g. video/assets/emoji-motion-small where a
+    continued target is exported beside the small model as it shipped."""
     from diffusers import WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
+    if (Path(run) / "transformer" / "config.json").exists():
+        transformer = WanTransformer3DModel.from_pretrained(str(Path(run) / "transformer"), torch_dtype=torch.float32).eval()
+        return (transformer, load_text_encoder(Path(run) / "text_encoder")) if with_text_encoder else transformer
     config = json.loads((Path(run) / "config.json").read_text())
     modules = {"transformer": WanTransformer3DModel.from_config(config["transformer"])}
     if config["preset"] == "target":
@@ -822,6 +836,10 @@ def export(args) -> None:
         pipe.to(dtype=torch.float16)
     target.save_pretrained(out / "emoji-motion")
     small.save_pretrained(out / "emoji-motion-small", shared=SHARED)
+    for config in [*(out / "emoji-motion").rglob("config.json"), *(out / "emoji-motion-small").rglob("config.json")]:
+        data = json.loads(config.read_text())  # a module loaded from a folder records its path: no local paths ship
+        if data.pop("_name_or_path", None) is not None:
+            config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     for name in ("emoji-motion", "emoji-motion-small"):
         pipe = BlockDiffusionVideoPipeline.from_pretrained(out / name).to(dtype=torch.float32)
         pipe.set_progress_bar_config(disable=True)
