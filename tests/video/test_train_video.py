@@ -322,6 +322,10 @@ def test_a_new_run_starts_from_shipped_weights(tmp_path):
     text_encoder.to(torch.float16).save_pretrained(shipped / "text_encoder")
     with pytest.raises(ValueError, match="--text-steps 0"):
         main(["target", *common, "--init-from", str(shipped), "--out", str(tmp_path / "refused")])
+    # export reads a pipeline folder as it reads a run (a continued target beside a shipped small model)
+    loaded, loaded_text = load_transformer_run(shipped, with_text_encoder=True)
+    assert all(torch.equal(v, transformer.state_dict()[k].half().float()) for k, v in loaded.state_dict().items())
+    assert all(torch.equal(v, text_encoder.state_dict()[k].half().float()) for k, v in loaded_text.state_dict().items())
     main(["target", *common, "--init-from", str(shipped), "--text-steps", "0", "--lr", "0", "--out", str(tmp_path / "target")])
     main(["small", *common, "--init-from", str(shipped), "--text-encoder", str(shipped / "text_encoder"), "--lr", "0",
           "--out", str(tmp_path / "small")])
