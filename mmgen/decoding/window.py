@@ -100,7 +100,8 @@ class AdaptiveWindow:
     autoregressive steps probe one draft often: `probe_len` forwards each time `probe_len`
     forwards' worth of one draft's extra cost adds up to `probe_cost` of the AR steps between
     (with nothing accepted, the probes cost about that fraction; every 8 steps at one draft =
-    1.074 AR steps). Any accepted draft in a probe beats AR steps and starts the growth. A decode
+    1.074 AR steps). The probe's first forward verifies a fresh draft and is not judged; an
+    accepted draft after it that beats AR steps starts the growth. A decode
     that starts with AR steps probes first once the probe's extra cost is at most
     `first_probe_cost` of the steps before it, and after `dwell` steps at the latest: soon where
     a draft is cheap (a batch of rows, where one draft already costs more than `start_cost`), late
@@ -377,10 +378,16 @@ class WindowChooser:
             self._move(self.home - 1, growing=False)
 
     def _probe(self, tokens: float) -> None:
-        """A probe, judged once it has run its forwards (an upward one's first is not judged)."""
+        """A probe, judged once it has run its forwards. Its first forward is not judged where it
+        widens a drafting home (the new slots hold fresh drafts) nor where it starts from AR steps
+        (every draft is fresh there: where one draft costs 1.5 AR steps, a two-forward probe that
+        counted it could not pay even if every later draft passed)."""
         level = self.trial[0]
         self.trial[1] -= 1
-        warm = level > self.home and self.home > 0 and self.trial[1] >= self.policy.dwell
+        if self.home > 0:
+            warm = level > self.home and self.trial[1] >= self.policy.dwell
+        else:
+            warm = self.policy.probe_len > 1 and self.trial[1] == self.policy.probe_len - 1
         if not warm:
             self.trial[2:] = [self.trial[2] + tokens, self.trial[3] + self.cost[level], self.trial[4] + 1]
         if self.trial[1] > 0:

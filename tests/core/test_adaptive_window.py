@@ -305,6 +305,28 @@ def test_a_barren_first_window_of_one_draft_tries_the_next_width_once_before_ar_
     assert again.home == 0
 
 
+def test_a_probe_from_ar_steps_does_not_judge_its_fresh_first_forward():
+    """Where one draft costs 1.56 AR steps (a measured CPU curve: the BLAS makes a second row
+    dear), every width costs more than `start_cost` and the decode starts with AR steps. A probe's
+    first forward verifies a fresh draft; judged with it, a two-forward probe could not pay even
+    if every later draft passed ((1 + 2) / 3.12), so a decode whose drafts all pass never left AR
+    steps. Its second forward alone decides."""
+    curve = {"cpu": {1: 1.0, 2: 1.56, 4: 2.03, 8: 2.10, 16: 2.47}}
+
+    def probe(second: float):
+        chooser = AdaptiveWindow().start(15, 2, "cpu", curve)
+        assert chooser.home == 0
+        while chooser.choose() == 0:
+            chooser.observe(None)
+        chooser.observe(1.0)  # the fresh draft fails
+        assert chooser.choose() == 1
+        chooser.observe(second)
+        return chooser
+
+    assert probe(2.0).widths[probe(2.0).home] == 15  # its whole window passed: a jump
+    assert probe(1.0).home == 0
+
+
 def test_a_barren_stretch_after_drafts_paid_steps_one_width_down_still_growing():
     """Once drafts have paid in a decode, a barren stretch above one draft steps down one width,
     still growing, so a draft that passes again widens at once; AR steps come only from one
