@@ -721,17 +721,14 @@ def init_from(args) -> Optional[dict]:
     None without the option or where `--out` already holds a checkpoint (a resume goes on from
     that). Shipped weights are what survives a machine that lost its run folders; a run from them
     is a new run (fresh optimizer, its own schedule), not a resume of the one that made them."""
-    from diffusers import WanTransformer3DModel
-
     if not args.init_from or (Path(args.out) / "checkpoint.pt").exists():
         return None
-    folder = Path(args.init_from)
     if args.job == "target" and args.text_steps != 0:
         raise ValueError("--init-from keeps the shipped text encoder frozen (the small model reads it): give --text-steps 0")
-    modules = {"transformer": WanTransformer3DModel.from_pretrained(str(folder / "transformer"), torch_dtype=torch.float32)}
     if args.job == "target":
-        modules["text_encoder"] = load_text_encoder(folder / "text_encoder")
-    return modules
+        transformer, text_encoder = load_transformer_run(args.init_from, with_text_encoder=True)
+        return {"transformer": transformer, "text_encoder": text_encoder}
+    return {"transformer": load_transformer_run(args.init_from)}
 
 
 class GeneratedQuality:
@@ -777,8 +774,7 @@ def freeze_text_encoder(text_encoder, folder: Path) -> None:
 
 #: The bundle's pipeline settings: 17 frames (5 latent frames) of 64x64 at 8 fps, one latent frame
 #: per block. The sampler (Euler on the flow, `--sampling-steps` uniform steps warped by
-#: `--sampling-shift`) is chosen by `sweep`.
-#: The saved sampling defaults; guidance 3 from the sweep of the shipped target (docs/benchmarks.md).
+#: `--sampling-shift`) and guidance 3 were chosen by `sweep` of the 8,000-step target (docs/benchmarks.md).
 PIPELINE = dict(block_frames=BLOCK_FRAMES, num_frames=17, height=64, width=64, fps=8.0, max_sequence_length=MAX_TEXT,
                 stochastic=False, negative_prompt="", guidance_scale=3.0)
 SHARED = {"vae": "../emoji-motion/vae", "text_encoder": "../emoji-motion/text_encoder", "tokenizer": "../emoji-motion/tokenizer"}

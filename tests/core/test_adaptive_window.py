@@ -323,7 +323,8 @@ def test_a_probe_from_ar_steps_does_not_judge_its_fresh_first_forward():
         chooser.observe(second)
         return chooser
 
-    assert probe(2.0).widths[probe(2.0).home] == 15  # its whole window passed: a jump
+    passed = probe(2.0)
+    assert passed.widths[passed.home] == 15  # its whole window passed: a jump
     assert probe(1.0).home == 0
 
 
