@@ -336,3 +336,27 @@ def test_a_new_run_starts_from_shipped_weights(tmp_path):
         assert state["step"] == 2 and state["model"].keys() <= expected.keys()
         for key, tensor in state["model"].items():
             assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[key].half().float()), key
+
+
+def test_a_target_of_another_shape_trains_on_a_frozen_text_encoder(tmp_path):
+    """`target --shape wide --text-encoder FOLDER --text-steps 0`: a new target of another shape
+    beside the shipped small model, reading the text encoder that model was trained on, frozen
+    (saved unchanged to <out>/text_encoder); a text encoder given with --text-steps other than 0
+    is refused, and so is a shape with --init-from (the shipped transformer's is taken)."""
+    from benchmarks.train_video import PRESETS, load_text_encoder, load_transformer_run
+
+    path = tmp_path / "latents.npz"
+    fake_latents(path, channels=4)
+    common = ["--latents", str(path), "--batch-size", "4", "--warmup", "2", "--log-every", "1", "--threads", "1", "--steps", "2"]
+    main(["target", *common, "--text-steps", "1", "--out", str(tmp_path / "first")])
+    frozen = tmp_path / "first" / "text_encoder"
+    with pytest.raises(ValueError, match="--text-steps 0"):
+        main(["target", *common, "--shape", "wide", "--text-encoder", str(frozen), "--out", str(tmp_path / "refused")])
+    with pytest.raises(ValueError, match="drop --shape"):
+        main(["target", *common, "--shape", "wide", "--text-steps", "0", "--init-from", str(tmp_path / "first"),
+              "--out", str(tmp_path / "refused")])
+    main(["target", *common, "--shape", "wide", "--text-encoder", str(frozen), "--text-steps", "0", "--out", str(tmp_path / "wide")])
+    transformer, text_encoder = load_transformer_run(tmp_path / "wide", with_text_encoder=True)
+    assert {k: transformer.config[k] for k in PRESETS["wide"]} == PRESETS["wide"]
+    before, saved = load_text_encoder(frozen).state_dict(), load_text_encoder(tmp_path / "wide" / "text_encoder").state_dict()
+    assert all(torch.equal(before[k], text_encoder.state_dict()[k]) and torch.equal(before[k], saved[k]) for k in before)
