@@ -29,7 +29,7 @@ import torch
 from mmgen.batch_invariant import rowwise
 from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
-from mmgen.decoding.window import model_window_cost
+from mmgen.decoding.window import model_window_cost, model_window_tokens
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, sample
 
@@ -57,6 +57,7 @@ class CsmTokenModel:
         self.vocab_size = model.config.vocab_size
         self.compact_ratio = compact_ratio
         self.window_cost = model_window_cost(model)
+        self.window_tokens = model_window_tokens(model)
 
     def codebook_embeddings(self) -> torch.Tensor:
         """Each codebook's input embedding of each code [K, V, hidden] (grouped acceptance)."""

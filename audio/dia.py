@@ -33,7 +33,7 @@ from mmgen.audio.phonemes import spell_text
 from mmgen.batch_invariant import rowwise
 from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
-from mmgen.decoding.window import model_window_cost
+from mmgen.decoding.window import model_window_cost, model_window_tokens
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
 
@@ -78,6 +78,7 @@ class DiaTokenModel:
         self.delay = torch.tensor(list(model.config.delay_pattern), dtype=torch.long)
         self.compact_ratio = compact_ratio
         self.window_cost = model_window_cost(model)
+        self.window_tokens = model_window_tokens(model)
 
     def codebook_embeddings(self) -> torch.Tensor:
         """Each codebook's input embedding of each token [C, V, hidden] (grouped acceptance)."""

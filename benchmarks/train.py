@@ -467,7 +467,8 @@ def component_row(facts: dict, name: str, what: str) -> str:
 def keep_window_cost(model: torch.nn.Module, folder: Path) -> None:
     """Give a transformers model the measured window cost (`benchmarks/window_cost.py --write`)
     that the export `folder` it replaces already carried: the curve describes the architecture on
-    this machine, not the weights, so a re-export keeps it."""
+    this machine, not the weights, so a re-export keeps it. Its measured `window_tokens` describe
+    the weights (what their drafts are accepted at), so a re-export drops them: measure again."""
     from mmgen.decoding.window import WINDOW_COST_KEY
 
     previous = Path(folder) / "config.json"

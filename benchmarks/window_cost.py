@@ -1,5 +1,6 @@
-"""A model's forward cost by window width, measured in whole decodes: the `window_cost` curve the
-adaptive window reads instead of its linear cost model (`mmgen.decoding.window`).
+"""A model's forward cost and tokens per forward by window width, measured in whole decodes: the
+`window_cost` curve the adaptive window reads instead of its linear cost model, and the
+`window_tokens` it starts from (`mmgen.decoding.window`).
 
     python -m benchmarks.window_cost --model emoji-vlm [--inputs 16] [--repeats 3] [--threads 1] [--write]
 
@@ -7,10 +8,13 @@ Decodes held-out inputs at batch 1 with AR (width 1) and fixed Jacobi windows of
 tokens (methods interleaved per input, order rotated per repeat, the first repeat dropped as a
 warm-up) and times every decoding forward of the token model, so each width is measured where
 decoding runs it (the cache as full as it is then, the model's own guidance). The curve is each
-width's median forward time over width 1's. `--write` stores it under this device type (on a
-CPU, with torch's thread count: "cpu:2") in the model folder: under `mmgen_window_cost` in a
-transformers model's config.json (VLM, TTS), under `window_cost` in an mmgen pipeline's
-model_index.json (LlamaGen). `--compare N` then times whole decodes (see `compare`). Inputs: a VLM's held-out
+width's median forward time over width 1's; the tokens are the mean each decoding forward of
+the fixed windows finalised (the prefill's token aside), which depend on the model and its
+sampling, not on the machine. `--write` stores both in the model folder, the curve under this
+device type (on a CPU, with torch's thread count: "cpu:2"): under `mmgen_window_cost` and
+`mmgen_window_tokens` in a transformers model's config.json (VLM, TTS), under `window_cost` and
+`window_tokens` in an mmgen pipeline's model_index.json (LlamaGen). A curve is the machine's it
+was measured on (CPUs differ several-fold in what a few extra tokens cost): measure yours. `--compare N` then times whole decodes (see `compare`). Inputs: a VLM's held-out
 questions (`vlm/assets/emoji-vlm-eval.jsonl` and their emoji), the speech corpus's held-out texts,
 or class ids spread over a class-conditional model's classes.
 """
@@ -28,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mmgen.decoding.window import WINDOW_COST_KEY, window_cost_key
+from mmgen.decoding.window import WINDOW_COST_KEY, WINDOW_TOKENS_KEY, window_cost_key
 from mmgen.files import write_atomic
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -80,12 +84,15 @@ def decode_calls(pipe: Any, count: int, kind: Optional[str] = None) -> list[Call
             for i in range(count)]
 
 
-def measure(pipe: Any, inputs: int, repeats: int) -> dict[int, list[float]]:
-    """Forward times by window width over `repeats` rounds of every input decoded at each width."""
+def measure(pipe: Any, inputs: int, repeats: int) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Forward times by window width over `repeats` rounds of every input decoded at each width,
+    and the tokens each decoding forward of the fixed windows finalised (warm-up round included:
+    they do not depend on the clock)."""
     calls = decode_calls(pipe, inputs)
     specs = ["ar"] + [f"sjd:adapt=false,window={w}" for w in WIDTHS[1:]]
     times: dict[int, list[float]] = defaultdict(list)
     warm_up: dict[int, list[float]] = defaultdict(list)
+    tokens: dict[int, list[float]] = defaultdict(list)
     with contextlib.suppress(AttributeError):
         pipe.set_progress_bar_config(disable=True)
     model_class = type(pipe.token_model())
@@ -93,47 +100,63 @@ def measure(pipe: Any, inputs: int, repeats: int) -> dict[int, list[float]]:
         for call in calls:
             with timed_forwards(model_class, times if r else warm_up):
                 for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
-                    call(spec)
-    return times
+                    stats = call(spec).stats
+                    if spec != "ar":
+                        tokens[int(spec.rsplit("=", 1)[1])] += stats.accepted_per_forward[1:]
+    return times, tokens
 
 
-def use_window_cost(pipe: Any, window_cost: Optional[dict]) -> None:
-    """Make `pipe`'s later token models carry `window_cost` (None: the linear cost model)."""
+def mean_tokens(finalised: dict[int, list[float]]) -> dict[int, float]:
+    """`window_tokens` from the tokens each decoding forward finalised, by window width (width 1,
+    which finalises one by definition, left out)."""
+    return {w: round(statistics.mean(t), 3) for w, t in sorted(finalised.items()) if w > 1 and t}
+
+
+def use_window_cost(pipe: Any, window_cost: Optional[dict], window_tokens: Optional[dict] = None) -> None:
+    """Make `pipe`'s later token models carry `window_cost` (None: the linear cost model) and
+    `window_tokens` (None: none)."""
     if hasattr(pipe, "model") and hasattr(pipe.model, "config"):  # a transformers model: its config
         setattr(pipe.model.config, WINDOW_COST_KEY, window_cost)
+        setattr(pipe.model.config, WINDOW_TOKENS_KEY, window_tokens)
     else:
-        pipe.window_cost = window_cost
+        pipe.window_cost, pipe.window_tokens = window_cost, window_tokens
 
 
-def compare(pipe: Any, inputs: int, repeats: int, window_cost: dict) -> dict[str, list[float]]:
+def compare(pipe: Any, inputs: int, repeats: int, window_cost: dict, window_tokens: Optional[dict] = None) -> dict[str, list[float]]:
     """Seconds per generated token over a round of the inputs: AR, and the adaptive window with
-    the linear cost model and with `window_cost` (interleaved, order rotated per repeat, the first
-    round dropped). Per token, since sampled outputs (speech) differ in length between methods."""
+    the linear cost model and with `window_cost`, both starting from `window_tokens` (interleaved,
+    order rotated per repeat, the first round dropped). Per token, since sampled outputs (speech)
+    differ in length between methods."""
     calls = decode_calls(pipe, inputs)
+    carried = pipe.token_model()
     modes = {"ar": ("ar", None), "sjd, linear cost": ("sjd", None), "sjd, measured cost": ("sjd", window_cost)}
     per_token: dict[str, list[float]] = {m: [] for m in modes}
     names = list(modes)
     for r in range(repeats + 1):
         for name in names[r % 3:] + names[: r % 3]:
             spec, cost = modes[name]
-            use_window_cost(pipe, cost)
+            use_window_cost(pipe, cost, window_tokens)
             start, tokens = time.perf_counter(), 0
             for call in calls:
                 tokens += call(spec).stats.tokens
             if r:
                 per_token[name].append((time.perf_counter() - start) / tokens)
-    use_window_cost(pipe, None)
+    use_window_cost(pipe, carried.window_cost, carried.window_tokens)
     return per_token
 
 
-def write_curve(folder: Path, key: str, curve: dict[int, float]) -> Path:
-    """Store `curve` under `key` (`window_cost_key`) in the model folder (see the module docstring)."""
+def write_measured(folder: Path, key: str, curve: dict[int, float], tokens: dict[int, float]) -> Path:
+    """Store `curve` under `key` (`window_cost_key`) and `tokens` (in place of any before) in the
+    model folder (see the module docstring)."""
     index = folder / "model_index.json"
-    path, name = (index, "window_cost") if index.is_file() else (folder / "config.json", WINDOW_COST_KEY)
+    on_index = index.is_file()
+    path = index if on_index else folder / "config.json"
+    cost_name, tokens_name = ("window_cost", "window_tokens") if on_index else (WINDOW_COST_KEY, WINDOW_TOKENS_KEY)
     data = json.loads(path.read_text())
-    section = data.setdefault("config", {}) if path == index else data
-    section.setdefault(name, {})[key] = {str(w): c for w, c in sorted(curve.items())}
-    write_atomic(path, (json.dumps(data, indent=2, sort_keys=path == index) + "\n").encode())
+    section = data.setdefault("config", {}) if on_index else data
+    section.setdefault(cost_name, {})[key] = {str(w): c for w, c in sorted(curve.items())}
+    section[tokens_name] = {str(w): t for w, t in sorted(tokens.items())}
+    write_atomic(path, (json.dumps(data, indent=2, sort_keys=on_index) + "\n").encode())
     return path
 
 
@@ -145,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--write", action="store_true", help="store the curve in the model folder")
+    parser.add_argument("--write", action="store_true", help="store the curve and the tokens per forward in the model folder")
     parser.add_argument("--compare", type=int, default=0, metavar="REPEATS",
                         help="then time whole decodes: AR and the adaptive window with either cost, interleaved")
     parser.add_argument("--json", default=None, help="also write the figures here")
@@ -155,20 +178,22 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from mmgen.loading import load_pipeline, resolve_model
 
     pipe = load_pipeline(args.model, args.device, torch.float32)
-    times = measure(pipe, args.inputs, args.repeats)
+    times, finalised = measure(pipe, args.inputs, args.repeats)
     base = statistics.median(times[1])
     curve = {w: round(statistics.median(times[w]) / base, 3) for w in WIDTHS if times.get(w)}
+    tokens = mean_tokens(finalised)
     print(f"{args.model} on {args.device}, {torch.get_num_threads()} threads, {args.inputs} inputs x {args.repeats} repeats")
-    print("| window | forwards timed | ms per forward (IQR) | vs width 1 |")
-    print("|---|---|---|---|")
+    print("| window | forwards timed | ms per forward (IQR) | vs width 1 | tokens per forward |")
+    print("|---|---|---|---|---|")
     for w in curve:
         q = statistics.quantiles(times[w], n=4)
-        print(f"| {w} | {len(times[w])} | {statistics.median(times[w]) * 1e3:.2f} ({q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}) | {curve[w]:.3f} |")
+        print(f"| {w} | {len(times[w])} | {statistics.median(times[w]) * 1e3:.2f} ({q[0] * 1e3:.2f}-{q[2] * 1e3:.2f}) "
+              f"| {curve[w]:.3f} | {tokens.get(w, 1.0):.3f} |")
     key = window_cost_key(torch.device(args.device).type)
     result = {"model": args.model, "device": args.device, "threads": torch.get_num_threads(), "curve": curve,
-              "forwards": {w: len(times[w]) for w in curve}}
+              "tokens": tokens, "forwards": {w: len(times[w]) for w in curve}}
     if args.compare:
-        per_token = compare(pipe, args.inputs, args.compare, {key: curve})
+        per_token = compare(pipe, args.inputs, args.compare, {key: curve}, tokens)
         ar = statistics.median(per_token["ar"])
         print(f"\nwhole decodes of the {args.inputs} inputs, medians of {args.compare} (min-max)")
         print("| method | ms per token | vs AR |")
@@ -178,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                   f"| {ar / statistics.median(values):.2f}x |")
         result["seconds_per_token"] = per_token
     if args.write:
-        print(f"wrote {write_curve(Path(resolve_model(args.model)), key, curve)}")
+        print(f"wrote {write_measured(Path(resolve_model(args.model)), key, curve, tokens)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -3,8 +3,9 @@
 Decoders know nothing of any architecture: they see a `TokenModel` that prefills its
 conditions, scores n tokens per row at each row's own position, and keeps a given number of
 them per row. Models may also offer per-token tables (`token_embeddings()`, `codebook()`)
-that some acceptance rules read through `token_table`, and a measured `window_cost`
-(`mmgen.decoding.window`) that the adaptive window reads instead of its linear cost model.
+that some acceptance rules read through `token_table`, a measured `window_cost`
+(`mmgen.decoding.window`) that the adaptive window reads instead of its linear cost model, and
+measured `window_tokens` that it starts from.
 Classifier-free guidance is the model's business (only it knows what "no condition" means);
 the decoder receives both halves in a `Logits` and applies the schedule.
 """

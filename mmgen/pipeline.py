@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from mmgen.decoding.window import parse_window_cost
+from mmgen.decoding.window import parse_window_cost, parse_window_tokens
 from mmgen.files import write_atomic
 from mmgen.hub import (
     CheckpointError, check_shapes, load_state_dict, load_strict, read_json, resolve_path, save_safetensors, tensor_shapes,
@@ -82,6 +82,9 @@ class Pipeline:
     #: The model's measured forward costs by window width (`mmgen.decoding.window.WindowCost`),
     #: saved in model_index.json's config; a subclass's `token_model()` hands it on (LlamaGen).
     window_cost: Optional[dict] = None
+    #: The model's measured tokens per forward by window width (`mmgen.decoding.window.WindowTokens`),
+    #: saved beside `window_cost`.
+    window_tokens: Optional[dict] = None
     #: Where the pipeline was loaded from (a bundled name, a folder, a Hub id; set by the loaders):
     #: a shortcut that pairs a second model finds its bundled or sibling companion by it.
     name_or_path: Optional[str] = None
@@ -223,7 +226,8 @@ class Pipeline:
         index = {
             "_class_name": type(self).__name__,
             "components": {name: type(m).__name__ for name, m in self.components.items()},
-            "config": {**self.pipeline_config(), **({"window_cost": self.window_cost} if self.window_cost else {})},
+            "config": {**self.pipeline_config(), **({"window_cost": self.window_cost} if self.window_cost else {}),
+                       **({"window_tokens": self.window_tokens} if self.window_tokens else {})},
             "shared": shared,
         }
         _write_json(path / MODEL_INDEX, index)
@@ -266,8 +270,9 @@ class Pipeline:
             components[name] = _build_checked(module_cls, config, folder / WEIGHTS_NAME)
         config = dict(index.get("config", {}))
         window_cost = parse_window_cost(config.pop("window_cost", None), f"{index_path} window_cost")
+        window_tokens = parse_window_tokens(config.pop("window_tokens", None), f"{index_path} window_tokens")
         pipe = cls(**components, **cls.config_from_index(config))
-        pipe.window_cost, pipe.name_or_path = window_cost, os.fspath(path_or_repo)
+        pipe.window_cost, pipe.window_tokens, pipe.name_or_path = window_cost, window_tokens, os.fspath(path_or_repo)
         return pipe.to(device, dtype) if (device is not None or dtype is not None) else pipe
 
     @classmethod

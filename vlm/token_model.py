@@ -34,7 +34,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from mmgen.cache import SlotKVCache, transformers_cache
-from mmgen.decoding.window import model_window_cost
+from mmgen.decoding.window import model_window_cost, model_window_tokens
 from mmgen.hooks import hooks_attached
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits
@@ -61,6 +61,7 @@ class VLMTokenModel:
         self.trunk = text_trunk(model)
         self.embed = model.get_input_embeddings()  # looked up once: the lookup walks the wrappers (12 us a forward on CPU)
         self.window_cost = model_window_cost(model)
+        self.window_tokens = model_window_tokens(model)
         text_config = model.config.get_text_config()
         self.layers = attention_layers(text_config)
         self.sliding = any(kind != FULL for kind, _ in self.layers)

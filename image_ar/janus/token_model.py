@@ -19,7 +19,7 @@ from typing import Mapping, Optional
 import torch
 
 from mmgen.cache import SlotKVCache, transformers_cache
-from mmgen.decoding.window import model_window_cost
+from mmgen.decoding.window import model_window_cost, model_window_tokens
 from mmgen.modeling import DecodeState, normalised_rows
 from mmgen.sampling import Logits
 
@@ -77,6 +77,7 @@ class JanusTokenModel:
             )
         self._token_embeddings: Optional[torch.Tensor] = None
         self.window_cost = model_window_cost(model)
+        self.window_tokens = model_window_tokens(model)
 
     # ---------------------------------------------------------------- per-token tables
     @torch.no_grad()

@@ -92,7 +92,8 @@ class LlamaGenPipelineBase(SamplingDefaults, Pipeline):
                 self._compiled_token_models[key] = LlamaGenTokenModel(
                     self.transformer, codebook=codebook, official_attention=official_attention, compile=True)
             model = self._compiled_token_models[key]
-        model.window_cost = self.window_cost  # the adaptive window's measured costs (`Pipeline.window_cost`)
+        # The adaptive window's measured costs and tokens per forward (`Pipeline.window_cost`, `.window_tokens`).
+        model.window_cost, model.window_tokens = self.window_cost, self.window_tokens
         return model
 
     def sampling_config(

@@ -34,6 +34,15 @@ than one (LlamaGen emoji64: 0.96x at 2 and 4 tokens). A model can carry its meas
 `window_cost` (window width -> forward time relative to width 1, per device type and CPU thread
 count, measured at batch 1 by `benchmarks/window_cost.py`); batch-1 decodes there use it instead.
 
+What a model usually accepts is a fact of the model, not of the machine: a model can carry its
+`window_tokens` (window width -> tokens a forward finalises, measured in fixed-window decodes at
+batch 1 with its own sampling, by `benchmarks/window_cost.py`). A decode then starts at the
+width those figures and the cost say pays best, and each width's running figure starts from
+them, worth `prior_forwards` forwards (an empirical-Bayes prior that the decode's own forwards
+overrule as they come): a short decode (an image of 64 tokens, an answer of 10) has too few
+forwards to find its width from scratch, and a handful of barren forwards is no reason to leave
+the width that pays on average.
+
 A row of a continuous batch chooses its own width (each request must decode what it decodes
 alone), but a padded forward is as wide as its widest row: a row that widens alone widens every
 row's forward. So such a row (`batch_rows` = B > 1) is charged what its width costs the batch,
@@ -58,6 +67,11 @@ import torch
 #: of an AR step at batch 1 (memory-bound). Pass a measured figure for your model and machine
 #: (`adapt=0.05` in a spec, or `AdaptiveWindow(token_cost=...)`).
 TOKEN_COST = {"cpu": 0.02, "cuda": 0.002}
+
+#: A model's measured tokens per forward by window width (tokens per row per forward -> mean
+#: tokens a forward finalises per row, at batch 1 with the model's own sampling): what its
+#: drafts usually earn, whatever the machine.
+WindowTokens = Mapping[int, float]
 
 #: A model's measured forward costs by device type ("cuda", "cpu", or "cpu:N" for N torch threads,
 #: which the CPU's curve depends on): window width (tokens per row per forward) -> forward time
@@ -108,6 +122,14 @@ class AdaptiveWindow:
     enough where it is dear that a short answer ends first.
     `decay`: weight of older forwards in a width's running figure.
 
+    With the model's `window_tokens` (see the module docstring) it starts at the width whose
+    measured tokens per unit of cost are highest (autoregressive steps where none beats 1), not
+    growing: its probes look both ways from there. Every width's running figure starts as
+    `prior_forwards` forwards at the measured figure, which then decays like any forward's (0
+    turns it off). 24: on emoji64 and speech-tts (docs/benchmarks.md) 12 left 1.02-1.05x the
+    best fixed window's cost, 24 1.01-1.02x, 48 1.01x; a stronger prior leaves a barren decode
+    later (24 forwards at emoji64's 4-token figure take about ten barren ones to overrule).
+
     `batch_rows`: the rows of the continuous batch this decode is one row of (see the module
     docstring); None for a decode of its own, or the batch size where `continuous_decode` runs it.
     A request decodes the same tokens as a batch-1 decode with the same `batch_rows` (under
@@ -128,6 +150,7 @@ class AdaptiveWindow:
     probe_cost: float = 0.02
     first_probe_cost: float = 0.1
     margin: float = 0.15
+    prior_forwards: float = 24.0
     batch_rows: Optional[int] = None
 
     def __post_init__(self):
@@ -141,6 +164,8 @@ class AdaptiveWindow:
             raise ValueError(f"start_cost must be a number >= 1 (AR steps), got {self.start_cost!r}")
         if not (math.isfinite(self.margin) and self.margin >= 0):
             raise ValueError(f"margin must be a finite number >= 0, got {self.margin!r}")
+        if not (math.isfinite(self.prior_forwards) and self.prior_forwards >= 0):
+            raise ValueError(f"prior_forwards must be a finite number >= 0, got {self.prior_forwards!r}")
         for name in ("probe_cost", "first_probe_cost"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
@@ -154,21 +179,27 @@ class AdaptiveWindow:
         if self.widths is not None and (not self.widths or any(int(w) != w or w < 0 for w in self.widths)):
             raise ValueError(f"widths must be draft counts >= 0, got {self.widths!r}")
 
-    def start(self, max_draft: int, rows_fed: int, device, window_cost: Optional[WindowCost] = None) -> "WindowChooser":
+    def start(self, max_draft: int, rows_fed: int, device, window_cost: Optional[WindowCost] = None,
+              window_tokens: Optional[WindowTokens] = None) -> "WindowChooser":
         """The chooser of one decode: at most `max_draft` drafts, `rows_fed` rows per forward
         (2 x batch with guidance; for a row of a continuous batch, that row's: 2 or 1).
         `window_cost`: the model's measured curve, for a batch-1 decode (None otherwise); it
-        applies on its device type unless `token_cost` is set, and not to a row of a batch."""
+        applies on its device type unless `token_cost` is set, and not to a row of a batch.
+        `window_tokens`: the model's measured tokens per forward (any batch: a row accepts what
+        it accepts alone)."""
         widths = self.widths if self.widths is not None else _powers(max_draft)
         widths = sorted({min(int(w), max_draft) for w in widths} | {0})
+        prior = None
+        if window_tokens and self.prior_forwards:  # width 1 finalises one token; no width more than it verifies
+            prior = [min(1.0 + d, max(1.0, interpolate_width({1: 1.0, **window_tokens}, d + 1))) for d in widths]
         kind = torch.device(device).type
         rows = self.batch_rows or 1
         curve = measured_curve(window_cost, kind) if self.token_cost is None and rows == 1 else None
         if curve is not None:
-            return WindowChooser(self, widths, [interpolate_cost(curve, d + 1) for d in widths])
+            return WindowChooser(self, widths, [interpolate_cost(curve, d + 1) for d in widths], prior)
         rho = self.token_cost if self.token_cost is not None else TOKEN_COST.get(kind, TOKEN_COST["cuda"])
         beta = rows * draft_cost(rho, rows_fed * rows)  # in this row's share of the batch's AR step
-        return WindowChooser(self, widths, [1 + beta * d for d in widths])
+        return WindowChooser(self, widths, [1 + beta * d for d in widths], prior)
 
     def never_drafts(self, max_draft: int, device) -> bool:
         """Whether a row of a batch (`batch_rows` set) would never draft: it starts with AR steps
@@ -199,16 +230,22 @@ def measured_curve(window_cost: Optional[WindowCost], kind: str) -> Optional[Map
     return window_cost.get(window_cost_key(kind), window_cost.get(kind))
 
 
-def interpolate_cost(curve: Mapping[int, float], width: int) -> float:
-    """A forward's cost at `width` tokens per row, in AR steps, from a measured curve: linear
-    between its widths, along its last segment beyond them."""
-    points = sorted(curve.items())
-    if len(points) == 1:  # width 1 alone: every width costs one step
-        return 1.0
-    for (w0, c0), (w1, c1) in zip(points, points[1:]):
+def interpolate_width(figures: Mapping[int, float], width: int) -> float:
+    """A figure measured at some window widths, at `width`: linear between them, along the last
+    segment beyond them; a single width's figure everywhere."""
+    points = sorted(figures.items())
+    if len(points) == 1:
+        return points[0][1]
+    for (w0, f0), (w1, f1) in zip(points, points[1:]):
         if width <= w1:
             break  # else it ends on the last segment, which extends past the last width
-    return (c0 + (c1 - c0) * (width - w0) / (w1 - w0)) / curve[1]
+    return f0 + (f1 - f0) * (width - w0) / (w1 - w0)
+
+
+def interpolate_cost(curve: Mapping[int, float], width: int) -> float:
+    """A forward's cost at `width` tokens per row, in AR steps, from a measured curve (relative
+    to its width 1)."""
+    return interpolate_width(curve, width) / curve[1]
 
 
 def parse_window_cost(raw: Any, source: str) -> Optional[dict[str, dict[int, float]]]:
@@ -232,15 +269,39 @@ def parse_window_cost(raw: Any, source: str) -> Optional[dict[str, dict[int, flo
     return parsed
 
 
-#: The key of a transformers model's config that carries its `window_cost` (transformers keeps
-#: unknown keys through `from_pretrained` / `save_pretrained`).
+def parse_window_tokens(raw: Any, source: str) -> Optional[dict[int, float]]:
+    """A `window_tokens` read from a model's config (JSON: string keys), checked; None for None.
+    ValueError (one line, naming `source`) for anything but {window width >= 2: tokens per
+    forward} with each figure between 1 and the width."""
+    if raw is None:
+        return None
+    problem = ValueError(f"{source}: window tokens must map window widths >= 2 to the tokens a forward finalises "
+                         f"(1 to the width), got {raw!r}")
+    try:
+        parsed = {int(w): float(t) for w, t in raw.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise problem from None
+    if not parsed or any(w < 2 or not (math.isfinite(t) and 1 <= t <= w) for w, t in parsed.items()):
+        raise problem
+    return parsed
+
+
+#: The keys of a transformers model's config that carry its `window_cost` and `window_tokens`
+#: (transformers keeps unknown keys through `from_pretrained` / `save_pretrained`).
 WINDOW_COST_KEY = "mmgen_window_cost"
+WINDOW_TOKENS_KEY = "mmgen_window_tokens"
 
 
 def model_window_cost(model: Any) -> Optional[dict[str, dict[int, float]]]:
     """The `window_cost` a transformers model's config carries under `WINDOW_COST_KEY`, checked
     (None without one)."""
     return parse_window_cost(getattr(model.config, WINDOW_COST_KEY, None), f"{type(model).__name__} config {WINDOW_COST_KEY}")
+
+
+def model_window_tokens(model: Any) -> Optional[dict[int, float]]:
+    """The `window_tokens` a transformers model's config carries under `WINDOW_TOKENS_KEY`,
+    checked (None without them)."""
+    return parse_window_tokens(getattr(model.config, WINDOW_TOKENS_KEY, None), f"{type(model).__name__} config {WINDOW_TOKENS_KEY}")
 
 
 def _powers(max_draft: int) -> list[int]:
@@ -260,16 +321,21 @@ class WindowChooser:
     come in bursts (a forward that accepts its whole window, then one whose drafts are all
     fresh), which a ratio over ~20 forwards weighs right."""
 
-    def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float]):
-        self.policy, self.widths, self.cost = policy, widths, cost
+    def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float], prior: Optional[list[float]] = None):
+        self.policy, self.widths, self.cost, self.prior = policy, widths, cost, prior
         self.top = len(widths) - 1
         # Whether any width can pay even if all its drafts pass; if none can, no probe is made.
         self.can_pay = any(1 + w > c for w, c in zip(widths, cost) if w > 0)
-        self.home = [level for level, c in enumerate(cost) if c <= policy.start_cost][-1]
-        # A decode that starts at one draft and finds nothing there gets one try of the next
-        # width before AR steps (`observe`); later visits to one draft do not.
-        self.tried_wider = self.home != 1
-        self.growing = self.home < self.top
+        if prior is None:
+            self.home = [level for level, c in enumerate(cost) if c <= policy.start_cost][-1]
+            # A decode that starts at one draft and finds nothing there gets one try of the next
+            # width before AR steps (`observe`); later visits to one draft do not.
+            self.tried_wider = self.home != 1
+            self.growing = self.home < self.top
+        else:  # where the model's measured figures pay best; the probes look both ways from there
+            pays = [t / c for t, c in zip(prior, cost)]
+            self.home = max(range(len(pays)), key=lambda level: (pays[level], -level))
+            self.tried_wider, self.growing = True, False
         self.level = self.home  # this forward's
         self.warm = 0  # forwards left whose new slots still hold fresh drafts (not judged)
         self.jumped_from: Optional[int] = None  # the home before a jump, until two forwards confirm it
@@ -291,6 +357,10 @@ class WindowChooser:
     def _reset(self) -> None:
         self.sums, self.forwards, self.measured = [0.0, 0.0], 0.0, 0  # decayed (tokens, cost, forwards) at home
         self.below = [0.0, 0.0]  # decayed (tokens, cost) the next narrower width would have had in home's forwards
+        if self.prior is not None and self.home > 0:  # the measured figures, worth `prior_forwards` forwards
+            n, narrower = self.policy.prior_forwards, self.home - 1
+            self.sums, self.forwards = [n * self.prior[self.home], n * self.cost[self.home]], n
+            self.below = [n * self.prior[narrower], n * self.cost[narrower]]
 
     def value(self) -> float:
         """Tokens per unit of cost at home (1.0 for autoregressive steps)."""
@@ -405,9 +475,11 @@ class WindowChooser:
             self.jumped_from = level
             return
         self._move(level, growing=upward and level < self.top)
-        # The probe's forwards are the new home's figure, judged already (a probe from AR
-        # steps is shorter than `dwell`: the next forward may still send it back).
-        self.sums, self.forwards, self.measured = [tokens_sum, cost_sum], float(judged), self.policy.dwell
+        # The probe's forwards are the new home's figure (on top of the prior, where there is
+        # one), judged already (a probe from AR steps is shorter than `dwell`: the next forward
+        # may still send it back).
+        self.sums = [self.sums[0] + tokens_sum, self.sums[1] + cost_sum]
+        self.forwards, self.measured = self.forwards + judged, self.policy.dwell
         self.warm = 0
 
     def _move(self, level: int, growing: bool) -> None:
@@ -462,15 +534,17 @@ class RowWindows:
     (`DecodeRun.row_drafts`, `RowGenerators.narrowed`, `finalise`'s `limit`), and its stats carry
     its own `drafts_per_forward` (`chosen`)."""
 
-    def __init__(self, policy: AdaptiveWindow, max_draft: int, guided: bool, device, window_cost: Optional[WindowCost], run: Any):
+    def __init__(self, policy: AdaptiveWindow, max_draft: int, guided: bool, device, window_cost: Optional[WindowCost], run: Any,
+                 window_tokens: Optional[WindowTokens] = None):
         self.policy, self.max_draft, self.device, self.window_cost, self.run = policy, max_draft, device, window_cost, run
+        self.window_tokens = window_tokens
         self.rows_fed = 2 if guided else 1
         self.choosers: list[Optional[WindowChooser]] = [None] * run.batch_size
 
     def restart(self, rows: list[int]) -> None:
         """`rows` start new requests: each a fresh chooser."""
         for row in rows:
-            self.choosers[row] = self.policy.start(self.max_draft, self.rows_fed, self.device, self.window_cost)
+            self.choosers[row] = self.policy.start(self.max_draft, self.rows_fed, self.device, self.window_cost, self.window_tokens)
 
     def select_rows(self, index: list[int]) -> None:
         """The batch keeps rows `index` (a repeated one restarts before it decodes)."""
@@ -497,14 +571,17 @@ class RowWindows:
 
 
 def window_chooser(adapt: Optional[AdaptiveWindow], max_draft: int, batch: int, guided: bool, device,
-                   window_cost: Optional[WindowCost] = None) -> Union[AdaptingWindow, FixedWindow]:
+                   window_cost: Optional[WindowCost] = None, window_tokens: Optional[WindowTokens] = None,
+                   ) -> Union[AdaptingWindow, FixedWindow]:
     """The draft counts of one decode of `batch` rows (`guided`: both halves of a guided batch
     are fed): `adapt`'s, or a fixed window without one or without drafts. A model's measured
-    `window_cost` is for batch 1, so only a batch-1 decode uses it; a static batch's rows share
-    one width, so `batch_rows` is for batch-1 decodes only (the loop refuses it in a batch)."""
+    `window_cost` is for batch 1, so only a batch-1 decode uses it (its `window_tokens` hold at
+    any batch); a static batch's rows share one width, so `batch_rows` is for batch-1 decodes
+    only (the loop refuses it in a batch)."""
     if adapt is None or max_draft == 0:
         return FixedWindow(max_draft)
-    return AdaptingWindow(adapt.start(max_draft, batch * (2 if guided else 1), device, window_cost if batch == 1 else None))
+    return AdaptingWindow(adapt.start(max_draft, batch * (2 if guided else 1), device, window_cost if batch == 1 else None,
+                                      window_tokens))
 
 
 def resolve_adaptive(adapt) -> Optional[AdaptiveWindow]:

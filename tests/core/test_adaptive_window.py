@@ -15,7 +15,8 @@ import torch
 from mmgen.decoding import (AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding,
                             row_decoder, row_spec)
 from mmgen.decoding.stopping import Stopping
-from mmgen.decoding.window import TOKEN_COST, _powers, draft_cost, interpolate_cost, parse_window_cost, resolve_adaptive
+from mmgen.decoding.window import (TOKEN_COST, _powers, draft_cost, interpolate_cost, parse_window_cost, parse_window_tokens,
+                                   resolve_adaptive)
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
 from mmgen.sampling import Logits, SamplingConfig
@@ -32,7 +33,7 @@ class CyclingWindow(AdaptiveWindow):
 
     cycle: tuple = (1, 0, 2, 2, 0, 1)
 
-    def start(self, max_draft, rows_fed, device, window_cost=None):
+    def start(self, max_draft, rows_fed, device, window_cost=None, window_tokens=None):
         return _Cycle([min(d, max_draft) for d in self.cycle])
 
 
@@ -466,3 +467,85 @@ def test_a_jump_on_one_lucky_forward_goes_back_after_two_barren_ones():
     for tokens in (1.0, 16.0, 1.0, 16.0):
         chooser.choose(), chooser.observe(tokens)
     assert chooser.choose() == 15
+
+
+# emoji64's measured tokens per forward at its own sampling (`benchmarks/window_cost.py`): a
+# 4-token window pays best on a CPU whose wider forwards cost much more.
+TOKENS = {2: 1.237, 4: 1.478, 8: 1.694, 16: 1.811}
+BOX = {1: 1.0, 2: 1.173, 4: 1.317, 8: 1.632, 16: 2.154}
+
+
+def test_measured_tokens_start_the_decode_where_they_pay_best_and_count_as_prior_forwards():
+    """With a model's `window_tokens` the decode starts at the width whose measured tokens per
+    unit of cost are highest, not growing, and each width's figure starts as `prior_forwards`
+    forwards at the measured tokens, so a few barren forwards do not send it away."""
+    chooser = AdaptiveWindow().start(15, 1, "cpu", {"cpu": BOX}, TOKENS)
+    assert chooser.widths[chooser.home] == 3 and not chooser.growing  # 1.478 / 1.317 beats 1.237 / 1.173 and 1.694 / 1.632
+    assert chooser.prior == [1.0, 1.237, 1.478, 1.694, 1.811]
+    for _ in range(6):  # `dwell` forwards that paid less than AR steps (1.2 tokens for 1.317): with the prior it still pays
+        assert chooser.choose() == 3
+        chooser.observe(1.2)
+    assert chooser.choose() == 3
+    chooser.observe(1.2)
+    without = AdaptiveWindow().start(15, 1, "cpu", {"cpu": BOX})  # no tokens: starts with AR steps (one draft costs 1.17)
+    assert without.home == 0 and without.prior is None
+    assert AdaptiveWindow(prior_forwards=0).start(15, 1, "cpu", {"cpu": BOX}, TOKENS).home == 0  # the prior turned off
+    # The same barren forwards, had they gone on, outweigh the prior as it decays: back to one draft, then AR steps.
+    seen = []
+    for _ in range(40):
+        seen.append(chooser.choose())
+        chooser.observe(1.0)
+    assert 3 not in seen[-20:] and seen[-1] == 0
+    # Tokens below what any width costs: AR steps, with probes; measured beyond the ladder: interpolated, at most the width.
+    assert AdaptiveWindow().start(15, 1, "cpu", {"cpu": BOX}, {2: 1.02, 16: 1.05}).home == 0
+    assert AdaptiveWindow().start(31, 1, "cpu", None, {2: 1.5, 4: 4.0}).prior == [1.0, 1.5, 4.0, 8.0, 16.0, 32.0]
+
+
+def test_measured_tokens_count_at_any_batch_and_for_a_row_of_a_continuous_batch():
+    """What a row accepts does not depend on the batch, so the tokens hold where the curve does
+    not (the curve is batch 1's): the cost stays the linear model's."""
+    linear = AdaptiveWindow().start(15, 4, "cpu")
+    chooser = AdaptiveWindow().start(15, 4, "cpu", None, TOKENS)
+    assert chooser.cost == linear.cost and chooser.prior is not None
+    row = AdaptiveWindow(batch_rows=8).start(15, 2, "cpu", {"cpu": BOX}, TOKENS)
+    assert row.cost == AdaptiveWindow(batch_rows=8).start(15, 2, "cpu").cost and row.prior is not None
+
+
+class MeasuredTokens(ContextFree):
+    """ContextFree (every carried draft passes) carrying measured tokens that say drafting pays."""
+
+    window_tokens = {2: 1.9, 4: 3.8, 8: 7.5, 16: 15.0}
+
+
+def test_with_measured_tokens_greedy_decodes_equal_ar_and_sampled_ones_follow_the_law(enumerable):
+    """The tokens only move the draft counts, which depend on earlier forwards alone: greedy
+    decodes stay token-identical to AR, and sampled ones exact in law (with drafts accepted and
+    rejected in the run, as the enumerable model's are)."""
+    model = MeasuredTokens()
+    for sampling in (SamplingConfig(top_k=1), SamplingConfig(temperature=1.0)):
+        ar = Autoregressive().generate(model, torch.zeros(2, dtype=torch.long), 40, sampling, torch.Generator().manual_seed(3))
+        out = SpeculativeJacobi(window=16, adapt=True).generate(model, torch.zeros(2, dtype=torch.long), 40, sampling,
+                                                                 torch.Generator().manual_seed(3))
+        assert out.stats.drafts_per_forward[0] == 15  # the tokens start it at the widest window
+        if sampling.top_k == 1:
+            assert torch.equal(ar.tokens, out.tokens)
+    enumerable.window_tokens = {2: 1.5, 4: 2.0}
+    try:
+        sampling = SamplingConfig(temperature=0.9, guidance=2.0)
+        out = SpeculativeJacobi(window=3, adapt=AdaptiveWindow(token_cost=1e-6)).generate(  # a batch this large: drafts cheap
+            enumerable, torch.full((20000,), 1), LENGTH, sampling, torch.Generator().manual_seed(0),
+            stopping=Stopping(stop_tokens=[]))
+    finally:
+        del enumerable.window_tokens
+    assert out.stats.drafts_per_forward[0] == 2 and sum(out.stats.accepted_histogram[2:]) > 0 and out.stats.accepted_histogram[1] > 0
+    assert_outputs_follow(out, stopped_law(enumerable, sampling, None))
+
+
+def test_window_tokens_errors():
+    assert parse_window_tokens(None, "x") is None
+    assert parse_window_tokens({"2": "1.5", "16": 3}, "x") == {2: 1.5, 16: 3.0}
+    for bad in [{}, [1], {"1": 1.0}, {"2": 0.5}, {"2": 2.5}, {"4": float("nan")}, {"two": 1.5}, 3]:
+        with pytest.raises(ValueError, match="config.json: window tokens must map"):
+            parse_window_tokens(bad, "config.json")
+    with pytest.raises(ValueError, match="prior_forwards must be"):
+        AdaptiveWindow(prior_forwards=-1.0)

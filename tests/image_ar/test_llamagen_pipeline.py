@@ -55,19 +55,24 @@ def test_save_and_load_round_trip(pipe, tmp_path):
     assert torch.equal(a.tokens, b.tokens) and np.array_equal(a.images, b.images)
 
 
-def test_measured_window_cost_is_saved_and_reaches_the_token_model(pipe, tmp_path):
-    """The adaptive window's measured curve (`benchmarks/window_cost.py --write`) lives in
-    model_index.json's config and rides on every token model; a malformed one fails the load."""
-    assert pipe.window_cost is None and pipe.token_model().window_cost is None
-    pipe.window_cost = {"cpu:1": {1: 1.0, 2: 1.3}}
+def test_measured_window_cost_and_tokens_are_saved_and_reach_the_token_model(pipe, tmp_path):
+    """The adaptive window's measured curve and tokens per forward (`benchmarks/window_cost.py
+    --write`) live in model_index.json's config and ride on every token model; a malformed one
+    fails the load."""
+    assert pipe.window_cost is None and pipe.token_model().window_cost is None and pipe.token_model().window_tokens is None
+    pipe.window_cost, pipe.window_tokens = {"cpu:1": {1: 1.0, 2: 1.3}}, {2: 1.25, 4: 1.5}
     try:
         pipe.save_pretrained(tmp_path / "tiny")
     finally:
-        pipe.window_cost = None
+        pipe.window_cost = pipe.window_tokens = None
     loaded = LlamaGenPipeline.from_pretrained(tmp_path / "tiny")
     assert loaded.window_cost == {"cpu:1": {1: 1.0, 2: 1.3}} == loaded.token_model().window_cost
+    assert loaded.window_tokens == {2: 1.25, 4: 1.5} == loaded.token_model().window_tokens
     index = tmp_path / "tiny" / "model_index.json"
-    index.write_text(index.read_text().replace('"2": 1.3', '"2": -1'))
+    index.write_text(index.read_text().replace('"4": 1.5', '"4": 5.0'))
+    with pytest.raises(ValueError, match="model_index.json window_tokens: window tokens must map"):
+        LlamaGenPipeline.from_pretrained(tmp_path / "tiny")
+    index.write_text(index.read_text().replace('"4": 5.0', '"4": 1.5').replace('"2": 1.3', '"2": -1'))
     with pytest.raises(ValueError, match="model_index.json window_cost: window cost must map"):
         LlamaGenPipeline.from_pretrained(tmp_path / "tiny")
 

@@ -15,7 +15,7 @@ import mmgen.vlm
 from benchmarks.data.emoji_vlm import KINDS
 from benchmarks.train_vlm import EVAL_BATCH, answer_all, load_eval, scores
 from mmgen import registry
-from mmgen.decoding import make_decoder
+from mmgen.decoding import AdaptiveWindow, make_decoder
 from mmgen.vlm.pipeline import VLMPipeline
 
 PACKAGE = Path(mmgen.vlm.__file__).parent
@@ -53,14 +53,19 @@ def test_the_pair_loads_and_shares_one_tokenizer_and_processor(pair):
     assert sum(p.numel() for p in drafter.model.parameters()) < sum(p.numel() for p in target.model.parameters()) / 3
 
 
-def test_the_target_carries_its_measured_window_cost(pair):
+def test_the_target_carries_its_measured_window_cost_and_tokens(pair):
     """`benchmarks/window_cost.py --write` measured the target's forward cost by window width on
-    the project's box (one forward of two tokens costs a third more than one: the adaptive
-    window starts with AR steps on it); its token models carry the curve."""
-    curves = pair[0].token_model().window_cost
-    assert set(curves) == {"cpu:1", "cpu:2"}
-    assert all(curve[1] == 1.0 and curve[2] > 1.1 for curve in curves.values())
+    the project's box and the tokens its fixed windows finalise per forward; its token models
+    carry both. Its short greedy answers accept next to no Jacobi draft, so with them the
+    adaptive window starts with AR steps at either thread count."""
+    token_model = pair[0].token_model()
+    curves, tokens = token_model.window_cost, token_model.window_tokens
+    assert set(curves) == {"cpu:1", "cpu:2"} and all(curve[1] == 1.0 and curve[2] > 1.0 for curve in curves.values())
+    assert set(tokens) == {2, 4, 8, 16} and all(t < 1.1 for t in tokens.values())
+    for key in curves:
+        assert AdaptiveWindow().start(15, 1, "cpu", {"cpu": curves[key]}, tokens).home == 0
     assert pair[1].token_model().window_cost is None  # the drafter drafts; it is never the adaptive target
+    assert pair[1].token_model().window_tokens is None
 
 
 def test_greedy_answers_reproduce_the_model_card(pair, subset):

@@ -128,10 +128,12 @@ def test_saved_folder_loads_through_the_registry(pipe, tmp_path):
     a = pipe(PROMPTS[0], images(1)[0], max_new_tokens=6)
     b = loaded(PROMPTS[0], images(1)[0], max_new_tokens=6)
     assert torch.equal(a.token_ids, b.token_ids)
-    assert loaded.token_model().window_cost is None
-    loaded.model.config.mmgen_window_cost = {"cpu:2": {"1": 1.0, "4": 1.2}}  # as window_cost.py --write stores it
+    assert loaded.token_model().window_cost is None and loaded.token_model().window_tokens is None
+    loaded.model.config.mmgen_window_cost = {"cpu:2": {"1": 1.0, "4": 1.2}}  # as window_cost.py --write stores them
+    loaded.model.config.mmgen_window_tokens = {"4": 1.5}
     loaded.save_pretrained(tmp_path / "measured")
-    assert mmgen.load_pipeline(tmp_path / "measured").token_model().window_cost == {"cpu:2": {1: 1.0, 4: 1.2}}
+    measured = mmgen.load_pipeline(tmp_path / "measured").token_model()
+    assert measured.window_cost == {"cpu:2": {1: 1.0, 4: 1.2}} and measured.window_tokens == {4: 1.5}
 
 
 def test_several_images_in_one_prompt_and_none_in_another(pipe):
