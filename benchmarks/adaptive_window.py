@@ -9,7 +9,8 @@ within a decode), and the bundled, trained `emoji64`; and the bundled pairs' tar
 `emoji-vlm` on its held-out sentence answers (greedy, its default) and `speech-tts` on held-out
 utterances (its own sampling), each round a batch-1 call per input and times per generated
 token (sampled utterances differ in length between methods); their `sjd` row runs with the cost
-curve the model ships with, if any (`window_cost`). `--sampling greedy` decodes with top-k 1
+curve the model ships with, if any (`window_cost`). Every adaptive row of a model that carries
+measured `window_tokens` starts from them (`sjd:prior_forwards=0` as a method: without). `--sampling greedy` decodes with top-k 1
 under the model's own guidance, `model` with the model's own sampling (LlamaGen's official
 top-k 2000, CFG 4 for the random presets).
 
@@ -20,9 +21,11 @@ width 1, printed with the linear model's token cost it implies); "modelled" colu
 decode's forwards by that curve, so they are exact for its choices and free of the box's load;
 `--curve` weighs them by a given curve instead (another machine's: curves differ far more
 between CPUs than between runs), so runs on different machines compare on one curve.
-At batch 1 a row "sjd, measured curve" runs the adaptive window with the curve measured in the
-warm-up round, as a model that carries its `window_cost` would (the default row runs the linear
-model with the CPU's default token cost).
+At batch 1 a row "sjd, measured curve and tokens" runs the adaptive window with the curve
+measured in the warm-up round and the tokens per forward that round's fixed windows finalised
+(at the swept widths, interpolated between), as a model that carries its `window_cost` and
+`window_tokens` would (the default row runs what the model carries: for the random presets, the
+linear model with the CPU's default token cost and no tokens).
 
     python -m benchmarks.adaptive_window --case gpt-b --sampling greedy --tokens 256 --repeats 3 --threads 1
     python -m benchmarks.adaptive_window --case gpt-b-barren --tokens 256 --repeats 2 --threads 1
@@ -41,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from benchmarks.window_cost import timed_forwards
+from benchmarks.window_cost import mean_tokens, timed_forwards
 from mmgen.decoding import resolve_decoder
 from mmgen.decoding.window import interpolate_cost, window_cost_key
 from mmgen.sampling import IntervalGuidance, SamplingConfig
@@ -79,13 +82,14 @@ def build(model: str, device: str, init_std: float = 0.0):
     return pipe.token_model(), pipe.sampling_config(None, None, None, None, None), pipe.transformer.config.block_size, pipe.num_classes
 
 
-#: The adaptive window run with the cost curve this run measured in its warm-up round (batch 1:
-#: what a model that carries its `window_cost` gets) instead of the linear default.
-MEASURED = "sjd, measured curve"
+#: The adaptive window run with the cost curve this run measured in its warm-up round and the
+#: tokens per forward its fixed windows finalised there (batch 1: what a model that carries its
+#: `window_cost` and `window_tokens` gets, as `window_cost.py --write` stores them).
+MEASURED = "sjd, measured curve and tokens"
 
 
 def methods(sweep: tuple[int, ...], extra: list[str], batch_size: int) -> list[str]:
-    """AR first (the baseline), the adaptive default (and, at batch 1, with the measured curve),
+    """AR first (the baseline), the adaptive default (and, at batch 1, with the measured figures),
     the fixed windows, then `extra` specs."""
     return ["ar", "sjd", *([MEASURED] if batch_size == 1 else []), *(f"sjd:adapt=false,window={w}" for w in sweep), *extra]
 
@@ -120,36 +124,41 @@ def modelled(stats, curve: dict[int, float], window: int) -> float:
 
 
 def pipeline_runs(model: str, kind: Optional[str], specs: list[str], inputs: int, repeats: int,
-                  times: dict, warm_up: dict) -> dict[str, list]:
+                  times: dict, warm_up: dict, warm_tokens: dict) -> dict[str, list]:
     """Per spec, one summary per repeat of a round of batch-1 pipeline calls on held-out inputs
     (`decode_calls`): seconds per generated token, forwards, and the drafts of every forward
     (the prefill of each call counted as one AR step by `modelled`)."""
     from types import SimpleNamespace
 
-    from benchmarks.window_cost import decode_calls, use_window_cost
+    from benchmarks.window_cost import decode_calls, mean_tokens, use_window_cost
     from mmgen.loading import load_pipeline
 
     pipe = load_pipeline(model)
     pipe.set_progress_bar_config(disable=True)
     calls = decode_calls(pipe, inputs, kind)
     model_class = type(pipe.token_model())
-    carried = pipe.token_model().window_cost  # the curve the model ships with (None: the linear model)
+    carried = pipe.token_model()  # its curve and tokens as shipped (None: the linear model, no tokens)
     runs: dict[str, list] = {m: [] for m in specs}
     for r in range(repeats + 1):
         for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
-            use_window_cost(pipe, {window_cost_key("cpu"): curve_of(warm_up)} if r and spec == MEASURED else carried)
+            if r and spec == MEASURED:
+                use_window_cost(pipe, {window_cost_key("cpu"): curve_of(warm_up)}, mean_tokens(warm_tokens))
+            else:
+                use_window_cost(pipe, carried.window_cost, carried.window_tokens)
             stats = []
             with timed_forwards(model_class, times if r else warm_up):
                 for call in calls:
                     stats.append(call("sjd" if spec == MEASURED else spec).stats)
             tokens = sum(s.tokens for s in stats)
             window = getattr(resolve_decoder("sjd" if spec == MEASURED else spec), "window", 1)
+            if not r and spec.startswith("sjd:adapt=false"):
+                warm_tokens[window] += [t for s in stats for t in s.accepted_per_forward[1:]]
             drafts = [d for s in stats for d in (s.drafts_per_forward or [window - 1] * (s.forwards - 1))]
             runs[spec].append(SimpleNamespace(
                 wall_time_s=sum(s.wall_time_s for s in stats) / tokens, forwards=sum(s.forwards for s in stats),
                 step_compression=tokens / sum(s.forwards for s in stats), drafts_per_forward=drafts or None,
                 tokens=tokens, calls=len(stats)))
-        use_window_cost(pipe, carried)
+        use_window_cost(pipe, carried.window_cost, carried.window_tokens)
     return {spec: stats[1:] for spec, stats in runs.items()}  # the first round warms up
 
 
@@ -183,8 +192,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     decoders = {m: resolve_decoder("sjd" if m == MEASURED else m) for m in specs}
     times: dict[int, list[float]] = defaultdict(list)
     warm_up: dict[int, list[float]] = defaultdict(list)
+    warm_tokens: dict[int, list[float]] = defaultdict(list)  # by width: what the warm-up's fixed windows finalised per forward
     if on_pipeline:
-        runs = pipeline_runs(model_name, PIPELINE_CASES[args.case], specs, args.inputs, args.repeats, times, warm_up)
+        runs = pipeline_runs(model_name, PIPELINE_CASES[args.case], specs, args.inputs, args.repeats, times, warm_up, warm_tokens)
         sampling, tokens = None, "held-out"
     else:
         token_model, sampling, length, classes = build(model_name, args.device, init_std)
@@ -192,17 +202,23 @@ def main(argv: Optional[list[str]] = None) -> dict:
             sampling = SamplingConfig(top_k=1, guidance=sampling.guidance)
         tokens = args.tokens or length
         runs = {m: [] for m in specs}
-    carried = None if on_pipeline else getattr(token_model, "window_cost", None)  # the curve the model ships with
-    for r in range(0 if on_pipeline else args.repeats + 1):  # the first round warms up (and measures the measured row's curve)
+    # The curve and tokens the model ships with (None: the linear model, no tokens).
+    carried = (None, None) if on_pipeline else (getattr(token_model, "window_cost", None), getattr(token_model, "window_tokens", None))
+    for r in range(0 if on_pipeline else args.repeats + 1):  # the first round warms up (and measures the measured row's figures)
         labels = torch.tensor([(r * args.batch_size + i) % classes for i in range(args.batch_size)], device=args.device)
         for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
-            measured = {window_cost_key(torch.device(args.device).type): curve_of(warm_up)} if r and spec == MEASURED else carried
-            token_model.window_cost = measured
+            if r and spec == MEASURED:
+                measured = ({window_cost_key(torch.device(args.device).type): curve_of(warm_up)}, mean_tokens(warm_tokens))
+            else:
+                measured = carried
+            token_model.window_cost, token_model.window_tokens = measured
             with timed_forwards(type(token_model), times if r else warm_up):
                 out = decoders[spec].generate(token_model, labels, tokens, sampling, torch.Generator(args.device).manual_seed(r))
             if r:
                 runs[spec].append(out.stats)
-        token_model.window_cost = carried
+            elif spec.startswith("sjd:adapt=false") and args.batch_size == 1:
+                warm_tokens[decoders[spec].window] += out.stats.accepted_per_forward[1:]
+        token_model.window_cost, token_model.window_tokens = carried
     if MEASURED in runs and not runs[MEASURED]:
         del runs[MEASURED]
     curve = given or curve_of(times)
@@ -244,6 +260,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(("cost curve given (--curve)" if args.curve else "cost curve (forward time by width over width 1)") + ": "
           + ", ".join(f"{w}: {c:.2f}" for w, c in curve.items())
           + f"; as a linear model's token cost: {linear_token_cost(curve, rows_fed):.3f}")
+    measured_tokens = mean_tokens(warm_tokens)
+    if measured_tokens:
+        print("tokens per forward of the warm-up's fixed windows: " + ", ".join(f"{w}: {t:.2f}" for w, t in measured_tokens.items()))
     unit, scale = ("ms / token", 1000.0) if on_pipeline else ("s / decode", 1.0)
     print(f"| method | {unit} (min-max) | vs AR | forwards | step compression | mean drafts | modelled AR steps / token |")
     print("|---|---|---|---|---|---|---|")
@@ -251,14 +270,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
         lo, hi = row["spread"]
         print(f"| {spec} | {row['seconds'] * scale:.2f} ({lo * scale:.2f}-{hi * scale:.2f}) | {ar['seconds'] / row['seconds']:.2f}x "
               f"| {row['forwards']:.0f} | {row['step_compression']:.2f}x | {row['mean_drafts']:.1f} | {row['modelled']:.3f} |")
-    for key, name in (("adaptive", "adaptive sjd"), ("measured", "adaptive sjd with the measured curve")):
+    for key, name in (("adaptive", "adaptive sjd"), ("measured", "adaptive sjd with the measured curve and tokens")):
         if f"{key}_vs_ar" in summary:
             print(f"{name}: {summary[f'{key}_vs_best_fixed']:.3f}x the time of the best fixed window ({best}), "
                   f"{summary[f'{key}_vs_ar']:.3f}x AR's; modelled {summary[f'{key}_vs_best_fixed_modelled']:.3f}x the best "
                   f"({best_modelled}), {summary[f'{key}_vs_ar_modelled']:.3f}x AR; modelled means over the "
                   f"{len(runs['sjd'])} decodes: {summary[f'{key}_vs_best_fixed_modelled_mean']:.3f}x the best ({best_mean})")
     result = {"case": name, "model": model_name, "init_std": init_std, "sampling": args.sampling, "batch_size": args.batch_size,
-              "tokens": tokens, "threads": torch.get_num_threads(), "curve": curve, "rows": rows, "summary": summary}
+              "tokens": tokens, "threads": torch.get_num_threads(), "curve": curve,
+              "window_tokens": measured_tokens, "rows": rows, "summary": summary}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
