@@ -4,19 +4,23 @@
 
     python -m benchmarks.window_cost --model emoji-vlm [--inputs 16] [--repeats 3] [--threads 1] [--write]
 
-Decodes held-out inputs at batch 1 with AR (width 1) and fixed Jacobi windows of 2, 4, 8 and 16
-tokens (methods interleaved per input, order rotated per repeat, the first repeat dropped as a
-warm-up) and times every decoding forward of the token model, so each width is measured where
-decoding runs it (the cache as full as it is then, the model's own guidance). The curve is each
-width's median forward time over width 1's; the tokens are the mean each decoding forward of
-the fixed windows finalised (the prefill's token aside), which depend on the model and its
-sampling, not on the machine. `--write` stores both in the model folder, the curve under this
-device type (on a CPU, with torch's thread count: "cpu:2"): under `mmgen_window_cost` and
-`mmgen_window_tokens` in a transformers model's config.json (VLM, TTS), under `window_cost` and
-`window_tokens` in an mmgen pipeline's model_index.json (LlamaGen). A curve is the machine's it
-was measured on (CPUs differ several-fold in what a few extra tokens cost): measure yours. `--compare N` then times whole decodes (see `compare`). Inputs: a VLM's held-out
-questions (`vlm/assets/emoji-vlm-eval.jsonl` and their emoji), the speech corpus's held-out texts,
-or class ids spread over a class-conditional model's classes.
+Decodes held-out inputs at batch 1 with fixed Jacobi windows of 1 (AR steps of the same loop),
+2, 4, 8 and 16 tokens (interleaved per input, order rotated per repeat, the first repeat dropped
+as a warm-up) and times every decoding forward of the token model, so each width is measured
+where decoding runs it (the cache as full as it is then, the model's own guidance). `--steps`
+times whole decoding steps instead (`timed_steps`: proposal, forward, verification, commit);
+measured so, the curves of the bundled models rose by up to 0.08 AR steps at two tokens, and
+the adaptive window then did worse by the clock on emoji64 and speech-tts (docs/benchmarks.md),
+so the shipped curves are of forwards. The curve is each width's median time over width 1's;
+the tokens are the mean each decoding forward finalised (the prefill's token aside), which depend
+on the model and its sampling, not on the machine. `--write` stores both in the model folder,
+the curve under this device type (on a CPU, with torch's thread count: "cpu:2"): under
+`mmgen_window_cost` and `mmgen_window_tokens` in a transformers model's config.json (VLM, TTS),
+under `window_cost` and `window_tokens` in an mmgen pipeline's model_index.json (LlamaGen). A
+curve is the machine's it was measured on (CPUs differ several-fold in what a few extra tokens
+cost): measure yours. `--compare N` then times whole decodes (see `compare`). Inputs: a VLM's
+held-out questions (`vlm/assets/emoji-vlm-eval.jsonl` and their emoji), the speech corpus's
+held-out texts, or class ids spread over a class-conditional model's classes.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mmgen.decoding.window import WINDOW_COST_KEY, WINDOW_TOKENS_KEY, window_cost_key
+from mmgen.decoding.window import WINDOW_COST_KEY, WINDOW_TOKENS_KEY, FixedWindow, window_cost_key
 from mmgen.files import write_atomic
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -54,6 +58,36 @@ def timed_forwards(model_class: type, times: dict[int, list[float]]) -> Iterator
         yield
     finally:
         model_class.forward = forward
+
+
+@contextlib.contextmanager
+def timed_steps(times: dict[int, list[float]]) -> Iterator[None]:
+    """Times every step of fixed-window speculative decodes into `times[window width]`: from one
+    forward's choice of width to the next's (the last: to the end of the loop), so a step is
+    its proposal, forward, verification and commit, all a width costs the loop beside an
+    autoregressive step of the same loop (width 1)."""
+    choose, finish = FixedWindow.choose, FixedWindow.finish
+
+    def lap(window: FixedWindow) -> None:
+        now = time.perf_counter()
+        if getattr(window, "lap_started", None) is not None:
+            times[window.num_draft + 1].append(now - window.lap_started)
+        window.lap_started = now
+
+    def timed_choose(self):
+        lap(self)
+        return choose(self)
+
+    def timed_finish(self, stats):
+        lap(self)
+        self.lap_started = None
+        return finish(self, stats)
+
+    FixedWindow.choose, FixedWindow.finish = timed_choose, timed_finish
+    try:
+        yield
+    finally:
+        FixedWindow.choose, FixedWindow.finish = choose, finish
 
 
 def decode_calls(pipe: Any, count: int, kind: Optional[str] = None) -> list[Callable[[str], Any]]:
@@ -84,12 +118,12 @@ def decode_calls(pipe: Any, count: int, kind: Optional[str] = None) -> list[Call
             for i in range(count)]
 
 
-def measure(pipe: Any, inputs: int, repeats: int) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
-    """Forward times by window width over `repeats` rounds of every input decoded at each width,
-    and the tokens each decoding forward of the fixed windows finalised (warm-up round included:
-    they do not depend on the clock)."""
+def measure(pipe: Any, inputs: int, repeats: int, steps: bool = False) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
+    """Model forward times (with `steps`, decoding step times: `timed_steps`) by window width over
+    `repeats` rounds of every input decoded at each width, and the tokens each decoding forward
+    of the fixed windows finalised (warm-up round included: they do not depend on the clock)."""
     calls = decode_calls(pipe, inputs)
-    specs = ["ar"] + [f"sjd:adapt=false,window={w}" for w in WIDTHS[1:]]
+    specs = [f"sjd:adapt=false,window={w}" for w in WIDTHS]  # width 1: AR steps of the same loop
     times: dict[int, list[float]] = defaultdict(list)
     warm_up: dict[int, list[float]] = defaultdict(list)
     tokens: dict[int, list[float]] = defaultdict(list)
@@ -98,11 +132,11 @@ def measure(pipe: Any, inputs: int, repeats: int) -> tuple[dict[int, list[float]
     model_class = type(pipe.token_model())
     for r in range(repeats + 1):
         for call in calls:
-            with timed_forwards(model_class, times if r else warm_up):
+            timer = timed_steps(times if r else warm_up) if steps else timed_forwards(model_class, times if r else warm_up)
+            with timer:
                 for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
                     stats = call(spec).stats
-                    if spec != "ar":
-                        tokens[int(spec.rsplit("=", 1)[1])] += stats.accepted_per_forward[1:]
+                    tokens[int(spec.rsplit("=", 1)[1])] += stats.accepted_per_forward[1:]
     return times, tokens
 
 
@@ -168,6 +202,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", action="store_true", help="time whole decoding steps, not model forwards alone")
     parser.add_argument("--write", action="store_true", help="store the curve and the tokens per forward in the model folder")
     parser.add_argument("--compare", type=int, default=0, metavar="REPEATS",
                         help="then time whole decodes: AR and the adaptive window with either cost, interleaved")
@@ -178,12 +213,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     from mmgen.loading import load_pipeline, resolve_model
 
     pipe = load_pipeline(args.model, args.device, torch.float32)
-    times, finalised = measure(pipe, args.inputs, args.repeats)
+    times, finalised = measure(pipe, args.inputs, args.repeats, steps=args.steps)
     base = statistics.median(times[1])
     curve = {w: round(statistics.median(times[w]) / base, 3) for w in WIDTHS if times.get(w)}
     tokens = mean_tokens(finalised)
     print(f"{args.model} on {args.device}, {torch.get_num_threads()} threads, {args.inputs} inputs x {args.repeats} repeats")
-    print("| window | forwards timed | ms per forward (IQR) | vs width 1 | tokens per forward |")
+    print(f"| window | {'steps' if args.steps else 'forwards'} timed | ms each (IQR) | vs width 1 | tokens per forward |")
     print("|---|---|---|---|---|")
     for w in curve:
         q = statistics.quantiles(times[w], n=4)

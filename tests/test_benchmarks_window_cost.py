@@ -8,7 +8,7 @@ import shutil
 import torch
 
 import mmgen
-from benchmarks.window_cost import WIDTHS, main
+from benchmarks.window_cost import WIDTHS, main, measure
 from mmgen import registry
 
 
@@ -37,3 +37,6 @@ def test_measures_compares_and_writes_the_curve_and_tokens(tmp_path, capsys):
     assert json.loads((folder / "config.json").read_text())["mmgen_window_tokens"] == {str(w): t for w, t in result["tokens"].items()}
     assert token_model.window_tokens == result["tokens"]
     assert "| sjd, measured cost |" in capsys.readouterr().out
+    # `--steps` times whole decoding steps, width 1 too (AR steps of the same loop).
+    steps, _ = measure(mmgen.load_pipeline(folder), 1, 1, steps=True)
+    assert set(steps) == set(WIDTHS) and all(len(t) > 0 for t in steps.values())

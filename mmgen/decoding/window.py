@@ -33,6 +33,7 @@ A linear cost misses what small models show on a CPU: a forward of two tokens pe
 than one (LlamaGen emoji64: 0.96x at 2 and 4 tokens). A model can carry its measured curve, a
 `window_cost` (window width -> forward time relative to width 1, per device type and CPU thread
 count, measured at batch 1 by `benchmarks/window_cost.py`); batch-1 decodes there use it instead.
+A curve is its machine's: CPUs differ several-fold in what a few more tokens per forward cost.
 
 What a model usually accepts is a fact of the model, not of the machine: a model can carry its
 `window_tokens` (window width -> tokens a forward finalises, measured in fixed-window decodes at
@@ -190,8 +191,12 @@ class AdaptiveWindow:
         widths = self.widths if self.widths is not None else _powers(max_draft)
         widths = sorted({min(int(w), max_draft) for w in widths} | {0})
         prior = None
-        if window_tokens and self.prior_forwards:  # width 1 finalises one token; no width more than it verifies
-            prior = [min(1.0 + d, max(1.0, interpolate_width({1: 1.0, **window_tokens}, d + 1))) for d in widths]
+        if window_tokens and self.prior_forwards:
+            # Width 1 finalises one token. Beyond the widest measured width, the widest's figure:
+            # Jacobi's tokens per forward flatten as the window grows (emoji64: 1.69 at 8, 1.81
+            # at 16), and a wider window a decode was never measured at must not look better.
+            points, widest = {1: 1.0, **window_tokens}, max(window_tokens)
+            prior = [min(1.0 + d, max(1.0, interpolate_width(points, min(d + 1, widest)))) for d in widths]
         kind = torch.device(device).type
         rows = self.batch_rows or 1
         curve = measured_curve(window_cost, kind) if self.token_cost is None and rows == 1 else None

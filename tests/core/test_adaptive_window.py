@@ -496,9 +496,11 @@ def test_measured_tokens_start_the_decode_where_they_pay_best_and_count_as_prior
         seen.append(chooser.choose())
         chooser.observe(1.0)
     assert 3 not in seen[-20:] and seen[-1] == 0
-    # Tokens below what any width costs: AR steps, with probes; measured beyond the ladder: interpolated, at most the width.
+    # Tokens below what any width costs: AR steps, with probes. Between measured widths the
+    # tokens are interpolated; beyond the widest, they stay its figure.
     assert AdaptiveWindow().start(15, 1, "cpu", {"cpu": BOX}, {2: 1.02, 16: 1.05}).home == 0
-    assert AdaptiveWindow().start(31, 1, "cpu", None, {2: 1.5, 4: 4.0}).prior == [1.0, 1.5, 4.0, 8.0, 16.0, 32.0]
+    assert AdaptiveWindow().start(31, 1, "cpu", None, {2: 1.5, 8: 6.0}).prior == [1.0, 1.5, 3.0, 6.0, 6.0, 6.0]
+    assert AdaptiveWindow().start(15, 1, "cpu", {"cpu": BOX}, {2: 1.05}).home == 0  # one draft measured: no wider width looks better
 
 
 def test_measured_tokens_count_at_any_batch_and_for_a_row_of_a_continuous_batch():
