@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from benchmarks.window_cost import mean_tokens, timed_forwards
+from benchmarks.window_cost import decoding_tokens, mean_tokens, timed_forwards
 from mmgen.decoding import resolve_decoder
 from mmgen.decoding.window import interpolate_cost, window_cost_key
 from mmgen.sampling import IntervalGuidance, SamplingConfig
@@ -130,7 +130,7 @@ def pipeline_runs(model: str, kind: Optional[str], specs: list[str], inputs: int
     (the prefill of each call counted as one AR step by `modelled`)."""
     from types import SimpleNamespace
 
-    from benchmarks.window_cost import decode_calls, mean_tokens, use_window_cost
+    from benchmarks.window_cost import decode_calls, use_window_cost
     from mmgen.loading import load_pipeline
 
     pipe = load_pipeline(model)
@@ -152,7 +152,7 @@ def pipeline_runs(model: str, kind: Optional[str], specs: list[str], inputs: int
             tokens = sum(s.tokens for s in stats)
             window = getattr(resolve_decoder("sjd" if spec == MEASURED else spec), "window", 1)
             if not r and spec.startswith("sjd:adapt=false"):
-                warm_tokens[window] += [t for s in stats for t in s.accepted_per_forward[1:]]
+                warm_tokens[window] += [t for s in stats for t in decoding_tokens(s)]
             drafts = [d for s in stats for d in (s.drafts_per_forward or [window - 1] * (s.forwards - 1))]
             runs[spec].append(SimpleNamespace(
                 wall_time_s=sum(s.wall_time_s for s in stats) / tokens, forwards=sum(s.forwards for s in stats),
@@ -217,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             if r:
                 runs[spec].append(out.stats)
             elif spec.startswith("sjd:adapt=false") and args.batch_size == 1:
-                warm_tokens[decoders[spec].window] += out.stats.accepted_per_forward[1:]
+                warm_tokens[decoders[spec].window] += decoding_tokens(out.stats)
         token_model.window_cost, token_model.window_tokens = carried
     if MEASURED in runs and not runs[MEASURED]:
         del runs[MEASURED]

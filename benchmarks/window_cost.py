@@ -136,8 +136,14 @@ def measure(pipe: Any, inputs: int, repeats: int, steps: bool = False) -> tuple[
             with timer:
                 for spec in specs[r % len(specs):] + specs[: r % len(specs)]:
                     stats = call(spec).stats
-                    tokens[int(spec.rsplit("=", 1)[1])] += stats.accepted_per_forward[1:]
+                    tokens[int(spec.rsplit("=", 1)[1])] += decoding_tokens(stats)
     return times, tokens
+
+
+def decoding_tokens(stats: Any) -> list[float]:
+    """The tokens each decoding forward of a batch-1 decode finalised: its stats' per-forward
+    figures without the prefill's (forward 0 finalises token 0 whatever the window)."""
+    return stats.accepted_per_forward[1:]
 
 
 def mean_tokens(finalised: dict[int, list[float]]) -> dict[int, float]:

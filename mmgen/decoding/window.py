@@ -129,7 +129,8 @@ class AdaptiveWindow:
     `prior_forwards` forwards at the measured figure, which then decays like any forward's (0
     turns it off). 24: on emoji64 and speech-tts (docs/benchmarks.md) 12 left 1.02-1.05x the
     best fixed window's cost, 24 1.01-1.02x, 48 1.01x; a stronger prior leaves a barren decode
-    later (24 forwards at emoji64's 4-token figure take about ten barren ones to overrule).
+    later (24 forwards at emoji64's 4-token figure take about ten barren ones to overrule, by the
+    arithmetic of the decayed sums).
 
     `batch_rows`: the rows of the continuous batch this decode is one row of (see the module
     docstring); None for a decode of its own, or the batch size where `continuous_decode` runs it.
@@ -324,7 +325,8 @@ class WindowChooser:
     Levels index `widths`; level 0 is autoregressive, worth 1 token per unit of cost by
     definition. A width's figure is a ratio of decayed sums (tokens over cost): Jacobi's gains
     come in bursts (a forward that accepts its whole window, then one whose drafts are all
-    fresh), which a ratio over ~20 forwards weighs right."""
+    fresh), which a ratio over ~20 forwards weighs right. `prior`: the model's measured tokens
+    per forward at each level (`AdaptiveWindow.start` from its `window_tokens`), or None."""
 
     def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float], prior: Optional[list[float]] = None):
         self.policy, self.widths, self.cost, self.prior = policy, widths, cost, prior

@@ -8,6 +8,7 @@ nothing is accepted (cost within 10% of AR) and keeps the whole window when ever
 """
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from mmgen.decoding import (AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding,
                             row_decoder, row_spec)
 from mmgen.decoding.stopping import Stopping
-from mmgen.decoding.window import (TOKEN_COST, _powers, draft_cost, interpolate_cost, parse_window_cost, parse_window_tokens,
+from mmgen.decoding.window import (TOKEN_COST, RowWindows, _powers, draft_cost, interpolate_cost, parse_window_cost, parse_window_tokens,
                                    resolve_adaptive)
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
@@ -511,6 +512,10 @@ def test_measured_tokens_count_at_any_batch_and_for_a_row_of_a_continuous_batch(
     assert chooser.cost == linear.cost and chooser.prior is not None
     row = AdaptiveWindow(batch_rows=8).start(15, 2, "cpu", {"cpu": BOX}, TOKENS)
     assert row.cost == AdaptiveWindow(batch_rows=8).start(15, 2, "cpu").cost and row.prior is not None
+    # The continuous loop's per-row choosers start from the model's tokens too.
+    rows = RowWindows(AdaptiveWindow(batch_rows=2), 15, True, "cpu", {"cpu": BOX}, SimpleNamespace(batch_size=2), TOKENS)
+    rows.restart([0, 1])
+    assert all(c.prior == row.prior for c in rows.choosers)
 
 
 class MeasuredTokens(ContextFree):
