@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from mmgen.decoding.frames import gather_slots, where_slots
 from mmgen.sampling import one_hot, randint
 
 
@@ -21,9 +22,9 @@ from mmgen.sampling import one_hot, randint
 class DraftContext:
     """What an initialiser may look at when filling the `fresh` slots of a window.
 
-    window [B, L]: slot 0 holds each row's newest finalised token, later slots carried drafts
+    window [B, L(, K)]: slot 0 holds each row's newest finalised token, later slots carried drafts
     (fresh slots hold junk); fresh [B, L] bool marks the slots to fill (never slot 0);
-    positions [B, L] the generated-token index of each slot; tokens [B, T] the finalised tokens
+    positions [B, L] the generated-token index of each slot; tokens [B, T(, K)] the finalised tokens
     (valid up to positions[:, 0]); row_length the image width in tokens when the model has one.
     """
 
@@ -37,14 +38,19 @@ class DraftContext:
 
 
 class DraftInit:
-    """Base class: `__call__(ctx) -> (tokens [B, L], q [B, L, V])`, read where `ctx.fresh`."""
+    """Base class: `propose(ctx) -> tokens [B, L]`, read where `ctx.fresh`, and `laws(tokens, V)`
+    the laws [..., V] they were drawn from (one-hot on each token unless a subclass says);
+    `__call__(ctx)` gives both. The Jacobi proposer takes the laws of the fresh slots only."""
 
     def __call__(self, ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.propose(ctx)
-        return tokens, one_hot(tokens, ctx.vocab_size)
+        return tokens, self.laws(tokens, ctx.vocab_size)
 
     def propose(self, ctx: DraftContext) -> torch.Tensor:
         raise NotImplementedError
+
+    def laws(self, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        return one_hot(tokens, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -63,11 +69,10 @@ class RandomDraftInit(DraftInit):
         if self.law not in ("one-hot", "uniform"):
             raise ValueError(f"law must be 'one-hot' or 'uniform', got {self.law!r}")
 
-    def __call__(self, ctx):
-        tokens = self.propose(ctx)
+    def laws(self, tokens, vocab_size):
         if self.law == "one-hot":
-            return tokens, one_hot(tokens, ctx.vocab_size)
-        return tokens, torch.full((*tokens.shape, ctx.vocab_size), 1.0 / ctx.vocab_size, device=tokens.device)
+            return one_hot(tokens, vocab_size)
+        return torch.full((*tokens.shape, vocab_size), 1.0 / vocab_size, device=tokens.device)
 
     def propose(self, ctx):
         return randint(ctx.vocab_size, ctx.window.shape, ctx.generator, ctx.window.device)
@@ -94,15 +99,16 @@ class AboveNeighbourInit(DraftInit):
             raise ValueError("AboveNeighbourInit needs a row length: the model has none, pass row_length=")
         above = ctx.positions - width
         known = (above >= 0) & (above <= ctx.positions[:, :1])
-        copied = ctx.tokens.gather(1, above.clamp(0, ctx.tokens.shape[1] - 1))
-        return torch.where(known, copied, _copy_left(ctx.window, ctx.fresh))
+        copied = gather_slots(ctx.tokens, above.clamp(0, ctx.tokens.shape[1] - 1))
+        return where_slots(known, copied, _copy_left(ctx.window, ctx.fresh))
 
 
 def _copy_left(window: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
-    """Each slot's value, or for a fresh slot the value of the nearest non-fresh slot left of it."""
-    slots = torch.arange(window.shape[1], device=window.device).expand_as(window)
+    """Each slot's value, or for a fresh slot the value of the nearest non-fresh slot left of it
+    (frames [B, L, K]: the whole frame)."""
+    slots = torch.arange(window.shape[1], device=window.device).expand_as(fresh)
     source = torch.where(fresh, 0, slots).cummax(1).values
-    return window.gather(1, source)
+    return gather_slots(window, source)
 
 
 #: String names accepted by the decoders' `draft_init=`.

@@ -36,27 +36,24 @@ class JacobiProposer(Proposer):
     def __init__(self, window: int, init, laws: bool = True):
         self.num_draft, self.init, self.laws = window - 1, init, laws
 
-    def _fill(self, run: DecodeRun, window, fresh, q_carried, rows: Optional[torch.Tensor] = None):
-        """Initial drafts in the `fresh` slots of `rows` (all when None); returns the window and
-        the drafts' laws."""
+    def _fill(self, run: DecodeRun, window, fresh, rows: Optional[torch.Tensor] = None):
+        """`window` with initial drafts in its `fresh` slots, for `rows` (all when None)."""
         L = self.num_draft + 1
         pos, tokens, generator = run.pos, run.tokens, run.generator
         if rows is not None:  # only these rows' generators draw
             pos, tokens, generator = pos[rows], tokens[rows], generator.select(rows.tolist())
         positions = pos[:, None] + torch.arange(L, device=run.device)
         ctx = DraftContext(window, fresh, positions, tokens, run.vocab_size, generator, getattr(run.model, "row_length", None))
-        tokens, q_init = self.init(ctx)
-        window = where_slots(fresh, tokens, window)
-        return window, (where_slots(fresh[:, 1:], q_init[:, 1:], q_carried) if self.laws else None)
+        return where_slots(fresh, self.init.propose(ctx), window)
 
     def _first_window(self, run: DecodeRun, rows: Optional[torch.Tensor] = None):
-        """The window after token 0 of `rows` (all when None): that token, then initial drafts."""
+        """The window after token 0 of `rows` (all when None): that token, then initial drafts;
+        and the drafts' laws."""
         newest = run.newest() if rows is None else run.newest()[rows]
         B, L = newest.shape[0], self.num_draft + 1
         window = torch.cat([newest, newest.new_zeros(B, L - 1, *newest.shape[2:])], 1)
-        fresh = (torch.arange(L, device=run.device) > 0).expand(B, -1)
-        q = torch.zeros(B, L - 1, *window.shape[2:], run.vocab_size, device=run.device) if self.laws else None
-        return self._fill(run, window, fresh, q, rows)
+        window = self._fill(run, window, (torch.arange(L, device=run.device) > 0).expand(B, -1), rows)
+        return window, (self.init.laws(window[:, 1:], run.vocab_size) if self.laws else None)
 
     def start(self, run):
         # The first window is drawn at the first forward that drafts: right after token 0 when
@@ -129,34 +126,45 @@ class JacobiProposer(Proposer):
             # [L, K, V] laws and redrawn drafts, cost tiny models 14% of a step).
             self.stale = True
             return
-        window, q, fresh_slots = self._carried(run, n_acc, next_token, fresh, p, fed)
-        window, q = self._fill(run, window, fresh_slots, q)
+        window, fresh_slots = self._carried(run, n_acc, next_token, fresh, fed)
         # Rows that had finished before this forward keep their window.
-        self.window = where_slots(active, window, self.window)
+        self.window = where_slots(active, self._fill(run, window, fresh_slots), self.window)
         if self.laws:
-            self.q = where_slots(active, q, self.q)
+            self.q = self._next_laws(run, p, n_acc.tolist(), [fed] * run.batch_size, active.tolist())
 
-    def _carried(self, run, n_acc, next_token, fresh, p, fed):
+    def _carried(self, run, n_acc, next_token, fresh, fed):
         """The next window after a forward whose rows fed `fed` slots (an int, or [B, 1] per
-        row), before its initial drafts: (window, its drafts' laws, the slots still to fill).
-        Jacobi carry-over: the token after the accepted prefix, then the target's samples after
-        it; slots the forward did not reach keep the old window's drafts there."""
+        row), before its initial drafts, and the slots still to fill. Jacobi carry-over: the
+        token after the accepted prefix, then the target's samples after it; slots the forward
+        did not reach keep the old window's drafts there (`_next_laws` shifts the laws alike)."""
         L = self.num_draft + 1
         source = n_acc[:, None] + 1 + torch.arange(L - 1, device=run.device)  # slot of p that predicted each new draft
         carried = source < fed
-        src = source.clamp_max(fresh.shape[1] - 1)
-        window = torch.cat([next_token[:, None], gather_slots(fresh, src)], 1)
-        q = gather_slots(p, src) if self.laws else None
+        window = torch.cat([next_token[:, None], gather_slots(fresh, source.clamp_max(fresh.shape[1] - 1))], 1)
         if not isinstance(fed, int) or fed < L:
             # A narrower forward (`AdaptiveWindow`) left the old window's later drafts unread:
             # each is still a draw from its own law, so it stays a valid draft for its position.
             unread = ~carried & (source + 1 < L)
-            old = source.clamp_max(L - 2)
-            window[:, 1:] = where_slots(unread, gather_slots(self.window[:, 1:], old), window[:, 1:])
-            if self.laws:
-                q = where_slots(unread, gather_slots(self.q, old), q)
+            window[:, 1:] = where_slots(unread, gather_slots(self.window[:, 1:], source.clamp_max(L - 2)), window[:, 1:])
             carried = carried | unread
-        return window, q, torch.cat([torch.zeros_like(carried[:, :1]), ~carried], 1)
+        return window, torch.cat([torch.zeros_like(carried[:, :1]), ~carried], 1)
+
+    def _next_laws(self, run, p, n_acc: list[int], fed: list[int], rows: list[bool]) -> torch.Tensor:
+        """The laws [B, L - 1(, K), V] of `self.window`'s drafts after `_carried` and `_fill`
+        moved the windows of `rows` (the others keep theirs). Row b's drafts are the target's
+        samples at slots n_acc[b] + 1 .. fed[b] - 1 (their law: p there), the old drafts the
+        forward did not reach (their old laws), then initial drafts (`DraftInit.laws`). Built by
+        slices, one copy per row: a narrow forward in a wide window then moves its laws once
+        instead of through masked ops over every slot (15 of them at one draft)."""
+        out = []
+        for b, moved in enumerate(rows):
+            if not moved:
+                out.append(self.q[b])
+                continue
+            kept, unread = p[b, n_acc[b] + 1:fed[b]], self.q[b, fed[b]:]
+            new = self.window[b, 1 + kept.shape[0] + unread.shape[0]:]
+            out.append(torch.cat([kept, unread, self.init.laws(new, run.vocab_size)]))
+        return torch.stack(out)
 
     def _update_rows(self, run, n_acc, next_token, fresh, p, active):
         """`update` with per-row windows: row b fed 1 + run.row_drafts[b] slots. A row that took
@@ -174,11 +182,10 @@ class JacobiProposer(Proposer):
         rows = drafting.nonzero().flatten()
         if rows.numel() == 0:
             return
-        window, q, fresh_slots = self._carried(run, n_acc, next_token, fresh, p, fed[:, None])
-        window, q_rows = self._fill(run, window[rows], fresh_slots[rows], q[rows] if self.laws else None, rows)
-        self.window[rows] = window
+        window, fresh_slots = self._carried(run, n_acc, next_token, fresh, fed[:, None])
+        self.window[rows] = self._fill(run, window[rows], fresh_slots[rows], rows)
         if self.laws:
-            self.q[rows] = q_rows
+            self.q = self._next_laws(run, p, n_acc.tolist(), fed.tolist(), drafting.tolist())
 
 
 @dataclass

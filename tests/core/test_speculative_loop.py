@@ -272,11 +272,14 @@ def exact_frame_joint(model, label, length, sampling):
     return seqs, joint / joint.sum()
 
 
-def test_frames_greedy_jacobi_equals_ar():
+@pytest.mark.parametrize("draft_init", ["random", "random-uniform", "left"])
+def test_frames_greedy_jacobi_equals_ar(draft_init):
+    """Every draft initialiser fills whole frames (left: the frame to the left, all codebooks)."""
     model = ToyFrameModel(vocab_size=4, scale=3.0)
     sampling = SamplingConfig(temperature=0.0)
     ar = Autoregressive().generate(model, torch.tensor([0, 1, 2]), 24, sampling, torch.Generator())
-    out = SpeculativeJacobi(window=6).generate(model, torch.tensor([0, 1, 2]), 24, sampling, torch.Generator().manual_seed(2))
+    out = SpeculativeJacobi(window=6, draft_init=draft_init).generate(model, torch.tensor([0, 1, 2]), 24, sampling,
+                                                                     torch.Generator().manual_seed(2))
     assert ar.tokens.shape == (3, 24, 4) and torch.equal(ar.tokens, out.tokens)
     assert out.stats.forwards < ar.stats.forwards
 
