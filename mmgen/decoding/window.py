@@ -120,7 +120,9 @@ class AdaptiveWindow:
     that starts with AR steps probes first once the probe's extra cost is at most
     `first_probe_cost` of the steps before it, and after `dwell` steps at the latest: soon where
     a draft is cheap (a batch of rows, where one draft already costs more than `start_cost`), late
-    enough where it is dear that a short answer ends first.
+    enough where it is dear that a short answer ends first. Where the model's `window_tokens`
+    chose AR steps, the first probe keeps the `probe_cost` pace too (emoji-vlm's answers of about
+    20 tokens: two probes each became one).
     `decay`: weight of older forwards in a width's running figure.
 
     With the model's `window_tokens` (see the module docstring) it starts at the width whose
@@ -356,9 +358,11 @@ class WindowChooser:
         extra = policy.probe_len * (cost[1] - 1) if len(cost) > 1 else 0.0
         self.ar_interval = max(1, math.ceil(extra / policy.probe_cost))
         # Starting with AR steps, the first probe comes once its extra cost is `first_probe_cost`
-        # of the steps before it, after `dwell` of them at the latest (a short answer may end first).
+        # of the steps before it, after `dwell` of them at the latest (a short answer may end first);
+        # where the model's measured tokens chose AR steps, an early probe would only ask again
+        # what they say, so it waits the `probe_cost` pace like every later one.
         first = min(policy.dwell, math.ceil(extra / policy.first_probe_cost))
-        self.since_probe = max(0, self.ar_interval - first) if self.home == 0 else 0
+        self.since_probe = max(0, self.ar_interval - first) if self.home == 0 and prior is None else 0
         self.chosen: list[int] = []
 
     def _reset(self) -> None:

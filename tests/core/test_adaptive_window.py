@@ -150,6 +150,19 @@ def test_where_one_draft_costs_too_much_it_starts_autoregressive_and_probes_soon
     # steps: a short answer ends first.
     dear = AdaptiveWindow().start(15, 1, "cpu", {"cpu": {1: 1.0, 2: 1.34, 4: 1.48, 8: 1.58, 16: 1.86}})
     assert dear.home == 0 and dear.ar_interval - dear.since_probe == policy.dwell
+    # Where the model's measured tokens chose AR steps (emoji-vlm's: about 1.02 tokens at every
+    # width), the first probe keeps the `probe_cost` pace as every later one does.
+    vlm_cost, vlm_tokens = {"cpu": {1: 1.0, 2: 1.34, 4: 1.48, 8: 1.58, 16: 1.86}}, {2: 1.015, 4: 1.033, 8: 1.023, 16: 1.023}
+    told = AdaptiveWindow().start(15, 1, "cpu", vlm_cost, vlm_tokens)
+    assert told.home == 0 and told.since_probe == 0 and told.ar_interval == dear.ar_interval
+    # Where everything is accepted its probe pays, and the window jumps to the widest as from any
+    # probe from AR steps: such a phase overrules the tokens within a few forwards.
+    model = ContextFree()
+    model.window_cost, model.window_tokens = vlm_cost, vlm_tokens
+    out = SpeculativeJacobi(window=16).generate(model, torch.zeros(1, dtype=torch.long), 64, SamplingConfig(temperature=1.0),
+                                                torch.Generator().manual_seed(0))
+    n = told.ar_interval
+    assert out.stats.drafts_per_forward[:n + 3] == [0] * n + [1, 1, 15] and set(out.stats.drafts_per_forward[n + 2:]) == {15}
 
 
 class ContextFree:
