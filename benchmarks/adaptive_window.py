@@ -24,8 +24,9 @@ between CPUs than between runs), so runs on different machines compare on one cu
 At batch 1 a row "sjd, measured curve and tokens" runs the adaptive window with the curve
 measured in the warm-up round and the tokens per forward that round's fixed windows finalised
 (at the swept widths, interpolated between), as a model that carries its `window_cost` and
-`window_tokens` would (the default row runs what the model carries: for the random presets, the
-linear model with the CPU's default token cost and no tokens).
+`window_tokens` would (the default row runs what the model carries: for the random presets at
+batch 1 on a CPU, the default curve `DEFAULT_WINDOW_COST` and no tokens; in a batch, the linear
+model with the device's default token cost).
 
     python -m benchmarks.adaptive_window --case gpt-b --sampling greedy --tokens 256 --repeats 3 --threads 1
     python -m benchmarks.adaptive_window --case gpt-b-barren --tokens 256 --repeats 2 --threads 1

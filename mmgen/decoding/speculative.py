@@ -61,7 +61,7 @@ from mmgen.decoding.frames import (
 )
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.decoding.stopping import RowEnds, Stopping, Streamer, TokenReporter
-from mmgen.decoding.window import AdaptiveWindow, RowWindows, resolve_adaptive, window_chooser
+from mmgen.decoding.window import AdaptiveWindow, RowWindows, resolve_adaptive, window_chooser, with_default_curves
 from mmgen.modeling import DecodeState, TokenModel
 from mmgen.sampling import SamplingConfig, sample
 
@@ -293,15 +293,15 @@ def speculative_decode(
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
     synced = k > 0 or stopping is not None or streamer is not None or feed is not None
-    window_cost, window_tokens, windows = getattr(model, "window_cost", None), getattr(model, "window_tokens", None), None
+    window_cost, window_tokens, windows = with_default_curves(getattr(model, "window_cost", None)), getattr(model, "window_tokens", None), None
     if feed is None:
         rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)
     else:  # under an adaptive window, each row chooses its own draft counts (`RowWindows`)
-        windows = RowWindows(adapt, k, run.guided, device, window_cost, run, window_tokens) if adapt is not None and k > 0 else None
+        windows = RowWindows(adapt, k, run.guided, device, window_cost, run, window_tokens, ends) if adapt is not None and k > 0 else None
         rows = FeedRows(feed, run, proposer, ends, streamer, windows)
     slowest = rows.start()  # every row's token 0
     B = run.batch_size  # continuous batching may have grown the batch for requests that arrived meanwhile
-    chooser = windows or window_chooser(adapt, k, B, run.guided, device, window_cost, window_tokens)
+    chooser = windows or window_chooser(adapt, k, B, run.guided, device, window_cost, window_tokens, ends.known_length())
     verify = VerifyStep(run, proposer, rule)
     slots, ones = torch.arange(k + 2, device=device), torch.ones(B, dtype=torch.long, device=device)
     while slowest < num_tokens:

@@ -85,6 +85,13 @@ class RowEnds:
         hit = stops.any(1)
         return torch.where(hit, stops.long().argmax(1) + 1, step), active & ~hit
 
+    def known_length(self, row: Optional[int] = None) -> Optional[int]:
+        """The tokens row `row` (None: the slowest row) will finalise when no stop token can end
+        it sooner, else None."""
+        if self.stop_ids is not None:
+            return None
+        return int(self.limit.max() if row is None else self.limit[row])
+
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index` [B'] (continuous batching whose width follows its requests)."""
         self.limit, self.emitted = self.limit[index], self.emitted[index]

@@ -28,12 +28,15 @@ compute relative to one pass over the weights (a small step is a per-weight part
 per-token part). An autoregressive step is worth exactly 1 token per unit, which is what the
 fallback compares against.
 
-A linear cost misses what small models show on a CPU: a forward of two tokens per row can cost
-20-30% more than one (the BLAS leaves its matrix-vector kernels), and a few tokens can cost less
-than one (LlamaGen emoji64: 0.96x at 2 and 4 tokens). A model can carry its measured curve, a
-`window_cost` (window width -> forward time relative to width 1, per device type and CPU thread
-count, measured at batch 1 by `benchmarks/window_cost.py`); batch-1 decodes there use it instead.
-A curve is its machine's: CPUs differ several-fold in what a few more tokens per forward cost.
+A linear cost misses what models show on a CPU: a forward of two tokens per row can cost
+10-60% more than one (the BLAS leaves its matrix-vector kernels), and a few tokens can cost less
+than one (LlamaGen emoji64 on another box: 0.96x at 2 and 4 tokens). A model can carry its
+measured curve, a `window_cost` (window width -> forward time relative to width 1, per device
+type and CPU thread count, measured at batch 1 by `benchmarks/window_cost.py`); batch-1 decodes
+there use it instead. A curve is its machine's: CPUs differ several-fold in what a few more
+tokens per forward cost. A batch-1 decode on a CPU whose model carries no CPU curve uses
+`DEFAULT_WINDOW_COST` (GPT-B's, measured): a dear default costs a good case a few probes, a
+cheap one costs a barren decode every forward.
 
 What a model usually accepts is a fact of the model, not of the machine: a model can carry its
 `window_tokens` (window width -> tokens a forward finalises, measured in fixed-window decodes at
@@ -61,12 +64,12 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-#: Default `token_cost` by device type. CPU: measured by `benchmarks/adaptive_window.py` on
-#: this project's 2-core box, 1 thread, CFG: 0.02 for the bundled emoji64 (a 16-token verify
-#: at 1.6x an AR step), 0.03-0.05 for GPT-B (1.9-2.4x); the smaller figure keeps every good case
-#: and still falls back where nothing is accepted. CUDA: a 16-token verify within a few percent
-#: of an AR step at batch 1 (memory-bound). Pass a measured figure for your model and machine
-#: (`adapt=0.05` in a spec, or `AdaptiveWindow(token_cost=...)`).
+#: Default `token_cost` by device type, for the linear cost (batches, and devices without a
+#: default curve). CPU: measured by `benchmarks/adaptive_window.py` on this project's 2-core box,
+#: 1 thread, CFG: 0.02 for the bundled emoji64 (a 16-token verify at 1.6x an AR step), 0.03-0.05
+#: for GPT-B (1.9-2.4x). CUDA: a 16-token verify within a few percent of an AR step at batch 1
+#: (memory-bound). Pass a measured figure for your model and machine (`adapt=0.05` in a spec, or
+#: `AdaptiveWindow(token_cost=...)`).
 TOKEN_COST = {"cpu": 0.02, "cuda": 0.002}
 
 #: A model's measured tokens per forward by window width (tokens per row per forward -> mean
@@ -78,6 +81,19 @@ WindowTokens = Mapping[int, float]
 #: which the CPU's curve depends on): window width (tokens per row per forward) -> forward time
 #: relative to width 1, at batch 1 with the model's own guidance.
 WindowCost = Mapping[str, Mapping[int, float]]
+
+#: The curve a batch-1 decode uses on a device type its model carries none for: LlamaGen GPT-B
+#: (random weights, CFG 4: two rows fed), measured on this project's 2-core box by
+#: `python -m benchmarks.adaptive_window --case gpt-b-barren --tokens 128 --repeats 2 --threads T
+#: --sweep 2 4 8 16` (2026-11-28). On a CPU a second token per row costs far more than any
+#: per-token figure says (1.5-1.6 AR steps here: the BLAS leaves its matrix-vector kernels), and
+#: a linear default that misses it drafts where nothing is accepted (GPT-B: 1.31x AR's time).
+#: Other thread counts take the two-thread curve. Models measure their own (`window_cost.py`).
+DEFAULT_WINDOW_COST: WindowCost = {
+    "cpu:1": {1: 1.0, 2: 1.61, 4: 2.12, 8: 2.07, 16: 2.51},
+    "cpu:2": {1: 1.0, 2: 1.48, 4: 1.90, 8: 1.92, 16: 2.38},
+    "cpu": {1: 1.0, 2: 1.48, 4: 1.90, 8: 1.92, 16: 2.38},
+}
 
 
 @dataclass(frozen=True)
@@ -120,7 +136,9 @@ class AdaptiveWindow:
     that starts with AR steps probes first once the probe's extra cost is at most
     `first_probe_cost` of the steps before it, and after `dwell` steps at the latest: soon where
     a draft is cheap (a batch of rows, where one draft already costs more than `start_cost`), late
-    enough where it is dear that a short answer ends first. Where the model's `window_tokens`
+    enough where it is dear that a short answer ends first; at once where nothing can end the
+    decode early (no stop tokens: an image) and the probe's extra cost is at most
+    `first_probe_cost` of its length. Where the model's `window_tokens`
     chose AR steps, the first probe keeps the `probe_cost` pace too (emoji-vlm's answers of about
     20 tokens: two probes each became one).
     `decay`: weight of older forwards in a width's running figure.
@@ -184,13 +202,15 @@ class AdaptiveWindow:
             raise ValueError(f"widths must be draft counts >= 0, got {self.widths!r}")
 
     def start(self, max_draft: int, rows_fed: int, device, window_cost: Optional[WindowCost] = None,
-              window_tokens: Optional[WindowTokens] = None) -> "WindowChooser":
+              window_tokens: Optional[WindowTokens] = None, length: Optional[int] = None) -> "WindowChooser":
         """The chooser of one decode: at most `max_draft` drafts, `rows_fed` rows per forward
         (2 x batch with guidance; for a row of a continuous batch, that row's: 2 or 1).
-        `window_cost`: the model's measured curve, for a batch-1 decode (None otherwise); it
-        applies on its device type unless `token_cost` is set, and not to a row of a batch.
+        `window_cost`: the model's measured curves, for a batch-1 decode (None otherwise; the
+        loop adds `DEFAULT_WINDOW_COST`'s, `with_default_curves`); a curve applies on its device
+        type unless `token_cost` is set, and not to a row of a batch.
         `window_tokens`: the model's measured tokens per forward (any batch: a row accepts what
-        it accepts alone)."""
+        it accepts alone). `length`: the tokens the decode will finalise when nothing can end it
+        sooner (no stop tokens), else None."""
         widths = self.widths if self.widths is not None else _powers(max_draft)
         widths = sorted({min(int(w), max_draft) for w in widths} | {0})
         prior = None
@@ -204,10 +224,10 @@ class AdaptiveWindow:
         rows = self.batch_rows or 1
         curve = measured_curve(window_cost, kind) if self.token_cost is None and rows == 1 else None
         if curve is not None:
-            return WindowChooser(self, widths, [interpolate_cost(curve, d + 1) for d in widths], prior)
+            return WindowChooser(self, widths, [interpolate_cost(curve, d + 1) for d in widths], prior, length)
         rho = self.token_cost if self.token_cost is not None else TOKEN_COST.get(kind, TOKEN_COST["cuda"])
         beta = rows * draft_cost(rho, rows_fed * rows)  # in this row's share of the batch's AR step
-        return WindowChooser(self, widths, [1 + beta * d for d in widths], prior)
+        return WindowChooser(self, widths, [1 + beta * d for d in widths], prior, length)
 
     def never_drafts(self, max_draft: int, device) -> bool:
         """Whether a row of a batch (`batch_rows` set) would never draft: it starts with AR steps
@@ -236,6 +256,14 @@ def measured_curve(window_cost: Optional[WindowCost], kind: str) -> Optional[Map
     thread count, else a "cpu" one); None without one."""
     window_cost = window_cost or {}
     return window_cost.get(window_cost_key(kind), window_cost.get(kind))
+
+
+def with_default_curves(window_cost: Optional[WindowCost]) -> WindowCost:
+    """A model's measured curves, and `DEFAULT_WINDOW_COST`'s for each device type it carries none
+    for (a model measured at one CPU thread count keeps the linear cost at another, as before)."""
+    own = dict(window_cost or {})
+    kinds = {kind.split(":")[0] for kind in own}
+    return {**{kind: curve for kind, curve in DEFAULT_WINDOW_COST.items() if kind.split(":")[0] not in kinds}, **own}
 
 
 def interpolate_width(figures: Mapping[int, float], width: int) -> float:
@@ -330,7 +358,8 @@ class WindowChooser:
     fresh), which a ratio over ~20 forwards weighs right. `prior`: the model's measured tokens
     per forward at each level (`AdaptiveWindow.start` from its `window_tokens`), or None."""
 
-    def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float], prior: Optional[list[float]] = None):
+    def __init__(self, policy: AdaptiveWindow, widths: list[int], cost: list[float], prior: Optional[list[float]] = None,
+                 length: Optional[int] = None):
         self.policy, self.widths, self.cost, self.prior = policy, widths, cost, prior
         self.top = len(widths) - 1
         # Whether any width can pay even if all its drafts pass; if none can, no probe is made.
@@ -358,10 +387,13 @@ class WindowChooser:
         extra = policy.probe_len * (cost[1] - 1) if len(cost) > 1 else 0.0
         self.ar_interval = max(1, math.ceil(extra / policy.probe_cost))
         # Starting with AR steps, the first probe comes once its extra cost is `first_probe_cost`
-        # of the steps before it, after `dwell` of them at the latest (a short answer may end first);
-        # where the model's measured tokens chose AR steps, an early probe would only ask again
-        # what they say, so it waits the `probe_cost` pace like every later one.
+        # of the steps before it, after `dwell` of them at the latest (a short answer may end first),
+        # or at once where the decode's known length makes it that cheap (an image cannot end
+        # first); where the model's measured tokens chose AR steps, an early probe would only ask
+        # again what they say, so it waits the `probe_cost` pace like every later one.
         first = min(policy.dwell, math.ceil(extra / policy.first_probe_cost))
+        if length is not None and extra <= policy.first_probe_cost * length:
+            first = 0
         self.since_probe = max(0, self.ar_interval - first) if self.home == 0 and prior is None else 0
         self.chosen: list[int] = []
 
@@ -546,16 +578,18 @@ class RowWindows:
     its own `drafts_per_forward` (`chosen`)."""
 
     def __init__(self, policy: AdaptiveWindow, max_draft: int, guided: bool, device, window_cost: Optional[WindowCost], run: Any,
-                 window_tokens: Optional[WindowTokens] = None):
+                 window_tokens: Optional[WindowTokens] = None, ends: Any = None):
         self.policy, self.max_draft, self.device, self.window_cost, self.run = policy, max_draft, device, window_cost, run
-        self.window_tokens = window_tokens
+        self.window_tokens, self.ends = window_tokens, ends
         self.rows_fed = 2 if guided else 1
         self.choosers: list[Optional[WindowChooser]] = [None] * run.batch_size
 
     def restart(self, rows: list[int]) -> None:
         """`rows` start new requests: each a fresh chooser."""
         for row in rows:
-            self.choosers[row] = self.policy.start(self.max_draft, self.rows_fed, self.device, self.window_cost, self.window_tokens)
+            length = self.ends.known_length(row) if self.ends is not None else None
+            self.choosers[row] = self.policy.start(self.max_draft, self.rows_fed, self.device, self.window_cost, self.window_tokens,
+                                                   length)
 
     def select_rows(self, index: list[int]) -> None:
         """The batch keeps rows `index` (a repeated one restarts before it decodes)."""
@@ -583,7 +617,7 @@ class RowWindows:
 
 def window_chooser(adapt: Optional[AdaptiveWindow], max_draft: int, batch: int, guided: bool, device,
                    window_cost: Optional[WindowCost] = None, window_tokens: Optional[WindowTokens] = None,
-                   ) -> Union[AdaptingWindow, FixedWindow]:
+                   length: Optional[int] = None) -> Union[AdaptingWindow, FixedWindow]:
     """The draft counts of one decode of `batch` rows (`guided`: both halves of a guided batch
     are fed): `adapt`'s, or a fixed window without one or without drafts. A model's measured
     `window_cost` is for batch 1, so only a batch-1 decode uses it (its `window_tokens` hold at
@@ -592,7 +626,7 @@ def window_chooser(adapt: Optional[AdaptiveWindow], max_draft: int, batch: int, 
     if adapt is None or max_draft == 0:
         return FixedWindow(max_draft)
     return AdaptingWindow(adapt.start(max_draft, batch * (2 if guided else 1), device, window_cost if batch == 1 else None,
-                                      window_tokens))
+                                      window_tokens, length))
 
 
 def resolve_adaptive(adapt) -> Optional[AdaptiveWindow]:

@@ -34,7 +34,7 @@ class CyclingWindow(AdaptiveWindow):
 
     cycle: tuple = (1, 0, 2, 2, 0, 1)
 
-    def start(self, max_draft, rows_fed, device, window_cost=None, window_tokens=None):
+    def start(self, max_draft, rows_fed, device, window_cost=None, window_tokens=None, length=None):
         return _Cycle([min(d, max_draft) for d in self.cycle])
 
 
@@ -142,10 +142,15 @@ def test_where_one_draft_costs_too_much_it_starts_autoregressive_and_probes_soon
     out = SpeculativeJacobi(window=16, adapt=policy).generate(model, torch.zeros(1, dtype=torch.long), 256,
                                                               SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
     drafts = out.stats.drafts_per_forward
-    # The first probe once its extra cost (2 x 0.167 AR steps) is at most 10% of the AR steps
-    # before it: after 4 (its first forward holds a fresh draft, its second accepts), then the
-    # window jumps to the widest.
-    assert drafts[:7] == [0, 0, 0, 0, 1, 1, 15] and drafts.count(15) > 0.5 * len(drafts)
+    # An image-like decode (no stop tokens: 256 tokens it will finalise) probes at once, as its
+    # probe's extra cost (2 x 0.167 AR steps) is at most 10% of its length; the probe's first
+    # forward holds a fresh draft, its second accepts, and the window jumps to the widest.
+    assert drafts[:3] == [1, 1, 15] and drafts.count(15) > 0.5 * len(drafts)
+    assert policy.start(15, 1, "cpu", length=256).since_probe == chooser.ar_interval
+    # Where stop tokens may end it (an answer), once that extra cost is at most 10% of the AR
+    # steps before it: after 4; so too where the length is too short to pay for it at once.
+    for short in (policy.start(15, 1, "cpu"), policy.start(15, 1, "cpu", length=3)):
+        assert short.ar_interval - short.since_probe == 4
     # Where a draft is dear (emoji-vlm's one-thread curve: 1.34 AR steps), not before `dwell`
     # steps: a short answer ends first.
     dear = AdaptiveWindow().start(15, 1, "cpu", {"cpu": {1: 1.0, 2: 1.34, 4: 1.48, 8: 1.58, 16: 1.86}})

@@ -17,7 +17,7 @@ from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, Prom
 from mmgen.decoding.batching import Request, continuous_decode
 from mmgen.decoding.speculative import check_row_feed
 from mmgen.decoding.stopping import Stopping
-from mmgen.decoding.window import AdaptiveWindow
+from mmgen.decoding.window import TOKEN_COST, AdaptiveWindow
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.sampling import SamplingConfig, make_generator
 
@@ -165,8 +165,9 @@ def test_adaptive_rows_sample_the_exact_law(enumerable, rule_name, lossless):  #
     seqs, joint = exact_joint(enumerable, 1, sampling)
     acceptance = rule(rule_name)
     # The adaptive window, each row judged as a decode of its own (at 64 rows' costs no draft
-    # would pay, and the rows would decode autoregressively).
-    decoder = SpeculativeJacobi(window=3, acceptance=acceptance, adapt=AdaptiveWindow(batch_rows=1))
+    # would pay, and the rows would decode autoregressively) at the linear CPU cost (the default
+    # curve's dear drafts would not probe within these few tokens).
+    decoder = SpeculativeJacobi(window=3, acceptance=acceptance, adapt=AdaptiveWindow(token_cost=TOKEN_COST["cpu"], batch_rows=1))
     requests = (Request(torch.tensor([1]), make_generator(i)) for i in range(2000))
     done, _ = continuous_decode(decoder, enumerable, requests, LENGTH, sampling, batch_size=64)
     assert acceptance.speculated(), acceptance.counts
