@@ -293,7 +293,8 @@ def speculative_decode(
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
     synced = k > 0 or stopping is not None or streamer is not None or feed is not None
-    window_cost, window_tokens, windows = with_default_curves(getattr(model, "window_cost", None)), getattr(model, "window_tokens", None), None
+    window_cost, window_tokens, windows = getattr(model, "window_cost", None), getattr(model, "window_tokens", None), None
+    window_cost = with_default_curves(window_cost)  # GPT-B's measured curve where the model carries none
     if feed is None:
         rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)
     else:  # under an adaptive window, each row chooses its own draft counts (`RowWindows`)
@@ -301,7 +302,8 @@ def speculative_decode(
         rows = FeedRows(feed, run, proposer, ends, streamer, windows)
     slowest = rows.start()  # every row's token 0
     B = run.batch_size  # continuous batching may have grown the batch for requests that arrived meanwhile
-    chooser = windows or window_chooser(adapt, k, B, run.guided, device, window_cost, window_tokens, ends.known_length())
+    length = ends.known_length() if adapt is not None and windows is None else None
+    chooser = windows or window_chooser(adapt, k, B, run.guided, device, window_cost, window_tokens, length)
     verify = VerifyStep(run, proposer, rule)
     slots, ones = torch.arange(k + 2, device=device), torch.ones(B, dtype=torch.long, device=device)
     while slowest < num_tokens:
