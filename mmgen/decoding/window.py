@@ -89,10 +89,11 @@ WindowCost = Mapping[str, Mapping[int, float]]
 #: per-token figure says (1.5-1.6 AR steps here: the BLAS leaves its matrix-vector kernels), and
 #: a linear default that misses it drafts where nothing is accepted (GPT-B: 1.31x AR's time).
 #: Other thread counts take the two-thread curve. Models measure their own (`window_cost.py`).
+_GPT_B_TWO_THREADS = {1: 1.0, 2: 1.48, 4: 1.90, 8: 1.92, 16: 2.38}
 DEFAULT_WINDOW_COST: WindowCost = {
     "cpu:1": {1: 1.0, 2: 1.61, 4: 2.12, 8: 2.07, 16: 2.51},
-    "cpu:2": {1: 1.0, 2: 1.48, 4: 1.90, 8: 1.92, 16: 2.38},
-    "cpu": {1: 1.0, 2: 1.48, 4: 1.90, 8: 1.92, 16: 2.38},
+    "cpu:2": _GPT_B_TWO_THREADS,
+    "cpu": _GPT_B_TWO_THREADS,
 }
 
 
