@@ -27,12 +27,15 @@ measured in the warm-up round and the tokens per forward that round's fixed wind
 `window_tokens` would (the default row runs what the model carries: for the random presets at
 batch 1 on a CPU, the default curve `DEFAULT_WINDOW_COST` and no tokens; in a batch, the linear
 model with the device's default token cost).
+`--family lookup` compares prompt lookup the same way: its adaptive default (`lookup`) against
+its fixed windows (`lookup:adapt=false,num_draft=W-1` for each swept width W).
 
     python -m benchmarks.adaptive_window --case gpt-b --sampling greedy --tokens 256 --repeats 3 --threads 1
     python -m benchmarks.adaptive_window --case gpt-b-barren --tokens 256 --repeats 2 --threads 1
     python -m benchmarks.adaptive_window --case emoji64 --repeats 5 --threads 2
     python -m benchmarks.adaptive_window --case emoji-vlm --inputs 8 --repeats 3 --threads 1
     python -m benchmarks.adaptive_window --case speech-tts --inputs 4 --repeats 3 --threads 1
+    python -m benchmarks.adaptive_window --case emoji-vlm --family lookup --inputs 8 --repeats 3 --threads 1
 """
 
 from __future__ import annotations
@@ -89,10 +92,16 @@ def build(model: str, device: str, init_std: float = 0.0):
 MEASURED = "sjd, measured curve and tokens"
 
 
-def methods(sweep: tuple[int, ...], extra: list[str], batch_size: int) -> list[str]:
-    """AR first (the baseline), the adaptive default (and, at batch 1, with the measured figures),
-    the fixed windows, then `extra` specs."""
-    return ["ar", "sjd", *([MEASURED] if batch_size == 1 else []), *(f"sjd:adapt=false,window={w}" for w in sweep), *extra]
+def fixed_spec(family: str, width: int) -> str:
+    """The spec of `family`'s decoder with a fixed window of `width` tokens."""
+    return f"sjd:adapt=false,window={width}" if family == "sjd" else f"{family}:adapt=false,num_draft={width - 1}"
+
+
+def methods(sweep: tuple[int, ...], extra: list[str], batch_size: int, family: str = "sjd") -> list[str]:
+    """AR first (the baseline), the family's adaptive default (and, for `sjd` at batch 1, with
+    the measured figures), its fixed windows, then `extra` specs."""
+    measured = [MEASURED] if batch_size == 1 and family == "sjd" else []
+    return ["ar", family, *measured, *(fixed_spec(family, w) for w in sweep), *extra]
 
 
 def curve_of(times: dict[int, list[float]]) -> dict[int, float]:
@@ -170,6 +179,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--model", help="instead of --case: a bundled LlamaGen model or random:PRESET")
     parser.add_argument("--init-std", type=float, default=0.0, help="with --model random:PRESET (0: LlamaGen's own init)")
     parser.add_argument("--sampling", choices=("model", "greedy"), default="model")
+    parser.add_argument("--family", choices=("sjd", "lookup"), default="sjd",
+                        help="the speculative decoder whose adaptive default and fixed windows are compared")
     parser.add_argument("--sweep", type=int, nargs="+", default=list(SWEEP), help="fixed windows to compare")
     parser.add_argument("--methods", nargs="*", default=[], help="more decoding specs")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -189,7 +200,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     on_pipeline = args.model is None and args.case in PIPELINE_CASES
     if on_pipeline and (args.batch_size != 1 or args.sampling != "model" or args.device != "cpu"):
         raise SystemExit(f"--case {args.case} decodes batch-1 calls at the model's own sampling on the CPU")
-    specs = methods(tuple(args.sweep), args.methods, args.batch_size)
+    specs = methods(tuple(args.sweep), args.methods, args.batch_size, args.family)
     decoders = {m: resolve_decoder("sjd" if m == MEASURED else m) for m in specs}
     times: dict[int, list[float]] = defaultdict(list)
     warm_up: dict[int, list[float]] = defaultdict(list)
@@ -241,15 +252,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
             "modelled_mean": statistics.mean(modelled(s, curve, window) for s in stats),
             "unit": "s / token" if on_pipeline else "s / decode",
         }
-    fixed = [s for s in runs if s.startswith("sjd:adapt=false")]
+    fixed = [s for s in runs if s.startswith(f"{args.family}:adapt=false")]
     best = min(fixed, key=lambda s: rows[s]["seconds"])
     best_modelled = min(fixed, key=lambda s: rows[s]["modelled"])
     best_mean = min(fixed, key=lambda s: rows[s]["modelled_mean"])
     ar = rows["ar"]
     summary = {"best_fixed": best, "best_fixed_modelled": best_modelled}
-    for name in ("sjd", MEASURED):
+    for name in (args.family, MEASURED):
         if name in rows:
-            key = "adaptive" if name == "sjd" else "measured"
+            key = "adaptive" if name == args.family else "measured"
             summary[f"{key}_vs_best_fixed"] = rows[name]["seconds"] / rows[best]["seconds"]
             summary[f"{key}_vs_ar"] = rows[name]["seconds"] / ar["seconds"]
             summary[f"{key}_vs_best_fixed_modelled"] = rows[name]["modelled"] / rows[best_modelled]["modelled"]
@@ -271,13 +282,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
         lo, hi = row["spread"]
         print(f"| {spec} | {row['seconds'] * scale:.2f} ({lo * scale:.2f}-{hi * scale:.2f}) | {ar['seconds'] / row['seconds']:.2f}x "
               f"| {row['forwards']:.0f} | {row['step_compression']:.2f}x | {row['mean_drafts']:.1f} | {row['modelled']:.3f} |")
-    for key, name in (("adaptive", "adaptive sjd"), ("measured", "adaptive sjd with the measured curve and tokens")):
+    for key, name in (("adaptive", f"adaptive {args.family}"), ("measured", "adaptive sjd with the measured curve and tokens")):
         if f"{key}_vs_ar" in summary:
             print(f"{name}: {summary[f'{key}_vs_best_fixed']:.3f}x the time of the best fixed window ({best}), "
                   f"{summary[f'{key}_vs_ar']:.3f}x AR's; modelled {summary[f'{key}_vs_best_fixed_modelled']:.3f}x the best "
                   f"({best_modelled}), {summary[f'{key}_vs_ar_modelled']:.3f}x AR; modelled means over the "
-                  f"{len(runs['sjd'])} decodes: {summary[f'{key}_vs_best_fixed_modelled_mean']:.3f}x the best ({best_mean})")
-    result = {"case": name, "model": model_name, "init_std": init_std, "sampling": args.sampling, "batch_size": args.batch_size,
+                  f"{len(runs[args.family])} decodes: {summary[f'{key}_vs_best_fixed_modelled_mean']:.3f}x the best ({best_mean})")
+    result = {"case": name, "family": args.family, "model": model_name, "init_std": init_std, "sampling": args.sampling, "batch_size": args.batch_size,
               "tokens": tokens, "threads": torch.get_num_threads(), "curve": curve,
               "window_tokens": measured_tokens, "rows": rows, "summary": summary}
     if args.json:

@@ -45,15 +45,14 @@ class DraftModelProposer(Proposer):
     costs every row a drafter forward and a wider verify (on the bundled VLM pair at batch 8,
     waiting for every row drafted 7.6 of 12 a round and ran slower than `ar`: docs/benchmarks.md).
     Where to stop depends only on drafts already drawn, so acceptance stays exact (the target
-    still judges every draft it is given). Each forward's draft count then goes to the stats
-    (`drafts_per_forward`).
+    still judges every draft it is given). The loop then records each forward's draft count
+    in the stats (`drafts_per_forward`).
     """
 
     def __init__(self, drafter: TokenModel, num_draft: int, confidence: float = 0.0):
         self.drafter, self.num_draft, self.confidence = drafter, num_draft, confidence
         self.forwards, self.first_round = 1, True  # the drafter's prefill
         self.drafted = self.accepted = 0  # device tensors once a verify ran: no host sync per forward
-        self.chosen: list[int] = []  # each round's draft count (under a confidence stop)
 
     def start(self, run):
         guidance = run.sampling.uses_guidance
@@ -87,8 +86,6 @@ class DraftModelProposer(Proposer):
                 if sure == 0 or 2 * sure < active:
                     break
         self.forwards += len(drafts)
-        if self.confidence > 0:
-            self.chosen.append(len(drafts))
         return torch.cat(drafts, 1), torch.cat(q, 1)
 
     def _confident(self, logits: Any, draft: torch.Tensor) -> torch.Tensor:
@@ -109,8 +106,6 @@ class DraftModelProposer(Proposer):
     def finish(self, stats):
         stats.extra = DraftCounters(draft_forwards=self.forwards, drafted=int(self.drafted),
                                     accepted_drafts=int(self.accepted))
-        if self.confidence > 0:
-            stats.drafts_per_forward = self.chosen
 
     @property
     def cache_bytes(self):

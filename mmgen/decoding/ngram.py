@@ -21,20 +21,25 @@ from mmgen.decoding.window import resolve_adaptive
 from mmgen.sampling import one_hot
 
 
-def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, max_ngram: int) -> torch.Tensor:
+def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int,
+                  max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row of `sequence` [B, S] (valid up to `length` [B]), the `num_draft` tokens after
-    the latest earlier match of its last n tokens (longest n first); rows with no match repeat
-    their last token. Positions past a row's valid tokens are never read as context. Frames
-    [B, S, K] match only whole (every codebook), and the drafts are frames [B, num_draft, K]."""
+    the latest earlier match of its last n tokens (longest n first), and [B] whether it had a
+    match; rows with no match repeat their last token. Positions past a row's valid tokens are
+    never read as context. Frames [B, S, K] match only whole (every codebook), and the drafts
+    are frames [B, num_draft, K]."""
     if sequence.ndim == 2:
-        return sequence.gather(1, lookup_positions(sequence, length, num_draft, max_ngram))
+        at, found = lookup_positions(sequence, length, num_draft, max_ngram)
+        return sequence.gather(1, at), found
     frame_ids = torch.unique(sequence.flatten(0, 1), dim=0, return_inverse=True)[1].view(sequence.shape[:2])
-    at = lookup_positions(frame_ids, length, num_draft, max_ngram)
-    return sequence.gather(1, at[..., None].expand(-1, -1, sequence.shape[-1]))
+    at, found = lookup_positions(frame_ids, length, num_draft, max_ngram)
+    return sequence.gather(1, at[..., None].expand(-1, -1, sequence.shape[-1])), found
 
 
-def lookup_positions(sequence: torch.Tensor, length: torch.Tensor, num_draft: int, max_ngram: int) -> torch.Tensor:
-    """Where `lookup_drafts` copies each row's drafts from: positions [B, num_draft] in `sequence`."""
+def lookup_positions(sequence: torch.Tensor, length: torch.Tensor, num_draft: int,
+                     max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `lookup_drafts` copies each row's drafts from: positions [B, num_draft] in `sequence`,
+    and [B] whether the row had a match."""
     B, S = sequence.shape
     device = sequence.device
     last = (length - 1).clamp_min(0)
@@ -54,12 +59,14 @@ def lookup_positions(sequence: torch.Tensor, length: torch.Tensor, num_draft: in
         follow = torch.where(valid, follow, follow.gather(1, (valid.sum(1, keepdim=True) - 1).clamp_min(0)))
         at = torch.where(hit[:, None], follow, at)
         found |= hit
-    return at
+    return at, found
 
 
 class NGramProposer(Proposer):
     """Drafts by prompt lookup over `context` [B, P] (the prompt's token ids, optional) and the
-    tokens generated so far."""
+    tokens generated so far. Where no decoding row's n-grams match, it proposes nothing and the
+    forward is an autoregressive step (as transformers' and vLLM's n-gram proposers do); a row
+    without a match in a batch with one drafts repeats of its last token."""
 
     adapts_window = True
 
@@ -71,7 +78,9 @@ class NGramProposer(Proposer):
         context = self.context if self.context is not None else run.tokens.new_zeros(B, 0, *run.tokens.shape[2:])
         context = context.to(run.device).expand(B, *context.shape[1:])
         sequence = torch.cat([context, run.tokens], 1)
-        drafts = lookup_drafts(sequence, context.shape[1] + run.pos + 1, run.num_draft, self.max_ngram)
+        drafts, found = lookup_drafts(sequence, context.shape[1] + run.pos + 1, run.num_draft, self.max_ngram)
+        if not bool((found & run.active).any()):  # one host read: nothing to verify
+            drafts = drafts[:, :0]
         return drafts, one_hot(drafts, run.vocab_size)
 
 

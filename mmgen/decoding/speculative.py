@@ -314,7 +314,11 @@ def speculative_decode(
         if d > 0:
             drafts, q = proposer.propose(run)
             drafts, q = drafts[:, :d], (None if q is None else q[:, :d])
-            d = run.num_draft = drafts.shape[1]  # a proposer may stop a round early (a drafter unsure)
+            # A proposer may stop a round early (a drafter unsure) or have nothing to propose
+            # (no n-gram matched): then the forward is an autoregressive step.
+            d = run.num_draft = drafts.shape[1]
+            if d == 0:
+                drafts = q = None
         window = run.newest() if d == 0 else torch.cat([run.newest(), drafts], 1)
         index = run.pos[:, None] + 1 + slots[: d + 1]  # the generated-token index each slot predicts
         # Verify and finalise: one forward scores the window, the rule keeps a prefix of the drafts
@@ -336,7 +340,7 @@ def speculative_decode(
         run.pos = run.pos + step
         run.active = still & ends.advance(step)
         proposer.update(run, n_acc, next_token, fresh, p, active)
-        chooser.after(step, active)
+        chooser.after(step, active, d)
         slowest = rows.forwarded(step, active, p)
         if run.batch_size != B:  # continuous batching changed the batch's width (`FeedRows.resize`)
             B, ones, verify = run.batch_size, torch.ones(run.batch_size, dtype=torch.long, device=device), VerifyStep(run, proposer, rule)

@@ -423,6 +423,12 @@ class WindowChooser:
         self.chosen.append(self.widths[self.level])
         return self.chosen[-1]
 
+    def shortened(self, drafts: int) -> None:
+        """The proposer gave only `drafts` of the forward's chosen count (it had no more): the
+        forward's record. Where it gave none, the forward is no probe's, and a probe waiting
+        for it runs at the next forward that has drafts."""
+        self.chosen[-1] = drafts
+
     @property
     def measuring(self) -> bool:
         """Whether `observe` reads the tokens of this forward: not while it runs autoregressive
@@ -536,19 +542,28 @@ class WindowChooser:
 
 class FixedWindow:
     """The speculative loop's window without an `AdaptiveWindow` (or without drafts): every
-    forward verifies all `num_draft` drafts, and nothing is measured."""
+    forward asks for all `num_draft` drafts, and nothing is measured. Where the proposer gave
+    fewer in some forward (a drafter unsure, no n-gram match), the stats carry each forward's
+    draft count (`drafts_per_forward`)."""
 
     def __init__(self, num_draft: int):
-        self.num_draft = num_draft
+        self.num_draft, self.forwards = num_draft, 0
+        self.counts: Optional[list[int]] = None  # each forward's draft count, once one fell short
 
     def choose(self) -> int:
         return self.num_draft
 
-    def after(self, step: torch.Tensor, active: torch.Tensor) -> None:
-        pass
+    def after(self, step: torch.Tensor, active: torch.Tensor, drafts: int) -> None:
+        """`drafts`: the draft count the forward verified."""
+        if drafts != self.num_draft and self.counts is None:
+            self.counts = [self.num_draft] * self.forwards
+        if self.counts is not None:
+            self.counts.append(drafts)
+        self.forwards += 1
 
     def finish(self, stats: Any) -> None:
-        pass
+        if self.counts is not None:
+            stats.drafts_per_forward = self.counts
 
 
 class AdaptingWindow:
@@ -560,9 +575,14 @@ class AdaptingWindow:
     def __init__(self, chooser: WindowChooser):
         self.chooser, self.choose = chooser, chooser.choose
 
-    def after(self, step: torch.Tensor, active: torch.Tensor) -> None:
-        """`step` [B] tokens finalised per row, counted over the rows `active` [B] in that forward."""
+    def after(self, step: torch.Tensor, active: torch.Tensor, drafts: int) -> None:
+        """`step` [B] tokens finalised per row, counted over the rows `active` [B] in that forward,
+        which verified `drafts` drafts per row (fewer than chosen where the proposer gave fewer)."""
         chooser = self.chooser
+        if drafts < chooser.chosen[-1]:
+            chooser.shortened(drafts)
+            if drafts == 0:  # nothing was proposed: an autoregressive step, no figure of the width chosen
+                return
         chooser.observe(float((step * active).sum() / active.sum().clamp_min(1)) if chooser.measuring else None)
 
     def finish(self, stats: Any) -> None:
@@ -605,8 +625,9 @@ class RowWindows:
         self.run.row_drafts = drafts
         return max(drafts)
 
-    def after(self, step: torch.Tensor, active: torch.Tensor) -> None:
-        """Each row that decoded in this forward observes its own finalised tokens."""
+    def after(self, step: torch.Tensor, active: torch.Tensor, drafts: int) -> None:
+        """Each row that decoded in this forward observes its own finalised tokens (a proposer
+        that adapts per row gives every row the drafts it chose: `drafts` is their most)."""
         rows = [(b, c) for b, (c, on) in enumerate(zip(self.choosers, active.tolist())) if on]
         steps = step.tolist() if any(c.measuring for _, c in rows) else None
         for b, chooser in rows:

@@ -51,6 +51,9 @@ class _Cycle:
     def observe(self, tokens):
         pass
 
+    def shortened(self, drafts):
+        self.chosen[-1] = drafts
+
 
 GREEDY = SamplingConfig(top_k=1, guidance=4.0)
 
@@ -62,7 +65,9 @@ def test_greedy_with_any_draft_counts_is_token_identical_to_ar(name, cycle):
     conditions = torch.tensor([1, 5, 7])
     ar = Autoregressive().generate(model, conditions, 64, GREEDY, torch.Generator().manual_seed(0))
     adapt = CyclingWindow(cycle=cycle)
-    decoder = SpeculativeJacobi(window=8, adapt=adapt) if name == "sjd" else PromptLookup(num_draft=7, adapt=adapt)
+    # Lookup's context holds every token, so every row always has a match and drafts.
+    decoder = (SpeculativeJacobi(window=8, adapt=adapt) if name == "sjd"
+               else PromptLookup(num_draft=7, adapt=adapt, context=torch.arange(32)))
     out = decoder.generate(model, conditions, 64, GREEDY, torch.Generator().manual_seed(1))
     assert torch.equal(ar.tokens, out.tokens)
     assert out.stats.drafts_per_forward[: len(cycle)] == list(cycle)[: out.stats.forwards - 1]

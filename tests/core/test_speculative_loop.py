@@ -326,20 +326,20 @@ def test_lookup_drafts_of_frames_match_whole_frames():
     """Frames [B, S, K]: the latest earlier frame equal in every codebook; a frame equal in one
     codebook only is no match."""
     seq = torch.tensor([[[1, 1], [2, 2], [3, 3], [1, 0], [4, 4], [1, 1], [0, 0]]])
-    drafts = lookup_drafts(seq, torch.tensor([6]), num_draft=2, max_ngram=1)
-    assert drafts.tolist() == [[[2, 2], [3, 3]]]  # [1, 1] last at 0 (not [1, 0] at 3)
-    none = lookup_drafts(seq, torch.tensor([5]), num_draft=2, max_ngram=1)
-    assert none.tolist() == [[[4, 4], [4, 4]]]  # [4, 4] never occurred before: the last frame repeats
+    drafts, found = lookup_drafts(seq, torch.tensor([6]), num_draft=2, max_ngram=1)
+    assert drafts.tolist() == [[[2, 2], [3, 3]]] and found.tolist() == [True]  # [1, 1] last at 0 (not [1, 0] at 3)
+    none, found = lookup_drafts(seq, torch.tensor([5]), num_draft=2, max_ngram=1)
+    assert none.tolist() == [[[4, 4], [4, 4]]] and found.tolist() == [False]  # [4, 4] never occurred before: the last frame repeats
 
 
 def test_lookup_drafts_copy_what_followed_the_latest_match():
     seq = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 0, 0], [5, 6, 5, 6, 5, 0, 0, 0, 0, 0, 0, 0]])
-    drafts = lookup_drafts(seq, torch.tensor([10, 5]), num_draft=3, max_ngram=2)
+    drafts, found = lookup_drafts(seq, torch.tensor([10, 5]), num_draft=3, max_ngram=2)
     # Row 0 ends "1 2": latest earlier "1 2" at 4 -> "3 7 1". Row 1 ends "6 5": latest earlier at 1 -> "6 5" then
     # nothing valid follows, so the last copied token repeats.
-    assert drafts.tolist() == [[3, 7, 1], [6, 5, 5]]
-    none = lookup_drafts(torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), num_draft=2, max_ngram=2)
-    assert none.tolist() == [[4, 4]]
+    assert drafts.tolist() == [[3, 7, 1], [6, 5, 5]] and found.tolist() == [True, True]
+    none, found = lookup_drafts(torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), num_draft=2, max_ngram=2)
+    assert none.tolist() == [[4, 4]] and found.tolist() == [False]
 
 
 def test_prompt_lookup_accepts_copies_of_its_context():
@@ -349,3 +349,25 @@ def test_prompt_lookup_accepts_copies_of_its_context():
     out = PromptLookup(num_draft=8, max_ngram=1, context=ar.tokens[0, :40]).generate(
         model, torch.tensor([3]), 64, GREEDY, torch.Generator())
     assert torch.equal(out.tokens, ar.tokens) and out.stats.forwards < 40
+
+
+@pytest.mark.parametrize("adapt", [False, True], ids=["fixed", "adaptive"])
+def test_prompt_lookup_without_a_match_takes_an_autoregressive_step(adapt):
+    """Where the newest token never occurred before (no 1-gram match) lookup has nothing to
+    propose and the forward is an autoregressive step; it drafts exactly where one did (the
+    fixed window) or only there (the adaptive one); greedy output stays AR's, and the stats
+    record each forward's draft count."""
+    model = LlamaGenTokenModel(tiny_transformer())
+    ar = Autoregressive().generate(model, torch.tensor([3]), 64, GREEDY, torch.Generator())
+    out = PromptLookup(num_draft=4, max_ngram=1, adapt=adapt).generate(model, torch.tensor([3]), 64, GREEDY, torch.Generator())
+    assert torch.equal(out.tokens, ar.tokens)
+    tokens, drafts = out.tokens[0].tolist(), out.stats.drafts_per_forward
+    assert len(drafts) == out.stats.forwards - 1
+    pos, matched = 0, []
+    for d, step in zip(drafts, out.stats.accepted_per_forward[1:]):
+        matched.append(tokens[pos] in tokens[:pos])
+        assert d == 0 or matched[-1], f"drafted without a match at token {pos}"
+        if not adapt:
+            assert d == (4 if matched[-1] else 0)
+        pos += int(step)
+    assert not all(matched) and any(d > 0 for d in drafts)  # both kinds of forward happened
