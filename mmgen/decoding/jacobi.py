@@ -32,6 +32,7 @@ class JacobiProposer(Proposer):
     samples_every_slot = True
     adapts_window = True
     adapts_per_row = True
+    uses_window_tokens = True
 
     def __init__(self, window: int, init, laws: bool = True):
         self.num_draft, self.init, self.laws = window - 1, init, laws

@@ -174,6 +174,9 @@ class Proposer:
     #: Whether it also takes a draft count per row (`DecodeRun.row_drafts`: continuous batching
     #: under an adaptive window, each row as its decode alone).
     adapts_per_row: bool = False
+    #: Whether the adaptive window starts from the model's `window_tokens`: they are measured
+    #: with Jacobi windows, so only proposers of Jacobi drafts read them.
+    uses_window_tokens: bool = False
 
     def start(self, run: DecodeRun) -> None:
         """Called once the prefill token is finalised."""
@@ -293,7 +296,8 @@ def speculative_decode(
     # Fixed-length decoding without drafts knows its forwards; every other loop reads one
     # number per forward (the slowest active row), which also drives progress and stopping.
     synced = k > 0 or stopping is not None or streamer is not None or feed is not None
-    window_cost, window_tokens, windows = getattr(model, "window_cost", None), getattr(model, "window_tokens", None), None
+    window_cost, windows = getattr(model, "window_cost", None), None
+    window_tokens = getattr(model, "window_tokens", None) if proposer.uses_window_tokens else None
     window_cost = with_default_curves(window_cost)  # GPT-B's measured curve where the model carries none
     if feed is None:
         rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)

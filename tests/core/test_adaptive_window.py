@@ -571,6 +571,19 @@ def test_with_measured_tokens_greedy_decodes_equal_ar_and_sampled_ones_follow_th
     assert_outputs_follow(out, stopped_law(enumerable, sampling, None))
 
 
+def test_prompt_lookup_does_not_start_from_jacobi_s_measured_tokens():
+    """A model's `window_tokens` are what Jacobi windows finalised: lookup's n-gram drafts are
+    accepted otherwise, so its window starts where it would without them (and Jacobi's does not)."""
+    model, plain = MeasuredTokens(), ContextFree()
+
+    def decode(m, decoder):
+        out = decoder.generate(m, torch.zeros(1, dtype=torch.long), 40, SamplingConfig(top_k=1), torch.Generator().manual_seed(3))
+        return out.stats.drafts_per_forward
+
+    assert decode(model, PromptLookup(num_draft=15)) == decode(plain, PromptLookup(num_draft=15))
+    assert decode(model, SpeculativeJacobi(window=16))[0] == 15 != decode(plain, SpeculativeJacobi(window=16))[0]
+
+
 def test_window_tokens_errors():
     assert parse_window_tokens(None, "x") is None
     assert parse_window_tokens({"2": "1.5", "16": 3}, "x") == {2: 1.5, 16: 3.0}
