@@ -10,7 +10,7 @@ any lossless rule keeps the output exact.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -21,50 +21,58 @@ from mmgen.decoding.window import resolve_adaptive
 from mmgen.sampling import one_hot
 
 
+class NGramIndex:
+    """One row's sequence on the host and, for each n <= `max_ngram`, where every n-gram of it
+    that ends before its newest token last started: a lookup is a few dictionary reads, and
+    each token is indexed once as it arrives (a search of the whole sequence per forward cost
+    more than a small model's autoregressive step on a CPU). Tokens are ints, frames tuples of
+    ints (a frame matches only whole)."""
+
+    def __init__(self, max_ngram: int, tokens: Sequence = ()):
+        self.max_ngram, self.tokens, self.indexed = max_ngram, [], 0
+        self.latest: list[dict] = [{} for _ in range(max_ngram + 1)]  # by n: n-gram -> its latest start
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence) -> None:
+        """Append `tokens` and index the n-grams that now end before the newest one."""
+        seq = self.tokens
+        seq.extend(tokens)
+        for end in range(self.indexed, len(seq) - 1):
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.latest[n][tuple(seq[end - n + 1:end + 1])] = end - n + 1
+        self.indexed = max(self.indexed, len(seq) - 1)
+
+    def drafts(self, num_draft: int) -> tuple[list, bool]:
+        """The `num_draft` tokens after the latest earlier match of the last n tokens (longest n
+        first; past the newest token the last copied one repeats), and whether there was a
+        match; without one, the newest token repeated."""
+        seq, L = self.tokens, len(self.tokens)
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            start = self.latest[n].get(tuple(seq[L - n:]))
+            if start is not None:
+                follow = seq[start + n:start + n + num_draft]
+                return follow + follow[-1:] * (num_draft - len(follow)), True
+        return seq[-1:] * num_draft, False
+
+
 def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int,
                   max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of `sequence` [B, S] (valid up to `length` [B]), the `num_draft` tokens after
-    the latest earlier match of its last n tokens (longest n first), and [B] whether it had a
-    match; rows with no match repeat their last token. Positions past a row's valid tokens are
-    never read as context. Frames [B, S, K] match only whole (every codebook), and the drafts
-    are frames [B, num_draft, K]."""
-    if sequence.ndim == 2:
-        at, found = lookup_positions(sequence, length, num_draft, max_ngram)
-        return sequence.gather(1, at), found
-    frame_ids = torch.unique(sequence.flatten(0, 1), dim=0, return_inverse=True)[1].view(sequence.shape[:2])
-    at, found = lookup_positions(frame_ids, length, num_draft, max_ngram)
-    return sequence.gather(1, at[..., None].expand(-1, -1, sequence.shape[-1])), found
+    """For each row of `sequence` [B, S] (valid up to `length` [B]; frames [B, S, K]) the drafts
+    of `NGramIndex.drafts` [B, num_draft(, K)] and [B] whether it had a match."""
+    rows = [NGramIndex(max_ngram, _host_tokens(row[:n])).drafts(num_draft) for row, n in zip(sequence, length.tolist())]
+    drafts = torch.tensor([d for d, _ in rows], dtype=torch.long, device=sequence.device)
+    return drafts, torch.tensor([f for _, f in rows], device=sequence.device)
 
 
-def lookup_positions(sequence: torch.Tensor, length: torch.Tensor, num_draft: int,
-                     max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where `lookup_drafts` copies each row's drafts from: positions [B, num_draft] in `sequence`,
-    and [B] whether the row had a match."""
-    B, S = sequence.shape
-    device = sequence.device
-    last = (length - 1).clamp_min(0)
-    at = last[:, None].expand(B, num_draft).clone()
-    found = torch.zeros(B, dtype=torch.bool, device=device)
-    for n in range(min(max_ngram, S - 1), 0, -1):
-        tail = sequence.gather(1, (length[:, None] - n + torch.arange(n, device=device)).clamp(0, S - 1))  # [B, n]
-        grams = sequence.unfold(1, n, 1)  # [B, S - n + 1, n]: the n-gram starting at each index
-        starts = torch.arange(grams.shape[1], device=device)
-        # An earlier occurrence: it ends before the tail starts being the last n tokens.
-        match = (grams == tail[:, None]).all(-1) & (starts[None] + n < length[:, None]) & (length[:, None] >= n + 1)
-        latest = torch.where(match, starts[None], -1).max(1).values
-        hit = (latest >= 0) & ~found
-        follow = (latest[:, None] + n + torch.arange(num_draft, device=device)).clamp(0, S - 1)
-        # Past the row's valid tokens the copy has nothing to follow: repeat its last copied token.
-        valid = follow < length[:, None]
-        follow = torch.where(valid, follow, follow.gather(1, (valid.sum(1, keepdim=True) - 1).clamp_min(0)))
-        at = torch.where(hit[:, None], follow, at)
-        found |= hit
-    return at, found
+def _host_tokens(tokens: torch.Tensor) -> list:
+    """[n] token ids as ints, or [n, K] frames as tuples."""
+    return tokens.tolist() if tokens.ndim == 1 else [tuple(f) for f in tokens.tolist()]
 
 
 class NGramProposer(Proposer):
     """Drafts by prompt lookup over `context` [B, P] (the prompt's token ids, optional) and the
-    tokens generated so far. Where no decoding row's n-grams match, it proposes nothing and the
+    tokens generated so far, from one `NGramIndex` per row that reads the row's new tokens
+    when asked to propose. Where no decoding row's n-grams match, it proposes nothing and the
     forward is an autoregressive step (as transformers' and vLLM's n-gram proposers do); a row
     without a match in a batch with one drafts repeats of its last token."""
 
@@ -73,14 +81,28 @@ class NGramProposer(Proposer):
     def __init__(self, num_draft: int, max_ngram: int, context: Optional[torch.Tensor]):
         self.num_draft, self.max_ngram, self.context = num_draft, max_ngram, context
 
+    def start(self, run: DecodeRun):
+        context = self.context if self.context is not None else run.tokens.new_zeros(1, 0, *run.tokens.shape[2:])
+        context = context.expand(run.batch_size, *context.shape[1:])
+        self.rows = [NGramIndex(self.max_ngram, _host_tokens(row)) for row in context.cpu()]
+        self.read = [0] * run.batch_size  # generated tokens each row's index holds
+
     def propose(self, run: DecodeRun):
-        B = run.batch_size
-        context = self.context if self.context is not None else run.tokens.new_zeros(B, 0, *run.tokens.shape[2:])
-        context = context.to(run.device).expand(B, *context.shape[1:])
-        sequence = torch.cat([context, run.tokens], 1)
-        drafts, found = lookup_drafts(sequence, context.shape[1] + run.pos + 1, run.num_draft, self.max_ngram)
-        if not bool((found & run.active).any()):  # one host read: nothing to verify
-            drafts = drafts[:, :0]
+        pos, active = run.pos.tolist(), run.active.tolist()
+        first = min(self.read)
+        new = run.tokens[:, first:max(pos) + 1].cpu()  # one read: every row's tokens since its index last grew
+        drafts, found = [], False
+        for b, (index, p, on) in enumerate(zip(self.rows, pos, active)):
+            index.extend(_host_tokens(new[b, self.read[b] - first:p + 1 - first]))
+            self.read[b] = p + 1
+            row, hit = index.drafts(run.num_draft)
+            drafts.append(row)
+            found |= hit and on
+        frame = run.tokens.shape[2:]
+        if found:
+            drafts = torch.tensor(drafts, dtype=torch.long).view(run.batch_size, run.num_draft, *frame).to(run.device)
+        else:  # nothing to verify: an autoregressive step
+            drafts = run.tokens.new_zeros(run.batch_size, 0, *frame)
         return drafts, one_hot(drafts, run.vocab_size)
 
 

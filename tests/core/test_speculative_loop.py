@@ -6,6 +6,7 @@ autoregressive decoding, and sampled outputs matching the exactly enumerated dis
 """
 
 import itertools
+import random
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, PromptLookup, SpeculativeJacobi
-from mmgen.decoding.ngram import lookup_drafts
+from mmgen.decoding.ngram import NGramIndex, lookup_drafts
 from mmgen.decoding.stopping import Stopping, TokenQueueStreamer
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
@@ -340,6 +341,28 @@ def test_lookup_drafts_copy_what_followed_the_latest_match():
     assert drafts.tolist() == [[3, 7, 1], [6, 5, 5]] and found.tolist() == [True, True]
     none, found = lookup_drafts(torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), num_draft=2, max_ngram=2)
     assert none.tolist() == [[4, 4]] and found.tolist() == [False]
+
+
+def test_the_ngram_index_grown_token_by_token_finds_the_latest_earlier_match():
+    """`NGramIndex` as the proposer grows it (a few tokens at a time) against the definition,
+    searched from scratch: the latest n-gram equal to the last n tokens that ends before the
+    newest token, longest n first; then what followed it, the last copied token repeated."""
+    generator = random.Random(0)
+    for _ in range(50):
+        seq = [generator.randrange(4) for _ in range(40)]
+        index, at = NGramIndex(3), 0
+        while at < len(seq):
+            step = generator.randrange(1, 4)
+            index.extend(seq[at:at + step])
+            at = min(at + step, len(seq))
+            L, expected = at, (seq[at - 1:at] * 5, False)
+            for n in range(min(3, L - 1), 0, -1):
+                starts = [s for s in range(L - n) if seq[s:s + n] == seq[L - n:L]]
+                if starts:
+                    follow = seq[:L][starts[-1] + n:starts[-1] + n + 5]
+                    expected = (follow + follow[-1:] * (5 - len(follow)), True)
+                    break
+            assert index.drafts(5) == expected, (seq[:L], index.drafts(5), expected)
 
 
 def test_prompt_lookup_accepts_copies_of_its_context():
