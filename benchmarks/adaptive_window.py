@@ -15,7 +15,9 @@ under the model's own guidance, `model` with the model's own sampling (LlamaGen'
 top-k 2000, CFG 4 for the random presets).
 
 Methods are decoded in turn within each repeat (interleaved; a dropped warm-up round first),
-medians reported with min-max. Every forward is timed by its width while the decodes run, which
+medians reported with min-max, and each adaptive row's ratios also as the median of every
+repeat's own ratio ("paired": the repeat's methods ran within seconds of each other, so the
+box's drift cancels). Every forward is timed by its width while the decodes run, which
 gives this model's cost curve on this machine and thread count (width -> forward time over
 width 1, printed with the linear model's token cost it implies); "modelled" columns weigh each
 decode's forwards by that curve, so they are exact for its choices and free of the box's load;
@@ -266,6 +268,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
             summary[f"{key}_vs_best_fixed_modelled"] = rows[name]["modelled"] / rows[best_modelled]["modelled"]
             summary[f"{key}_vs_ar_modelled"] = rows[name]["modelled"] / ar["modelled"]
             summary[f"{key}_vs_best_fixed_modelled_mean"] = rows[name]["modelled_mean"] / rows[best_mean]["modelled_mean"]
+            # Each repeat decodes every method in turn, so a repeat's own ratio cancels the box's drift.
+            for other, label in ((best, "best_fixed"), ("ar", "ar")):
+                summary[f"{key}_vs_{label}_paired"] = statistics.median(
+                    a.wall_time_s / b.wall_time_s for a, b in zip(runs[name], runs[other]))
     name = args.model or args.case
     print(f"\n{name} ({model_name}, init std {init_std}), {args.sampling} sampling, batch {args.batch_size}, {tokens} tokens, "
           f"{args.repeats} repeats, threads {torch.get_num_threads()}")
@@ -287,7 +293,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
             print(f"{name}: {summary[f'{key}_vs_best_fixed']:.3f}x the time of the best fixed window ({best}), "
                   f"{summary[f'{key}_vs_ar']:.3f}x AR's; modelled {summary[f'{key}_vs_best_fixed_modelled']:.3f}x the best "
                   f"({best_modelled}), {summary[f'{key}_vs_ar_modelled']:.3f}x AR; modelled means over the "
-                  f"{len(runs[args.family])} decodes: {summary[f'{key}_vs_best_fixed_modelled_mean']:.3f}x the best ({best_mean})")
+                  f"{len(runs[args.family])} decodes: {summary[f'{key}_vs_best_fixed_modelled_mean']:.3f}x the best ({best_mean}); "
+                  f"by the clock, the median of each repeat's own ratio: {summary[f'{key}_vs_best_fixed_paired']:.3f}x the best "
+                  f"fixed window, {summary[f'{key}_vs_ar_paired']:.3f}x AR")
     result = {"case": name, "family": args.family, "model": model_name, "init_std": init_std, "sampling": args.sampling, "batch_size": args.batch_size,
               "tokens": tokens, "threads": torch.get_num_threads(), "curve": curve,
               "window_tokens": measured_tokens, "rows": rows, "summary": summary}

@@ -25,6 +25,8 @@ def test_rows_curve_and_summary(tmp_path, capsys):
     # One decode per method: its mean is its median.
     assert rows["sjd"]["modelled_mean"] == pytest.approx(rows["sjd"]["modelled"])
     assert summary["adaptive_vs_best_fixed_modelled_mean"] == pytest.approx(summary["adaptive_vs_best_fixed_modelled"])
+    # One repeat: its own ratio is the ratio of the medians.
+    assert summary["adaptive_vs_ar_paired"] == pytest.approx(summary["adaptive_vs_ar"])
     assert json.loads((tmp_path / "result.json").read_text())["summary"] == summary
     out = capsys.readouterr().out
     assert "| sjd:adapt=false,window=4 |" in out and "the best fixed window" in out
@@ -54,3 +56,15 @@ def test_a_given_curve_weighs_the_modelled_columns(capsys):
     assert "cost curve given (--curve)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="WIDTH:COST"):
         main(["--case", "emoji64", "--curve", "2=1.5"])
+
+
+def test_the_lookup_family(capsys):
+    """`--family lookup`: prompt lookup's adaptive default against its fixed windows."""
+    result = main(["--case", "emoji64", "--family", "lookup", "--repeats", "2", "--threads", "1", "--sweep", "2", "4",
+                   "--tokens", "16"])
+    rows, summary = result["rows"], result["summary"]
+    assert list(rows) == ["ar", "lookup", "lookup:adapt=false,num_draft=1", "lookup:adapt=false,num_draft=3"]
+    assert result["family"] == "lookup" and summary["best_fixed"].startswith("lookup:adapt=false")
+    assert summary["adaptive_vs_ar"] == pytest.approx(rows["lookup"]["seconds"] / rows["ar"]["seconds"])
+    assert summary["adaptive_vs_ar_paired"] > 0 and "measured_vs_ar" not in summary
+    assert "adaptive lookup:" in capsys.readouterr().out
