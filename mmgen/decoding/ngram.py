@@ -55,15 +55,6 @@ class NGramIndex:
         return seq[-1:] * num_draft, False
 
 
-def lookup_drafts(sequence: torch.Tensor, length: torch.Tensor, num_draft: int,
-                  max_ngram: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row of `sequence` [B, S] (valid up to `length` [B]; frames [B, S, K]) the drafts
-    of `NGramIndex.drafts` [B, num_draft(, K)] and [B] whether it had a match."""
-    rows = [NGramIndex(max_ngram, _host_tokens(row[:n])).drafts(num_draft) for row, n in zip(sequence, length.tolist())]
-    drafts = torch.tensor([d for d, _ in rows], dtype=torch.long, device=sequence.device)
-    return drafts, torch.tensor([f for _, f in rows], device=sequence.device)
-
-
 def _host_tokens(tokens: torch.Tensor) -> list:
     """[n] token ids as ints, or [n, K] frames as tuples."""
     return tokens.tolist() if tokens.ndim == 1 else [tuple(f) for f in tokens.tolist()]

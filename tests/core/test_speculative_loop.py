@@ -14,7 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from mmgen.decoding import Autoregressive, CoupledJacobi, DraftSpeculative, PromptLookup, SpeculativeJacobi
-from mmgen.decoding.ngram import NGramIndex, lookup_drafts
+from mmgen.decoding.ngram import NGramIndex
 from mmgen.decoding.stopping import Stopping, TokenQueueStreamer
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.modeling import DecodeState
@@ -326,21 +326,19 @@ def test_frames_sampling_matches_exact_distribution(name, rule_name, lossless):
 def test_lookup_drafts_of_frames_match_whole_frames():
     """Frames [B, S, K]: the latest earlier frame equal in every codebook; a frame equal in one
     codebook only is no match."""
-    seq = torch.tensor([[[1, 1], [2, 2], [3, 3], [1, 0], [4, 4], [1, 1], [0, 0]]])
-    drafts, found = lookup_drafts(seq, torch.tensor([6]), num_draft=2, max_ngram=1)
-    assert drafts.tolist() == [[[2, 2], [3, 3]]] and found.tolist() == [True]  # [1, 1] last at 0 (not [1, 0] at 3)
-    none, found = lookup_drafts(seq, torch.tensor([5]), num_draft=2, max_ngram=1)
-    assert none.tolist() == [[[4, 4], [4, 4]]] and found.tolist() == [False]  # [4, 4] never occurred before: the last frame repeats
+    seq = [(1, 1), (2, 2), (3, 3), (1, 0), (4, 4), (1, 1), (0, 0)]
+    drafts, found = NGramIndex(1, seq[:6]).drafts(2)
+    assert drafts == [(2, 2), (3, 3)] and found  # [1, 1] last at 0 (not [1, 0] at 3)
+    none, found = NGramIndex(1, seq[:5]).drafts(2)
+    assert none == [(4, 4), (4, 4)] and not found  # [4, 4] never occurred before: the last frame repeats
 
 
 def test_lookup_drafts_copy_what_followed_the_latest_match():
-    seq = torch.tensor([[1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 0, 0], [5, 6, 5, 6, 5, 0, 0, 0, 0, 0, 0, 0]])
-    drafts, found = lookup_drafts(seq, torch.tensor([10, 5]), num_draft=3, max_ngram=2)
+    rows = [NGramIndex(2, [1, 2, 3, 9, 1, 2, 3, 7, 1, 2]).drafts(3), NGramIndex(2, [5, 6, 5, 6, 5]).drafts(3)]
     # Row 0 ends "1 2": latest earlier "1 2" at 4 -> "3 7 1". Row 1 ends "6 5": latest earlier at 1 -> "6 5" then
     # nothing valid follows, so the last copied token repeats.
-    assert drafts.tolist() == [[3, 7, 1], [6, 5, 5]] and found.tolist() == [True, True]
-    none, found = lookup_drafts(torch.tensor([[1, 2, 3, 4]]), torch.tensor([4]), num_draft=2, max_ngram=2)
-    assert none.tolist() == [[4, 4]] and found.tolist() == [False]
+    assert rows == [([3, 7, 1], True), ([6, 5, 5], True)]
+    assert NGramIndex(2, [1, 2, 3, 4]).drafts(2) == ([4, 4], False)
 
 
 def test_the_ngram_index_grown_token_by_token_finds_the_latest_earlier_match():
