@@ -56,6 +56,8 @@ stopped.
         --ema 0.999 --threads 1 --eval-every 400 --vae video/assets/emoji-motion
     python -m benchmarks.train_video export --vae video/assets/emoji-motion --target runs/video-target-ft \
         --small video/assets/emoji-motion-small --out video/assets
+    # Where a denoiser loses the prompt: its rows with a real past, and its first frame alone
+    python -m benchmarks.train_video diagnose --pipeline video/assets/emoji-motion --out runs/diagnose.json --threads 1
 
 Run folders do not outlive the machine they trained on; the shipped weights do. A denoiser run
 can start from them (`target --init-from video/assets/emoji-motion --text-steps 0`, `small
@@ -73,7 +75,7 @@ import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -623,6 +625,30 @@ def teacher_forcing_velocity(transformer, clean: torch.Tensor, noisy: torch.Tens
     return out[:, :, context:]
 
 
+@torch.no_grad()
+def teacher_forced_sample(transformer, clean: torch.Tensor, noise: torch.Tensor, sigmas: Sequence[float], text: torch.Tensor,
+                          empty: Optional[torch.Tensor] = None, guidance_scale: float = 1.0,
+                          block_frames: int = BLOCK_FRAMES) -> torch.Tensor:
+    """Every block [B, C, F, h, w] sampled from `noise` along `sigmas` as the pipeline's Euler
+    sampler does (guided by the `empty` prompt's velocity where `guidance_scale` is not 1; the
+    last step's x0 prediction is the block), each block seeing the given clean latents `clean`
+    of the blocks before it instead of its own earlier blocks. With the pipeline's own blocks as
+    `clean` and its draws as `noise` this is the pipeline's decode (test); with real latents it
+    shows what each block makes given a perfect past."""
+    B, _, F_, _, _ = noise.shape
+    x, x0 = noise, noise
+    for i, sigma in enumerate(sigmas):
+        level = torch.full((B, F_ // block_frames), float(sigma), dtype=noise.dtype, device=noise.device)
+        v = teacher_forcing_velocity(transformer, clean, x, level, text, block_frames)
+        if guidance_scale != 1.0:
+            unguided = teacher_forcing_velocity(transformer, clean, x, level, empty, block_frames)
+            v = unguided + guidance_scale * (v - unguided)
+        x0 = x - sigma * v
+        if i + 1 < len(sigmas):
+            x = x + (sigmas[i + 1] - sigma) * v
+    return x0
+
+
 class Latents:
     """Training latents (normalised, [N, C, F, h, w]) and captions from `latents` files."""
 
@@ -923,6 +949,61 @@ def vae_quality(args) -> None:
               "through_vae": scorer(args.reference_clips)(through_vae(vae, args.clips), eval_prompts(args.clips)), "clips": args.clips}
     (run / f"quality-{args.checkpoint}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
+
+
+@torch.no_grad()
+def diagnose(args) -> None:
+    """Where a denoiser loses the prompt, on the first `--clips` evaluation clips: the proxies of
+    (1) the real clips through the pipeline's VAE; (2) x0 predicted in one step from their
+    latents noised to each of `--sigmas`, every block seeing the real blocks before it; (3) every
+    block sampled at the pipeline's sampler (schedule, guidance) from noise, seeing the real
+    blocks before it; (4) the first frame alone, from the prompt (what a free rollout starts
+    from; class accuracy only, scored as a clip of that frame twice). Each row also gives the
+    class accuracy per frame position. `--transformer` (a run or a pipeline folder) replaces the
+    pipeline's, rounded to float16 as it would ship. Writes `--out` (JSON)."""
+    from mmgen.video.data import frames_to_tensor, tensor_to_frames
+    from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+    from mmgen.video.vae import decode_latents, encode_video
+
+    pipe = BlockDiffusionVideoPipeline.from_pretrained(args.pipeline).to(dtype=torch.float32)
+    if pipe.schedule.stochastic:
+        raise SystemExit(f"{args.pipeline}: diagnose follows the Euler sampler; this pipeline's schedule is stochastic")
+    transformer = round_to_half(load_transformer_run(args.transformer)) if args.transformer else pipe.transformer
+    transformer.eval()
+    vae, prompts, score = pipe.vae, eval_prompts(args.clips), scorer(args.reference_clips)
+    real = np.stack([c.frames for c in corpus(PROMPT_SEED, args.clips)])
+    batches = range(0, args.clips, 16)
+    clean = torch.cat([encode_video(vae, frames_to_tensor(real[i:i + 16])) for i in batches])
+    noise = torch.randn(clean.shape, generator=torch.Generator().manual_seed(args.seed))
+    text, empty = pipe.encode_prompt(prompts), pipe.encode_prompt([pipe.negative_prompt] * len(prompts))
+    sigmas, guidance = pipe.schedule.sigmas(), pipe.guidance_scale
+    block = pipe.block_frames
+
+    def row(name: str, latents: torch.Tensor, class_only: bool = False) -> dict:
+        frames = np.concatenate([tensor_to_frames(decode_latents(vae, latents[i:i + 16])) for i in batches])
+        if class_only:
+            frames = np.repeat(frames, 2, axis=1)
+        r = score(frames, prompts)
+        out = {"row": name, "class_accuracy": round(r["class_accuracy"], 4),
+               "class_accuracy_by_frame": [round(a, 3) for a in r["class_accuracy_by_frame"]]}
+        if not class_only:
+            out.update({k: round(r[k], 4) for k in ("direction_accuracy", "fid_proxy")})
+        print(json.dumps(out), flush=True)
+        return out
+
+    rows = [row("real clips through the VAE", clean)]
+    for sigma in args.sigmas:
+        levels = torch.full((args.clips, clean.shape[2] // block), sigma)
+        noisy = (1 - sigma) * clean + sigma * noise
+        velocity = torch.cat([teacher_forcing_velocity(transformer, clean[i:i + 16], noisy[i:i + 16], levels[i:i + 16], text[i:i + 16], block)
+                              for i in batches])
+        rows.append(row(f"one step from sigma {sigma:g}, real past", noisy - sigma * velocity))
+    sample = lambda c, n: torch.cat([teacher_forced_sample(transformer, c[i:i + 16], n[i:i + 16], sigmas, text[i:i + 16],
+                                                           empty[i:i + 16], guidance, block) for i in batches])
+    rows.append(row(f"sampled ({len(sigmas)} steps, guidance {guidance:g}), real past", sample(clean, noise)))
+    rows.append(row("first frame from the prompt", sample(clean[:, :, :block], noise[:, :, :block]), class_only=True))
+    Path(args.out).write_text(json.dumps({"pipeline": str(args.pipeline), "transformer": args.transformer, "clips": args.clips,
+                                          "seed": args.seed, "rows": rows}, indent=1) + "\n")
 
 
 def sweep(args) -> None:
@@ -1285,6 +1366,15 @@ def main(argv: list[str] | None = None) -> None:
     vq.add_argument("--eval-clips", type=int, default=64)
     vq.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
     vq.add_argument("--threads", type=int, default=0)
+    dg = jobs.add_parser("diagnose", help="where a denoiser loses the prompt: teacher-forced rows and the first frame alone")
+    dg.add_argument("--pipeline", default="video/assets/emoji-motion", help="a pipeline folder (its VAE, text encoder, sampler)")
+    dg.add_argument("--transformer", help="a run or pipeline folder whose transformer replaces the pipeline's")
+    dg.add_argument("--clips", type=int, default=32)
+    dg.add_argument("--sigmas", type=float, nargs="+", default=[0.3, 0.6, 0.9], help="noise levels of the one-step rows")
+    dg.add_argument("--seed", type=int, default=0)
+    dg.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
+    dg.add_argument("--out", required=True)
+    dg.add_argument("--threads", type=int, default=0)
     exp = jobs.add_parser("export", help="write video/assets/emoji-motion and emoji-motion-small")
     swp = jobs.add_parser("sweep", help="quality proxies over sampler settings")
     crd = jobs.add_parser("card", help="write MODEL_CARD.md")
@@ -1317,7 +1407,7 @@ def main(argv: list[str] | None = None) -> None:
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     jobs_ = {"vae": train_vae, "vae-quality": vae_quality, "latents": encode_latents, "target": train_transformer, "small": train_transformer,
-             "export": export, "sweep": sweep, "card": card}
+             "diagnose": diagnose, "export": export, "sweep": sweep, "card": card}
     jobs_[args.job](args)
 
 

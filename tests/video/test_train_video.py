@@ -360,3 +360,61 @@ def test_a_target_of_another_shape_trains_on_a_frozen_text_encoder(tmp_path):
     assert {k: transformer.config[k] for k in PRESETS["wide"]} == PRESETS["wide"]
     before, saved = load_text_encoder(frozen).state_dict(), load_text_encoder(tmp_path / "wide" / "text_encoder").state_dict()
     assert all(torch.equal(before[k], text_encoder.state_dict()[k]) and torch.equal(before[k], saved[k]) for k in before)
+
+
+def test_teacher_forced_sampling_from_the_pipelines_own_past_is_its_decode():
+    """`teacher_forced_sample` given the pipeline's own committed blocks as the past and its
+    noise draws is the pipeline's guided Euler decode, every block: so `diagnose`'s rows with a
+    real past differ from a free rollout only in that past (and its first frame, which has none,
+    is the rollout's)."""
+    from benchmarks.train_video import teacher_forced_sample
+    from mmgen.decoding import FlowSchedule
+    from tests.video.tiny import tiny_video_pipeline
+
+    schedule = FlowSchedule.uniform(3, 3.0)
+    pipe = tiny_video_pipeline(block_frames=1, num_frames=9, timesteps=schedule.timesteps, shift=3.0, stochastic=False,
+                               guidance_scale=2.0)
+    prompts = ["red fish moving left", "cat face bouncing up and down"]
+    out = pipe(prompts, generator=torch.Generator().manual_seed(3), decode="none")
+    latents = out.latents  # [2, 4, 3, 4, 4]: three one-frame blocks
+    draws = torch.Generator().manual_seed(3)
+    noise = torch.cat([torch.randn((2, 4, 1, 4, 4), generator=draws) for _ in range(latents.shape[2])], 2)
+    with torch.no_grad():
+        text, empty = pipe.encode_prompt(prompts), pipe.encode_prompt([""] * 2)
+        sampled = teacher_forced_sample(pipe.transformer, latents, noise, schedule.sigmas(), text, empty, 2.0, block_frames=1)
+        first = teacher_forced_sample(pipe.transformer, latents[:, :, :1], noise[:, :, :1], schedule.sigmas(), text, empty, 2.0,
+                                      block_frames=1)
+    assert latents.abs().max() > 0.1
+    assert (sampled - latents).abs().max() < 1e-4
+    assert (first - latents[:, :, :1]).abs().max() < 1e-4
+    # the past and the guidance both matter here: another past changes the later blocks (not the
+    # first, which sees none), and unguided sampling from the same past and noise is another decode
+    with torch.no_grad():
+        other_past = teacher_forced_sample(pipe.transformer, torch.zeros_like(latents), noise, schedule.sigmas(), text, empty, 2.0,
+                                           block_frames=1)
+        unguided = teacher_forced_sample(pipe.transformer, latents, noise, schedule.sigmas(), text, block_frames=1)
+    assert (other_past[:, :, :1] - latents[:, :, :1]).abs().max() < 1e-4
+    assert (other_past[:, :, 1:] - latents[:, :, 1:]).abs().max() > 1e-2
+    assert (unguided - latents).abs().max() > 1e-2
+
+
+def test_diagnose_scores_each_row_of_a_saved_pipeline(tmp_path):
+    """`diagnose` on a pipeline folder: the VAE round trip, one-step rows, the teacher-forced
+    rollout and the first frame alone, each with its class accuracy per frame position (17
+    frames for clips; the first frame scored as a clip of it twice)."""
+    from mmgen.decoding import FlowSchedule
+    from tests.video.tiny import tiny_video_pipeline
+
+    schedule = FlowSchedule.uniform(2, 3.0)
+    pipe = tiny_video_pipeline(block_frames=1, num_frames=17, height=64, width=64, max_sequence_length=12,
+                               timesteps=schedule.timesteps, shift=3.0, stochastic=False, guidance_scale=2.0)
+    pipe.save_pretrained(tmp_path / "pipe")
+    out = tmp_path / "diagnose.json"
+    main(["diagnose", "--pipeline", str(tmp_path / "pipe"), "--clips", "2", "--reference-clips", "4", "--sigmas", "0.5",
+          "--out", str(out), "--threads", "1"])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["real clips through the VAE", "one step from sigma 0.5, real past",
+                                        "sampled (2 steps, guidance 2), real past", "first frame from the prompt"]
+    assert [len(r["class_accuracy_by_frame"]) for r in rows] == [17, 17, 17, 2]
+    assert all(0 <= r["class_accuracy"] <= 1 for r in rows)
+    assert "direction_accuracy" in rows[0] and "direction_accuracy" not in rows[-1]
