@@ -171,6 +171,15 @@ def foreground_mask(video: torch.Tensor, threshold: float = 0.05) -> torch.Tenso
     return F.max_pool3d(torch.stack(masks), (1, 3, 3), stride=1, padding=(0, 1, 1))
 
 
+def latent_foreground(video: torch.Tensor, spatial: int, temporal: int = 4) -> torch.Tensor:
+    """bool [B, F, H / spatial, W / spatial]: the latent positions whose pixels hold a sprite
+    (`foreground_mask`) in any frame they encode: frame 0 alone, then each `temporal` frames
+    (the causal VAE's chunks), each `spatial` x `spatial` pixels."""
+    mask = foreground_mask(video)[:, 0]  # [B, T, H, W]
+    chunks = torch.cat([mask[:, :1], F.max_pool3d(mask[:, 1:], (temporal, 1, 1))], 1)
+    return F.max_pool3d(chunks, (1, spatial, spatial)) > 0
+
+
 def gradient_difference(recon: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Mean L1 distance between the horizontal and vertical pixel differences of two videos
     [B, C, T, H, W] (Mathieu et al., 2016's gradient difference loss), weighted per pixel by
@@ -467,17 +476,19 @@ def encode_latents(args) -> None:
         raise ValueError(f"{args.vae}: run `finish_vae` first (the VAE has no latent statistics)")
     data = corpus(TRAIN_SEED)
     end = args.first + args.clips
-    latents, captions = [], []
+    latents, foreground, captions = [], [], []
     started = time.time()
     for start in range(args.first, end, 16):
         chunk = [data[i] for i in range(start, min(start + 16, end))]  # each clip drawn once
         frames = frames_to_tensor(np.stack([clip.frames for clip in chunk])).to(device)
         latents.append(encode_video(vae, frames).half().cpu())
+        foreground.append(latent_foreground(frames.cpu(), vae.config.scale_factor_spatial, vae.config.scale_factor_temporal))
         captions += [clip.caption for clip in chunk]
         if len(captions) % 256 == 0:
             print(f"{len(captions)} clips, {time.time() - started:.0f} s", flush=True)
     latents = torch.cat(latents)
-    np.savez(args.out, latents=latents.numpy(), captions=np.array(captions), indices=np.arange(args.first, end))
+    np.savez(args.out, latents=latents.numpy(), captions=np.array(captions), indices=np.arange(args.first, end),
+             foreground=torch.cat(foreground).numpy())
     print(f"wrote {args.out}: {tuple(latents.shape)}, mean {latents.float().mean():.3f}, std {latents.float().std():.3f}")
 
 
@@ -650,22 +661,29 @@ def teacher_forced_sample(transformer, clean: torch.Tensor, noise: torch.Tensor,
 
 
 class Latents:
-    """Training latents (normalised, [N, C, F, h, w]) and captions from `latents` files."""
+    """Training latents (normalised, [N, C, F, h, w]) and captions from `latents` files, and
+    where every file has it, the sprites' latent positions (`foreground`, bool [N, F, h, w])."""
 
     def __init__(self, paths: list[str]):
         parts = [np.load(path) for path in paths]
         self.latents = torch.from_numpy(np.concatenate([p["latents"] for p in parts]))
         self.captions = [str(c) for p in parts for c in p["captions"]]
+        self.foreground = (torch.from_numpy(np.concatenate([p["foreground"] for p in parts]))
+                           if all("foreground" in p for p in parts) else None)
 
     def __len__(self) -> int:
         return len(self.captions)
 
 
 def flow_loss(transformer, prompts: PromptEncoder, data: Latents, index: torch.Tensor, generator: torch.Generator,
-              text_dropout: float, shift: float, block_frames: int = BLOCK_FRAMES, train_text: bool = True) -> torch.Tensor:
+              text_dropout: float, shift: float, block_frames: int = BLOCK_FRAMES, train_text: bool = True,
+              foreground_weight: float = 0.0) -> torch.Tensor:
     """Teacher-forced flow matching on latents `index`: x_sigma = (1 - sigma) x0 + sigma noise per
-    block, MSE of the predicted velocity against noise - x0 over the noisy blocks. Randomness is
-    drawn on the CPU (the same on every device), then moved to the transformer's device."""
+    block, MSE of the predicted velocity against noise - x0 over the noisy blocks. With
+    `foreground_weight` w, a latent position under a sprite weighs 1 + w (a weighted mean): the
+    background, most of every frame, otherwise outweighs the sprites' detail, as in the VAE's
+    reconstruction loss. Randomness is drawn on the CPU (the same on every device), then moved
+    to the transformer's device."""
     device = transformer.patch_embedding.weight.device
     x0 = data.latents[index].float()
     B, _, F_, _, _ = x0.shape
@@ -679,7 +697,12 @@ def flow_loss(transformer, prompts: PromptEncoder, data: Latents, index: torch.T
     with torch.set_grad_enabled(train_text and torch.is_grad_enabled()):
         text = prompts(texts)
     v = teacher_forcing_velocity(transformer, x0, noisy, sigmas, text, block_frames)
-    return F.mse_loss(v.float(), noise - x0)
+    if not foreground_weight:
+        return F.mse_loss(v.float(), noise - x0)
+    if data.foreground is None:
+        raise ValueError("--foreground-weight needs latents files with the sprites' positions (`latents` writes them)")
+    weight = 1 + foreground_weight * data.foreground[index][:, None].float().to(device)
+    return (weight * (v.float() - (noise - x0)) ** 2).mean() / weight.mean()
 
 
 def load_text_encoder(folder: str | Path):
@@ -727,7 +750,8 @@ def train_transformer(args) -> None:
             freeze_text_encoder(text_encoder, snapshot)  # the same weights however often it runs (resumes)
             text_encoder.requires_grad_(False)  # a weight average copies it from here on
         trained = args.job == "target" and step < args.text_steps
-        loss = flow_loss(transformer, prompts, data, index, generator, args.text_dropout, args.shift, train_text=trained)
+        loss = flow_loss(transformer, prompts, data, index, generator, args.text_dropout, args.shift, train_text=trained,
+                         foreground_weight=args.foreground_weight)
         return loss, {"text": "trained" if trained else "frozen"}
 
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in (("transformer", transformer), ("text_encoder", text_encoder))}
@@ -1346,6 +1370,8 @@ def main(argv: list[str] | None = None) -> None:
             p.add_argument("--text-encoder", required=True, help="the target's frozen text encoder (<target>/text_encoder)")
         p.add_argument("--shape", choices=sorted(PRESETS), help=f"the transformer's shape (default: {preset}'s)")
         p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
+        p.add_argument("--foreground-weight", type=float, default=0.0, help="extra loss weight on the latent positions "
+                       "under a sprite (latents files from `latents` carry them)")
         p.add_argument("--shift", type=float, default=TRAIN_SHIFT)
         p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
         p.add_argument("--eval-every", type=int, default=0, help="log the proxies of generated clips every N steps "

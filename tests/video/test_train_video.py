@@ -205,7 +205,7 @@ def test_a_decoder_trained_behind_a_frozen_encoder_keeps_its_latents(tmp_path):
     """`--encoder-from RUN --decoder-base-dim N`: a wider decoder trains alone behind RUN's
     finished encoder, so every latent (and the latents' statistics) is RUN's; it resumes exactly,
     and `latents` of the new run are byte-identical to RUN's."""
-    from benchmarks.train_video import TRAIN_SEED, corpus, load_vae_run
+    from benchmarks.train_video import TRAIN_SEED, clips, corpus, latent_foreground, load_vae_run
 
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
               "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1", "--foreground-weight", "4"]
@@ -237,6 +237,9 @@ def test_a_decoder_trained_behind_a_frozen_encoder_keeps_its_latents(tmp_path):
     last = np.load(tmp_path / "last.npz")
     assert np.array_equal(written["latents"][16:], last["latents"]) and list(written["captions"][16:]) == list(last["captions"])
     assert written["captions"][17] == corpus(TRAIN_SEED)[20].caption
+    # the sprites' latent positions ride along, in the same places
+    assert written["foreground"].shape == (18, *written["latents"].shape[2:]) and np.array_equal(written["foreground"][16:], last["foreground"])
+    assert np.array_equal(written["foreground"][17], latent_foreground(clips(corpus(TRAIN_SEED), torch.tensor([20])), 4)[0].numpy())
 
 
 def test_the_adversarial_terms_train_each_side_against_the_other():
@@ -418,3 +421,37 @@ def test_diagnose_scores_each_row_of_a_saved_pipeline(tmp_path):
     assert [len(r["class_accuracy_by_frame"]) for r in rows] == [17, 17, 17, 2]
     assert all(0 <= r["class_accuracy"] <= 1 for r in rows)
     assert "direction_accuracy" in rows[0] and "direction_accuracy" not in rows[-1]
+
+
+def test_the_sprites_latent_positions_and_the_weighted_flow_loss(tmp_path):
+    """`latent_foreground`: the latent cell of every object's centroid, in frame 0 and in each
+    4-frame chunk, and a minority of the cells. `--foreground-weight`: a weighted mean of the
+    squared errors, which equals the plain loss where the weight is uniform (all or no cells
+    under a sprite) and not otherwise; files without the positions are refused for it."""
+    from benchmarks.train_video import TRAIN_SEED, Latents, clips, corpus, flow_loss, latent_foreground, new_transformer
+
+    data = corpus(TRAIN_SEED, length=4)
+    cells = latent_foreground(clips(data, torch.arange(4)), 4)
+    assert cells.shape == (4, 5, 16, 16) and cells.dtype == torch.bool
+    for i in range(4):
+        for track in data[i].tracks:
+            for t, (x, y) in enumerate(track):
+                assert cells[i, 0 if t == 0 else (t - 1) // 4 + 1, int(round(y)) // 4, int(round(x)) // 4]
+        assert cells[i].float().mean() < 0.5
+
+    fake_latents(tmp_path / "latents.npz", channels=4)
+    latents = Latents([str(tmp_path / "latents.npz")])
+    assert latents.foreground is None
+    transformer = new_transformer("small", channels=4)
+    prompts = PromptEncoder(new_tokenizer(), new_text_encoder().eval())
+    loss = lambda weight: flow_loss(transformer, prompts, latents, torch.arange(4), torch.Generator().manual_seed(0), 0.1, 3.0,
+                                    train_text=False, foreground_weight=weight).item()
+    with pytest.raises(ValueError, match="sprites' positions"):
+        loss(4.0)
+    plain = loss(0.0)
+    for value in (True, False):
+        latents.foreground = torch.full((12, 3, 4, 4), value)
+        assert loss(4.0) == pytest.approx(plain, rel=1e-6)
+    latents.foreground = torch.zeros(12, 3, 4, 4, dtype=torch.bool)
+    latents.foreground[:, :, :2] = True
+    assert loss(4.0) != pytest.approx(plain, rel=1e-3)
