@@ -981,8 +981,9 @@ def diagnose(args) -> None:
     (1) the real clips through the pipeline's VAE; (2) x0 predicted in one step from their
     latents noised to each of `--sigmas`, every block seeing the real blocks before it; (3) every
     block sampled at the pipeline's sampler (schedule, guidance) from noise, seeing the real
-    blocks before it; (4) the first frame alone, from the prompt (what a free rollout starts
-    from; class accuracy only, scored as a clip of that frame twice). Each row also gives the
+    blocks before it; (4) the first block alone, from the prompt (what a free rollout starts
+    from: the first frame where a block is one latent frame; class accuracy only, its frames
+    scored twice over as a clip). Each row also gives the
     class accuracy per frame position. `--transformer` (a run or a pipeline folder) replaces the
     pipeline's, rounded to float16 as it would ship. Writes `--out` (JSON)."""
     from mmgen.video.data import frames_to_tensor, tensor_to_frames
