@@ -337,7 +337,7 @@ def speculative_decode(
             written, step = torch.cat([window, next_token[:, None]], 1), ones
         run.tokens.scatter_(1, frame_index(run.pos[:, None] + slots[: d + 2], K), written)
         step, still = ends.cut(step, written, slots, active)
-        if synced:  # unsynced loops (fixed-length autoregressive) have no idle rows
+        if synced and (B > 1 or feed is not None):  # unsynced loops and a lone row have no idle rows
             step = torch.where(active, step, 0)
         model.commit(state, step)
         recorder.record(step, active)
@@ -369,6 +369,9 @@ class BatchRows:
     def __init__(self, run: DecodeRun, proposer: Proposer, ends: RowEnds, recorder: StatsRecorder,
                  reporter: TokenReporter, synced: bool):
         self.run, self.proposer, self.ends, self.recorder, self.report, self.synced = run, proposer, ends, recorder, reporter, synced
+        # A lone row without stop tokens advances exactly one token in an autoregressive step,
+        # so such a step needs no host read (an adaptive window's AR steps cost what `ar`'s do).
+        self.steps_known = ends.stopping is None and run.batch_size == 1
 
     def start(self) -> int:
         """Token 0 of every row, drawn from the prefill's laws; the slowest row's token count."""
@@ -390,7 +393,8 @@ class BatchRows:
         """After a forward of the rows `active` [B] from laws `p`: progress and streaming; the
         slowest active row's token count (`num_tokens` once none is)."""
         self.bad |= rows_with_invalid_laws(p) & active
-        return self.report(self.run.tokens, self.ends.emitted, self.run.active, self.synced)
+        synced = self.synced and not (self.steps_known and self.run.num_draft == 0)
+        return self.report(self.run.tokens, self.ends.emitted, self.run.active, synced)
 
     def end(self) -> None:
         if self.report.streamer is not None:

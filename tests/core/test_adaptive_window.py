@@ -15,7 +15,7 @@ import torch
 
 from mmgen.decoding import (AdaptiveWindow, Autoregressive, PromptLookup, SpeculativeJacobi, make_decoder, parse_decoding,
                             row_decoder, row_spec)
-from mmgen.decoding.stopping import Stopping
+from mmgen.decoding.stopping import Stopping, TokenQueueStreamer
 from mmgen.decoding.window import (TOKEN_COST, RowWindows, _powers, draft_cost, interpolate_cost, parse_window_cost, parse_window_tokens,
                                    resolve_adaptive)
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
@@ -271,6 +271,29 @@ def test_a_change_of_acceptance_midway_is_followed_both_ways():
     changed = next(i for i, at in enumerate(finalised.tolist()) if at >= barren)
     assert 15 in drafts[changed : changed + 16]  # the window follows the change
     assert drafts[-3:] == [15, 15, 15] or out.stats.forwards - changed < 20
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_progress_and_streamed_tokens_count_every_token_once_through_ar_steps_and_drafts(batch):
+    """A lone row without stop tokens skips the host read in its AR steps (it gains exactly one
+    token there); its progress and stream still cover every token once, as a batch's do."""
+    model = Phased(barren=40)
+    updates, streamer = [], TokenQueueStreamer()
+
+    class Counter:
+        def update(self, n):
+            updates.append(n)
+
+    out = SpeculativeJacobi(window=16, adapt=AdaptiveWindow(token_cost=0.05)).generate(
+        model, torch.zeros(batch, dtype=torch.long), 128, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0),
+        progress=Counter(), streamer=streamer)
+    drafts = out.stats.drafts_per_forward
+    assert drafts.count(0) > 10 and max(drafts) == 15  # AR steps in the barren phase, the widest window after it
+    assert sum(updates) == 128 and min(updates) > 0 and max(updates) > 1
+    streamed = [[] for _ in range(batch)]
+    for row, tokens in streamer:
+        streamed[row] += tokens.tolist()
+    assert streamed == out.tokens.tolist()
 
 
 def test_default_widths_are_powers_of_two_windows():
