@@ -1027,8 +1027,8 @@ def diagnose(args) -> None:
                                                            empty[i:i + 16], guidance, block) for i in batches])
     rows.append(row(f"sampled ({len(sigmas)} steps, guidance {guidance:g}), real past", sample(clean, noise)))
     rows.append(row("first frame from the prompt", sample(clean[:, :, :block], noise[:, :, :block]), class_only=True))
-    Path(args.out).write_text(json.dumps({"pipeline": str(args.pipeline), "transformer": args.transformer, "clips": args.clips,
-                                          "seed": args.seed, "rows": rows}, indent=1) + "\n")
+    write_json(args.out, {"pipeline": str(args.pipeline), "transformer": args.transformer, "clips": args.clips,
+                          "seed": args.seed, "rows": rows})
 
 
 def sweep(args) -> None:
@@ -1053,7 +1053,14 @@ def sweep(args) -> None:
                    "seconds_per_clip_batched": round(seconds, 3)}
             print(json.dumps(row), flush=True)
             results.append(row)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.out, results)
+
+
+def write_json(path: str, data: Any) -> None:
+    """A job's report, written atomically (never seen half-written)."""
+    from mmgen.files import write_atomic
+
+    write_atomic(path, (json.dumps(data, indent=1) + "\n").encode())
 
 
 @torch.no_grad()
@@ -1401,6 +1408,7 @@ def main(argv: list[str] | None = None) -> None:
     dg.add_argument("--seed", type=int, default=0)
     dg.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
     dg.add_argument("--out", required=True)
+    dg.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     dg.add_argument("--threads", type=int, default=0)
     exp = jobs.add_parser("export", help="write video/assets/emoji-motion and emoji-motion-small")
     swp = jobs.add_parser("sweep", help="quality proxies over sampler settings")
@@ -1415,6 +1423,7 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--sampling-steps", type=int, default=8)
     exp.add_argument("--sampling-shift", type=float, default=3.0)
     swp.add_argument("--out", required=True)
+    swp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     swp.add_argument("--clips", type=int, default=32)
     swp.add_argument("--configs", nargs="+", default=["4:3:1", "8:3:1", "16:3:1", "8:1:1", "8:5:1", "8:3:3"],
                      help="STEPS:SHIFT:GUIDANCE settings")
@@ -1431,6 +1440,8 @@ def main(argv: list[str] | None = None) -> None:
     crd.add_argument("--commands", default=reproduce_block(),
                      help="the commands that made the bundle")
     args = parser.parse_args(argv)
+    if args.job in ("diagnose", "sweep") and Path(args.out).exists() and not args.overwrite:
+        parser.exit(2, f"train_video {args.job}: {args.out} exists: choose another --out or add --overwrite\n")
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     jobs_ = {"vae": train_vae, "vae-quality": vae_quality, "latents": encode_latents, "target": train_transformer, "small": train_transformer,

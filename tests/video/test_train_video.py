@@ -421,6 +421,17 @@ def test_diagnose_scores_each_row_of_a_saved_pipeline(tmp_path):
     assert [len(r["class_accuracy_by_frame"]) for r in rows] == [17, 17, 17, 2]
     assert all(0 <= r["class_accuracy"] <= 1 for r in rows)
     assert "direction_accuracy" in rows[0] and "direction_accuracy" not in rows[-1]
+    # Its VAE row is the round trip `vae-quality` scores, on the same clips.
+    from benchmarks.train_video import eval_prompts, scorer, through_vae
+
+    reference = scorer(4)(through_vae(pipe.vae, 2), eval_prompts(2))
+    for key in ("class_accuracy", "direction_accuracy", "fid_proxy"):
+        assert rows[0][key] == pytest.approx(reference[key], abs=1e-4)
+    # A second run does not replace the report without --overwrite (one line, before any work).
+    before = out.read_bytes()
+    with pytest.raises(SystemExit) as refused:
+        main(["diagnose", "--pipeline", str(tmp_path / "missing"), "--out", str(out)])
+    assert refused.value.code == 2 and out.read_bytes() == before
 
 
 def test_the_sprites_latent_positions_and_the_weighted_flow_loss(tmp_path):
