@@ -370,7 +370,7 @@ class BatchRows:
                  reporter: TokenReporter, synced: bool):
         self.run, self.proposer, self.ends, self.recorder, self.report, self.synced = run, proposer, ends, recorder, reporter, synced
         # A lone row without stop tokens advances exactly one token in an autoregressive step,
-        # so such a step needs no host read (an adaptive window's AR steps cost what `ar`'s do).
+        # so such a step needs no host read, as none of `ar`'s steps does.
         self.steps_known = ends.stopping is None and run.batch_size == 1
 
     def start(self) -> int:
