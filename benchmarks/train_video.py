@@ -717,6 +717,9 @@ def train_transformer(args) -> None:
     float16 (as it ships) and frozen after `--text-steps` steps and saved to `<out>/text_encoder`
     (what `small` reads). `small`: the transformer alone on that frozen text encoder."""
     data = Latents(args.latents)
+    if args.foreground_weight and data.foreground is None:  # refused before any work, as `flow_loss` would at its first step
+        raise ValueError(f"{' '.join(args.latents)}: --foreground-weight needs latents files with the sprites' positions "
+                         "(`latents` writes them)")
     started_from = init_from(args)
     if started_from is not None:
         transformer = started_from["transformer"]

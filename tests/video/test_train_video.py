@@ -459,6 +459,11 @@ def test_the_sprites_latent_positions_and_the_weighted_flow_loss(tmp_path):
                                     train_text=False, foreground_weight=weight).item()
     with pytest.raises(ValueError, match="sprites' positions"):
         loss(4.0)
+    # The trainer refuses such files for the option before any work (no run folder).
+    with pytest.raises(ValueError, match="sprites' positions"):
+        main(["small", "--latents", str(tmp_path / "latents.npz"), "--text-encoder", str(tmp_path / "absent"),
+              "--foreground-weight", "4", "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()
     plain = loss(0.0)
     for value in (True, False):
         latents.foreground = torch.full((12, 3, 4, 4), value)
