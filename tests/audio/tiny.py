@@ -182,3 +182,15 @@ def tiny_vibevoice(seed: int = 0, **kwargs):
     features = VibeVoiceAcousticTokenizerFeatureExtractor(sampling_rate=RATE, pad_to_multiple_of=4)
     processor = VibeVoiceProcessor(features, tokenizer, chat_template=VV_TEMPLATE)
     return LatentTTSPipeline(tiny_vibevoice_model(seed, **kwargs), processor)
+
+
+def perturbed(pipe, heads: tuple, noise: float = 0.1, seed: int = 7):
+    """`pipe` with relative noise on the named output heads' weights: a drafter near its unperturbed
+    twin, whose greedy frames agree with the target's often but not always (another seed's random
+    model agrees on none, and a draft decode beside it is autoregression)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, weight in pipe.model.named_parameters():
+            if name in heads:
+                weight.add_(torch.randn(weight.shape, generator=g) * noise * weight.std())
+    return pipe

@@ -364,8 +364,11 @@ def test_a_probe_from_ar_steps_does_not_judge_its_fresh_first_forward():
     def probe(second: float):
         chooser = AdaptiveWindow().start(15, 2, "cpu", curve)
         assert chooser.home == 0
+        ar_steps = 0  # bounded: a chooser that never probes must fail here, not loop forever
         while chooser.choose() == 0:
             chooser.observe(None)
+            ar_steps += 1
+            assert ar_steps <= chooser.ar_interval, "no probe from AR steps"
         chooser.observe(1.0)  # the fresh draft fails
         assert chooser.choose() == 1
         chooser.observe(second)
@@ -516,7 +519,7 @@ def test_a_jump_on_one_lucky_forward_goes_back_after_two_barren_ones():
     assert chooser.choose() == 15
 
 
-# emoji64's measured tokens per forward at its own sampling (`benchmarks/window_cost.py`): a
+# emoji64's measured tokens per forward at its own sampling (`mmgen calibrate`): a
 # 4-token window pays best on a CPU whose wider forwards cost much more.
 TOKENS = {2: 1.237, 4: 1.478, 8: 1.694, 16: 1.811}
 BOX = {1: 1.0, 2: 1.173, 4: 1.317, 8: 1.632, 16: 2.154}

@@ -12,14 +12,28 @@ from mmgen.decoding import (
     Autoregressive, CoupledJacobi, DraftSpeculative, LeftNeighbourInit, SpeculativeJacobi, make_decoder,
 )
 from mmgen.decoding.coupled import CounterNoise
-from mmgen.decoding.drafts import AboveNeighbourInit, DraftContext
+from mmgen.decoding.jacobi_init import AboveNeighbourInit, DraftContext
 from mmgen.image_ar.llamagen import LlamaGenTokenModel
 from mmgen.sampling import SamplingConfig
 
 from tests.conftest import tiny_transformer
 from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, VOCAB, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
+from tests.speculation import assert_drafted
 
 DRAFTER = LlamaGenTokenModel(tiny_transformer(seed=7))
+
+
+def near_drafter(noise: float = 0.2) -> LlamaGenTokenModel:
+    """The greedy tests' target (`tiny_transformer()`) with noise on its output head: a drafter
+    that agrees with it on many greedy tokens but not all (DRAFTER, another random model, agrees
+    on none, so a draft decode beside it is autoregression)."""
+    transformer = tiny_transformer()
+    with torch.no_grad():
+        transformer.output.weight.add_(torch.randn(transformer.output.weight.shape, generator=torch.Generator().manual_seed(7)) * noise)
+    return LlamaGenTokenModel(transformer)
+
+
+NEAR = near_drafter()
 
 
 def lossless_decoders():
@@ -29,8 +43,8 @@ def lossless_decoders():
         "sjd-above": SpeculativeJacobi(window=8, draft_init=AboveNeighbourInit()),
         "coupled-16": CoupledJacobi(window=16),
         "coupled-left": CoupledJacobi(window=4, draft_init=LeftNeighbourInit()),
-        "draft-4": DraftSpeculative(drafter=DRAFTER, num_draft=4),
-        "draft-1": DraftSpeculative(drafter=DRAFTER, num_draft=1),
+        "draft-4": DraftSpeculative(drafter=NEAR, num_draft=4),
+        "draft-1": DraftSpeculative(drafter=NEAR, num_draft=1),
         "coupled-4096": CoupledJacobi(window=4096),  # clamped to the 64 tokens
         "sjd-window-1": SpeculativeJacobi(window=1),
         "coupled-window-1": CoupledJacobi(window=1),
@@ -46,6 +60,10 @@ def test_greedy_is_token_identical_to_ar(name, labels):
     ar = Autoregressive().generate(model, conditions, 64, sampling, torch.Generator().manual_seed(0))
     out = lossless_decoders()[name].generate(model, conditions, 64, sampling, torch.Generator().manual_seed(1))
     assert torch.equal(ar.tokens, out.tokens)
+    if name.endswith("window-1"):  # no room for a draft: autoregressive steps
+        assert out.stats.forwards == ar.stats.forwards
+    else:
+        assert_drafted(out, ar)
 
 
 @pytest.mark.parametrize("name", ["sjd-left", "sjd-above", "sjd-uniform-q", "coupled-left", "draft-2"])
@@ -229,6 +247,27 @@ def test_more_drafts_than_tokens_are_clamped_and_stay_exact():
     ar = Autoregressive().generate(model, conditions, 8, sampling, torch.Generator().manual_seed(0))
     out = DraftSpeculative(drafter=DRAFTER, num_draft=4096).generate(model, conditions, 8, sampling, torch.Generator().manual_seed(1))
     assert torch.equal(ar.tokens, out.tokens) and len(out.stats.accepted_histogram) == 8 + 2
+
+
+def test_coupled_races_give_each_codebook_of_a_frame_its_own_noise():
+    """Frames [B, n, K, V]: the K codebooks of a frame draw from independent noise (one shared
+    noise would give every codebook of a uniform law the same token), at any batch size; tokens
+    [B, n, V] keep lane = row, the draws they always had."""
+    noise = CounterNoise(7, 1000, "cpu")
+    uniform = torch.full((2, 3, 8, 1000), 1e-3)
+    positions = torch.tensor([[4, 5, 6], [9, 10, 11]])
+    frames = noise.race(uniform, positions)
+    assert frames.shape == (2, 3, 8)
+    assert all(len(set(frames[b, i].tolist())) > 4 for b in range(2) for i in range(3))
+    # Row b, codebook k is lane b*K + k: the token race of that lane at the same positions.
+    lanes = torch.arange(16).view(2, 8)
+    for k in (0, 5):
+        tokens = torch.stack([(uniform[:, i, k] / noise.exponential(lanes[:, k], positions[:, i])).argmax(-1) for i in range(3)], 1)
+        assert torch.equal(frames[:, :, k], tokens)
+    probs = torch.softmax(torch.randn(2, 3, 1000, generator=torch.Generator().manual_seed(0)), -1)
+    rows = torch.arange(2)
+    assert torch.equal(noise.race(probs, positions),
+                       torch.stack([(probs[:, i] / noise.exponential(rows, positions[:, i])).argmax(-1) for i in range(3)], 1))
 
 
 def test_counter_noise_is_exponential_and_addressed_by_row_and_position():

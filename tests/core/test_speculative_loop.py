@@ -363,13 +363,51 @@ def test_the_ngram_index_grown_token_by_token_finds_the_latest_earlier_match():
             assert index.drafts(5) == expected, (seq[:L], index.drafts(5), expected)
 
 
+class Successor:
+    """Greedy decodes walk a fixed cycle through all `vocab_size` tokens (the next token's
+    logits peak at the newest token's successor): an answer without repeats, so a lookup over a
+    copy of it finds exactly one match for each newest token, and what it drafts is fixed."""
+
+    vocab_size = 64
+
+    def __init__(self):
+        order = torch.randperm(self.vocab_size, generator=torch.Generator().manual_seed(0))
+        self.successor = torch.empty_like(order)
+        self.successor[order] = order.roll(-1)
+
+    def _logits(self, tokens):
+        return Logits(torch.nn.functional.one_hot(self.successor[tokens], self.vocab_size).float() * 4.0)
+
+    def start(self, conditions, capacity, guidance):
+        return DecodeState(cache=None, batch_size=len(conditions), guidance=False, first_logits=self._logits(conditions[:, None]))
+
+    def forward(self, state, tokens):
+        return self._logits(tokens)
+
+    def commit(self, state, accepted):
+        pass
+
+    def rewind(self, state, n):
+        pass
+
+
 def test_prompt_lookup_accepts_copies_of_its_context():
-    model = LlamaGenTokenModel(tiny_transformer())
-    ar = Autoregressive().generate(model, torch.tensor([3]), 64, GREEDY, torch.Generator())
-    # The context holds the answer: lookup drafts it and every draft is accepted.
-    out = PromptLookup(num_draft=8, max_ngram=1, context=ar.tokens[0, :40]).generate(
-        model, torch.tensor([3]), 64, GREEDY, torch.Generator())
-    assert torch.equal(out.tokens, ar.tokens) and out.stats.forwards < 40
+    """A context that holds the whole answer without repeats: every forward after the prefill
+    drafts the next 8 tokens of the answer and accepts them all (9 tokens a forward), so 64
+    tokens take exactly 1 + 7 forwards; a context with two tokens swapped costs more."""
+    model, greedy = Successor(), SamplingConfig(top_k=1)
+    ar = Autoregressive().generate(model, torch.tensor([3]), 64, greedy, torch.Generator())
+    answer = ar.tokens[0]
+    assert len(set(answer.tolist())) == 64  # no repeats: one match per token
+    decode = lambda context: PromptLookup(num_draft=8, max_ngram=1, adapt=False, context=context).generate(
+        model, torch.tensor([3]), 64, greedy, torch.Generator())
+    out = decode(answer)
+    assert torch.equal(out.tokens, ar.tokens)
+    assert out.stats.forwards == 8 and out.stats.accepted_per_forward == [1] + [9] * 7
+    wrong = answer.clone()
+    wrong[[30, 31]] = answer[[31, 30]]  # still no repeats, but a wrong continuation from token 29 on
+    out = decode(wrong)
+    assert torch.equal(out.tokens, ar.tokens) and out.stats.forwards > 8
 
 
 @pytest.mark.parametrize("adapt", [False, True], ids=["fixed", "adaptive"])

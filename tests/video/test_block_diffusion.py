@@ -210,6 +210,51 @@ def test_guidance_batches_and_collaboration(pipe):
         pipe(PROMPT, decoding="collaborative", generator=seeded())
 
 
+def recomputed_collaboration(large, small, text, num_blocks: int, large_steps: int, generator, guidance_scale: float) -> torch.Tensor:
+    """CoDe's latents from their definition: each block's noise, then each denoising step on
+    `large` (the first `large_steps`) or `small` (`RecomputingWanModel`s), each fed every earlier
+    block of the output itself (its context set from the output at every step, not committed)."""
+    schedule = FlowSchedule()
+    sigmas = schedule.sigmas()
+    steps = [large] * large_steps + [small] * (len(sigmas) - large_steps)
+    states = {id(m): m.start(text, num_blocks, True) for m in (large, small)}
+    blocks = []
+    try:
+        for _ in range(num_blocks):
+            shape = large.block_shape(states[id(large)])
+            x = torch.randn(shape, generator=generator)
+            for i, m in enumerate(steps):
+                states[id(m)].context = list(blocks)
+                cond, uncond = m.velocity(states[id(m)], x, 1000.0 * sigmas[i])
+                v = uncond + guidance_scale * (cond - uncond)
+                x0 = x - sigmas[i] * v
+                if i + 1 < len(steps):  # the default few-step sampler renoises x0 to the next level
+                    nxt = sigmas[i + 1]
+                    x = (1 - nxt) * x0 + nxt * torch.randn(shape, generator=generator) if schedule.stochastic else x + (nxt - sigmas[i]) * v
+            blocks.append(x0)
+    finally:
+        for m in (large, small):
+            m.finish(states[id(m)])
+    return torch.cat(blocks, 2)
+
+
+def test_collaboration_equals_a_recomputing_reference_of_both_models_in_float64():
+    """Collaborative denoising on cached models (each its own cache, both committing every block)
+    against every step recomputed from the output's earlier blocks, in float64: a model that
+    missed a commit, or committed another block, sees other context and fails it."""
+    from mmgen.video.model import RecomputingWanModel
+
+    large, small = tiny_transformer().double(), tiny_transformer(layers=1, seed=1).double()
+    text = PromptEmbeddings(torch.randn(2, 5, 16, dtype=torch.float64, generator=seeded(1)), torch.zeros(2, 5, 16, dtype=torch.float64))
+    decoder = CollaborativeDenoising(small=WanBlockModel(small, 2, (4, 4)), large_steps=2)
+    with torch.no_grad():
+        out = decoder.generate(WanBlockModel(large, 2, (4, 4)), text, 2, seeded(), guidance_scale=2.0)
+        reference = recomputed_collaboration(RecomputingWanModel(large, 2, (4, 4)), RecomputingWanModel(small, 2, (4, 4)), text, 2, 2,
+                                             seeded(), 2.0)
+    assert out.stats.commit_forwards == {"large": 2, "small": 2} and out.stats.denoise_forwards["small"] > 0
+    assert (torch.cat(out.latents, 2) - reference).abs().max() < 1e-10
+
+
 def test_euler_schedule_and_save_load(pipe, tmp_path):
     euler = BlockDenoising(schedule=FlowSchedule.uniform(3, shift=3.0))
     out = pipe(PROMPT, decoding=euler, generator=seeded())

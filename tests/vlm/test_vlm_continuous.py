@@ -60,6 +60,37 @@ def test_each_request_answers_what_it_answers_alone(family, name, temperature, m
     assert any(grow > 0 for grow, _, _ in placed) and any(slots < region for _, slots, region in placed)
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["grows-the-region", "sits-in-a-longer-region"])
+def test_a_restarted_row_decodes_at_its_solo_positions_with_its_solo_logits(family, order):
+    """`VLMTokenModel.restart` places a request in a live row (whose other row has decoded two
+    tokens): its first logits and its next forward's positions (3-D under M-RoPE) are those of
+    its prompt decoded alone, bit for bit, and so are its next logits up to rounding, whether its
+    prompt grows the batch's prompt region or sits in a longer one."""
+    pipe = BUILDERS[family]()
+    short, long = pipe.prepare_inputs(PROMPTS[0], None), pipe.prepare_inputs(PROMPTS[2], images(1)[0])
+    first, later = [(short, long)[i] for i in order]
+    model, positions = pipe.token_model(), []
+    model.trunk.register_forward_pre_hook(lambda module, args, kwargs: positions.append(kwargs["position_ids"]), with_kwargs=True)
+    row = lambda p, b: p[..., b, :]  # [B, n], or [3, B, n] under M-RoPE
+
+    live = model.start(first, 0, False)
+    model.select_rows(live, torch.tensor([0, 0]))
+    for token in (3, 4):
+        model.forward(live, torch.tensor([[token], [token]]))
+        model.commit(live, torch.tensor([1, 1]))
+    restarted = model.restart(live, 1, later)
+    logits = model.forward(live, torch.tensor([[5], [6]])).cond
+    batch_positions = positions[-1]
+    solo = model.start(later, 0, False)
+    alone = model.forward(solo, torch.tensor([[6]])).cond
+    assert torch.equal(restarted.cond, solo.first_logits.cond)
+    assert torch.equal(row(batch_positions, 1), row(positions[-1], 0)), (batch_positions, positions[-1])
+    # Its next logits: the batch forward attends over a padded region, so they may differ from
+    # its solo forward's in the last bits (about 5e-8 here); one position off moves them 1e-4.
+    torch.testing.assert_close(logits[1], alone[0], rtol=0, atol=1e-6)
+
+
 def test_dropping_is_refused_at_the_first_row():
     pipe = BUILDERS["llava"]()
     requests = requests_for(pipe, 0)
