@@ -1,0 +1,171 @@
+"""Write the tables of docs/benchmarks.md from the measurements in docs/results/*.json.
+
+Each table in the page sits between `<!-- table: NAME -->` and `<!-- end table -->`; this script
+rewrites what lies between them, so a figure in the page is always its JSON's. Run from the
+repository root:
+
+    python docs/make_tables.py           # rewrite docs/benchmarks.md
+    python docs/make_tables.py --check   # exit 1, naming the tables, when the page differs
+
+tests/docs/test_docs.py runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+DOCS = Path(__file__).resolve().parent
+RESULTS = DOCS / "results"
+PAGE = DOCS / "benchmarks.md"
+BLOCK = re.compile(r"(<!-- table: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- end table -->)", re.S)
+
+
+def load(name: str) -> dict:
+    """One results file, by its stem."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def num(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def times(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}x"
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(data: dict) -> str:
+    """The line under a table: where, when and how it was measured."""
+    env = data["environment"]
+    machine = env.get("machine") or f"{env.get('device_name', env['device'])}, {env.get('cpu_count')} cores"
+    date = env["date"].split(" ")[0]
+    return f"Measured {date} on {machine}: `{env['command']}`."
+
+
+def bench_table(name: str, lossless: Callable[[str], bool], column: str = "row_step_compression") -> str:
+    """An `mmgen bench` image run at batch 1: forwards, seconds per image against `ar`, quality proxies.
+
+    `column` names the figure of the forwards column: tokens per forward per row (from the
+    quality set, over every class), the step compression, or the forwards themselves (VAR).
+    """
+    data = load(name)
+    quality = {(q["model"], q["method"], q.get("pruning")): q for q in data["quality"]}
+    rows = []
+    for r in data["speed"]:
+        if r["batch"] != 1 or r.get("pruning") not in (None, "none"):
+            continue
+        q = quality.get((r["model"], r["method"], r.get("pruning")), {})
+        figure = q.get(column, r.get(column))
+        rows.append([r["model"], f"`{r['method']}`", num(figure) if isinstance(figure, float) else str(figure),
+                     f"{r['seconds'] * 1000:.0f}", times(r.get("speedup_vs_ar", r.get("speedup"))),
+                     "yes" if lossless(r["method"]) else "no", num(q.get("accuracy"), 3), num(q.get("fid_proxy"), 1)])
+    label = {"forwards": "forwards", "step_compression": "step compression"}.get(column, "tokens per forward")
+    header = ["model", "method", label, "ms per image", "vs `ar`", "lossless", "class accuracy", "FID-proxy"]
+    return markdown(header, rows) + "\n\n" + provenance(data)
+
+
+def ratio_table(name: str, unit: str, seconds: str, per_forward: str, label: str, extra: dict[str, str]) -> str:
+    """A hand-transcribed run: each method's time against `ar` and against the peer, per batch and thread count."""
+    data = load(name)
+    base = {(r["batch"], r["threads"]): r[seconds] for r in data["rows"] if r["method"] == data["baseline"]}
+    peer = {(r["batch"], r["threads"]): r[seconds] for r in data["rows"] if r["method"] == data["peer"]}
+    rows = []
+    for r in sorted(data["rows"], key=lambda r: (r["batch"], r["threads"])):
+        key = (r["batch"], r["threads"])
+        rows.append([str(r["batch"]), str(r["threads"]), r["method"], "yes" if r["lossless"] else "no",
+                     num(r[per_forward]), f"{r[seconds]:.2f}", times(base[key] / r[seconds]),
+                     times(peer[key] / r[seconds])] + [str(r[k]) for k in extra])
+    header = ["batch", "threads", "method", "lossless", label, unit, "vs mmgen `ar`", f"vs {data['peer']}"] + list(extra.values())
+    return markdown(header, rows) + "\n\n" + data["what"] + ". " + provenance(data)
+
+
+def image_tokens() -> str:
+    exact = {"ar", "sjd", "sjd-coupled", "draft"}
+    return bench_table("decoding_family_emoji64", lambda method: method.split(":")[0] in exact)
+
+
+def image_var() -> str:
+    return bench_table("var_emoji64", lambda method: method == "ar", column="forwards")
+
+
+def image_mar() -> str:
+    # Fewer masked steps change the sampler; cspd is exact at flatten=1, its default.
+    return bench_table("mar_emoji64", lambda method: method == "ar" or (method.startswith("cspd") and "flatten" not in method),
+                       column="step_compression")
+
+
+def vlm() -> str:
+    return ratio_table("vlm_decoding_emoji-vlm_cpu", "s for 32 answers", "seconds", "tokens_per_forward",
+                       "tokens per target forward", {})
+
+
+def speech() -> str:
+    return ratio_table("tts_decoding_speech-tts_cpu", "ms per frame", "ms_per_frame", "frames_per_forward",
+                       "frames per target forward", {"per": "PER"})
+
+
+def video() -> str:
+    data = load("video_emoji-motion_cpu")
+    base = next(r["seconds_per_clip"] for r in data["rows"] if r["model"] == "emoji-motion" and r["method"] == data["baseline"])
+    rows = [[r["model"], r["method"], f"{r['seconds_per_clip']:.2f}", times(base / r["seconds_per_clip"]),
+             r["class_accuracy"], r["direction_accuracy"], r["fid_proxy"]] for r in data["rows"]]
+    header = ["model", "method", "s per clip", "vs emoji-motion block", "class acc.", "direction acc.", "FID-proxy"]
+    return markdown(header, rows) + "\n\n" + data["what"] + ". " + provenance(data)
+
+
+def gpu() -> str:
+    data = load("gpu_step_latency_h200")
+    rows = [[r["model"], r["parameters"], num(r["floor_ms"]), num(r["ar_step_ms"], 1), times(r["ar_over_floor"]),
+             num(r["verify16_ms"], 1), times(r["verify_over_ar"])]
+            for r in data["rows"]]
+    header = ["model", "parameters", "floor ms", "AR step ms", "AR / floor", "16-token verify ms", "verify / AR"]
+    return markdown(header, rows) + "\n\n" + data["what"] + ". " + provenance(data)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "image-emoji64": image_tokens, "image-var": image_var, "image-mar": image_mar,
+    "vlm": vlm, "speech": speech, "video": video, "gpu": gpu,
+}
+
+
+def render(page: str) -> str:
+    """The page with every marked table regenerated; an unknown table name is an error."""
+    def fill(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES:
+            raise SystemExit(f"{PAGE.name}: no generator for table {name!r} (known: {', '.join(TABLES)})")
+        return f"{match[1]}{TABLES[name]()}\n{match[4]}"
+    return BLOCK.sub(fill, page)
+
+
+def stale(page: str) -> list[str]:
+    """Names of the tables whose text differs from what their JSON gives."""
+    return [m["name"] for m in BLOCK.finditer(page) if m["body"] != TABLES[m["name"]]() + "\n"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report stale tables instead of rewriting the page")
+    args = parser.parse_args(argv)
+    page = PAGE.read_text()
+    if args.check:
+        names = stale(page)
+        if names:
+            print(f"{PAGE}: stale tables: {', '.join(names)} (run python docs/make_tables.py)", file=sys.stderr)
+        return 1 if names else 0
+    PAGE.write_text(render(page))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
