@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from mmgen.apps.requests.image import MAX_IMAGES
-from mmgen.apps.requests import speech as speech_request, video as video_request, vlm as vlm_request
+from mmgen.apps.requests import speech as speech_request, video as video_request, text as text_request
 
 MAX_CONCURRENCY = 8
 #: The text demo's old subcommand name, still accepted (with a note) until the next release.
@@ -46,12 +46,12 @@ def register_text(demos) -> None:
                            help=f"chat about images with a vision-language model, every decoding method "
                                 f"({OLD_TEXT_DEMO}: the old name, until the next release)")
     vlm.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
-                     help=f"a bundled model name or a transformers VLM folder (repeatable; default: {vlm_request.DEFAULT_MODEL} "
+                     help=f"a bundled model name or a transformers VLM folder (repeatable; default: {text_request.DEFAULT_MODEL} "
                           "with its drafter). Names ending in -draft are drafters of the model they extend")
-    vlm.add_argument("--max-images", type=bounded_int(1, vlm_request.MAX_IMAGES, "--max-images"), default=4,
-                     help=f"images per conversation, at most (default 4, up to {vlm_request.MAX_IMAGES})")
-    vlm.add_argument("--max-new-tokens", type=bounded_int(1, vlm_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
-                     help=f"the answer-length slider's maximum (default 128, up to {vlm_request.MAX_NEW_TOKENS})")
+    vlm.add_argument("--max-images", type=bounded_int(1, text_request.MAX_IMAGES, "--max-images"), default=4,
+                     help=f"images per conversation, at most (default 4, up to {text_request.MAX_IMAGES})")
+    vlm.add_argument("--max-new-tokens", type=bounded_int(1, text_request.MAX_NEW_TOKENS, "--max-new-tokens"), default=128,
+                     help=f"the answer-length slider's maximum (default 128, up to {text_request.MAX_NEW_TOKENS})")
     _continuous_batch(vlm, "the answers of requests that overlap in time (same model, a method that batches continuously: ar or sjd, "
                            "same temperature; no compare mode or token dropping) in one continuous batch of ROWS rows, "
                            "each answer the one its request gives alone")
@@ -129,9 +129,9 @@ def run_text_demo(args: argparse.Namespace) -> int:
         print(f"mmgen demo: note: `mmgen demo {OLD_TEXT_DEMO}` is now `mmgen demo text`; the old name goes in the "
               "next release", file=sys.stderr)
     check_device(args.device)
-    catalog = vlm_request.VLMCatalog.discover(args.model, device=args.device)  # bad names fail before gradio loads
+    catalog = text_request.VLMCatalog.discover(args.model, device=args.device)  # bad names fail before gradio loads
     catalog.continuous_batch = args.continuous_batch
-    from mmgen.apps.vlm_demo import build_demo, launch_demo
+    from mmgen.apps.text_demo import build_demo, launch_demo
 
     demo = build_demo(catalog, max_images=args.max_images, max_new_tokens=args.max_new_tokens, concurrency=args.concurrency)
     print(f"mmgen demo text: models {list(catalog.main)} (drafters {list(catalog.companions)}) on {args.device}")

@@ -10,18 +10,14 @@ page was built: API calls (gradio_client, HTTP) get no model-change event to upd
 class and method dropdowns take any value and the top-k slider spans every model's vocabulary;
 `run_request` checks each value against the chosen model.
 
-Error messages are plain text, not HTML-escaped: Gradio sends one message to the API (which
-returns it as it is) and to the page (whose toast renders it as sanitised HTML). So that a
-value quoted in a message cannot become markup there (an `<img>` would even be fetched), a `<`
-or `&` that could start a tag or an entity is written as the Python escape `\\x3c` / `\\x26`:
-still plain text, and the quoted value still reads as the literal it is.
+The theme, the launch (bounded uploads) and the one-line plain-text errors are every demo's
+(`gradio_common`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -31,7 +27,16 @@ import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from mmgen.apps.requests.bounds import LIMITS, MAX_GUIDANCE, MAX_SEED, MAX_TEMPERATURE, shown  # noqa: E402
+from mmgen.apps.gradio_common import (  # noqa: E402,F401
+    CSS,
+    DELETE_CACHE,
+    QUEUE_SIZE,
+    launch_demo,
+    numeric,
+    plain_message,
+    request_error,
+)
+from mmgen.apps.requests.bounds import MAX_GUIDANCE, MAX_SEED, MAX_TEMPERATURE  # noqa: E402
 from mmgen.apps.requests.image import (  # noqa: E402
     MAX_IMAGES,
     MAX_SPEC_CHARS,
@@ -49,49 +54,17 @@ __all__ = ["ImageRequest", "ImageResult", "ImageCatalog", "build_demo", "launch_
 
 log = logging.getLogger(__name__)
 
-#: Requests waiting beyond this many are turned away ("queue full") instead of piling up.
-QUEUE_SIZE = 16
 #: Shown images are scaled up (nearest neighbour) so that 64-pixel samples stay crisp, and a
 #: run's images are shown side by side as one picture (Gradio 6's gallery stretches a lone
 #: image over its whole width and crops it).
 DISPLAY_SIZE = 256
 GAP = 8
-SYSTEM_FONTS = ("ui-sans-serif", "system-ui", "sans-serif")
-MONO_FONTS = ("ui-monospace", "Consolas", "monospace")
 PICTURE = dict(type="pil", interactive=False, height=300, buttons=["download", "fullscreen"])  # no "share": it uploads
 STATS_COLUMNS = ["run", "forwards", "tokens", "step compression", "mean accepted length", "time (s)", "ms/token",
                  "speedup (per token)"]
-#: The stats table breaks lines between words only, never inside one: Gradio's `wrap=True`
-#: breaks anywhere, which split headers ("for|war|ds", "compr|essio|n") where the column is
-#: narrow. A table wider than its column scrolls sideways instead.
-CSS = """
-#stats th, #stats td, #stats th *, #stats td * { word-break: keep-all; overflow-wrap: normal; hyphens: none; }
-"""
 #: Chart titles; next-scale decoders record forwards and tokens per step, not per-step time.
 TRACE_TITLE = "Accepted tokens per forward: {label}"
 STEPS_TITLE = "Tokens per step (scale) and the model that ran it: {label} (per-step time is not recorded)"
-
-
-def numeric(component: Any) -> Any:
-    """`component` (a Number or Slider) with its bad values (text through the API) refused in the
-    demos' one line before Gradio's own check, which answers an API caller `{"error": null}`.
-    Its preprocess is wrapped on the instance: a subclass would make Gradio write a stub file
-    into the package."""
-    preprocess = component.preprocess
-
-    def checked(payload: Any) -> Any:
-        if payload is not None and (isinstance(payload, bool) or not isinstance(payload, (int, float))):
-            raise gr.Error(plain_message(f"{component.label or 'a number field'} must be a number, got {shown(payload)}"),
-                           title="Invalid input", print_exception=False)
-        return preprocess(payload)
-
-    component.preprocess = checked
-    return component
-
-
-def theme() -> gr.themes.Base:
-    """Gradio's default look with system fonts: no font is fetched from anywhere."""
-    return gr.themes.Default(font=SYSTEM_FONTS, font_mono=MONO_FONTS)
 
 
 def handle_generate(catalog: ImageCatalog, max_images: int, model: str, class_name: str, method: str, options: str,
@@ -149,7 +122,7 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
     companions = ", ".join(catalog.companions) or "none"
     # The API's bound for top-k (see the module docstring); the page narrows it to each model's.
     top_k_bound = max([info.vocab_size or 1, *_config_vocab_sizes(catalog)])
-    with gr.Blocks(title="mmgen image demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+    with gr.Blocks(title="mmgen image demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
         gr.Markdown("## mmgen: fast autoregressive image generation\nPick a model, a class and a decoding method; "
                     "*compare* runs plain autoregressive decoding on the same seed beside it. "
                     f"Companion models (drafters, refiners): {companions}.")
@@ -202,16 +175,6 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
     return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
 
 
-def launch_demo(demo: gr.Blocks, host: str = "127.0.0.1", port: Optional[int] = None, share: bool = False,
-                block: bool = True, css: str = CSS) -> tuple:
-    """Serve a demo with the offline theme and `css`; `block=False` returns at once (tests,
-    notebooks). Every demo's uploads are bounded by the request layer's limit: Gradio's upload
-    route takes files for any app, even one without an upload widget, and refuses larger ones
-    (413) before they reach the disk."""
-    return demo.launch(server_name=host, server_port=port, share=share, prevent_thread_lock=not block,
-                       quiet=not block, theme=theme(), css=css, footer_links=["api"], max_file_size=LIMITS.upload_bytes)
-
-
 def _trace_frame(rows: list[dict]) -> pd.DataFrame:
     """The chart's data with numeric columns even when empty (the plot takes its axis types from them)."""
     return pd.DataFrame(rows, columns=["forward", "accepted"]).astype({"forward": int, "accepted": float})
@@ -241,28 +204,6 @@ def _config_vocab_sizes(catalog: ImageCatalog) -> list[int]:
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             sizes.append(size)
     return sizes
-
-
-#: A `<` that could open a tag, comment or declaration, and a `&` that could open an entity.
-MARKUP = re.compile(r"<(?=[A-Za-z/!?])|&(?=[A-Za-z#])")
-
-
-def request_error(error: Exception, log: logging.Logger, what: str) -> gr.Error:
-    """A request's error as the page shows it (one line of plain text, `plain_message`): bad
-    input (ValueError, OSError) as itself, anything else as a failed generation named by its
-    type and logged with its traceback under `what`. Every demo's handlers use it."""
-    if isinstance(error, (ValueError, OSError)):
-        return gr.Error(plain_message(str(error)), title="Invalid input", print_exception=False)
-    log.error("%s", what, exc_info=error)
-    return gr.Error(plain_message(f"generation failed ({type(error).__name__}): {error}"), title="Generation failed",
-                    print_exception=False)
-
-
-def plain_message(text: str) -> str:
-    """An error message as one line of plain text that the page's toast cannot read as markup
-    (see the module docstring): "unknown class '<b>'" -> "unknown class '\\x3cb>'"."""
-    line = " ".join(part.strip() for part in text.splitlines() if part.strip())
-    return MARKUP.sub(lambda m: "\\x3c" if m.group() == "<" else "\\x26", line)
 
 
 def _side_by_side(images: Sequence[Image.Image]) -> Image.Image:

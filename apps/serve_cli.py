@@ -20,11 +20,10 @@ from typing import Optional
 
 from mmgen import registry
 from mmgen.apps.cli import bounded_int
+from mmgen.apps.http.settings import BATCHED
 from mmgen.apps.requests.bounds import LIMITS
+from mmgen.apps.requests.video import DEFAULT_STREAM_BLOCKS, MAX_STREAM_BLOCKS
 
-#: Modalities whose requests may share a model's continuous batch (`--continuous-batch MODALITY=ROWS`);
-#: a video model makes one video at a time. The server reads it here too.
-BATCHED = ("image", "text", "speech")
 #: A batch's width follows its requests (`mmgen.decoding.feed.FeedRows.fit`), so rows cost
 #: nothing until requests fill them; 16 served the bundled speech model at 3.5x the
 #: one-at-a-time server's requests per second at 16 clients (docs/benchmarks.md).
@@ -33,6 +32,9 @@ MAX_ROWS = 64
 API_KEY_ENV = "MMGEN_API_KEY"
 MIB = 1024 * 1024
 MAX_REPLICAS = 1024
+MAX_CONNECTIONS = 65536
+MAX_TIMEOUT_S = 3600
+MAX_STREAM_SECONDS = 24 * 3600
 
 
 def register(commands, groups) -> None:
@@ -40,7 +42,8 @@ def register(commands, groups) -> None:
     serve = commands.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API",
                                 description="Serve image, vision-language, speech and video models over OpenAI-compatible "
                                             "routes (/v1/images/generations, /v1/chat/completions, /v1/audio/speech, "
-                                            "/v1/videos), with /v1/models, /health and Prometheus /metrics.")
+                                            "/v1/videos, and /v1/videos/stream over a WebSocket), with /v1/models, /health "
+                                            "and Prometheus /metrics.")
     serve.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
                        help="a bundled model name or a model folder of any modality (repeatable; default: the bundled "
                             "models of every modality present). A model's companions (NAME-draft, NAME-small) come along")
@@ -69,8 +72,19 @@ def register(commands, groups) -> None:
                        help="an utterance's decoder frames, at most (a model's context bounds them too; default: 1024)")
     serve.add_argument("--max-frames", type=bounded_int(1, LIMITS.video_frames, "--max-frames"), default=81,
                        help="a video's frames, at most (default: 81)")
+    serve.add_argument("--max-stream-blocks", type=bounded_int(1, MAX_STREAM_BLOCKS, "--max-stream-blocks"),
+                       default=DEFAULT_STREAM_BLOCKS, metavar="N",
+                       help=f"blocks one /v1/videos/stream connection makes, at most (default: {DEFAULT_STREAM_BLOCKS})")
+    serve.add_argument("--max-stream-seconds", type=bounded_int(1, MAX_STREAM_SECONDS, "--max-stream-seconds"),
+                       default=600, metavar="S", help="seconds one /v1/videos/stream connection runs, at most (default: 600)")
     serve.add_argument("--max-body-mb", type=bounded_int(1, LIMITS.body_bytes // MIB, "--max-body-mb"), default=32, metavar="MB",
                        help="request bodies larger than this are refused before they are read (default: 32)")
+    serve.add_argument("--max-connections", type=bounded_int(1, MAX_CONNECTIONS, "--max-connections"), default=1024,
+                       metavar="N", help="open connections, at most; more are closed at once (default: 1024)")
+    serve.add_argument("--header-timeout", type=bounded_int(1, MAX_TIMEOUT_S, "--header-timeout"), default=10, metavar="S",
+                       help="seconds a request's headers may take to arrive; slower connections are closed (default: 10)")
+    serve.add_argument("--body-timeout", type=bounded_int(1, MAX_TIMEOUT_S, "--body-timeout"), default=60, metavar="S",
+                       help="seconds a request's body may take to arrive; slower ones get 408 (default: 60)")
     serve.add_argument("--no-preload", action="store_true",
                        help="load each model at its first request instead of before listening")
     serve.add_argument("--ray", action="store_true",
@@ -96,14 +110,17 @@ def continuous_batch(values: Optional[list[tuple[Optional[str], int]]]) -> dict[
 
 def settings_of(args: argparse.Namespace):
     """The server's settings from the parsed command line (the key from $MMGEN_API_KEY unless given)."""
-    from mmgen.apps.server import ServerSettings
+    from mmgen.apps.http.settings import ServerSettings
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if key is not None and not key.strip():
         raise ValueError("--api-key is empty: give a key, or leave the flag out to serve without one")
     return ServerSettings(api_key=key, max_queue=args.max_queue, max_body_bytes=args.max_body_mb * MIB,
                           max_images=args.max_images, max_new_tokens=args.max_new_tokens,
-                          max_new_frames=args.max_new_frames, max_frames=args.max_frames)
+                          max_new_frames=args.max_new_frames, max_frames=args.max_frames,
+                          max_stream_blocks=args.max_stream_blocks, max_stream_seconds=float(args.max_stream_seconds),
+                          max_connections=args.max_connections, header_timeout_s=float(args.header_timeout),
+                          body_timeout_s=float(args.body_timeout))
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -115,6 +132,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError("--replicas runs copies of the server under Ray Serve: add --ray")
     if args.ray:
         return run_ray(args, settings)
+    from mmgen.apps.http.connections import uvicorn_options
     from mmgen.apps.server import create_app, discover_catalogs, preload
 
     catalogs = discover_catalogs(args.model, device=args.device, continuous_batch=continuous_batch(args.continuous_batch))
@@ -124,7 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
     _describe(catalogs, settings, args.host)
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, **uvicorn_options(settings))
     return 0
 
 

@@ -8,8 +8,8 @@ on a machine without ffmpeg the players get each run's whole waveform when it en
 status line counts the seconds decoded meanwhile). In compare mode a second player shows plain
 autoregressive decoding on the same seed, which runs first.
 
-Offline page, system fonts, plain-text one-line errors: as the image demo (`image_demo.py`,
-whose theme, CSS and `plain_message` this module uses).
+Offline page, system fonts, plain-text one-line errors, bounded uploads: every demo's
+(`gradio_common.py`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,21 @@ import gradio as gr  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mmgen.apps.image_demo import QUEUE_SIZE, launch_demo, numeric, plain_message, request_error  # noqa: E402
+from mmgen.apps.gradio_common import (  # noqa: E402,F401
+    DELETE_CACHE,
+    QUEUE_SIZE,
+    launch_demo,
+    numeric,
+    plain_message,
+    request_error,
+)
 from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
 from mmgen.apps.requests.speech import (  # noqa: E402
     BASELINE_LABEL,
     DEFAULT_MAX_NEW_FRAMES,
     MAX_NEW_FRAMES,
     MAX_TEXT_CHARS,
-    Progress,
+    AudioUpdate,
     SpeechCatalog,
     SpeechRequest,
     SpeechResult,
@@ -80,7 +87,7 @@ def handle_generate(catalog: SpeechCatalog, max_new_frames: int, streaming: bool
         current, rate, first = 0, 1, True
         while True:
             try:
-                progress: Optional[Progress] = next(events)
+                progress: Optional[AudioUpdate] = next(events)
             except StopIteration as done:
                 result: SpeechResult = done.value
                 break
@@ -146,7 +153,7 @@ def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRA
     d = sampling_defaults(catalog, first)
     drafters = ", ".join(catalog.companions) or "none (a folder MODEL-draft beside a model is its drafter)"
     played = "plays as it is decoded" if streaming else "plays when it is whole (streaming needs ffmpeg on the server)"
-    with gr.Blocks(title="mmgen speech demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+    with gr.Blocks(title="mmgen speech demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
         gr.Markdown("## mmgen: fast text-to-speech decoding\nType a text (Dia reads speaker tags: `[S1] ... [S2] ...`), "
                     "optionally upload a voice to continue and its transcript, and pick a frame decoding method; "
                     f"*compare* speaks the same text with plain autoregressive decoding first, same seed. The audio {played}. "

@@ -1,15 +1,15 @@
 """The VLM demo: a Gradio chat about uploaded images and videos (`mmgen demo text`; `mmgen demo vlm` is the old name).
 
 The layout only wires widgets to `handle_send` / `handle_model` / `handle_clear`, which turn
-widget values into a `ChatRequest` and the answers `stream_request` (`requests/vlm.py`, where
+widget values into a `ChatRequest` and the answers `stream_request` (`requests/text.py`, where
 inputs are checked) streams into the chat. The conversation the model sees (transformers'
 chat format, its images and videos) lives in a per-session `gr.State`, never in what the page sends:
 an API caller cannot hand the server file paths as "earlier images". In compare mode a second
 chat shows plain autoregressive decoding without token dropping, answering the same
 conversation with the same seed.
 
-Offline page, system fonts, plain-text one-line errors: as the image demo (`image_demo.py`,
-whose theme, CSS and `plain_message` this module uses).
+Offline page, system fonts, plain-text one-line errors, bounded uploads: every demo's
+(`gradio_common.py`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,16 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is i
 import gradio as gr  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mmgen.apps.image_demo import QUEUE_SIZE, launch_demo, numeric, plain_message, request_error  # noqa: E402
+from mmgen.apps.gradio_common import (  # noqa: E402,F401
+    DELETE_CACHE,
+    QUEUE_SIZE,
+    launch_demo,
+    numeric,
+    plain_message,
+    request_error,
+)
 from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
-from mmgen.apps.requests.vlm import (  # noqa: E402
+from mmgen.apps.requests.text import (  # noqa: E402
     BASELINE_LABEL,
     MAX_IMAGES,
     MAX_MESSAGE_CHARS,
@@ -138,7 +145,7 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
     first = next(iter(catalog.main))
     offered = catalog.methods(first)
     companions = ", ".join(catalog.companions) or "none"
-    with gr.Blocks(title="mmgen VLM demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+    with gr.Blocks(title="mmgen VLM demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
         gr.Markdown("## mmgen: fast vision-language decoding\nUpload images (or videos, for models that take them: "
                     "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision) and ask about them. Pick a decoding "
                     "method and a visual-token dropping policy; *compare* answers the same conversation with plain "

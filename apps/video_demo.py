@@ -8,15 +8,22 @@ neither ffmpeg nor a streaming player in the page). When the last block is in, t
 the whole video as an H.264 MP4 and the profile shows what a streaming viewer waits for: the
 first block's latency, each block's, frames per second and the K/V cache held.
 
-Offline page, system fonts, plain-text one-line errors, the launch: as the image demo
-(`image_demo.py`, whose theme, CSS, `plain_message`, `request_error` and `launch_demo` this
-module uses).
+Below it, a live player (`handle_live`): a stream that runs block by block for as long as it is
+watched (`LiveVideo`, the rolling cache of `pipe.stream`), its frames shown at the video's rate,
+steered by "Change prompt" (`handle_steer`: the next block follows the new prompt) and ended by
+"Stop" (`handle_stop`). Those two are events of their own, which reach the page's stream through
+`LivePlayers` while the stream's event runs.
+
+Offline page, system fonts, plain-text one-line errors, bounded uploads: every demo's
+(`gradio_common.py`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from functools import partial
 from typing import Any, Optional, Sequence
 
@@ -28,8 +35,15 @@ import pandas as pd  # noqa: E402
 from gradio import processing_utils  # noqa: E402
 from PIL import Image  # noqa: E402
 
-# launch_demo is the image demo's (the offline theme and CSS), served from here too
-from mmgen.apps.image_demo import QUEUE_SIZE, launch_demo, numeric, plain_message, request_error  # noqa: E402,F401
+# launch_demo is every demo's (the offline theme and CSS, bounded uploads), served from here too
+from mmgen.apps.gradio_common import (  # noqa: E402,F401
+    DELETE_CACHE,
+    QUEUE_SIZE,
+    launch_demo,
+    numeric,
+    plain_message,
+    request_error,
+)
 from mmgen.apps.requests.bounds import MAX_SEED  # noqa: E402
 from mmgen.apps.requests.video import (  # noqa: E402
     COLLABORATIVE,
@@ -38,7 +52,9 @@ from mmgen.apps.requests.video import (  # noqa: E402
     MAX_DROP_THRESHOLD,
     MAX_FRAMES,
     MAX_PROMPT_CHARS,
-    Progress,
+    BlockUpdate,
+    LiveVideo,
+    StreamRequest,
     VideoCatalog,
     VideoRequest,
     VideoResult,
@@ -56,8 +72,11 @@ PROFILE_COLUMNS = ["method", "frames", "blocks", "first block (s)", "total (s)",
 #: ones up by whole factors, nearest neighbour, so that 32-pixel frames stay crisp).
 THUMB = 96
 GAP, ROW_GAP = 4, 10
+#: The live player's frames are scaled likewise, to about this many pixels.
+PLAYER = 256
 PICTURE = dict(type="pil", interactive=False, buttons=["download", "fullscreen"])  # no "share": it uploads
 EXAMPLE_PROMPT = "cat face moving left"
+STEER_PROMPT = "dog face moving up"
 VIDEO_NAME = "mmgen-video.mp4"
 
 
@@ -67,13 +86,7 @@ def contact_sheet(blocks: Sequence[np.ndarray]) -> Optional[Image.Image]:
     blocks = [b for b in blocks if b is not None and len(b)]
     if not blocks:
         return None
-    h, w = blocks[0].shape[1:3]
-    if max(h, w) <= THUMB:
-        size = (w * (THUMB // max(h, w)), h * (THUMB // max(h, w)))
-        resample = Image.NEAREST
-    else:
-        size = (max(1, round(w * THUMB / max(h, w))), max(1, round(h * THUMB / max(h, w))))
-        resample = Image.LANCZOS
+    size, resample = _scale(*blocks[0].shape[1:3], THUMB)
     columns = max(len(b) for b in blocks)
     sheet = Image.new("RGB", (columns * size[0] + (columns - 1) * GAP, len(blocks) * size[1] + (len(blocks) - 1) * ROW_GAP),
                       "white")
@@ -82,6 +95,14 @@ def contact_sheet(blocks: Sequence[np.ndarray]) -> Optional[Image.Image]:
             tile = Image.fromarray(np.ascontiguousarray(frame)).resize(size, resample)
             sheet.paste(tile, (column * (size[0] + GAP), row * (size[1] + ROW_GAP)))
     return sheet
+
+
+def _scale(h: int, w: int, target: int) -> tuple[tuple[int, int], int]:
+    """(width, height) of an h×w frame scaled to about `target` pixels on its longer side, and the
+    filter: small frames grow by whole factors, nearest neighbour (32-pixel frames stay crisp)."""
+    if max(h, w) <= target:
+        return (w * (target // max(h, w)), h * (target // max(h, w))), Image.NEAREST
+    return (max(1, round(w * target / max(h, w))), max(1, round(h * target / max(h, w)))), Image.LANCZOS
 
 
 def _length(value: Any) -> Any:
@@ -105,7 +126,7 @@ def handle_generate(catalog: VideoCatalog, max_frames: int, cache_dir: str, prom
         shown: list[np.ndarray] = []
         while True:
             try:
-                progress: Progress = next(events)
+                progress: BlockUpdate = next(events)
             except StopIteration as done:
                 result: VideoResult = done.value
                 break
@@ -122,7 +143,7 @@ def handle_generate(catalog: VideoCatalog, max_frames: int, cache_dir: str, prom
         events.close()
 
 
-def _progress(progress: Progress, shown: list) -> tuple:
+def _progress(progress: BlockUpdate, shown: list) -> tuple:
     """The widgets' values for a committed block: the sheet with its row (nothing to show until
     the end when the video is decoded at the end), the status; the first block clears the last
     request's video and profile."""
@@ -155,6 +176,88 @@ def _latency_frame(rows: list[dict]) -> pd.DataFrame:
                         columns=["block", "latency (s)"]).astype({"block": str, "latency (s)": float})
 
 
+# --- the live player ----------------------------------------------------------------------
+
+
+class LivePlayers:
+    """The live streams running, by browser session, so that a page's "Change prompt" and "Stop"
+    (events of their own, which run beside the stream's) reach the stream its "Start" opened."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, LiveVideo] = {}
+        self._lock = threading.Lock()
+
+    def hold(self, session: str, live: LiveVideo) -> None:
+        with self._lock:
+            self._streams[session] = live
+
+    def get(self, session: str) -> Optional[LiveVideo]:
+        with self._lock:
+            return self._streams.get(session)
+
+    def drop(self, session: str, live: LiveVideo) -> None:
+        with self._lock:
+            if self._streams.get(session) is live:
+                del self._streams[session]
+
+
+def handle_live(players: LivePlayers, catalog: VideoCatalog, session: str, prompt: Any, model: str, method: Any,
+                large_steps: Any, seed: Any, paced: bool = True):
+    """Widget values -> streamed (frame, status): a live stream of `model` (the pipeline's
+    default rolling cache), each block's frames shown one by one at the model's frame rate
+    (`paced`), the next block made once they are shown; it runs until "Stop" (`handle_stop`),
+    the page goes away, or `DEFAULT_STREAM_BLOCKS`. Bad input is a gr.Error before any work."""
+    request = StreamRequest(model=model, prompt=prompt, method=method, large_steps=large_steps, seed=seed)
+    try:
+        live = LiveVideo.open(request, catalog)
+    except Exception as error:
+        raise request_error(error, log, f"video demo live stream failed to open: model {model!r}") from None
+    players.hold(session, live)
+    try:
+        due, frames = time.perf_counter(), 0
+        while True:
+            try:
+                block = live.next()
+            except Exception as error:
+                raise request_error(error, log, f"video demo live stream failed: model {model!r}") from None
+            if block is None:
+                break
+            for offset, frame in enumerate(block.frames):
+                if paced:  # a player: frames at the video's rate, however fast the model makes them
+                    time.sleep(max(0.0, due - time.perf_counter()))
+                    due = max(due, time.perf_counter()) + 1.0 / live.fps
+                size, resample = _scale(*frame.shape[:2], PLAYER)
+                frames += 1
+                yield (Image.fromarray(frame).resize(size, resample),
+                       f"block {block.index + 1} · frame {block.start + offset} · “{block.prompt}”")
+        ended = "stopped" if live.closed else f"ended at {live.max_blocks} blocks, the most a stream makes here"
+        yield gr.update(), f"{ended}: {live.blocks} blocks, {frames} frames"
+    finally:  # stopped, finished, or the page went away: the stream closes and the model is free
+        players.drop(session, live)
+        live.close()
+
+
+def handle_steer(players: LivePlayers, session: str, prompt: Any) -> str:
+    """A new prompt for the page's running stream: the next block not yet started follows it."""
+    live = players.get(session)
+    if live is None or live.closed:
+        raise gr.Error("no stream is running: press Start stream first", title="No stream", print_exception=False)
+    try:
+        taken = live.set_prompt(prompt)
+    except Exception as error:
+        raise request_error(error, log, "video demo: steering the live stream failed") from None
+    return f"the next block follows “{taken}”"
+
+
+def handle_stop(players: LivePlayers, session: str) -> str:
+    """Stop the page's running stream (after the block being made): the model is free on return."""
+    live = players.get(session)
+    if live is None:
+        return "no stream is running"
+    live.close()
+    return ""
+
+
 def handle_model(catalog: VideoCatalog, max_frames: int, model: str) -> tuple:
     """A new model: its lengths, cache policies, methods and denoising steps."""
     try:
@@ -176,7 +279,7 @@ def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT
     s = model_settings(catalog, first, max_frames)
     smalls = ", ".join(catalog.companions) or "none (a folder MODEL-small beside a model is its small model)"
     height, width = s["size"]
-    with gr.Blocks(title="mmgen video demo", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+    with gr.Blocks(title="mmgen video demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
         gr.Markdown("## mmgen: streaming block-diffusion video\nType a prompt: the video is made block by block, each "
                     "block denoised in a few steps while attending to the cached frames of the earlier ones, and each "
                     "block's frames show as soon as it is committed (one row per block). Pick how much the cache keeps "
@@ -215,10 +318,44 @@ def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT
                 latency = gr.BarPlot(None, x="block", y="latency (s)", label="Per-block latency (its decode included)",
                                      x_title="block · frames", y_title="seconds", y_lim=[0, None], height=240,
                                      x_label_angle=-30, elem_id="latency")
+        gr.Markdown("### Live stream\nA video that runs for as long as you watch it, with a rolling cache (the model's "
+                    "default sink and window): each block plays at the model's frame rate and the next one is made as it "
+                    "plays. Type a new prompt while it runs: the next block follows it, the cached frames stay. Model, "
+                    "method, large-model steps and seed are the ones above.")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=320):
+                live_prompt = gr.Textbox(EXAMPLE_PROMPT, max_length=MAX_PROMPT_CHARS, label="Prompt to start with",
+                                         elem_id="live-prompt")
+                with gr.Row():
+                    live_start = gr.Button("Start stream", variant="primary", elem_id="live-start")
+                    live_stop = gr.Button("Stop", variant="stop", elem_id="live-stop")
+                steer_prompt = gr.Textbox(STEER_PROMPT, max_length=MAX_PROMPT_CHARS, elem_id="steer-prompt",
+                                          label="New prompt (steers the running stream)")
+                steer = gr.Button("Change prompt", elem_id="steer")
+                steer_status = gr.Markdown("", elem_id="steer-status")
+            with gr.Column(scale=2):
+                live_frame = gr.Image(label=f"Live ({height}×{width})", elem_id="live-frame", height=320, **PICTURE)
+                live_status = gr.Markdown("", elem_id="live-status")
         model.change(partial(handle_model, catalog, max_frames), model, [length, cache_policy, method, large_steps])
         method.change(lambda m: gr.update(visible=m == COLLABORATIVE), method, large_steps)
         run.click(partial(handle_generate, catalog, max_frames, video.GRADIO_CACHE),
                   [prompt, model, length, cache_policy, per_block, method, large_steps, cache_threshold, drop_threshold,
                    seed],
                   [sheet, status, video, profile, latency], api_name="generate")
+        players = LivePlayers()
+
+        def live(prompt: Any, model: str, method: Any, large_steps: Any, seed: Any, request: gr.Request):
+            yield from handle_live(players, catalog, request.session_hash, prompt, model, method, large_steps, seed)
+
+        def steer_live(prompt: Any, request: gr.Request) -> str:
+            return handle_steer(players, request.session_hash, prompt)
+
+        def stop_live(request: gr.Request) -> str:
+            return handle_stop(players, request.session_hash)
+
+        live_start.click(live, [live_prompt, model, method, large_steps, seed], [live_frame, live_status],
+                         api_name="live", show_progress="hidden")
+        # Beside the running stream (which holds the queue's slot): no concurrency limit of their own.
+        steer.click(steer_live, steer_prompt, steer_status, api_name="steer", concurrency_limit=None)
+        live_stop.click(stop_live, None, steer_status, api_name="stop", concurrency_limit=None)
     return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)

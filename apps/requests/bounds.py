@@ -9,6 +9,7 @@ type and range, and quoted back (`shown`) in a few characters at most.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -77,12 +78,25 @@ def number(what: str, value: Any, low: float, high: float, low_open: bool = Fals
     return float(value)
 
 
+#: Control characters no model reads (tabs and line breaks aside): a NUL, say, breaks text
+#: front ends with a raw message, so text holding one is refused first.
+CONTROL_CHARACTERS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def check_plain_text(what: str, value: str) -> None:
+    """Refuse text holding a control character (tabs and line breaks are fine)."""
+    found = CONTROL_CHARACTERS.search(value)
+    if found is not None:
+        raise ValueError(f"{what} holds a control character ({found.group()!r} at {found.start()}); send plain text")
+
+
 def checked_text(what: str, value: Any, limit: int = LIMITS.text_chars, empty: str = "") -> str:
-    """Non-empty text of at most `limit` characters, stripped; `empty` is the message for none."""
+    """Non-empty plain text of at most `limit` characters, stripped; `empty` is the message for none."""
     if not isinstance(value, str) or not value.strip():
         raise ValueError(empty or f"{what} must be non-empty text, got {shown(value)}")
     if len(value) > limit:
         raise ValueError(f"{what} must be at most {limit} characters, got {len(value)}")
+    check_plain_text(what, value)
     return value.strip()
 
 

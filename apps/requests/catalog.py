@@ -1,12 +1,15 @@
 """The models a surface offers, loaded once and shared: a `Catalog` per modality names its main
 models and their companions (drafters, small models), caches each loaded pipeline with a lock,
 and holds the continuous-batching servers that requests of one model and compatible settings
-share. The demos and `mmgen serve` use the same catalogue class of each modality.
+share (the `MAX_SERVERS` most recently used: a server's worker thread lives only while it has
+requests, so neither threads nor servers grow with the sampling settings clients send). The
+demos and `mmgen serve` use the same catalogue class of each modality.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,9 @@ COMPANION_SUFFIXES = ("-draft", "-small")
 #: (`decoding.json`: {"default": "draft", "options": {"num_draft": 5}, "measured": "<the command>"});
 #: surfaces start there, and that method runs with those settings where a request sets none.
 MEASURED_DEFAULT = "decoding.json"
+#: Continuous-batching servers a catalogue keeps (one per model, method and sampling settings in
+#: use); the least recently used beyond them is let go of (its running requests still finish).
+MAX_SERVERS = 8
 
 
 @dataclass
@@ -39,7 +45,7 @@ class Catalog:
     continuous_batch: int = 0
     modality: ClassVar[str] = ""  # "image", "text", "speech", "video": what the subclass serves
     _pipelines: dict[str, Any] = field(default_factory=dict, repr=False)
-    _servers: dict[tuple, Any] = field(default_factory=dict, repr=False)
+    _servers: "OrderedDict[tuple, Any]" = field(default_factory=OrderedDict, repr=False)
     _locks: dict[str, threading.Lock] = field(default_factory=dict, repr=False)
     _loading: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -149,7 +155,7 @@ class Catalog:
         """The shared continuous batch of `model` for this method and options (its pipeline's
         `serve(decoder, batch_size=..., lock=..., **options)`), or None when continuous batching
         is off or cannot run it (two-model methods, models that cannot restart a row): those
-        decode alone."""
+        decode alone. Only the `MAX_SERVERS` most recently used are kept."""
         pipe = self.pipeline(model)
         if not self.continuous_batch or not hasattr(pipe, "serve"):
             return None
@@ -162,6 +168,9 @@ class Catalog:
         with self._loading:
             if key not in self._servers:
                 self._servers[key] = pipe.serve(decoder, batch_size=self.continuous_batch, lock=self._locks[model], **options)
+                while len(self._servers) > MAX_SERVERS:
+                    self._servers.popitem(last=False)
+            self._servers.move_to_end(key)
             return self._servers[key]
 
     @contextmanager

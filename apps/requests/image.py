@@ -1,6 +1,8 @@
-"""Image requests: check a class-conditional request's inputs, run the pipeline (and, in compare
-mode, autoregressive decoding on the same seed first), return images and stats. Shared by the
-image demo and `mmgen serve`'s `/v1/images/generations`; importing it needs no gradio.
+"""Image requests: check a request's inputs (a class of a class-conditional model, or a prompt of a
+text-to-image one: LlamaGen t2i, Janus-Pro), run the pipeline (and, in compare mode,
+autoregressive decoding on the same seed first), return images and stats. Shared by the image
+demo (class-conditional models) and `mmgen serve`'s `/v1/images/generations` (both kinds);
+importing it needs no gradio.
 """
 
 from __future__ import annotations
@@ -8,19 +10,17 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, fields, is_dataclass
-from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 
 from mmgen import registry
 from mmgen.decoding import DecodeStats, Request, parse_decoding
-from mmgen.hub import read_json
-from mmgen.image_ar.bundled import BUNDLED_MODELS, load_class_pipeline
-from mmgen.loading import decoder_from_spec
+from mmgen.image_ar.bundled import BUNDLED_MODELS
+from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
 from mmgen.sampling import make_generator
 
-from .bounds import LIMITS, MAX_SEED, integer, sampler, shown
+from .bounds import LIMITS, MAX_SEED, checked_text, integer, sampler, shown
 from .catalog import COMPANION_SUFFIXES, Catalog, model_folder
 from .runs import BASELINE_LABEL, PerUnit, Result
 
@@ -35,9 +35,11 @@ MAX_OPTION_MAGNITUDE = 1e4  # any other number
 
 class ImageCatalog(Catalog):
     """The class-conditional image models a surface offers (`Catalog`): every bundled model
-    present by default; names ending in -draft/-small are companions."""
+    present by default; names ending in -draft/-small are companions. `conditions`: what the
+    models may be conditioned on (a subclass adds prompts: `TextImageCatalog`)."""
 
     modality = "image"
+    conditions: ClassVar[tuple[str, ...]] = ("class",)
 
     @classmethod
     def discover(cls, models: Optional[Sequence[str]] = None, device: str = "cpu") -> "ImageCatalog":
@@ -46,7 +48,7 @@ class ImageCatalog(Catalog):
         if not models:
             entries = [name for name, folder in BUNDLED_MODELS.items() if model_folder(folder, "model_index.json")]
         else:
-            entries = [_checked_entry(str(entry)) for entry in models]
+            entries = [_checked_entry(str(entry), cls.conditions) for entry in models]
             for entry in list(entries):
                 for suffix in COMPANION_SUFFIXES:
                     companion = entry + suffix
@@ -58,7 +60,10 @@ class ImageCatalog(Catalog):
         return catalog
 
     def load(self, source: str) -> Any:
-        return load_class_pipeline(source, self.device)
+        pipe = load_pipeline(source, self.device)
+        if pipe.conditions not in self.conditions:
+            raise ValueError(f"{source} holds a {type(pipe).__name__}, not a {_kinds(self.conditions)} pipeline")
+        return pipe
 
     def methods(self, model: str) -> list[str]:
         """Every decoder the pipeline declares: a two-model method finds its companion in the
@@ -66,21 +71,41 @@ class ImageCatalog(Catalog):
         return list(self.pipeline(model).decoders())
 
 
-def _checked_entry(entry: str) -> str:
-    """A bundled name, or a folder whose model_index.json names a class-conditional pipeline."""
+class TextImageCatalog(ImageCatalog):
+    """`ImageCatalog` that also offers text-to-image models (LlamaGen t2i pipeline folders and
+    transformers Janus-Pro folders), as `mmgen serve` does."""
+
+    conditions = ("class", "prompt")
+
+
+def _kinds(conditions: Sequence[str]) -> str:
+    return " or ".join({"class": "class-conditional", "prompt": "text-to-image"}[c] for c in conditions)
+
+
+def _checked_entry(entry: str, conditions: Sequence[str] = ("class",)) -> str:
+    """A bundled name, or a folder of an image pipeline conditioned as `conditions` allow: an
+    mmgen folder (model_index.json) or, for prompts, a transformers Janus folder (config.json)."""
     if entry in BUNDLED_MODELS:
         return entry
-    if not model_folder(entry, "model_index.json"):
+    janus = "prompt" in conditions and registry.pipeline_for_model_type(str(_config_type(entry))) is not None
+    if not model_folder(entry, "model_index.json") and not janus:
         raise ValueError(f"--model {entry!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
                          "nor a pipeline folder with a model_index.json")
-    kind = read_json(Path(entry) / "model_index.json").get("_class_name")
     try:
-        conditions = registry.pipeline_class(kind).conditions
-    except ValueError:
-        conditions = None
-    if conditions != "class":
-        raise ValueError(f"--model {entry!r} is a {kind}; the image demo serves class-conditional pipelines")
+        kind = pipeline_class_of(entry)
+    except (OSError, ValueError):
+        kind = None
+    if kind is None or registry.pipeline_modality(kind) != "image" or kind.conditions not in conditions:
+        name = kind.__name__ if kind is not None else "folder mmgen cannot open"
+        raise ValueError(f"--model {entry!r} is a {name}; the image demo serves {_kinds(conditions)} pipelines")
     return entry
+
+
+def _config_type(folder: str) -> Any:
+    """A folder's config.json model_type (None when it has none)."""
+    from .catalog import folder_field
+
+    return folder_field(folder, "config.json", "model_type") if model_folder(folder) else None
 
 
 @dataclass(frozen=True)
@@ -99,10 +124,22 @@ def model_info(pipe: Any) -> ModelInfo:
     """A loaded pipeline's classes, methods (the decoders it declares), default method (its
     `default_decoding`) and sampler defaults."""
     methods = list(pipe.decoders())
-    names = list(pipe.class_names) if pipe.class_names else [str(i) for i in range(pipe.num_classes)]
+    if pipe.conditions != "class":  # a prompt says what to draw
+        names = []
+    else:
+        names = list(pipe.class_names) if pipe.class_names else [str(i) for i in range(pipe.num_classes)]
     takes_top_k = "top_k" in inspect.signature(pipe.__call__).parameters
-    vocab = getattr(getattr(pipe.transformer, "config", None), "vocab_size", None) if takes_top_k else None
+    vocab = _vocab_size(pipe) if takes_top_k else None
     return ModelInfo(pipe.decoder_family, names, methods, pipe.default_decoding, vocab, dict(getattr(pipe, "sampling_defaults", {})))
+
+
+def _vocab_size(pipe: Any) -> Optional[int]:
+    """The image tokens' vocabulary (what top-k counts): the transformer's, or Janus' generation head's."""
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is not None:
+        return getattr(getattr(transformer, "config", None), "vocab_size", None)
+    vq = getattr(getattr(getattr(pipe, "model", None), "config", None), "vq_config", None)
+    return getattr(vq, "num_embeddings", None)
 
 
 @dataclass(frozen=True)
@@ -110,7 +147,7 @@ class ImageRequest:
     """One press of Generate. None sampler values take the model's defaults."""
 
     model: str
-    class_name: str
+    class_name: Optional[str] = None  # a class-conditional model's class
     method: str = "sjd"
     options: str = ""  # decoder options: "delta=0.2,window=8"
     seed: int = 0
@@ -121,6 +158,7 @@ class ImageRequest:
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     num_steps: Optional[int] = None  # MAR masked steps
+    prompt: Optional[str] = None  # a text-to-image model's prompt
 
 
 @dataclass
@@ -191,7 +229,7 @@ class CheckedImage:
 
     request: ImageRequest
     pipe: Any
-    label: int  # the class id
+    label: Any  # the class id, or the prompt of a text-to-image model
     seed: int
     count: int
     sampling: dict
@@ -207,7 +245,14 @@ def check_request(request: ImageRequest, catalog: ImageCatalog, max_images: int 
     options' own, before any work: the server calls it before the request waits for its model."""
     pipe = catalog.main_pipeline(request.model)
     info = model_info(pipe)
-    label = _class_label(request.class_name, info.class_names)
+    if pipe.conditions == "prompt":
+        if request.class_name is not None:
+            raise ValueError("this model draws what a prompt says: give a prompt, not a class")
+        label = checked_text("the prompt", request.prompt, empty="type a prompt (the prompt is empty)")
+    else:
+        if request.prompt is not None:
+            raise ValueError("this model is class-conditional: give one of its classes, not a prompt")
+        label = _class_label(request.class_name, info.class_names)
     seed = integer("seed", request.seed, 0, MAX_SEED)
     count = integer("number of images", request.num_images, 1, max(1, min(max_images, MAX_IMAGES)))
     sampling = sampler(request.temperature, request.top_k, request.top_p, info.vocab_size, request.guidance_scale)
@@ -247,7 +292,8 @@ def run_checked(checked: CheckedImage, catalog: ImageCatalog) -> ImageResult:
         built = {k: catalog.pipeline(v) if k in named else v for k, v in options.items()}
         decoder = decoder_from_spec(checked.name, pipe, source, catalog.device, **{**built, **checked.overrides})
         # Compare mode times its two runs, so it never shares a batch with other requests.
-        shares = not request.compare and hasattr(pipe, "serve")  # MAR and VAR pipelines decode alone
+        # MAR, VAR and text-to-image pipelines decode alone.
+        shares = not request.compare and hasattr(pipe, "serve") and pipe.conditions == "class"
         server = catalog.server(request.model, checked.method, decoder, sampling=pipe.sampling_config(**checked.sampling)) \
             if shares else None
         plan = [(BASELINE_LABEL, decoder_from_spec("ar", pipe, source, catalog.device, **checked.overrides),

@@ -23,7 +23,7 @@ from mmgen import registry
 from mmgen.decoding import DecodeStats
 from mmgen.sampling import make_generator
 
-from .bounds import LIMITS, MAX_SEED, checked_text, integer, sampler, shown
+from .bounds import LIMITS, MAX_SEED, check_plain_text, checked_text, integer, sampler, shown
 from .catalog import Catalog, folder_field, model_folder
 from .runs import BASELINE_LABEL, PerUnit, Result, finish, relay
 
@@ -188,7 +188,7 @@ class SpeechResult(Result):
 
 
 @dataclass(frozen=True)
-class Progress:
+class AudioUpdate:
     """A streamed update: run `index` of the request (0 is the baseline in compare mode) has a new
     chunk of waveform (mono float32 at `sampling_rate`); `seconds` of its audio are out so far."""
 
@@ -246,14 +246,14 @@ def run_request(request: SpeechRequest, catalog: SpeechCatalog,
 
 
 def stream_request(request: SpeechRequest, catalog: SpeechCatalog,
-                   max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> Iterator[Progress]:
+                   max_new_frames: int = DEFAULT_MAX_NEW_FRAMES) -> Iterator[AudioUpdate]:
     """`run_request`, yielding each run's waveform chunks as frames commit (`TTSPipeline.stream`);
     returns the `SpeechResult` (the generator's return value). Every input is checked before
     any decoding."""
     return (yield from stream_checked(check_request(request, catalog, max_new_frames), catalog))
 
 
-def stream_checked(checked: CheckedSpeech, catalog: SpeechCatalog) -> Iterator[Progress]:
+def stream_checked(checked: CheckedSpeech, catalog: SpeechCatalog) -> Iterator[AudioUpdate]:
     """`stream_request` of a request `check_request` passed."""
     request, pipe, plan = checked.request, checked.pipe, list(checked.plan)
     runs = []
@@ -287,11 +287,11 @@ def _audio_so_far(index: int, label: str, rate: int, chunk_of: Any = lambda item
     seconds of audio out so far."""
     samples = 0
 
-    def progress(item: Any) -> Progress:
+    def progress(item: Any) -> AudioUpdate:
         nonlocal samples
         chunk = chunk_of(item)
         samples += chunk.numel()
-        return Progress(index, label, chunk.float().numpy(), rate, samples / rate)
+        return AudioUpdate(index, label, chunk.float().numpy(), rate, samples / rate)
 
     return progress
 
@@ -334,4 +334,5 @@ def _voice_text(text: Any, voice: Optional[tuple]) -> Optional[str]:
         raise ValueError(f"the voice transcript must be at most {MAX_TEXT_CHARS} characters, got {len(text)}")
     if voice is None:
         raise ValueError("the voice transcript is the transcript of a voice prompt: upload the voice too")
+    check_plain_text("the voice transcript", text)
     return text.strip()

@@ -114,7 +114,7 @@ class ChatRequest:
     ...]) and `history_images` / `history_videos` the images and videos of its placeholders, in
     order. A video is a file's path (an upload), a file's bytes (a data: URL's) or what the
     pipeline takes (a [T, H, W, 3] uint8 array, a list of frames); only the families that take
-    video (`mmgen.vlm.videos.VIDEO_FAMILIES`) accept one."""
+    video (a registered "video" capability: `mmgen.vlm.videos.video_families`) accept one."""
 
     model: str
     message: str
@@ -128,7 +128,7 @@ class ChatRequest:
     keep_ratio: float = 0.25
     temperature: float = 0.0
     seed: int = 0
-    max_new_tokens: int = 64
+    max_new_tokens: Optional[int] = 64  # None: the cap, or what the model's context leaves after the prompt
     compare: bool = False  # also answer with plain AR and no dropping, same seed
 
 
@@ -175,7 +175,7 @@ class ChatResult(Result):
 
 
 @dataclass(frozen=True)
-class Progress:
+class AnswerUpdate:
     """A streamed update: run `index` of the request (0 is the baseline in compare mode) has
     answered `text` so far."""
 
@@ -210,7 +210,7 @@ def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4
     pipe = catalog.main_pipeline(request.model)
     message = checked_text("the message", request.message, MAX_MESSAGE_CHARS, empty="type a question (the message is empty)")
     cap = max(1, min(int(max_new_tokens), MAX_NEW_TOKENS))
-    budget = integer("max new tokens", request.max_new_tokens, 1, cap)
+    budget = None if request.max_new_tokens is None else integer("max new tokens", request.max_new_tokens, 1, cap)
     seed = integer("seed", request.seed, 0, MAX_SEED)
     temperature = number("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
     offered = catalog.methods(request.model)
@@ -232,10 +232,28 @@ def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4
     conversation = [*history, turn]
     # One turn goes in as text (what every VLMPipeline takes), a longer chat as the conversation.
     prompt = [conversation] if history else message
+    images = [*history_images, *images]
+    if budget is None:
+        budget = _fitting_budget(pipe, prompt, images, videos, cap)
     label = request.method + (f" · {dropping}" if dropping else "")
     plan = ((BASELINE_LABEL, "ar", None),) if request.compare else ()
-    return CheckedChat(request, pipe, conversation, [*history_images, *images], videos, prompt, cap, budget, seed,
+    return CheckedChat(request, pipe, conversation, images, videos, prompt, cap, budget, seed,
                        temperature, plan + ((label, request.method, dropping),))
+
+
+def _fitting_budget(pipe: Any, prompt: Any, images: list, videos: list, cap: int) -> int:
+    """The default answer budget: `cap`, less where the model's context leaves fewer tokens after
+    the prompt (a default must fit the model); ValueError when it leaves none."""
+    context = getattr(pipe, "context_length", None)
+    if context is None:
+        return cap
+    inputs = pipe.prepare_inputs(prompt, images or None, videos or None)
+    mask = inputs.get("attention_mask")
+    length = int(mask.sum()) if mask is not None else int(inputs["input_ids"].shape[-1])
+    if length >= context:
+        raise ValueError(f"the prompt is {length} tokens, the whole of the model's context of {context}: "
+                         "shorten it or send fewer or smaller images")
+    return min(cap, context - length)
 
 
 def run_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
@@ -245,13 +263,13 @@ def run_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
 
 
 def stream_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
-                   max_new_tokens: int = MAX_NEW_TOKENS) -> Iterator[Progress]:
+                   max_new_tokens: int = MAX_NEW_TOKENS) -> Iterator[AnswerUpdate]:
     """`run_request`, yielding each run's answer so far as tokens commit; returns the
     `ChatResult` (the generator's return value). Every input is checked before any decoding."""
     return (yield from stream_checked(check_request(request, catalog, max_images, max_new_tokens), catalog))
 
 
-def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[Progress]:
+def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[AnswerUpdate]:
     """`stream_request` of a request `check_request` passed."""
     request, pipe, plan = checked.request, checked.pipe, list(checked.plan)
     runs = []
@@ -283,9 +301,9 @@ def _answer_so_far(index: int, label: str, piece_of: Any = lambda item: item):
     """A `relay` progress function: each streamed piece (`piece_of(item)`) appended to the answer."""
     pieces: list[str] = []
 
-    def progress(item: Any) -> Progress:
+    def progress(item: Any) -> AnswerUpdate:
         pieces.append(piece_of(item))
-        return Progress(index, label, "".join(pieces))
+        return AnswerUpdate(index, label, "".join(pieces))
 
     return progress
 

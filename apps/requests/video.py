@@ -1,7 +1,9 @@
 """Video requests: check a request's inputs, make the video block by block with the
 block-diffusion pipeline, streaming each block's frames as it is committed, and return the
 frames with the call's profile. Shared by the video demo and `mmgen serve`'s `/v1/videos`;
-importing it needs neither gradio nor diffusers.
+importing it needs neither gradio nor diffusers. Live streams (`check_stream`, `LiveVideo`: a
+video that runs for as long as it is read and follows new prompts, on the pipeline's `stream`)
+serve `/v1/videos/stream` and the demo's live player.
 
 The bundled `emoji-motion` (with its small model `emoji-motion-small`) is served unless given
 --model: bundled names or pipeline folders of a registered video family
@@ -12,7 +14,9 @@ denoising (the large model takes the first denoising steps of each block, the sm
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -167,7 +171,7 @@ class VideoRequest:
 
 
 @dataclass(frozen=True)
-class Progress:
+class BlockUpdate:
     """A streamed update: block `index` (0-based) of `num_blocks` is committed, `seconds` after
     the call started; `frames` [T, H, W, 3] uint8 are its video frames `start` … `start + T − 1`
     (None when the video is decoded at the end)."""
@@ -267,9 +271,10 @@ def check_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int 
         raise ValueError(f"unknown method {shown(request.method)} for this model; choose one of {offered}")
     steps = len(pipe.schedule.timesteps)
     options, label = {}, request.method
+    large_steps = integer("large-model steps", request.large_steps, 1, steps)  # checked whichever method runs
     if request.method == COLLABORATIVE:
-        options["large_steps"] = integer("large-model steps", request.large_steps, 1, steps)
-        label = f"{COLLABORATIVE} (large {options['large_steps']}/{steps} steps)"
+        options["large_steps"] = large_steps
+        label = f"{COLLABORATIVE} (large {large_steps}/{steps} steps)"
     thresholds = dict(cache_threshold=_threshold("First Block Cache threshold", request.cache_threshold, MAX_CACHE_THRESHOLD),
                       drop_threshold=_threshold("token dropping threshold", request.drop_threshold, MAX_DROP_THRESHOLD))
     if policy == NO_CACHE and any(v is not None for v in thresholds.values()):
@@ -286,14 +291,14 @@ def run_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = 
 
 
 def stream_request(request: VideoRequest, catalog: VideoCatalog,
-                   max_frames: int = DEFAULT_MAX_FRAMES) -> Iterator[Progress]:
-    """`run_request`, yielding a `Progress` per block as it is committed (the pipeline runs in a
+                   max_frames: int = DEFAULT_MAX_FRAMES) -> Iterator[BlockUpdate]:
+    """`run_request`, yielding a `BlockUpdate` per block as it is committed (the pipeline runs in a
     thread); returns the `VideoResult` (the generator's return value). Every input is checked
     before any work. Closed early (the page went away), the run stops after its current block."""
     return (yield from stream_checked(check_request(request, catalog, max_frames), catalog))
 
 
-def stream_checked(checked: CheckedVideo, catalog: VideoCatalog) -> Iterator[Progress]:
+def stream_checked(checked: CheckedVideo, catalog: VideoCatalog) -> Iterator[BlockUpdate]:
     """`stream_request` of a request `check_request` passed."""
     request, pipe, options = checked.request, checked.pipe, dict(checked.options)
     with catalog.using([request.model, *filter(None, [checked.small])]):
@@ -310,9 +315,9 @@ def stream_checked(checked: CheckedVideo, catalog: VideoCatalog) -> Iterator[Pro
                     generator=make_generator(checked.seed, catalog.device), **checked.thresholds)
         started = time.perf_counter()
 
-        def block(item: tuple) -> Progress:
+        def block(item: tuple) -> BlockUpdate:
             index, frames = item
-            return Progress(index, len(spans), spans[index][0], frames, time.perf_counter() - started)
+            return BlockUpdate(index, len(spans), spans[index][0], frames, time.perf_counter() - started)
 
         # The pipeline's block callback feeds the stream; closed early, the run stops at its next block.
         stream = stream_from_thread(lambda emit: pipe(**call, callback=lambda index, latents, frames: emit(
@@ -344,3 +349,145 @@ def _cache_policy(spec: Any) -> str:
         message = str(error)
         raise ValueError(message if message.startswith("cache policy") else f"cache policy {shown(spec)}: {message}") from None
     return str(policy)
+
+
+# --------------------------------------------------------------------------------------------
+# Live streams: a video that runs for as long as it is read, steered by new prompts
+# --------------------------------------------------------------------------------------------
+
+#: Blocks one live stream makes, at most, whatever a surface allows (at 16 fps, blocks of 3
+#: latent frames of Wan's 4 video frames each: about two hours of video).
+MAX_STREAM_BLOCKS = 10_000
+DEFAULT_STREAM_BLOCKS = 1_000
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    """A live stream: `VideoRequest`'s settings without a length (it runs until closed or its
+    `max_blocks`); `cache_policy` must roll ("window:N" or "sink:S,window:N"; None: the
+    pipeline's default stream policy), so that memory stays flat however long it runs."""
+
+    model: str
+    prompt: str
+    cache_policy: Optional[str] = None
+    method: str = "block"
+    large_steps: int = 1
+    cache_threshold: Optional[float] = None
+    drop_threshold: Optional[float] = None
+    seed: int = 0
+    max_blocks: Optional[int] = None  # None: the surface's limit
+
+
+@dataclass(frozen=True)
+class CheckedStream:
+    """A `StreamRequest` that passed every check (`check_stream`): the checked video settings
+    (`CheckedVideo`; its `num_frames` unused) and the blocks it may make."""
+
+    video: CheckedVideo
+    max_blocks: int
+
+
+@dataclass(frozen=True)
+class LiveBlock:
+    """One committed block of a live stream: its `index`, its video frames `start` … `start + T − 1`
+    (`frames` [T, H, W, 3] uint8), the prompt it followed and `seconds` since the stream opened."""
+
+    index: int
+    start: int
+    frames: np.ndarray
+    prompt: str
+    seconds: float
+
+
+def check_stream(request: StreamRequest, catalog: VideoCatalog, max_blocks: int = DEFAULT_STREAM_BLOCKS) -> CheckedStream:
+    """Every check of a live stream's request (ValueError with a one-line message), before any
+    work: the video settings as `check_request` checks them, a rolling cache policy within the
+    model's rotary table, and at most `max_blocks` blocks (the surface's limit)."""
+    from mmgen.video.model import check_rotary_table
+
+    pipe = catalog.main_pipeline(request.model)
+    policy = request.cache_policy
+    if policy is None:
+        policy = str(pipe.default_stream_policy(pipe.block_frames))
+    checked = check_request(VideoRequest(request.model, request.prompt, cache_policy=policy, method=request.method,
+                                         large_steps=request.large_steps, cache_threshold=request.cache_threshold,
+                                         drop_threshold=request.drop_threshold, seed=request.seed), catalog, MAX_FRAMES)
+    rolling = pipe.stream_policy(checked.cache_policy, pipe.block_frames)  # global and none grow with the stream
+    held = rolling.sink + rolling.window + pipe.block_frames
+    check_rotary_table(pipe.transformer.config, held, held, str(rolling), "use a smaller window")
+    limit = max(1, min(int(max_blocks), MAX_STREAM_BLOCKS))
+    blocks = integer("max_blocks", limit if request.max_blocks is None else request.max_blocks, 1, limit)
+    return CheckedStream(checked, blocks)
+
+
+class LiveVideo:
+    """A checked live stream, running: it holds its models' locks from `open` to `close`, so a
+    video request of the same model waits for it (the pipeline makes nothing else while one of
+    its streams is open). `next()` makes one block (None once `max_blocks` are made or the
+    stream is closed); `set_prompt` (any thread) steers the next block not yet started; `close`
+    (any thread, any number of times) waits for a running block, frees the stream's caches and
+    then the models. Shared by `mmgen serve`'s `/v1/videos/stream` and the demo's live player."""
+
+    def __init__(self, checked: CheckedStream, catalog: VideoCatalog):
+        self.checked, self.catalog = checked, catalog
+        video = checked.video
+        self.pipe, self.prompt, self.max_blocks = video.pipe, video.prompt, checked.max_blocks
+        self.blocks = 0
+        self._closing = threading.Lock()
+        self._models = ExitStack()
+        self._models.enter_context(catalog.using([video.request.model, *filter(None, [video.small])]))
+        try:
+            from mmgen.loading import decoder_from_spec
+
+            options = dict(video.options)
+            if video.small is not None:
+                options["small"] = catalog.pipeline(video.small)
+            decoder = decoder_from_spec(video.request.method, self.pipe, catalog.main[video.request.model], catalog.device,
+                                        **options)
+            self.stream = self.pipe.stream(video.prompt, decoding=decoder, cache_policy=video.cache_policy,
+                                           generator=make_generator(video.seed, catalog.device), **video.thresholds)
+        except BaseException:
+            self._models.close()
+            raise
+        self.started = time.perf_counter()
+
+    @classmethod
+    def open(cls, request: StreamRequest, catalog: VideoCatalog, max_blocks: int = DEFAULT_STREAM_BLOCKS) -> "LiveVideo":
+        """Check `request` (ValueError, before any work) and open its stream (waits for the models)."""
+        return cls(check_stream(request, catalog, max_blocks), catalog)
+
+    @property
+    def closed(self) -> bool:
+        return self.stream.closed
+
+    @property
+    def fps(self) -> float:
+        return float(self.pipe.fps)
+
+    def next(self) -> Optional[LiveBlock]:
+        """The next committed block, or None when the stream has made its `max_blocks` or was closed."""
+        if self.blocks >= self.max_blocks:
+            return None
+        block = next(self.stream, None)
+        if block is None:
+            return None
+        self.blocks = block.index + 1
+        return LiveBlock(block.index, block.first_frame, block.frames[0].numpy(), block.prompts[0],
+                         time.perf_counter() - self.started)
+
+    def set_prompt(self, prompt: Any) -> str:
+        """Follow `prompt` from the next block not yet started (checked as the first prompt is:
+        ValueError, and the stream runs on with its prompt); returns the prompt as taken."""
+        text = self.checked_prompt(prompt)
+        self.stream.set_prompt(text)
+        return text
+
+    @staticmethod
+    def checked_prompt(prompt: Any) -> str:
+        """A new prompt, checked as a request's is (ValueError)."""
+        return checked_text("the prompt", prompt, MAX_PROMPT_CHARS, empty="type a prompt (the prompt is empty)")
+
+    def close(self) -> None:
+        with self._closing:
+            self.stream.close()
+            self._models.close()  # once: an ExitStack closed again does nothing

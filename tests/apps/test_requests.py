@@ -91,7 +91,7 @@ def test_the_measured_default_runs_with_its_measured_settings_where_a_request_se
 
 
 def test_the_bundled_vlm_drafts_with_its_measured_settings_unless_told_otherwise():
-    from mmgen.apps.requests.vlm import VLMCatalog
+    from mmgen.apps.requests.text import VLMCatalog
 
     catalog = VLMCatalog.discover()
     measured = json.loads((Path(__file__).parents[2] / "vlm/assets/emoji-vlm/decoding.json").read_text())

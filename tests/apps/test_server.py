@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from mmgen.apps import serve_cli  # noqa: E402
 from mmgen.apps.requests import image, video  # noqa: E402
+from mmgen.apps.http.connections import uvicorn_options  # noqa: E402
 from mmgen.apps.server import ServerSettings, create_app, discover_catalogs, pcm16, preload  # noqa: E402
 from mmgen.sampling import make_generator  # noqa: E402
 
@@ -57,7 +58,8 @@ def running(app):
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    options = uvicorn_options(app.state.service.settings)  # as `mmgen serve` runs it: connection bounds
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -233,9 +235,20 @@ def test_chat_with_a_seed_is_the_offline_pipelines_answer_with_usage(client, cat
 
 
 def test_overlapping_chats_share_the_batch_and_each_gives_its_seeds_answer(client, catalogs, picture):
+    """Three chats held until all wait, then decoded in one continuous batch (one session of the
+    shared server, three rows): each answer is its own seed's answer alone, and the seeds'
+    answers differ, so a server that mixed rows up or ignored seeds fails."""
     shown, data_url = picture
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
                                              {"type": "text", "text": QUESTION}]}]
+    seeds = (11, 12, 13)
+    pipe, text = catalogs["text"].pipeline("emoji-vlm"), catalogs["text"]
+    alone = {seed: pipe(QUESTION, [shown], max_new_tokens=8, decoding="ar", temperature=1.0,
+                        generator=make_generator(seed)).texts[0] for seed in seeds}
+    assert len(set(alone.values())) == len(seeds)  # distinct: an answer given to the wrong request shows
+    # The server's shared batch for these settings (the same one the requests get: `Catalog.server` caches it).
+    shared = text.server("emoji-vlm", "ar", text.decoder("ar", "emoji-vlm"), max_new_tokens=16, temperature=1.0).server
+    sessions = shared.sessions
     answers = {}
 
     def chat(seed: int) -> None:
@@ -243,15 +256,51 @@ def test_overlapping_chats_share_the_batch_and_each_gives_its_seeds_answer(clien
                                              seed=seed, extra_body={"decoding": "ar"})
         answers[seed] = out.choices[0].message.content
 
-    threads = [threading.Thread(target=chat, args=(seed,)) for seed in (11, 12, 13)]
-    for thread in threads:
-        thread.start()
+    threads = [threading.Thread(target=chat, args=(seed,)) for seed in seeds]
+    with text.using(["emoji-vlm"]):  # the model is busy: every chat waits for the batch
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while shared.queue.waiting() < len(seeds) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert shared.queue.waiting() == len(seeds)
     for thread in threads:
         thread.join(timeout=120)
-    pipe = catalogs["text"].pipeline("emoji-vlm")
-    for seed in (11, 12, 13):
-        alone = pipe(QUESTION, [shown], max_new_tokens=8, decoding="ar", temperature=1.0, generator=make_generator(seed))
-        assert answers[seed] == alone.texts[0]
+    assert shared.sessions == sessions + 1  # one decode served all three: they shared its rows
+    assert answers == alone
+
+
+def test_many_sampling_settings_keep_the_threads_and_servers_bounded(http, catalogs):
+    """Each temperature keys its own continuous batch; neither their worker threads nor the
+    servers themselves may grow with the settings clients send."""
+    from mmgen.apps.requests.catalog import MAX_SERVERS
+
+    def batch_threads() -> int:
+        return sum(t.name == "mmgen-continuous-batch" for t in threading.enumerate())
+
+    for k in range(3 * MAX_SERVERS):
+        response = http.post("/v1/chat/completions", json=ask(max_tokens=2, temperature=0.5 + 0.001 * k, seed=k,
+                                                                 decoding="ar"))
+        assert response.status_code == 200, response.text
+    deadline = time.monotonic() + 10
+    while batch_threads() and time.monotonic() < deadline:  # an idle server's worker ends once its queue empties
+        time.sleep(0.05)
+    assert batch_threads() == 0
+    assert len(catalogs["text"]._servers) <= MAX_SERVERS
+
+
+def test_chat_without_max_tokens_fits_the_models_context_on_the_default_server(catalogs, picture):
+    """The default budget (256 tokens) is emoji-vlm's whole context: a request that sets none gets
+    what the context leaves after its prompt, and its answer, not a 400."""
+    _, data_url = picture
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url}},
+                                             {"type": "text", "text": QUESTION}]}]
+    assert catalogs["text"].pipeline("emoji-vlm").context_length <= ServerSettings().max_new_tokens
+    with running(create_app(catalogs, ServerSettings())) as base:
+        response = httpx.post(f"{base}/v1/chat/completions", timeout=120,
+                              json={"model": "emoji-vlm", "messages": messages, "seed": 0, "decoding": "ar"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
 
 
 def test_chat_streams_server_sent_events_that_add_up_to_the_answer(client, http, picture):
@@ -530,7 +579,154 @@ def test_oversized_bodies_are_refused_before_they_are_read(tight):
     error_of(tight.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}), 413)
 
 
+# --- abuse: slow, gone and crowding clients ----------------------------------------------------
+
+GUARDED = ServerSettings(max_queue=1, max_body_bytes=4096, max_body_bytes_in_flight=6000, header_timeout_s=1.0,
+                         body_timeout_s=2.0, max_connections=8, max_frames=9)
+
+
+@pytest.fixture(scope="module")
+def guarded(catalogs):
+    """A server with tight abuse bounds (no key): its base URL and (host, port)."""
+    with running(create_app(catalogs, GUARDED)) as base:
+        host, port = base.removeprefix("http://").split(":")
+        yield base, (host, int(port))
+
+
+def raw(address, data: bytes = b"", timeout: float = 10.0) -> socket.socket:
+    """A raw connection to the server that has sent `data`."""
+    sock = socket.create_connection(address, timeout=timeout)
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def head(path: str, length: int, kind: str = "application/json") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\nContent-Length: {length}\r\n\r\n").encode()
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes `sock` within `seconds` (whatever it answers first)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@contextmanager
+def logged(*names: str):
+    """The records the named loggers emit meanwhile (uvicorn's do not reach pytest's caplog)."""
+    import logging
+
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def test_a_client_gone_mid_body_is_no_500_and_logs_no_traceback(guarded):
+    base, address = guarded
+    with httpx.Client(base_url=base) as http:
+        before = metric(http, "mmgen_responses_total", route="/v1/chat/completions", status="500")
+        with logged("uvicorn.error", "mmgen.serve") as records:
+            for _ in range(3):
+                raw(address, head("/v1/chat/completions", 2000) + b'{"model": "emoji-').close()
+            deadline = time.monotonic() + 10
+            while metric(http, "mmgen_rejected_requests_total", reason="client_gone") < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert metric(http, "mmgen_rejected_requests_total", reason="client_gone") >= 3
+        assert metric(http, "mmgen_responses_total", route="/v1/chat/completions", status="500") == before
+    assert not [r for r in records if r.levelname in ("ERROR", "CRITICAL") or r.exc_info]
+
+
+def test_trickled_headers_and_bodies_are_cut_off_and_connections_are_bounded(guarded):
+    base, address = guarded
+    trickler = raw(address, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    trickler.settimeout(0.1)
+    begun, closed_after = time.monotonic(), None
+    while closed_after is None and time.monotonic() - begun < 10:  # a header line every 0.1 s, never finished
+        try:
+            trickler.sendall(b"X-Slow: 1\r\n")
+            if trickler.recv(65536) == b"":
+                closed_after = time.monotonic() - begun
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            closed_after = time.monotonic() - begun
+    assert closed_after is not None and closed_after < GUARDED.header_timeout_s + 2  # closed at the header timeout
+    slow_body = raw(address, head("/v1/chat/completions", 100) + b"{")  # its body never comes
+    answer = slow_body.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive" in answer and closed_within(slow_body, 2.0)
+    crowd = [raw(address) for _ in range(GUARDED.max_connections + 2)]
+    try:
+        assert closed_within(crowd[-1], 2.0)  # past the limit: closed before it sends anything
+    finally:
+        for sock in crowd:
+            sock.close()
+    assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_bodies_are_admitted_before_they_are_read(guarded, catalogs):
+    base, address = guarded
+    first = raw(address, head("/v1/chat/completions", 4000) + b"{")  # holds 4000 of the 6000 body bytes
+    try:
+        time.sleep(0.2)
+        second = raw(address, head("/v1/chat/completions", 4000))  # sends no body: answered before it is read
+        answer = second.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 429") and b"server_busy" in answer and b"retry-after" in answer.lower()
+    finally:
+        first.close()
+    job = {"model": "emoji-motion", "prompt": "a face", "num_frames": 5, "seed": 1}
+    with catalogs["video"].using(["emoji-motion"]), httpx.Client(base_url=base, timeout=30) as http:
+        running_job = http.post("/v1/videos", json=job).json()
+        deadline = time.monotonic() + 30
+        while http.get(f"/v1/videos/{running_job['id']}").json()["status"] == "queued" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        waiting_job = http.post("/v1/videos", json=job).json()  # the one place in the queue
+        late = raw(address, head("/v1/videos", 100))  # no body: refused by the full queue before it is read
+        answer = late.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 429") and b"queue_full" in answer
+    for job_id in (running_job["id"], waiting_job["id"]):
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{base}/v1/videos/{job_id}").json()["status"] != "completed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+@pytest.mark.parametrize("path, content, kind, status, words", [
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}', "text/plain", 415, "application/json"),
+    ("/v1/audio/speech", b'{"input": "[S1] Hel\\u0000lo"}', "application/json", 400, "control character"),
+    ("/v1/videos", b'{"prompt": "a face", "num_frames": 5, "seconds": "abc"}', "application/json", 400, "seconds"),
+    ("/v1/videos", b'{"prompt": "a face", "num_frames": 5, "decoding": "block", "large_steps": 1000000000}',
+     "application/json", 400, "large-model steps"),
+])
+def test_bad_bodies_and_fields_are_refused_before_admission(http, path, content, kind, status, words):
+    error = error_of(http.post(path, content=content, headers={"Content-Type": kind}), status)
+    assert words in error["message"]
+
+
 # --- the command ----------------------------------------------------------------------------
+
+
+def test_the_server_imports_no_cli_module():
+    """The server is a library the CLI drives, not the other way round."""
+    import subprocess
+    import sys
+
+    code = "import sys, mmgen.apps.server; print(sorted(m for m in sys.modules if m in ('mmgen.apps.serve_cli', 'mmgen.apps.cli')))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr[-1000:]
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -550,7 +746,11 @@ def test_serve_command_defaults_are_local_and_the_servers(monkeypatch):
     monkeypatch.setenv(serve_cli.API_KEY_ENV, "from-env")
     assert serve_cli.settings_of(serve_parser().parse_args(["serve"])).api_key == "from-env"
     assert serve_cli.settings_of(serve_parser().parse_args(["serve", "--api-key", "given"])).api_key == "given"
-    for bad in (["--continuous-batch", "video=2"], ["--continuous-batch", "65"], ["--port", "70000"], ["--max-queue", "x"]):
+    args = serve_parser().parse_args(["serve", "--max-connections", "8", "--header-timeout", "2", "--body-timeout", "5"])
+    settings = serve_cli.settings_of(args)
+    assert (settings.max_connections, settings.header_timeout_s, settings.body_timeout_s) == (8, 2.0, 5.0)
+    for bad in (["--continuous-batch", "video=2"], ["--continuous-batch", "65"], ["--port", "70000"], ["--max-queue", "x"],
+                ["--max-connections", "0"], ["--header-timeout", "0"]):
         with pytest.raises(SystemExit):
             serve_parser().parse_args(["serve", *bad])
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 pytest.importorskip("uvicorn")
-from mmgen.apps.requests.vlm import MAX_VIDEOS  # noqa: E402
+from mmgen.apps.requests.text import MAX_VIDEOS  # noqa: E402
 from mmgen.apps.server import ServerSettings, create_app, discover_catalogs, preload  # noqa: E402
 from mmgen.sampling import make_generator  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_the_demo_sends_an_uploaded_video_to_the_request(catalogs, root):
     """An uploaded .mp4 goes into the request's videos (an image upload stays an image), and the
     next turn keeps it in the conversation."""
     pytest.importorskip("gradio")
-    from mmgen.apps.vlm_demo import handle_send
+    from mmgen.apps.text_demo import handle_send
 
     def send(message, state):
         *_, last = handle_send(catalogs["text"], 4, 16, message, state, QWEN, "ar", "none", 0.25, 0.0, 0, BUDGET, False)

@@ -4,7 +4,7 @@ Chromium (Debian's, driven by playwright) that must never reach the internet.
 The models are tiny random LLaVA pipelines built here (`tests/vlm`'s builders), a target and a
 drafter of the same tokenizer, saved as folders and served by path. The browser fixtures are the
 image demo's (`tests/apps/test_image_demo.py`): they skip when /usr/bin/chromium or playwright is
-missing, unless MMGEN_REQUIRE_BROWSER=1; screenshots go to $MMGEN_TEST_ARTIFACTS/vlm_demo/.
+missing, unless MMGEN_REQUIRE_BROWSER=1; screenshots go to $MMGEN_TEST_ARTIFACTS/text_demo/.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mmgen.apps.requests import vlm as vlm_request
-from mmgen.apps.requests.vlm import ChatRequest, VLMCatalog, run_request, stream_request
+from mmgen.apps.requests import text as text_request
+from mmgen.apps.requests.text import ChatRequest, VLMCatalog, run_request, stream_request
 from mmgen.decoding import DECODERS
 from mmgen.sampling import make_generator
 from mmgen.vlm import pipeline as vlm_pipeline
@@ -31,7 +31,7 @@ from tests.streams import drain, in_threads
 from tests.vlm.test_vlm_pipeline import images, tiny_llava
 
 READY = "#message textarea"  # the page fixture waits for it
-ARTIFACTS = "vlm_demo"
+ARTIFACTS = "text_demo"
 QUESTION = "what is this ?"
 #: What the tiny random models cannot do: LANTERN needs an image tokenizer's codebook, and
 #: entropy switching a small model that VLMPipeline does not pair.
@@ -89,7 +89,7 @@ def test_catalog_pairs_the_drafter_and_methods_come_from_the_pipeline(catalog, f
 def test_default_model_is_the_bundled_pair_or_a_one_line_error():
     from mmgen import registry
 
-    if vlm_request.DEFAULT_MODEL in registry.bundled_models():
+    if text_request.DEFAULT_MODEL in registry.bundled_models():
         try:
             catalog = VLMCatalog.discover()
         except ValueError as error:  # listed but not shipped in this installation
@@ -177,7 +177,7 @@ def test_multi_turn_sends_the_conversation_so_far(catalog):
 
 
 def test_dropping_with_everything_kept_answers_as_no_dropping(catalog):
-    policies = vlm_request.dropping_policies()
+    policies = text_request.dropping_policies()
     assert policies == ["fastv", "visionzip", "mustdrop"]
     plain = run_request(chat(method="sjd"), catalog)
     for policy in policies:
@@ -240,7 +240,7 @@ def test_unreadable_and_oversized_uploads_are_refused_before_decoding(catalog, t
 
 
 def test_keep_ratio_is_bounded_where_dropping_exists(catalog):
-    policies = vlm_request.dropping_policies()
+    policies = text_request.dropping_policies()
     assert policies == ["fastv", "visionzip", "mustdrop"]
     for bad in (0, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"keep ratio must be a number in \(0, 1\]"):
@@ -255,7 +255,7 @@ UI_VALUES = dict(model="tiny-vlm", method="draft", dropping="none", keep_ratio=0
 
 
 def send(catalog, text, files=(), state=None, **changes):
-    from mmgen.apps.vlm_demo import handle_send
+    from mmgen.apps.text_demo import handle_send
 
     values = {**UI_VALUES, **changes}
     return list(handle_send(catalog, 4, 64, {"text": text, "files": list(files)}, state, *values.values()))
@@ -276,7 +276,7 @@ def test_ui_handler_streams_into_the_chat_and_keeps_the_conversation(catalog, tm
 def test_ui_handler_errors_are_plain_one_line_gradio_errors(catalog, monkeypatch):
     import gradio as gr
 
-    from mmgen.apps import vlm_demo
+    from mmgen.apps import text_demo
 
     with pytest.raises(gr.Error) as error:
         send(catalog, QUESTION, method="<b>x</b> & 'y'")
@@ -286,14 +286,14 @@ def test_ui_handler_errors_are_plain_one_line_gradio_errors(catalog, monkeypatch
         raise RuntimeError("kernel said 'no'\n  at <step 3>")
         yield
 
-    monkeypatch.setattr(vlm_demo, "stream_request", fail)
+    monkeypatch.setattr(text_demo, "stream_request", fail)
     with pytest.raises(gr.Error) as error:
         send(catalog, QUESTION)
     assert error.value.message == "generation failed (RuntimeError): kernel said 'no' at \\x3cstep 3>"
 
 
 def test_switching_model_lists_its_methods_and_clears_the_chat(catalog):
-    from mmgen.apps.vlm_demo import empty_state, handle_model
+    from mmgen.apps.text_demo import empty_state, handle_model
 
     method, chat_, baseline, stats, state = handle_model(catalog, "tiny-vlm")
     assert method["choices"] == catalog.methods("tiny-vlm") and method["value"] == "draft"  # decoding.json
@@ -305,7 +305,7 @@ def test_switching_model_lists_its_methods_and_clears_the_chat(catalog):
 
 def test_demo_command_parses_bounds_and_launches_locally(monkeypatch, folders):
     from mmgen import cli
-    from mmgen.apps import vlm_demo
+    from mmgen.apps import text_demo
 
     args = cli.build_parser().parse_args(["demo", "text"])
     assert (args.model, args.host, args.port, args.share, args.max_images, args.max_new_tokens, args.concurrency) == (
@@ -315,7 +315,7 @@ def test_demo_command_parses_bounds_and_launches_locally(monkeypatch, folders):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["demo", "text", *bad])
     launched = {}
-    monkeypatch.setattr(vlm_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
+    monkeypatch.setattr(text_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
     argv = ["demo", "text", "--model", str(folders[0]), "--model", str(folders[1]), "--concurrency", "2"]
     assert cli.main(argv) == 0
     assert launched["host"] == "127.0.0.1" and launched["share"] is False and launched["port"] is None
@@ -327,12 +327,12 @@ def test_demo_vlm_the_old_name_still_launches_the_text_demo_with_a_note(monkeypa
     """`mmgen demo vlm` (the text demo's name until issue 37) runs the same demo, says so in one
     stderr line, and `mmgen demo --help` lists it as the old name."""
     from mmgen import cli
-    from mmgen.apps import vlm_demo
+    from mmgen.apps import text_demo
 
     old, new = (cli.build_parser().parse_args(["demo", name, "--max-new-tokens", "64"]) for name in ("vlm", "text"))
     assert old.run is new.run and vars(old) == {**vars(new), "target": "vlm"}
     launched = {}
-    monkeypatch.setattr(vlm_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
+    monkeypatch.setattr(text_demo, "launch_demo", lambda demo, **kw: launched.update(kw, demo=demo))
     capsys.readouterr()
     assert cli.main(["demo", "vlm", "--model", str(folders[0])]) == 0 and "demo" in launched
     notes = [line for line in capsys.readouterr().err.splitlines() if "mmgen demo:" in line]  # not the loading bars
@@ -355,7 +355,7 @@ STREAM_DELAY_S = 0.08
 @pytest.fixture(scope="module")
 def app_url(browser, catalog):  # noqa: F811 - `browser` is the image demo's fixture
     """The demo on a free local port, its token streamer slowed down (see STREAM_DELAY_S)."""
-    from mmgen.apps.vlm_demo import build_demo, launch_demo
+    from mmgen.apps.text_demo import build_demo, launch_demo
     from mmgen.decoding import TokenQueueStreamer
 
     class SlowStreamer(TokenQueueStreamer):

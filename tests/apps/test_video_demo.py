@@ -11,8 +11,10 @@ is missing, unless MMGEN_REQUIRE_BROWSER=1; screenshots go to $MMGEN_TEST_ARTIFA
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
+import time
 from types import SimpleNamespace
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -291,6 +293,45 @@ def test_switching_model_lists_its_lengths_policies_and_methods(catalog):
     assert method["choices"] == ["block", "collaborative"] and (large_steps["maximum"], large_steps["value"]) == (4, 2)
 
 
+def test_the_live_player_plays_a_stream_steers_its_next_block_and_stops_freeing_the_model(catalog):
+    from mmgen.apps.video_demo import LivePlayers, handle_live, handle_steer, handle_stop
+
+    players = LivePlayers()
+    shown = handle_live(players, catalog, "page", PROMPT, "tiny-video", "block", 2, 0, paced=False)
+    played = [next(shown) for _ in range(6)]  # block 1's 5 frames, block 2's first
+    assert catalog._locks["tiny-video"].locked()
+    assert handle_steer(players, "page", "dog face moving up") == "the next block follows “dog face moving up”"
+    with pytest.raises(gr_error()) as error:
+        handle_steer(players, "page", "  ")  # refused: the stream runs on with its prompt
+    assert error.value.message == "type a prompt (the prompt is empty)"
+    played += [next(shown) for _ in range(7 + 8)]  # the rest of block 2, block 3
+    assert handle_stop(players, "page") == "" and not catalog._locks["tiny-video"].locked()
+    (_, end), = list(shown)
+    assert end == "stopped: 3 blocks, 21 frames" and players.get("page") is None
+    assert [status for _, status in played[4:6]] == ["block 1 · frame 4 · “cat face moving left”",
+                                                     "block 2 · frame 5 · “cat face moving left”"]
+    assert played[-1][1] == "block 3 · frame 20 · “dog face moving up”"  # block 2 was made: block 3 followed
+    pipe = catalog.pipeline("tiny-video")
+    with pipe.stream(PROMPT, generator=torch.Generator().manual_seed(0)) as stream:
+        blocks = [next(stream) for _ in range(2)]
+        stream.set_prompt("dog face moving up")
+        blocks.append(next(stream))
+    frames = np.concatenate([b.frames[0].numpy() for b in blocks])
+    assert played[0][0].size == (256, 256)  # 32×32 frames scaled ×8, nearest neighbour
+    assert all(np.array_equal(np.asarray(image)[::8, ::8], frame) for (image, _), frame in zip(played, frames))
+    with pytest.raises(gr_error(), match="no stream is running"):
+        handle_steer(players, "page", "dog face")
+    with pytest.raises(gr_error()) as error:
+        next(handle_live(players, catalog, "page", PROMPT, "tiny-video", "block", 2, -1))
+    assert error.value.message.startswith("seed must be an integer") and not catalog._locks["tiny-video"].locked()
+
+
+def gr_error() -> type:
+    import gradio as gr
+
+    return gr.Error
+
+
 # --- the command -----------------------------------------------------------------------------
 
 
@@ -409,3 +450,31 @@ def test_a_bad_cache_policy_shows_a_one_line_error(page, artifacts):
     assert "\n" not in toast.inner_text().strip()
     page.wait_for_timeout(500)  # let the toast finish fading in
     page.screenshot(path=artifacts / "04-error.png")
+
+
+def test_the_live_player_plays_steers_and_stops_in_the_page(page, artifacts, catalog):
+    from playwright.sync_api import expect
+
+    page.locator("#live-start").click()
+    status, frame = page.locator("#live-status"), "document.querySelector('#live-frame img')"
+    expect(status).to_contain_text(re.compile(r"block \d+ · frame \d+ · “cat face moving left”"))
+    page.wait_for_function(f"() => {frame} && {frame}.naturalWidth === 256")
+    first = page.evaluate(f"{frame}.src")
+    page.wait_for_function(f"(s) => {frame}.src !== s", arg=first)  # the frames change as the stream plays
+    page.screenshot(path=artifacts / "05-live.png", full_page=True)
+    page.locator("#steer-prompt textarea").fill("dog face moving up")
+    page.locator("#steer").click()
+    expect(page.locator("#steer-status")).to_contain_text("the next block follows “dog face moving up”")
+    expect(status).to_contain_text("“dog face moving up”", timeout=30_000)  # a later block followed it, the stream ran on
+    page.screenshot(path=artifacts / "06-steered.png", full_page=True)
+    page.locator("#live-stop").click()
+    expect(status).to_contain_text("stopped: ")
+    assert not catalog._locks["tiny-video"].locked()
+    page.locator("#live-start").click()  # again, and the page goes away while it plays
+    expect(status).to_contain_text(re.compile(r"block \d+ · frame"))
+    assert catalog._locks["tiny-video"].locked()
+    page.close()
+    deadline = time.monotonic() + 20
+    while catalog._locks["tiny-video"].locked() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not catalog._locks["tiny-video"].locked()  # the stream was closed with the page
