@@ -24,6 +24,9 @@ DEFAULT_MODEL = "speech-tts"
 
 
 def register(commands, groups) -> None:
+    from mmgen.audio.bench import register as register_bench
+
+    register_bench(groups)
     speech = groups["generate"].add_parser("speech", help="speak a text into a WAV file (text-to-speech models)")
     speech.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_FOLDER",
                         help=f"the bundled {DEFAULT_MODEL} (default; its drafter is {DEFAULT_MODEL}-draft), or a "

@@ -17,10 +17,11 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import CausalContinuousSpeculative
+from mmgen.hub import loading_folder
 from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
-from mmgen.sampling import SamplingConfig
+from mmgen.sampling import SamplingConfig, takes_sampling
 
 from mmgen.audio.pipeline import TTSOutput, TTSPipeline
 from mmgen.audio.vibevoice import VibeVoiceLatentModel, VibeVoiceSpeech
@@ -57,8 +58,9 @@ class LatentTTSPipeline(TTSPipeline):
 
         source = os.fspath(repo_or_path)
         kwargs.setdefault("trust_remote_code", False)  # never the folder's own code (`auto_map`)
-        model = VibeVoiceForConditionalGeneration.from_pretrained(source, dtype=load_dtype(torch_dtype, device), **kwargs)
-        pipe = cls(model.eval(), AutoProcessor.from_pretrained(source, trust_remote_code=False))
+        with loading_folder(source):  # no link out of a local folder, sizes within bounds, one-line errors
+            model = VibeVoiceForConditionalGeneration.from_pretrained(source, dtype=load_dtype(torch_dtype, device), **kwargs)
+            pipe = cls(model.eval(), AutoProcessor.from_pretrained(source, trust_remote_code=False))
         return pipe.to(device) if device is not None else pipe
 
     def save_pretrained(self, path: Union[str, os.PathLike]) -> None:
@@ -81,6 +83,7 @@ class LatentTTSPipeline(TTSPipeline):
             raise ValueError("VibeVoice's latents take no top-k or top-p: its head is a diffusion sampler")
         return SamplingConfig(temperature=1.0 if temperature is None else temperature)
 
+    @takes_sampling
     @inference
     def __call__(
         self,

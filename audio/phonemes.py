@@ -2,7 +2,7 @@
 project's phoneme recogniser (`mmgen.audio.recogniser`) hears.
 
 espeak-ng writes IPA with stress and length marks and compound symbols; `reduce_phonemes` maps
-that onto `PHONEMES` (57 symbols) the way the speech corpus (`benchmarks/data/speech.py`) did for
+that onto `PHONEMES` (57 symbols) the way the speech corpus (`training/data/speech.py`) did for
 every training and held-out utterance: stress marks (ˈ ˌ) and length marks (ː) are dropped, and so
 are combining diacritics (nasal ɑ̃, syllabic n̩, dental t̪, palatal ʲ); ᵻ (reduced vowel) reads as
 ɪ; compound symbols espeak emits for r-coloured or syllabic sounds are split into inventory

@@ -19,19 +19,19 @@ import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
 from mmgen import registry
-from mmgen.decoding import DecodeStats, Decoder
+from mmgen.decoding import DecodeStats, Decoder, Stopping
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
-from mmgen.hub import read_json
+from mmgen.hub import CheckpointError, loading_folder, looks_like_path, read_json
 from mmgen.inference import inference, ordinary
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
-from mmgen.sampling import SamplingConfig
+from mmgen.sampling import SamplingConfig, takes_sampling
 from mmgen.streaming import CallbackStreamer, stream_from_thread
 
 from mmgen.audio.codec import Codec, CodecStream, StreamChunking
@@ -114,15 +114,16 @@ class TTSPipeline(Pipeline):
         # Never a folder's own code (transformers' `auto_map`): the Auto classes would ask on a
         # terminal, and a "y" would run it. The caller may pass trust_remote_code in `kwargs`.
         kwargs.setdefault("trust_remote_code", False)
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        family = registry.family("speech", config.model_type)
-        if family is None:
-            raise ValueError(f"{source}: model type {config.model_type!r} is not a speech model mmgen serves "
-                             f"({', '.join(registry.families('speech'))})")
-        opener = family.pipeline_class()
-        if not issubclass(cls, opener):  # a family another pipeline opens (VibeVoice: LatentTTSPipeline)
-            return opener.from_pretrained(source, torch_dtype, device, **kwargs)
-        model, tokenizer, codec = _adapter(config.model_type).load(source, load_dtype(torch_dtype, device), **kwargs)
+        with loading_folder(source):  # no link out of a local folder, sizes within bounds, one-line errors
+            config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+            family = registry.family("speech", config.model_type)
+            if family is None:
+                raise ValueError(f"{source}: model type {config.model_type!r} is not a speech model mmgen serves "
+                                 f"({', '.join(registry.families('speech'))})")
+            opener = family.pipeline_class()
+            if not issubclass(cls, opener):  # a family another pipeline opens (VibeVoice: LatentTTSPipeline)
+                return opener.from_pretrained(source, torch_dtype, device, **kwargs)
+            model, tokenizer, codec = _adapter(config.model_type).load(source, load_dtype(torch_dtype, device), **kwargs)
         pipe = cls(model.eval(), tokenizer, codec.eval())
         pipe.name_or_path = source
         return pipe.to(device) if device is not None else pipe
@@ -195,6 +196,16 @@ class TTSPipeline(Pipeline):
         scale = getattr(config, "guidance_scale", None) if scale is None else scale
         return scale, _generate_top_k(config)
 
+    def calibration_calls(self, count: int) -> list[Callable[[str], Any]]:
+        """Held-out texts of the bundled speech corpus (`mmgen.audio.heldout`), 64 frames each, one
+        seed each (see `Pipeline.calibration_calls`)."""
+        from mmgen.audio.heldout import held_out_texts
+
+        return [lambda spec, i=i, text=text: self(text, decoding=spec, max_new_frames=64,
+                                                  generator=torch.Generator().manual_seed(i))
+                for i, text in enumerate(held_out_texts(count))]
+
+    @takes_sampling
     @inference
     def __call__(
         self,
@@ -470,8 +481,9 @@ def _generate_top_k(config: Any) -> int:
 
 def codec_source(source: str) -> str:
     """Where a speech folder's codec is, for a family whose model does not own one: the folder's
-    `codec/` (what `save_pretrained` writes), else the audio tokenizer its processor config names."""
-    local = Path(source) / CODEC_FOLDER
+    `codec/` (what `save_pretrained` writes), else the audio tokenizer its processor config names:
+    a Hub repo id, never a path (a folder's files are read only from inside it)."""
+    local = Path(source) / CODEC_FOLDER  # its links were checked with the folder's (`TTSPipeline.from_pretrained`)
     if local.is_dir():
         return str(local)
     from transformers.utils import cached_file
@@ -480,6 +492,9 @@ def codec_source(source: str) -> str:
     named = read_json(config).get("audio_tokenizer", {}).get("audio_tokenizer_name_or_path") if config else None
     if not named:
         raise ValueError(f"{source}: no codec: neither a {CODEC_FOLDER}/ folder nor an audio tokenizer in processor_config.json")
+    if looks_like_path(named):
+        raise CheckpointError(f"{source}: processor_config.json names its codec by the path {named!r}; a folder's codec "
+                              f"is its {CODEC_FOLDER}/ subfolder or a Hugging Face repo id")
     return named
 
 
@@ -491,10 +506,47 @@ def _per_row(value: Any, rows: int, name: str) -> list:
     return [value] * rows
 
 
+@runtime_checkable
+class SpeechAdapter(Protocol):
+    """What `TTSPipeline` asks of a speech family (`DiaSpeech`, `CsmSpeech`): registered with
+    `register_family("speech", MODEL_TYPE, pipeline="TTSPipeline", adapter=...)`.
+
+    The class loads a folder, `load(source, torch_dtype, **kwargs) -> (model, tokenizer, codec)`,
+    and is built from those three, `Adapter(model, tokenizer, codec)`. The object then gives the
+    core's token model over codec frames, each request's conditions, the stop rule, the codec
+    codes of decoded frames (and whether the row ended), the frame layout that tells drafters
+    of the same frames apart, the default frame budget, and whether the tokenizer is saved."""
+
+    saves_tokenizer: bool
+
+    @classmethod
+    def load(cls, source: str, torch_dtype: Optional[torch.dtype] = None, **kwargs: Any) -> tuple[Any, Any, Any]: ...
+
+    def token_model(self) -> Any: ...
+
+    def conditions(self, texts: Sequence[str], voices: Sequence[Optional[torch.Tensor]], voice_texts: Sequence[Optional[str]],
+                   max_new_frames: int, guidance_scale: Optional[float]) -> Any: ...
+
+    def stopping(self, max_new_frames: int) -> Stopping: ...
+
+    def codes(self, frames: torch.Tensor) -> tuple[torch.Tensor, bool]: ...
+
+    def frame_layout(self) -> tuple: ...
+
+    def default_max_frames(self) -> int: ...
+
+
 def _adapter(model_type: str) -> type:
-    """The adapter class registered for speech family `model_type` (`registry.register_family`)."""
+    """The adapter class registered for speech family `model_type` (`registry.register_family`),
+    checked against `SpeechAdapter` (ValueError naming what it lacks)."""
     family = registry.family("speech", model_type)
     if family is None or family.adapter is None:
         served = [name for name, f in registry.families("speech").items() if f.adapter is not None]
         raise ValueError(f"model type {model_type!r} is not a speech model mmgen serves ({', '.join(served)})")
-    return family.adapter_class()
+    adapter = family.adapter_class()
+    missing = [name for name in ("load", "saves_tokenizer", *(m for m in SpeechAdapter.__dict__ if not m.startswith("_")))
+               if not hasattr(adapter, name)]
+    if missing:
+        raise ValueError(f"the speech adapter {adapter.__name__} of model type {model_type!r} lacks "
+                         f"{', '.join(sorted(set(missing)))} (mmgen.audio.pipeline.SpeechAdapter)")
+    return adapter

@@ -2,7 +2,7 @@
 error rate (PER) against the phonemes its text should sound like (`mmgen.audio.phonemes`).
 
 A small CTC model (log-mel -> two convolutions -> BiGRU -> phoneme logits at 50 frames/s),
-trained on espeak-ng speech by `benchmarks/train_speech.py phonemes` and bundled in float16
+trained on espeak-ng speech by `training/train_speech.py phonemes` and bundled in float16
 (`assets/phoneme-recogniser/`, see its MODEL_CARD.md). A folder holds `model.safetensors` (the
 weights, without the mel filterbank, which is computed) and `config.json` (the architecture, the
 phoneme inventory, the CTC blank and the sample rate); weights load into float32, the dtype it
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.audio.phonemes import PHONEMES
+from mmgen.hub import folder_file
 from mmgen.inference import inference
 
 #: The bundled recogniser's folder (package data).
@@ -111,7 +112,7 @@ class PhonemeRecogniser(torch.nn.Module):
 
         folder = BUNDLED if folder is None else Path(folder)
         for name in (CONFIG, WEIGHTS):
-            if not (folder / name).is_file():
+            if not folder_file(folder, name).is_file():  # never through a link out of the folder
                 raise ValueError(f"{folder} is not a phoneme recogniser folder: no {name}")
         try:
             config = json.loads((folder / CONFIG).read_text())

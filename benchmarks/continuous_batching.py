@@ -25,11 +25,34 @@ import torch
 
 from mmgen.decoding import resolve_decoder
 from mmgen.decoding.batching import Request, continuous_decode, row_decoder
-from mmgen.sampling import make_generator
+from mmgen.sampling import IntervalGuidance, SamplingConfig, make_generator
 
-from benchmarks.adaptive_window import build
 
 METHODS = ["ar", "sjd:adapt=false", "lantern:adapt=false"]
+
+
+def build(model: str, device: str, init_std: float = 0.0):
+    """(token model, sampling, tokens per image, class count) of a bundled model or a random
+    preset. LlamaGen's own init (std 0.02, a zero output head) gives a law that barely depends
+    on the context, so Jacobi's carried drafts are accepted (a best case); `init_std` > 0
+    redraws every linear and embedding weight from N(0, init_std^2), which makes the law
+    depend on the whole context (0.05: nothing is accepted, the worst case)."""
+    if model.startswith("random:"):
+        from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
+        from mmgen.image_ar.llamagen.token_model import LlamaGenTokenModel
+
+        torch.manual_seed(0)
+        transformer = LlamaGenTransformer(LlamaGenConfig.from_preset(model.split(":", 1)[1])).eval()
+        for module in transformer.modules() if init_std else ():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                torch.nn.init.normal_(module.weight, std=init_std)
+        transformer = transformer.to(device)
+        sampling = SamplingConfig(1.0, 2000, 1.0, IntervalGuidance(4.0, -1))  # LlamaGen's official sampling
+        return LlamaGenTokenModel(transformer), sampling, transformer.config.block_size, transformer.config.num_classes
+    from mmgen.loading import load_pipeline
+
+    pipe = load_pipeline(model).to(device)
+    return pipe.token_model(), pipe.sampling_config(None, None, None, None, None), pipe.transformer.config.block_size, pipe.num_classes
 
 
 def static(decoder, model, labels, num_tokens, sampling, batch_size: int, seed: int) -> tuple[int, float]:

@@ -99,7 +99,7 @@ def _version(name: str) -> Optional[str]:
 def environment(ctx: Context, result: dict) -> None:
     import torch
 
-    from benchmarks.bench import environment as machine
+    from mmgen.benchmarking import environment as machine
     from mmgen.kernels import backend_for
 
     result.update(machine(ctx.device, "python -m benchmarks.gpu_check " + " ".join(sys.argv[1:])))

@@ -17,7 +17,8 @@ import sys
 
 import torch
 
-from benchmarks.bench import environment, markdown_table, sample_and_score, score_samples
+from mmgen.benchmarking import environment, markdown_table
+from mmgen.image_ar.bench.llamagen import sample_and_score, score_samples
 from mmgen.decoding import Autoregressive
 
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER, load_eval_set

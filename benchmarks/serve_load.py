@@ -95,11 +95,11 @@ CONFIGS = ("continuous", "alone", "static")
 
 
 class HttpError(Exception):
-    """A response with a status other than 200."""
+    """A response with a status other than 200, and the start of its body (for a failure's report)."""
 
-    def __init__(self, status: int):
+    def __init__(self, status: int, body: str = ""):
         super().__init__(f"http {status}")
-        self.status = status
+        self.status, self.body = status, body[:500]
 
 
 class StreamError(Exception):
@@ -168,7 +168,7 @@ class SpeechTarget(Target):
 
     def __init__(self, args: argparse.Namespace):
         super().__init__(args)
-        from benchmarks.tts_continuous_batching import held_out_texts
+        from mmgen.audio.heldout import held_out_texts
 
         self.texts = held_out_texts(64)
 
@@ -176,11 +176,13 @@ class SpeechTarget(Target):
         return {"model": self.model, "input": self.texts[key % len(self.texts)], "seed": self.seed(key),
                 "max_new_frames": self.args.max_new_frames, "response_format": "wav", **self.extra()}
 
-    async def call(self, client: httpx.AsyncClient, key: int, out: Outcome, start: float) -> None:
-        async with client.stream("POST", "/v1/audio/speech", json=self.body(key)) as response:
+    async def call(self, client: httpx.AsyncClient, key: int, out: Outcome, start: float,
+                   request: Optional[dict] = None) -> None:
+        """`request` replaces the key's request body (the same seed: the soak's sampling settings)."""
+        async with client.stream("POST", "/v1/audio/speech", json=request or self.body(key)) as response:
             if response.status_code != 200:
                 await response.aread()
-                raise HttpError(response.status_code)
+                raise HttpError(response.status_code, response.text)
             out.foreign = response.headers.get("x-seed") != str(self.seed(key))
             rate = int(response.headers.get("x-sample-rate", "0") or 0)
             body = bytearray()
@@ -207,7 +209,7 @@ class VLMTarget(Target):
         import mmgen.vlm
         from PIL import Image
 
-        from benchmarks.train_vlm import load_eval
+        from mmgen.vlm.heldout import load_eval
 
         records, pixels = load_eval(Path(mmgen.vlm.__file__).parent / "assets")
         self.records = records[:64]
@@ -226,12 +228,14 @@ class VLMTarget(Target):
                 "max_tokens": self.args.max_tokens, "stream": True, "stream_options": {"include_usage": True},
                 **self.extra()}
 
-    async def call(self, client: httpx.AsyncClient, key: int, out: Outcome, start: float) -> None:
+    async def call(self, client: httpx.AsyncClient, key: int, out: Outcome, start: float,
+                   request: Optional[dict] = None) -> None:
+        """`request` replaces the key's request body (the same seed: the soak's sampling settings)."""
         text, ids, finishes = [], set(), 0
-        async with client.stream("POST", "/v1/chat/completions", json=self.body(key)) as response:
+        async with client.stream("POST", "/v1/chat/completions", json=request or self.body(key)) as response:
             if response.status_code != 200:
                 await response.aread()
-                raise HttpError(response.status_code)
+                raise HttpError(response.status_code, response.text)
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -273,7 +277,7 @@ class ImageTarget(Target):
     async def call(self, client: httpx.AsyncClient, key: int, out: Outcome, start: float) -> None:
         response = await client.post("/v1/images/generations", json=self.body(key))
         if response.status_code != 200:
-            raise HttpError(response.status_code)
+            raise HttpError(response.status_code, response.text)
         out.first_s = time.perf_counter() - start
         answer = response.json()
         out.ends, out.foreign = 1, answer.get("seed") != self.seed(key)
@@ -299,7 +303,7 @@ class VideoTarget(Target):
     async def call(self, client: httpx.AsyncClient, key: int, out: Outcome, start: float) -> None:
         response = await client.post("/v1/videos", json=self.body(key))
         if response.status_code != 200:
-            raise HttpError(response.status_code)
+            raise HttpError(response.status_code, response.text)
         job = response.json()
         out.answer_id, out.foreign = job["id"], job.get("seed") != self.seed(key)
         self.jobs.append(job["id"])
@@ -311,7 +315,7 @@ class VideoTarget(Target):
             if polled.status_code == 404:
                 return  # the job vanished: lost
             if polled.status_code != 200:
-                raise HttpError(polled.status_code)
+                raise HttpError(polled.status_code, polled.text)
             job = polled.json()
         if job["status"] != "completed":
             raise StreamError(f"job {job['status']}: {(job.get('error') or {}).get('code')}")
@@ -319,7 +323,7 @@ class VideoTarget(Target):
             out.first_s = time.perf_counter() - start
         content = await client.get(f"/v1/videos/{job['id']}/content")
         if content.status_code != 200:
-            raise HttpError(content.status_code)
+            raise HttpError(content.status_code, content.text)
         out.ends, out.complete = 1, content.content[4:8] == b"ftyp"
         out.units = float(job["num_frames"])
         out.digest = hashlib.sha256(content.content).hexdigest()
@@ -340,20 +344,22 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m mmgen.cli serve` for one model on 127.0.0.1, its torch threads set through
-    OMP_NUM_THREADS / MKL_NUM_THREADS, its log in a file; started, SIGKILLed and restarted on
-    the same port."""
+    """`python -m mmgen.cli serve` for the targets' models on 127.0.0.1 (never another address),
+    its torch threads set through OMP_NUM_THREADS / MKL_NUM_THREADS, its log in a file; started,
+    SIGKILLed and restarted on the same port."""
 
-    def __init__(self, target: Target, rows: Optional[int], threads: int, max_queue: int, log: Path,
+    def __init__(self, targets: Sequence[Target], rows: Optional[int], threads: int, max_queue: int, log: Path,
                  port: int = 0, start_timeout: float = 600.0):
         from mmgen.apps.serve_cli import BATCHED
 
         self.port = port or free_port()
         self.log, self.start_timeout = log, start_timeout
-        self.command = [sys.executable, "-m", "mmgen.cli", "serve", "--model", target.model, "--host", "127.0.0.1",
-                        "--port", str(self.port), "--max-queue", str(max_queue), "--log-level", "warning"]
-        if target.modality in BATCHED and rows is not None:
-            self.command += ["--continuous-batch", f"{target.modality}={rows}"]
+        self.command = [sys.executable, "-m", "mmgen.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                        "--max-queue", str(max_queue), "--log-level", "warning"]
+        for target in targets:
+            self.command += ["--model", target.model]
+            if target.modality in BATCHED and rows is not None:
+                self.command += ["--continuous-batch", f"{target.modality}={rows}"]
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         self.env.pop("MMGEN_API_KEY", None)
         self.process: Optional[subprocess.Popen] = None
@@ -824,7 +830,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             if name == "static" and rows < 1:
                 report["configs"][name] = {"skipped": "static batches need --rows of at least 1"}
                 continue
-            server = Server(target, servers[name], args.threads, args.max_queue, logs / f"{target.modality}-{name}.log")
+            server = Server([target], servers[name], args.threads, args.max_queue, logs / f"{target.modality}-{name}.log")
             with server:
                 asyncio.run(warm_up(target, server.url, args.timeout))
                 config: dict[str, Any] = {"server": " ".join(server.command[1:]).replace(str(server.port), "PORT"),

@@ -130,7 +130,7 @@ def var(name: str, device: torch.device, dtype: torch.dtype, window: int) -> Cas
 
         pipe = VARPipeline(tiny_transformer(), tiny_vqvae()).to(device, dtype)
     else:
-        from benchmarks.bench_var import random_var_pipeline
+        from mmgen.image_ar.bench.var import random_var_pipeline
 
         pipe = random_var_pipeline(int(name.removeprefix("var-d")), device, dtype)
     model = pipe.scale_model()
@@ -392,7 +392,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     names = args.models or (list(TINY) if args.preset == "tiny" else ["GPT-B", "GPT-L", "GPT-XL"])
     per_second, source = bandwidth(device, args.bandwidth)
 
-    from benchmarks.bench import environment
+    from mmgen.benchmarking import environment
 
     env = environment(device, "python -m benchmarks.step_latency " + shlex.join(argv if argv is not None else sys.argv[1:]))
     report = {**env, "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),

@@ -44,10 +44,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from benchmarks.data.speech import SAMPLE_RATE
-from benchmarks.train_speech import load_recogniser
-from benchmarks.train_tts import CodesData, codec_round_trip_per
-from benchmarks.tts_decoding import transformers_generate
+from training.data.speech import SAMPLE_RATE
+from training.train_speech import load_recogniser
+from training.train_tts import CodesData, codec_round_trip_per
+from mmgen.audio.bench import transformers_generate
 from mmgen.audio.recogniser import phoneme_error_rate
 
 GENERATE = "transformers generate"
@@ -153,7 +153,7 @@ def reference_per(pipe: Any, recogniser: Any, utterances: list[dict[str, Any]], 
     refs = [u["phonemes"] for u in utterances]
     out = {"codec round trip": codec_round_trip_per(pipe.codec, [u["codes"] for u in utterances], refs, recogniser)}
     if data:
-        from benchmarks.data.speech import load_corpus, utterance
+        from training.data.speech import load_corpus, utterance
 
         corpus = load_corpus(data)
         index = np.flatnonzero(corpus["is_eval"])[: len(utterances)]

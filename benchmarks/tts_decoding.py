@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from mmgen.audio.bench import transformers_generate
+
 
 def build(family: str, size: str):
     """(pipeline, text) with random weights."""
@@ -46,23 +48,6 @@ def build(family: str, size: str):
     model = CsmForConditionalGeneration(CsmConfig(text_vocab_size=261, bos_token_id=256, audio_token_id=258,
                                                   audio_eos_token_id=259, pad_token_id=260)).eval()
     return TTSPipeline(model, tiny.byte_tokenizer(), model.codec_model), "Hello there."
-
-
-def transformers_generate(pipe, conditions, frames: int, greedy: bool = True, **options):
-    """transformers' `generate` on the pipeline's conditions: greedy, or sampled as the model's
-    generation config says; `options` go to `generate` (assistant_model=, ...)."""
-    model = pipe.model
-    # The pipeline's conditions are device-free (its token model moves them); generate's are not.
-    on_model = lambda t: t.to(model.device)
-    sampling = {"do_sample": False} if greedy else {}
-    if pipe.adapter.__class__.__name__ == "DiaSpeech":
-        return model.generate(input_ids=on_model(conditions.input_ids), attention_mask=on_model(conditions.attention_mask),
-                              decoder_input_ids=on_model(conditions.decoder_input_ids),
-                              decoder_attention_mask=on_model(conditions.decoder_attention_mask),
-                              max_new_tokens=frames, guidance_scale=conditions.guidance_scale, **sampling, **options)
-    depth = {"depth_decoder_do_sample": False} if greedy else {}
-    return model.generate(input_ids=on_model(conditions.input_ids), attention_mask=on_model(conditions.attention_mask),
-                          max_new_tokens=frames, **sampling, **depth, **options)
 
 
 def step_latency(pipe, conditions, width: int, repeats: int) -> float:

@@ -18,7 +18,7 @@ PIPELINE_MODULES = {
 PIPELINE_ALIASES = {"LlamaGenT2IPipeline": "LlamaGenText2ImagePipeline"}
 #: transformers `model_type` -> the pipeline that opens plain transformers folders of it.
 MODEL_TYPES = {"janus": "JanusPipeline"}
-#: The models trained here by `benchmarks/train*.py` and shipped as package data (`bundled.py`).
+#: The models trained here by `training/train*.py` and shipped as package data (`bundled.py`).
 BUNDLED_MODELS = {
     "emoji64": "assets/emoji64",
     "emoji64-draft": "assets/emoji64-draft",

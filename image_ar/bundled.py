@@ -1,14 +1,14 @@
-"""The models that ship inside the package (trained here by `benchmarks/train.py`).
+"""The models that ship inside the package (trained here by `training/train.py`).
 
 `emoji64` is a class-conditional LlamaGen (GPT + VQ) trained on the Noto emoji set rendered at
 64x64, with 74 classes (Unicode emoji subgroups); `emoji64-draft` is a much smaller GPT on the
 same tokenizer, for draft-model speculation; `emoji64-classifier` scores samples for the
 quality proxies; `emoji64-eval.npz` holds the held-out real images. See
 `assets/emoji64/MODEL_CARD.md`. `var-emoji64` and `var-emoji64-small` are two VAR transformers
-of different depths on one multi-scale VQVAE (`benchmarks/train_var.py`; a large drafter and a
+of different depths on one multi-scale VQVAE (`training/train_var.py`; a large drafter and a
 small refiner for collaborative decoding); see `assets/var-emoji64/MODEL_CARD.md`.
 `mar-emoji64` and `mar-emoji64-draft` are two MARs of different sizes on one KL VAE
-(`benchmarks/train_mar.py`; a target and a drafter for continuous speculative decoding); see
+(`training/train_mar.py`; a target and a drafter for continuous speculative decoding); see
 `assets/mar-emoji64/MODEL_CARD.md`.
 """
 

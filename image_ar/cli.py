@@ -1,16 +1,13 @@
 """Image subcommands of `mmgen`: generate image, convert llamagen / var / mar, bench.
 
 Building the parser imports no pipeline and no benchmark code: each subcommand imports what it
-runs when it runs (`mmgen bench` its harness, `benchmarks/bench.py` of a source checkout).
+runs when it runs (`mmgen bench image` its harness, `mmgen.image_ar.bench`).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Optional
 
 import torch
@@ -102,8 +99,8 @@ def register(commands, groups) -> None:
     mar.add_argument("--out", required=True)
     mar.set_defaults(run=convert_mar)
 
-    bench = commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding (from a "
-                                "source checkout)", formatter_class=DefaultsHelpFormatter)
+    bench = groups["bench"].add_parser("image", help="image models: decoding methods against autoregressive decoding, "
+                                       "speed and quality", formatter_class=DefaultsHelpFormatter)
     add_bench_arguments(bench)
     bench.set_defaults(run=run_bench)
 
@@ -235,23 +232,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def bench_harness() -> ModuleType:
-    """`benchmarks.bench`, the harness behind `mmgen bench`: importable as is (run from the
-    repository root, or under pytest), else from the source checkout this package runs from
-    (an editable install). ValueError, one line, where there is none (an installed wheel)."""
-    try:
-        return importlib.import_module("benchmarks.bench")
-    except ModuleNotFoundError as error:
-        if error.name not in ("benchmarks", "benchmarks.bench"):
-            raise
-    checkout = Path(__file__).resolve().parents[1]  # <checkout>/image_ar/cli.py
-    if (checkout / "benchmarks" / "bench.py").is_file() and "benchmarks" not in sys.modules:
-        sys.path.append(str(checkout))
-        return importlib.import_module("benchmarks.bench")
-    raise ValueError("mmgen bench runs the benchmark harness of a source checkout (benchmarks/bench.py), which an "
-                     "installed mmgen does not ship: run it from a clone of the repository (pip install -e .)")
-
-
 def run_bench(args: argparse.Namespace) -> int:
-    print(bench_harness().run(args))
+    from mmgen.image_ar.bench import run
+
+    print(run(args))
     return 0

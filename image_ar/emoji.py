@@ -1,6 +1,6 @@
 """Emoji sprites from Debian's Noto Color Emoji font, named and grouped by Unicode's emoji-test.txt.
 
-The one renderer of the project's emoji data: the image set (`benchmarks/data/emoji.py`) and
+The one renderer of the project's emoji data: the image set (`training/data/emoji.py`) and
 the moving-emoji clips (`mmgen.video.data`) both draw with it. Installed with the package so
 that clips can be made outside a source checkout; it needs the Debian packages below.
 

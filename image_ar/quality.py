@@ -20,9 +20,9 @@ from typing import Optional, Union
 
 import torch
 
-from mmgen.hub import load_state_dict, load_strict, read_json, save_safetensors
+from mmgen.hub import folder_file, load_state_dict, load_strict, read_json, save_safetensors
 from mmgen.inference import inference
-from mmgen.metrics import feature_statistics, frechet_distance
+from mmgen.quality import feature_statistics, frechet_distance
 
 
 @dataclass
@@ -51,11 +51,11 @@ class ImageQualityProxies:
 
     @classmethod
     def from_pretrained(cls, folder: Union[str, os.PathLike]) -> "ImageQualityProxies":
-        folder = Path(folder)
-        config = ClassifierConfig(**read_json(folder / "config.json"))
+        # Never through a link out of the folder (`folder_file`).
+        config = ClassifierConfig(**read_json(folder_file(folder, "config.json")))
         model = build_classifier(config)
-        load_strict(model, load_state_dict(folder / "model.safetensors"), source=str(folder))
-        reference = load_state_dict(folder / "reference_statistics.safetensors")
+        load_strict(model, load_state_dict(folder_file(folder, "model.safetensors")), source=str(folder))
+        reference = load_state_dict(folder_file(folder, "reference_statistics.safetensors"))
         return cls(model, config, reference["mean"], reference["cov"])
 
     @classmethod

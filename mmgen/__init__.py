@@ -1,9 +1,11 @@
 """mmgen: fast multimodal autoregressive generation on one shared decoding core.
 
-Pipelines are importable from the top, as in diffusers, and imported on first use (the core
-imports no modality): `from mmgen import LlamaGenPipeline, VARPipeline, MARPipeline,
-JanusPipeline, LlamaGenT2IPipeline`. `mmgen.load_pipeline(name_or_folder)` opens a bundled
-model, a pipeline folder or a Hub repo as the pipeline class it was saved as.
+Every modality's pipelines are importable from the top, as in diffusers, and imported on first
+use (the core imports no modality): images (`LlamaGenPipeline`, `LlamaGenText2ImagePipeline`,
+`JanusPipeline`, `VARPipeline`, `MARPipeline`), vision-language models (`VLMPipeline`), speech
+(`TTSPipeline`, `LatentTTSPipeline`) and video (`BlockDiffusionVideoPipeline`).
+`mmgen.load_pipeline(name_or_folder)` opens a bundled model, a model folder or a Hub repo as the
+pipeline class it holds.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from importlib import metadata
 # OpenMP threads that spin between parallel regions steal the core a busy box's other process
 # holds: a GPT-B decode step on 2 threads beside one busy process takes 3.4x longer with GNU
 # OpenMP's default (spinning) waits than with passive ones, which cost nothing measurable on an
-# idle box (`benchmarks/threads.py`, docs/benchmarks.md "Threads"). OpenMP reads the policy when
+# idle box (docs/history.md, "The machine"). OpenMP reads the policy when
 # torch loads, so it is set only where torch is not loaded yet (the `mmgen` command, or
 # `import mmgen` first), and never over the user's own setting.
 if "torch" not in sys.modules:
@@ -68,6 +70,7 @@ def load_pipeline(name_or_path: Union[str, os.PathLike], device: Union[str, Any,
 
 __all__ = [
     "Autoregressive",
+    "BlockDiffusionVideoPipeline",
     "ConstantGuidance",
     "ContinuousModel",
     "ContinuousState",
@@ -77,6 +80,7 @@ __all__ = [
     "HeadSample",
     "IntervalGuidance",
     "JanusPipeline",
+    "LatentTTSPipeline",
     "LinearProgressGuidance",
     "LlamaGenPipeline",
     "LlamaGenT2IPipeline",
@@ -89,8 +93,10 @@ __all__ = [
     "ScaleState",
     "SpeculativeJacobi",
     "StaticKVCache",
+    "TTSPipeline",
     "TokenModel",
     "VARPipeline",
+    "VLMPipeline",
     "load_pipeline",
     "pipeline_class",
     "register_pipeline",

@@ -1,10 +1,15 @@
 """The `mmgen` command.
 
     mmgen generate image --class-labels cat-face animal-mammal --decoding sjd --seed 0 --out out/
-    mmgen generate image --model DIR --class-labels 1 2 3 --out out/
+    mmgen generate text --prompt "What colour is it?" --image face.png
+    mmgen generate speech --text "Hello there." --out hello.wav
+    mmgen generate video --prompt "grinning face moving left" --out clip.mp4
     mmgen convert llamagen --gpt-checkpoint c2i_B_256.pt --vq-checkpoint vq_ds16_c2i.pt --out DIR
-    mmgen bench --methods ar sjd-8 sjd-16 --batch-sizes 1 4 --json out/bench.json
+    mmgen bench image --methods ar sjd-8 sjd-16 --batch-sizes 1 4 --json out/bench.json
+    mmgen calibrate emoji-vlm                            (measure a model's window cost on this machine)
     mmgen batch jobs.jsonl --out out/ --batch-size 8       (torchrun ... -m mmgen.cli batch ... for many GPUs)
+    mmgen demo speech                                    (a Gradio app; also image, text, video)
+    mmgen serve --model emoji-vlm --model speech-tts     (OpenAI-compatible HTTP routes)
     mmgen eval per hello.wav --text "Hello there."       (speech intelligibility: phoneme error rate)
 
 The core has no static dependency on any modality: each modality package contributes its
@@ -31,7 +36,7 @@ if TYPE_CHECKING:
     import torch
 
 #: Modules that add subcommands (`register(commands, groups)`), one per modality package.
-COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.batch", "mmgen.vlm.cli", "mmgen.audio.cli", "mmgen.audio.eval_cli",
+COMMAND_MODULES = ("mmgen.image_ar.cli", "mmgen.batch", "mmgen.calibrate", "mmgen.vlm.cli", "mmgen.audio.cli", "mmgen.audio.eval_cli",
                    "mmgen.video.cli", "mmgen.apps.cli", "mmgen.apps.serve_cli")
 #: Seeds are torch generator seeds: 0 <= seed < 2**63.
 SEED_LIMIT = 2**63
@@ -135,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "generate": commands.add_parser("generate", help="generate samples with a pipeline").add_subparsers(dest="target", required=True),
         "convert": commands.add_parser("convert", help="convert official checkpoints into a pipeline folder").add_subparsers(dest="target", required=True),
         "eval": commands.add_parser("eval", help="measure generated samples (e.g. speech's phoneme error rate)").add_subparsers(dest="target", required=True),
+        "bench": commands.add_parser("bench", help="benchmark decoding methods against autoregressive decoding, in one "
+                                     "process").add_subparsers(dest="target", required=True),
     }
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(commands, groups)
@@ -143,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-") and argv[1] not in ("-h", "--help")):
+        # `mmgen bench` benchmarked image models before it took a modality: read until 0.3.
+        print("mmgen: `mmgen bench` without a modality is deprecated (removed in 0.3): use `mmgen bench image`",
+              file=sys.stderr)
+        argv.insert(1, "image")
     args = build_parser().parse_args(argv)
     args.command_line = "mmgen " + shlex.join(argv)  # recorded by reports (e.g. `mmgen bench`)
     try:

@@ -3,7 +3,7 @@
 `inference_mode` skips autograd's per-operation bookkeeping (version counters, view tracking)
 that `torch.no_grad` keeps. A small model's decode step on a CPU is a few hundred small
 operations, so the bundled VLM, speech and image models give the same outputs 4-14% sooner on
-one thread (docs/benchmarks.md, "Inference mode"); large operations (the video models) gain
+one thread (docs/history.md, "The machine"); large operations (the video models) gain
 nothing. Tensors made in that mode cannot be updated in place or saved for backward outside it,
 so what a user receives is cloned into ordinary tensors (`ordinary`) on the way out: `audio *=
 0.5` or training on generated tokens works as it does on the output of a `no_grad` call.

@@ -13,13 +13,12 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from mmgen import registry
-from mmgen.hub import CheckpointError, local_path, read_json, resolve_path
-from mmgen.pipeline import MODEL_INDEX, Pipeline
+from mmgen.hub import MODEL_INDEX, CheckpointError, folder_file, local_path, read_json, resolve_path
 
 PathLike = Union[str, os.PathLike]
 
@@ -43,7 +42,8 @@ def pipeline_class_of(name_or_path: PathLike) -> type:
     model_index.json's `_class_name` (mmgen folders) or config.json's `model_type` (transformers
     folders). A Hub repo is asked for those two small files, never downloaded whole."""
     source = resolve_model(name_or_path)
-    index, config = (source / MODEL_INDEX, source / "config.json") if isinstance(source, Path) else (None, None)
+    local = isinstance(source, Path)  # never through a link out of the folder (`folder_file`)
+    index, config = (folder_file(source, MODEL_INDEX), folder_file(source, "config.json")) if local else (None, None)
     if index is None:  # a Hub repo id: its index file, else its config
         try:
             index = resolve_path(source, MODEL_INDEX)
@@ -65,7 +65,7 @@ def pipeline_class_of(name_or_path: PathLike) -> type:
     return cls
 
 
-def load_pipeline(name_or_path: PathLike, device=None, dtype=None) -> Pipeline:
+def load_pipeline(name_or_path: PathLike, device=None, dtype=None) -> Any:
     """The pipeline a bundled name, folder or Hub repo holds (`mmgen.load_pipeline`, every
     `--model`), as the class `pipeline_class_of` resolves, on `device` and in `dtype` when given."""
     cls = pipeline_class_of(name_or_path)
@@ -112,7 +112,7 @@ def merge_decoding_options(spec: str, named: dict, given: dict) -> dict:
     return merged
 
 
-def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: Optional[PathLike], device="cpu",
+def decoder_from_spec(spec: str, pipe: Any, model: Optional[PathLike], device="cpu",
                       dtype=torch.float32, companions: Optional[dict] = None, **overrides):
     """A decoder for `pipe` (a pipeline or its class) from a command-line spec ("lantern:delta=0.2",
     "draft:drafter=emoji64-draft", "code:draft_steps=4"), among the shortcuts the pipeline
@@ -146,13 +146,19 @@ def decoder_from_spec(spec: str, pipe: Union[Pipeline, type], model: Optional[Pa
             if key not in memo:
                 memo[key] = load_pipeline(other, device, dtype)
             other = memo[key]
-        if isinstance(other, Pipeline) and other.decoder_family != pipe.decoder_family:
+        if _is_pipeline(other) and other.decoder_family != pipe.decoder_family:
             raise ValueError(f"{companion.option}={options.get(companion.option)!s}: {type(other).__name__} decodes "
                              f"{other.decoder_family} models, not {pipe.decoder_family} ones like {_class_of(pipe).__name__}")
-        if isinstance(pipe, Pipeline) and isinstance(other, Pipeline):
+        if _is_pipeline(pipe) and _is_pipeline(other):
             pipe.check_companion(other, companion)
         options[companion.option] = other
     return make_decoder(name, shortcuts, **options)
+
+
+def _is_pipeline(obj: Any) -> bool:
+    """isinstance(obj, mmgen.pipeline.Pipeline), read from the class's bases: that module loads
+    companions through this one, so this one does not import it."""
+    return any(c.__name__ == "Pipeline" and c.__module__ == "mmgen.pipeline" for c in type(obj).__mro__)
 
 
 def _class_of(pipe) -> type:

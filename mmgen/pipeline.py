@@ -22,7 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -31,11 +31,12 @@ from tqdm.auto import tqdm
 from mmgen.decoding.window import parse_window_cost, parse_window_tokens
 from mmgen.files import write_atomic
 from mmgen.hub import (
-    CheckpointError, check_shapes, load_state_dict, load_strict, read_json, resolve_path, save_safetensors, tensor_shapes,
+    MODEL_INDEX,
+    CheckpointError, check_model_folder, check_shapes, load_state_dict, load_strict, loading_folder, model_root, read_json,
+    resolve_path, save_safetensors, tensor_shapes,
 )
 from mmgen.sampling import make_generator
 
-MODEL_INDEX = "model_index.json"
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
@@ -178,6 +179,13 @@ class Pipeline:
             raise ValueError(f"generator is on {generator.device} but the pipeline runs on {device}: create it there")
         return generator
 
+    def calibration_calls(self, count: int) -> list[Callable[[str], Any]]:
+        """`count` batch-1 calls on held-out inputs, each taking a decoding spec and returning the
+        pipeline's output: what `mmgen calibrate` decodes to measure a model's window cost. Token
+        pipelines override it; others have no adaptive window to calibrate."""
+        raise ValueError(f"{type(self).__name__} has no adaptive window to calibrate (token models do: LlamaGen, "
+                         "vision-language and codec speech models)")
+
     # ---------------------------------------------------------------- progress bar
     def set_progress_bar_config(self, **kwargs: Any) -> None:
         """tqdm options for later calls, e.g. `disable=True`."""
@@ -239,8 +247,18 @@ class Pipeline:
         device: Union[str, torch.device, None] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> "Pipeline":
-        """Load a folder written by `save_pretrained` (a local path or a Hugging Face repo id)."""
+        """Load a folder written by `save_pretrained` (a local path or a Hugging Face repo id),
+        checked first (`mmgen.hub.loading_folder`: no link out of it, sizes within bounds); a
+        bad folder is one CheckpointError line."""
         root = resolve_path(path_or_repo)
+        with loading_folder(root):
+            pipe = cls._load(root)
+        pipe.name_or_path = os.fspath(path_or_repo)
+        return pipe.to(device, dtype) if (device is not None or dtype is not None) else pipe
+
+    @classmethod
+    def _load(cls, root: Path) -> "Pipeline":
+        """The pipeline in the checked local folder `root`, its components in float32."""
         index_path = root / MODEL_INDEX
         if not index_path.exists():  # anything else there, read_json refuses unless a small regular file
             raise CheckpointError(f"{root} is not an mmgen pipeline folder: {MODEL_INDEX} is missing")
@@ -272,8 +290,8 @@ class Pipeline:
         window_cost = parse_window_cost(config.pop("window_cost", None), f"{index_path} window_cost")
         window_tokens = parse_window_tokens(config.pop("window_tokens", None), f"{index_path} window_tokens")
         pipe = cls(**components, **cls.config_from_index(config))
-        pipe.window_cost, pipe.window_tokens, pipe.name_or_path = window_cost, window_tokens, os.fspath(path_or_repo)
-        return pipe.to(device, dtype) if (device is not None or dtype is not None) else pipe
+        pipe.window_cost, pipe.window_tokens = window_cost, window_tokens
+        return pipe
 
     @classmethod
     def config_from_index(cls, config: dict) -> dict:
@@ -286,7 +304,7 @@ def load_dtype(dtype: Optional[torch.dtype], device: Union[str, torch.device, No
     float32 on a CPU and the stored dtype ("auto") on an accelerator. Weights are often stored in
     half precision to stay small, and CPUs run half-precision matmuls and convolutions on slow
     fallback kernels: the bundled Dia decoded 2.3x slower at 16 rows in float16, its DAC decoder
-    4x (docs/benchmarks.md). mmgen folders build their modules in float32 the same way."""
+    4x (docs/history.md). mmgen folders build their modules in float32 the same way."""
     if dtype is not None:
         return dtype
     return torch.float32 if device is None or torch.device(device).type == "cpu" else "auto"
@@ -314,7 +332,7 @@ def _check_shared(root: Path, name: str, reference: str) -> Path:
     listed = index.is_file() and target.name in read_json(index).get("components", {})
     if target.parent.parent != root.resolve().parent or not (listed and target.is_dir()):
         raise CheckpointError(f"{root}: shared component {name!r} -> {reference!r} is not a component folder of a sibling pipeline")
-    return target
+    return check_model_folder(target, model_root(target.parent))  # no link out of the sibling either
 
 
 def _write_json(path: Path, data: dict) -> None:

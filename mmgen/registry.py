@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar, Union
 
 #: Packages whose `PIPELINE_MODULES` (class name -> module), `PIPELINE_ALIASES` (other name ->
 #: class name), `MODEL_TYPES` (transformers model_type -> class name) and `BUNDLED_MODELS`
@@ -41,6 +41,12 @@ from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 #: of that package's -> its modality name) and `BATCH_OLD_MARKERS` (likewise, for an old form of
 #: job lines still read) the registry reads; importing them registers their families.
 MODALITY_PACKAGES = ("mmgen.image_ar", "mmgen.vlm", "mmgen.audio", "mmgen.video")
+
+#: The modalities, by the one name a user types everywhere (`mmgen generate`, `mmgen bench`,
+#: `mmgen demo`, job files, the server's catalogues and metrics), each with what it makes. The
+#: folders that hold them are named for what they hold (docs/architecture.md, "Layout").
+MODALITIES = {"image": "images", "text": "answers about images and videos (vision-language models)",
+              "speech": "speech from text", "video": "videos from prompts (block diffusion)"}
 
 #: What names a family in a saved folder, per modality that registers families: a transformers
 #: folder's config.json `model_type`, or a pipeline folder's model_index.json `_class_name`.
@@ -212,12 +218,16 @@ class Family:
     """One registered family of a modality: `name` is what its folders name (`FAMILY_KEYS`),
     `pipeline` the class name of the pipeline that opens them, `adapter` what that pipeline
     asks about the family (a speech adapter: `TTSPipeline`'s conditions, stop rule and codes),
-    a class or "module:Class" imported on first use; None where the pipeline needs none."""
+    a class or "module:Class" imported on first use; None where the pipeline needs none.
+    `capabilities` are the family's facts its pipeline and surfaces ask instead of keeping lists
+    of model types (the text modality's "video": "separate" or "stacked" for families whose
+    video input mmgen places)."""
 
     modality: str
     name: str
     pipeline: str
     adapter: Union[type, str, None] = None
+    capabilities: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     def pipeline_class(self) -> type:
         return pipeline_class(self.pipeline)
@@ -230,13 +240,13 @@ class Family:
 
 
 def register_family(modality: str, name: Optional[str] = None, *, pipeline: Union[type, str],
-                    adapter: Union[type, str, None] = None) -> Family:
+                    adapter: Union[type, str, None] = None, capabilities: Optional[Mapping[str, Any]] = None) -> Family:
     """Register a family of `modality` ("text", "speech", "video"; the old "vlm" is "text", with a
     DeprecationWarning): its folders' `name` (the transformers `model_type`; for video, the
     pipeline's class name, the default), the `pipeline` that opens them (a class, registered here
     too; a registered class name; or "module:Class", imported on first use) and its `adapter` (a
-    class or "module:Class"). Another family under a taken name, or a model_type another modality
-    serves, is an error (and registers nothing)."""
+    class or "module:Class") and its `capabilities` (`Family.capabilities`). Another family under a
+    taken name, or a model_type another modality serves, is an error (and registers nothing)."""
     modality = modality_name(modality)
     if modality not in FAMILY_KEYS:
         raise ValueError(f"unknown modality {modality!r}; families are registered for {', '.join(FAMILY_KEYS)}")
@@ -245,7 +255,7 @@ def register_family(modality: str, name: Optional[str] = None, *, pipeline: Unio
         if FAMILY_KEYS[modality] != "_class_name":
             raise ValueError(f"a {modality} family is named by its transformers model_type: give name=")
         name = pipeline_name
-    entry = Family(modality, name, pipeline_name, adapter)
+    entry = Family(modality, name, pipeline_name, adapter, dict(capabilities or {}))
     taken = FAMILIES[modality].get(name, entry)
     if taken != entry:
         raise ValueError(f"a {modality} family named {name!r} is already registered (opened by {taken.pipeline})")
@@ -271,6 +281,15 @@ def unregister_family(modality: str, name: str) -> None:
     entry = FAMILIES.get(modality, {}).pop(name, None)
     if entry is not None and FAMILY_KEYS[modality] == "_class_name":
         unregister_pipeline(entry.pipeline)
+
+
+def pipeline_modality(cls: type) -> str:
+    """The modality a pipeline class serves: the one whose registered family opens it (or a base
+    class of it), else "image" (image pipelines register their classes, not families)."""
+    _modality_indexes()  # importing the packages registers their families
+    names = {c.__name__ for c in cls.__mro__}
+    return next((modality for modality, entries in FAMILIES.items() if any(f.pipeline in names for f in entries.values())),
+                "image")
 
 
 def families(modality: str) -> dict[str, Family]:

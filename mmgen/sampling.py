@@ -9,10 +9,13 @@ probabilities (CFG, temperature, top-k, top-p), and `sample` draws from them wit
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -48,8 +51,7 @@ class ConstantGuidance:
     scale: float = 1.0
 
     def __post_init__(self):
-        if not math.isfinite(self.scale) or self.scale < 0:
-            raise ValueError(f"guidance scale must be a finite number >= 0, got {self.scale}")
+        check_sampling_values(guidance_scale=self.scale)
 
     @property
     def max_scale(self) -> float:
@@ -154,12 +156,7 @@ class SamplingConfig:
     guidance: GuidanceSchedule = field(default_factory=ConstantGuidance)
 
     def __post_init__(self):
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        check_sampling_values(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
         if isinstance(self.guidance, (int, float)):
             self.guidance = ConstantGuidance(float(self.guidance))
 
@@ -172,6 +169,94 @@ class SamplingConfig:
         """float32 probabilities [..., V] for tokens at generated-token positions `index` [...]."""
         guided = apply_guidance(logits, self.guidance.scales(index))
         return logits_to_probs(guided, self.temperature, self.top_k, self.top_p)
+
+
+# --------------------------------------------------------------------------------------------
+# A pipeline call's sampling: keyword arguments, or one `sampling=` object mapped onto them.
+# --------------------------------------------------------------------------------------------
+
+#: The sampling keyword arguments pipelines take (each takes those that fit it); `sampling=`
+#: maps onto them.
+SAMPLING_KEYWORDS = ("temperature", "top_k", "top_p", "guidance_scale", "cfg_interval", "cfg_schedule")
+
+
+def _number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
+def check_sampling_values(**values: Any) -> None:
+    """The one check of sampling values, with one wording wherever they come from (a
+    `SamplingConfig`, a pipeline's keyword arguments, a `sampling=` dict): ValueError for the
+    first bad one. None means unset."""
+    checks = {
+        "temperature": (lambda v: _number(v) and math.isfinite(v) and v >= 0, "must be >= 0 (0 means greedy)"),
+        "top_k": (lambda v: not isinstance(v, bool) and isinstance(v, int) and v >= 0, "must be an integer >= 0 (0 disables it)"),
+        "top_p": (lambda v: _number(v) and 0.0 < v <= 1.0, "must be in (0, 1]"),
+        "guidance_scale": (lambda v: _number(v) and math.isfinite(v) and v >= 0, "must be a finite number >= 0"),
+        "cfg_interval": (lambda v: not isinstance(v, bool) and isinstance(v, int), "must be an integer (-1: every token)"),
+        "cfg_schedule": (lambda v: isinstance(v, str), "must be a schedule name"),
+    }
+    for name, value in values.items():
+        if name not in checks:
+            raise ValueError(f"unknown sampling setting {name!r}: settings are {', '.join(SAMPLING_KEYWORDS)}")
+        valid, rule = checks[name]
+        if value is not None and not valid(value):
+            label = "guidance scale" if name == "guidance_scale" else name
+            raise ValueError(f"{label} {rule}, got {value!r}")
+
+
+def sampling_keywords(sampling: Union["SamplingConfig", Mapping[str, Any]], accepted: Sequence[str]) -> dict[str, Any]:
+    """`sampling` as keyword arguments of a call that takes the `accepted` ones: a dict's items
+    (each one `accepted`), or a `SamplingConfig`'s temperature, top-k, top-p and guidance (a
+    constant scale as `guidance_scale`, LlamaGen's interval as `cfg_interval` too; settings the
+    call cannot take must be at their neutral values). ValueError for anything else."""
+    if isinstance(sampling, SamplingConfig):
+        found: dict[str, Any] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+        guidance = sampling.guidance
+        if type(guidance) not in (ConstantGuidance, IntervalGuidance):
+            raise ValueError(f"sampling= takes a constant or interval guidance, not {type(guidance).__name__}: give "
+                             "guidance_scale (and cfg_interval or cfg_schedule where the pipeline takes them) instead")
+        found["guidance_scale"] = guidance.scale
+        if isinstance(guidance, IntervalGuidance):
+            found["cfg_interval"] = guidance.interval
+        neutral = {"top_k": 0, "top_p": 1.0, "guidance_scale": 1.0, "cfg_interval": -1}
+        missing = [k for k in found if k not in accepted and found[k] != neutral.get(k)]
+        if missing:
+            raise ValueError(f"this pipeline takes no {' or '.join(missing)}: its sampling settings are {', '.join(accepted)}")
+        return {k: v for k, v in found.items() if k in accepted}
+    if not isinstance(sampling, Mapping):
+        raise ValueError(f"sampling must be a SamplingConfig or a dict of settings, got {type(sampling).__name__}")
+    unknown = [k for k in sampling if k not in accepted]
+    if unknown:
+        raise ValueError(f"unknown sampling setting {unknown[0]!r} for this pipeline: its settings are {', '.join(accepted)}")
+    return dict(sampling)
+
+
+def takes_sampling(call: Callable) -> Callable:
+    """Give a pipeline's `__call__` the `sampling=` argument, as transformers' `generate` takes a
+    `GenerationConfig`: a `SamplingConfig` or a dict that maps onto the call's own sampling
+    keywords (those of `SAMPLING_KEYWORDS` it takes). A keyword given both ways must agree.
+    Every sampling value is checked here, before any work (`check_sampling_values`)."""
+    signature = inspect.signature(call)
+    accepted = tuple(k for k in SAMPLING_KEYWORDS if k in signature.parameters)
+
+    @functools.wraps(call)
+    def wrapper(*args: Any, sampling: Union["SamplingConfig", Mapping[str, Any], None] = None, **kwargs: Any):
+        bound = signature.bind_partial(*args, **kwargs)
+        if sampling is not None:
+            for name, value in sampling_keywords(sampling, accepted).items():
+                given = bound.arguments.get(name)
+                if given is not None and given != value:
+                    raise ValueError(f"{name} is given twice with different values: {given!r} and sampling's {value!r}")
+                bound.arguments[name] = value
+        check_sampling_values(**{k: bound.arguments[k] for k in accepted if k in bound.arguments})
+        return call(*bound.args, **bound.kwargs)
+
+    parameters = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(parameters) if p.kind is inspect.Parameter.VAR_KEYWORD), len(parameters))
+    parameters.insert(at, inspect.Parameter("sampling", inspect.Parameter.KEYWORD_ONLY, default=None))
+    wrapper.__signature__ = signature.replace(parameters=parameters)
+    return wrapper
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

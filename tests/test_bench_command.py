@@ -1,12 +1,13 @@
-"""`mmgen bench` runs the repository's harness (`benchmarks/bench.py`), which the installed
-package does not ship: building the parser imports neither it nor a pipeline, an editable
-install finds it in its checkout from any folder, and without it the command is one line."""
+"""`mmgen bench MODALITY` runs the installed harness (`mmgen.image_ar.bench`, ...): building the
+parser imports neither it nor a pipeline, and the old form without a modality still reads as
+image with a one-line notice. (Running it from a wheel: tests/test_packaging.py.)"""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
-from mmgen.cli import main
+from mmgen.cli import build_parser, main
 
 ROOT = Path(__file__).parents[1]
 
@@ -14,29 +15,60 @@ ROOT = Path(__file__).parents[1]
 def test_building_the_parser_imports_no_pipeline_and_no_benchmark_code():
     probe = ("import sys, mmgen.cli\n"
              "mmgen.cli.build_parser()\n"
-             "print(sorted(m for m in sys.modules if m.startswith(('benchmarks', 'mmgen.image_ar.llamagen', "
-             "'mmgen.image_ar.var', 'mmgen.image_ar.mar', 'mmgen.image_ar.janus'))))\n")
-    # From the repository root, where `benchmarks` is importable: the parser still leaves it alone.
+             "print(sorted(m for m in sys.modules if m.startswith(('benchmarks', 'training', 'mmgen.image_ar.bench', "
+             "'mmgen.image_ar.llamagen', 'mmgen.image_ar.var', 'mmgen.image_ar.mar', 'mmgen.image_ar.janus'))))\n")
+    # From the repository root, where `benchmarks` and `training` are importable: the parser leaves them alone.
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
 
-def test_the_harness_is_found_in_the_checkout_from_another_folder(tmp_path):
-    probe = "import mmgen.image_ar.cli as cli; print(cli.bench_harness().__file__)"
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert Path(result.stdout.strip()) == ROOT / "benchmarks" / "bench.py"
+def test_the_old_form_reads_as_image_with_a_notice(monkeypatch, capsys):
+    import mmgen.image_ar.bench as bench
 
-
-def test_without_the_harness_the_command_is_one_line(monkeypatch, capsys, tmp_path):
-    import mmgen.image_ar.cli as cli
-
-    # An installed wheel: no `benchmarks` to import, and site-packages holds no checkout.
-    monkeypatch.setitem(sys.modules, "benchmarks", None)
-    monkeypatch.setitem(sys.modules, "benchmarks.bench", None)
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "mmgen" / "image_ar" / "cli.py"))
-    assert main(["bench", "--batch-sizes", "1", "--repeats", "1"]) == 2
+    seen = []
+    monkeypatch.setattr(bench, "run", lambda args: seen.append(args.methods) or "report")
+    assert main(["bench", "--methods", "ar"]) == 0
     out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1
-    assert err.startswith("mmgen: error: mmgen bench runs the benchmark harness of a source checkout")
+    assert seen == [["ar"]] and out == "report\n"
+    assert err.count("\n") == 1 and "use `mmgen bench image`" in err
+    assert build_parser().parse_args(["bench", "image", "--methods", "ar"]).target == "image"
+
+
+def run_bench(argv: list[str], tmp_path: Path) -> list[dict]:
+    path = tmp_path / "bench.json"
+    assert main([*argv, "--repeats", "1", "--warmup", "0", "--threads", "1", "--no-progress", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["environment"]["command"].startswith("mmgen bench")
+    return report["speed"]
+
+
+def test_text_bench_runs_methods_and_generate_on_the_same_answers(tmp_path):
+    rows = run_bench(["bench", "text", "--methods", "ar", "draft", "gsd:nonsense=1", "--inputs", "2", "--max-new-tokens", "8"],
+                     tmp_path)
+    by = {row["method"]: row for row in rows}
+    assert list(by) == ["ar", "draft", "gsd:nonsense=1", "transformers generate"]
+    # Greedy: the drafted answers and generate's are AR's, token for token; the drafter drafted.
+    assert by["draft"]["identical_to_ar"] == by["transformers generate"]["identical_to_ar"] == 1.0
+    assert by["draft"]["units_per_forward"] > 1 and by["draft"]["draft_forwards_per_unit"] > 0
+    assert by["ar"]["units_per_forward"] == 1.0 and by["ar"]["speedup_vs_ar"] == 1.0
+    assert "nonsense" in by["gsd:nonsense=1"]["error"]  # a method that cannot run is a row with its error
+
+
+def test_speech_bench_greedy_lossless_rows_equal_ar(tmp_path):
+    rows = run_bench(["bench", "speech", "--methods", "ar", "sjd", "--inputs", "2", "--max-new-frames", "16", "--greedy"],
+                     tmp_path)
+    by = {row["method"]: row for row in rows}
+    assert list(by) == ["ar", "sjd", "transformers generate"]
+    assert by["sjd"]["identical_to_ar"] == by["transformers generate"]["identical_to_ar"] == 1.0
+    assert by["ar"]["units"] == by["sjd"]["units"] > 0
+
+
+def test_video_bench_crosses_methods_and_cache_policies(tmp_path):
+    rows = run_bench(["bench", "video", "--methods", "block", "--cache-policies", "global", "sink:1,window:1", "--inputs", "1",
+                      "--num-frames", "9"], tmp_path)
+    by = {row["method"]: row for row in rows}
+    assert list(by) == ["block cache=global", "block cache=sink:1,window:1"]
+    # Nine frames are one block: no policy has anything to evict, so both make the same video.
+    assert by["block cache=sink:1,window:1"]["identical_to_block cache=global"] == 1.0
+    assert all(row["units"] == 9 and row["units_per_forward"] > 0 for row in rows)

@@ -128,7 +128,7 @@ def test_import_mmgen_and_the_check_leave_gradio_av_and_soundfile_unimported():
     code = """
 import sys
 import mmgen, benchmarks.gpu_check
-import mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.image_ar.var, benchmarks.bench, mmgen.vlm.token_model
+import mmgen.image_ar.llamagen, mmgen.image_ar.janus, mmgen.image_ar.var, mmgen.image_ar.bench, mmgen.vlm.token_model
 import mmgen.audio.pipeline, mmgen.audio.dia, mmgen.kernels
 import benchmarks.step_latency, benchmarks.rule_cost, benchmarks.continuous_batching, benchmarks.tts_decoding
 print(sorted(m for m in ("gradio", "av", "soundfile") if m in sys.modules))

@@ -150,7 +150,7 @@ def vlm_family(tmp_path):
 
 
 def test_a_vlm_family_registered_here_loads_generates_and_serves(vlm_family, tmp_path, capsys):
-    from mmgen.apps.requests.vlm import ChatRequest, VLMCatalog, run_request
+    from mmgen.apps.requests.text import ChatRequest, VLMCatalog, run_request
 
     llava, folder = vlm_family
     image = images(1)[0]

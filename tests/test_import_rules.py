@@ -1,4 +1,4 @@
-"""Two import rules of the installed package, read from the source (every import statement,
+"""Import rules, read from the source (every import statement,
 lazy ones included): no module imports another module's private (underscore) names, and the
 kernels never import the speculative loop, which imports them (lazily): the finalise rule they
 share is `mmgen.decoding.finalise`."""
@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
-#: Source folder -> the package it installs as (pyproject.toml's package-dir).
+#: Source folder -> the package it installs as (setup.py's FOLDERS).
 PACKAGES = {"mmgen": "mmgen", "image_ar": "mmgen.image_ar", "vlm": "mmgen.vlm", "audio": "mmgen.audio",
             "video": "mmgen.video", "kernels": "mmgen.kernels", "apps": "mmgen.apps"}
 
@@ -86,3 +86,85 @@ def test_importing_the_kernels_loads_no_decoding_module():
             "assert not loaded, loaded; from mmgen import Autoregressive; assert 'mmgen.decoding.speculative' in sys.modules")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an import statement of `path` names (lazy ones included), absolute only."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_the_package_imports_no_recipe_and_no_lab_code_and_recipes_no_lab_code():
+    """Training recipes import the package, never the other way round; `benchmarks/` (the lab)
+    is imported by nothing installed and by no recipe; nothing imports the tests."""
+    found = []
+    for name, path in modules().items():
+        found += [f"{path.relative_to(ROOT)}: {m}" for m in imported_modules(path) if m.split(".")[0] in ("training", "benchmarks", "tests")]
+    for path in (ROOT / "training").rglob("*.py"):
+        found += [f"{path.relative_to(ROOT)}: {m}" for m in imported_modules(path) if m.split(".")[0] in ("benchmarks", "tests")]
+    assert not found, found
+
+
+def runtime_imports(tree: ast.Module) -> list:
+    """Every import statement of a module that runs (lazy ones inside functions included), but
+    those under `if TYPE_CHECKING:` (annotations only)."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for other in child.orelse:
+                    visit(other)
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_no_import_circle():
+    """The package's, the recipes' and the lab's imports (lazy ones too: a function that imports
+    a module that imports its own is a circle all the same) form no circle. Importing a
+    package's own ancestors (`from mmgen import registry` in `mmgen.loading`) is how a name
+    under that package is reached, not a tie back."""
+    folders = {**PACKAGES, "training": "training", "benchmarks": "benchmarks"}
+    found = {}
+    for folder, package in folders.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(ROOT / folder).with_suffix("").parts if p != "__init__"]
+            found[".".join([package, *parts])] = path
+    graph = {}
+    for name, path in found.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+                module = ".".join(filter(None, [base, node.module]))
+                subs = [f"{module}.{a.name}" for a in node.names if f"{module}.{a.name}" in found]
+                edges.update(subs or ([module] if module in found else []))
+            else:
+                edges.update(a.name for a in node.names if a.name in found)
+        graph[name] = {e for e in edges if e != name and not name.startswith(e + ".")}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def circle_from(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (circle := circle_from(nxt, path + [node])):
+                return circle
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state:
+            assert not (circle := circle_from(start, [])), " -> ".join(circle)

@@ -1,24 +1,33 @@
 """The distribution maps every top-level folder into the mmgen namespace (docs/architecture.md),
-and pyproject.toml names only files that exist."""
+finds every package, pyproject.toml names only files that exist, and the user commands that
+measure (`mmgen bench`, `mmgen calibrate`) run from a wheel in a fresh venv, outside any checkout."""
 
 import glob
+import json
 import re
+import runpy
 import shutil
 import subprocess
 import sys
 import tomllib
+import sysconfig
 import zipfile
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).parents[1]
 FOLDERS = ["mmgen", "image_ar", "vlm", "audio", "video", "kernels", "apps"]
 
 
-def test_wheel_contents_and_imports(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the distribution's files (no checkout around it)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "src"
     for name in FOLDERS:
         shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
     # No build isolation: the build backend comes from the dev extra, nothing is downloaded.
     built = subprocess.run(
@@ -26,14 +35,19 @@ def test_wheel_contents_and_imports(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp_path / "dist").glob("mmgen-*.whl")
+    (path,) = (tmp_path / "dist").glob("mmgen-*.whl")
+    return path
+
+
+def test_wheel_contents_and_imports(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
 
     top_level = {n.split("/")[0] for n in names}
     assert top_level == {"mmgen", next(t for t in top_level if t.endswith(".dist-info"))}
-    for package in ["mmgen", "mmgen/decoding", "mmgen/image_ar", "mmgen/image_ar/janus", "mmgen/image_ar/llamagen", "mmgen/vlm", "mmgen/audio",
-                    "mmgen/video", "mmgen/kernels", "mmgen/apps"]:
-        assert f"{package}/__init__.py" in names
+    packages = runpy.run_path(str(ROOT / "setup.py"), run_name="packages")["packages"]()
+    assert {"mmgen.image_ar.janus", "mmgen.image_ar.bench", "mmgen.apps.requests"} <= set(packages)
+    for package in packages:  # every package is found: none is listed by hand
+        assert package.replace(".", "/") + "/__init__.py" in names
     for module in ["mmgen/sampling.py", "mmgen/cache.py", "mmgen/cli.py", "mmgen/image_ar/llamagen/gpt.py", "mmgen/image_ar/llamagen/vq.py"]:
         assert module in names
     for asset in ["emoji64/model_index.json", "emoji64/transformer/model.safetensors", "emoji64/vq/model.safetensors",
@@ -72,18 +86,43 @@ def test_wheel_contents_and_imports(tmp_path):
     assert result.stdout.strip().startswith(str(target))
 
 
+def test_bench_and_calibrate_run_from_the_wheel_in_a_fresh_venv(wheel, tmp_path):
+    """A fresh venv that sees the dependencies (a path entry to this environment's site-packages,
+    whose .pth files, the editable install's among them, it does not run) and the wheel alone."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+                               capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stderr
+    env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    where = subprocess.run([str(python), "-c", "import mmgen; print(mmgen.__file__)"], capture_output=True, text=True,
+                           env=env, cwd=tmp_path, timeout=300)
+    assert where.stdout.strip().startswith(site), where.stderr
+    bench = subprocess.run([str(venv / "bin" / "mmgen"), "bench", "image", "--methods", "ar", "sjd-8", "--batch-sizes", "1",
+                            "--repeats", "1", "--warmup", "0", "--quality-per-class", "0", "--no-progress",
+                            "--json", str(tmp_path / "bench.json")], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert bench.returncode == 0, bench.stderr
+    assert [row["method"] for row in json.loads((tmp_path / "bench.json").read_text())["speed"]] == ["ar", "sjd-8"]
+    folder = tmp_path / "emoji64"
+    shutil.copytree(ROOT / "image_ar" / "assets" / "emoji64", folder)
+    calibrate = subprocess.run([str(venv / "bin" / "mmgen"), "calibrate", str(folder), "--inputs", "1", "--repeats", "1",
+                                "--threads", "1"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert calibrate.returncode == 0, calibrate.stderr
+    assert "cpu:1" in json.loads((folder / "model_index.json").read_text())["config"]["window_cost"]
+
+
 def test_every_path_pyproject_names_exists():
     text = (ROOT / "pyproject.toml").read_text()
     project = tomllib.loads(text)
     assert (ROOT / project["project"]["readme"]).is_file()
     setuptools = project["tool"]["setuptools"]
-    folders = setuptools["package-dir"]
+    folders = runpy.run_path(str(ROOT / "setup.py"), run_name="packages")["FOLDERS"]
     for folder in folders.values():
         assert (ROOT / folder / "__init__.py").is_file(), folder
-    for package in setuptools["packages"]:
-        parts = package.split(".")
-        base = next(i for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in folders)
-        assert (ROOT / folders[".".join(parts[:base])] / Path(*parts[base:]) / "__init__.py").is_file(), package
     for package, patterns in setuptools["package-data"].items():
         for pattern in patterns:
             assert glob.glob(str(ROOT / folders[package] / pattern), recursive=True), f"{package}: {pattern} matches nothing"

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import torch
 
-from benchmarks.train import main
+from training.train import main
 
 
 def run(argv, monkeypatch):
@@ -40,7 +40,7 @@ def test_the_weight_average_averages_trained_weights_and_copies_frozen_ones():
     """`WeightAverage`: trained parameters follow the warmed-up decay, a part frozen mid-run is
     copied (so it stays exactly what the rest trained against), and `swapped_in` gives the model
     back its own weights after."""
-    from benchmarks.train import WeightAverage
+    from training.train import WeightAverage
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
@@ -64,8 +64,8 @@ def test_the_weight_average_averages_trained_weights_and_copies_frozen_ones():
 
 
 def test_a_run_with_a_weight_average_resumes_exactly_and_loads_the_average(tmp_path, monkeypatch):
-    from benchmarks.train import LlamaGenTransformer, gpt_config, load_trained
-    from benchmarks.train_video import load_vae_checkpoint, main as video_main, weight_average
+    from training.train import LlamaGenTransformer, gpt_config, load_trained
+    from training.train_video import load_vae_checkpoint, main as video_main, weight_average
 
     rng = np.random.default_rng(0)
     codes = tmp_path / "codes.npz"
@@ -99,7 +99,7 @@ def test_a_run_with_a_weight_average_resumes_exactly_and_loads_the_average(tmp_p
 
 
 def test_wall_clock_sums_the_invocations_of_a_resumed_run(tmp_path):
-    from benchmarks.train import wall_clock
+    from training.train import wall_clock
 
     # Two invocations (the second restarts the clock); held-out records carry no seconds.
     records = [{"step": 50, "seconds": 10.0}, {"step": 100, "seconds": 20.0}, {"step": 100, "heldout": {}},

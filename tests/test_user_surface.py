@@ -146,7 +146,7 @@ def test_long_settings_are_cut_and_hashed():
 
 @pytest.mark.parametrize("argv", [
     ["generate", "image", "--class-labels", "1", "--out", "{out}"],
-    ["bench", "--batch-sizes", "1", "--repeats", "1"],
+    ["bench", "image", "--batch-sizes", "1", "--repeats", "1"],
     ["batch", "{jobs}", "--out", "{out}"],
     ["demo", "image"],
 ])
@@ -200,7 +200,7 @@ def test_mar_generation_shows_progress_and_the_bar_changes_no_token(mar_dir):
 @pytest.mark.parametrize("model", ["llamagen", "mar"])
 def test_bench_shows_progress(model, model_dir, mar_dir, tmp_path, capsys):
     folder, methods = (model_dir, ["ar", "sjd-4"]) if model == "llamagen" else (mar_dir, ["ar", "ar:num_steps=2"])
-    argv = ["bench", "--models", str(folder), "--methods", *methods, "--batch-sizes", "1", "--repeats", "2", "--warmup", "1",
+    argv = ["bench", "image", "--models", str(folder), "--methods", *methods, "--batch-sizes", "1", "--repeats", "2", "--warmup", "1",
             "--quality-per-class", "0", "--json", str(tmp_path / "b.json")]
     assert main(argv) == 0
     err = capsys.readouterr().err
@@ -290,7 +290,7 @@ def test_bad_seeds_are_refused_everywhere(seed, model_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--seed: must be an integer in [0, 2**63)" in err
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", "--seed", seed])
+        build_parser().parse_args(["bench", "image", "--seed", seed])
     capsys.readouterr()
 
 
@@ -382,7 +382,7 @@ def test_help_lists_every_decoder_family_and_default(capsys, monkeypatch):
     for word in ("cspd", "code", "(default: sjd", "'sjd-8' is 'sjd:window=8'", "VAR", "MAR", "Janus-Pro", "mar-emoji64",
                  "seed of the random generator", "torch device", "weights' dtype", "--overwrite"):
         assert word in text, word
-    text = help_text("bench", capsys=capsys)
+    text = help_text("bench", "image", capsys=capsys)
     for word in ("(default: 5)", "(default: ['ar', 'sjd-8', 'sjd-16'])", "(default: float32)", "(default: cpu)", "--no-progress"):
         assert word in text, word
     assert "(default: None)" not in text

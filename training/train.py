@@ -5,13 +5,13 @@ steps the run writes `<out>/checkpoint.pt` (weights, optimizer, step) atomically
 command resumes from it. Data order and augmentation noise derive from (seed, step), so a run
 killed and resumed ends with the same weights as one that never stopped.
 
-    python -m benchmarks.data.emoji --out data/emoji64.npz
-    python -m benchmarks.train vq --data data/emoji64.npz --out runs/vq --steps 3000
-    python -m benchmarks.train tokenize --data data/emoji64.npz --vq runs/vq --out runs/codes.npz
-    python -m benchmarks.train gpt --preset target --codes runs/codes.npz --out runs/gpt-target --steps 4000
-    python -m benchmarks.train gpt --preset draft --codes runs/codes.npz --out runs/gpt-draft --steps 3000
-    python -m benchmarks.train classifier --data data/emoji64.npz --out runs/classifier --steps 2000
-    python -m benchmarks.train export --data data/emoji64.npz --vq runs/vq --gpt runs/gpt-target \
+    python -m training.data.emoji --out data/emoji64.npz
+    python -m training.train vq --data data/emoji64.npz --out runs/vq --steps 3000
+    python -m training.train tokenize --data data/emoji64.npz --vq runs/vq --out runs/codes.npz
+    python -m training.train gpt --preset target --codes runs/codes.npz --out runs/gpt-target --steps 4000
+    python -m training.train gpt --preset draft --codes runs/codes.npz --out runs/gpt-draft --steps 3000
+    python -m training.train classifier --data data/emoji64.npz --out runs/classifier --steps 2000
+    python -m training.train export --data data/emoji64.npz --vq runs/vq --gpt runs/gpt-target \
         --draft runs/gpt-draft --classifier runs/classifier --out image_ar/assets
 """
 
@@ -328,7 +328,7 @@ def export(args) -> None:
     data's feature statistics, the held-out real images, and a model card."""
     from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenTokenModel
     from mmgen.image_ar.quality import ClassifierConfig, ImageQualityProxies
-    from mmgen.metrics import token_nll
+    from mmgen.quality import token_nll
 
     data = np.load(args.data)
     names = [str(c) for c in data["class_names"]]
@@ -394,7 +394,7 @@ def model_card(f: dict) -> str:
     row = lambda name, what: component_row(f, name, what)
     return f"""# emoji64: bundled class-conditional LlamaGen models
 
-Trained on this project's CPU machine by `benchmarks/train.py` (see its docstring for the exact
+Trained on this project's CPU machine by `training/train.py` (see its docstring for the exact
 commands; training is deterministic for a given seed and thread count). These weights came from
 the trainer at commit edcc830, which reseeded its augmentation noise at each resume; the VQ
 and classifier runs were resumed once (below), so the current trainer, which derives noise
@@ -404,7 +404,7 @@ per step, reproduces them only approximately.
 
 Noto Color Emoji (Debian `fonts-noto-color-emoji` 2.042) rendered at 64x64 on white, labelled by
 Unicode emoji subgroup from `emoji-test.txt` (Debian `unicode-data` 15.0), built by
-`python -m benchmarks.data.emoji`: {f['images']} images in {f['classes']} classes (subgroups with at
+`python -m training.data.emoji`: {f['images']} images in {f['classes']} classes (subgroups with at
 least 8 emoji); every 10th image of each class is held out ({f['held_out']} images, shipped as
 `emoji64-eval.npz`). Horizontal flips augment training.
 
@@ -444,13 +444,13 @@ people, hearts and keycaps come out recognisable; most object, animal, food and 
 ## Reproduce
 
 ```
-python -m benchmarks.data.emoji --out data/emoji64.npz
-python -m benchmarks.train vq --data data/emoji64.npz --out runs/vq --steps 1500 --lr 5e-4   # stopped at 750, resumed with --steps 1000
-python -m benchmarks.train tokenize --data data/emoji64.npz --vq runs/vq --out runs/codes.npz
-python -m benchmarks.train gpt --preset draft --codes runs/codes.npz --out runs/gpt-draft --steps 2000
-python -m benchmarks.train gpt --preset target --codes runs/codes.npz --out runs/gpt-target --steps 3000
-python -m benchmarks.train classifier --data data/emoji64.npz --out runs/classifier --steps 2000 --threads 1  # stopped at 1000, resumed with --steps 1200
-python -m benchmarks.train export --data data/emoji64.npz --vq runs/vq --gpt runs/gpt-target \
+python -m training.data.emoji --out data/emoji64.npz
+python -m training.train vq --data data/emoji64.npz --out runs/vq --steps 1500 --lr 5e-4   # stopped at 750, resumed with --steps 1000
+python -m training.train tokenize --data data/emoji64.npz --vq runs/vq --out runs/codes.npz
+python -m training.train gpt --preset draft --codes runs/codes.npz --out runs/gpt-draft --steps 2000
+python -m training.train gpt --preset target --codes runs/codes.npz --out runs/gpt-target --steps 3000
+python -m training.train classifier --data data/emoji64.npz --out runs/classifier --steps 2000 --threads 1  # stopped at 1000, resumed with --steps 1200
+python -m training.train export --data data/emoji64.npz --vq runs/vq --gpt runs/gpt-target \
     --draft runs/gpt-draft --classifier runs/classifier --out image_ar/assets
 ```
 """
@@ -465,7 +465,7 @@ def component_row(facts: dict, name: str, what: str) -> str:
 
 
 def keep_window_cost(model: torch.nn.Module, folder: Path) -> None:
-    """Give a transformers model the measured window cost (`benchmarks/window_cost.py --write`)
+    """Give a transformers model the measured window cost (`mmgen calibrate`)
     that the export `folder` it replaces already carried: the curve describes the architecture on
     this machine, not the weights, so a re-export keeps it. Its measured `window_tokens` describe
     the weights (what their drafts are accepted at), so a re-export drops them: measure again."""

@@ -1,17 +1,17 @@
 """Train the bundled MAR models on the emoji set: a KL VAE and two MARs of different sizes on its
 latents (a target and a drafter, for continuous speculative decoding).
 
-Same harness as `benchmarks/train.py` (deterministic for a seed and thread count, resumable,
+Same harness as `training/train.py` (deterministic for a seed and thread count, resumable,
 atomic checkpoints):
 
-    python -m benchmarks.train_mar vae --data data/emoji64.npz --out runs/mar-vae --steps 200 --batch-size 16 \
+    python -m training.train_mar vae --data data/emoji64.npz --out runs/mar-vae --steps 200 --batch-size 16 \
         --lr 5e-4 --warmup 20 --threads 2
-    python -m benchmarks.train_mar latents --data data/emoji64.npz --vae runs/mar-vae --out runs/mar-latents.npz
-    python -m benchmarks.train_mar mar --preset target --latents runs/mar-latents.npz --out runs/mar-target \
+    python -m training.train_mar latents --data data/emoji64.npz --vae runs/mar-vae --out runs/mar-latents.npz
+    python -m training.train_mar mar --preset target --latents runs/mar-latents.npz --out runs/mar-target \
         --steps 5000 --threads 1
-    python -m benchmarks.train_mar mar --preset draft --latents runs/mar-latents.npz --out runs/mar-draft \
+    python -m training.train_mar mar --preset draft --latents runs/mar-latents.npz --out runs/mar-draft \
         --steps 5000 --threads 1
-    python -m benchmarks.train_mar export --data data/emoji64.npz --vae runs/mar-vae --latents runs/mar-latents.npz \
+    python -m training.train_mar export --data data/emoji64.npz --vae runs/mar-vae --latents runs/mar-latents.npz \
         --target runs/mar-target --draft runs/mar-draft --out image_ar/assets
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, component_row, last_log, load_images, load_trained, random_flip, round_to_half, train_loop
+from training.train import add_training_arguments, component_row, last_log, load_images, load_trained, random_flip, round_to_half, train_loop
 from mmgen.image_ar.mar.mar import MAR, MARConfig
 from mmgen.image_ar.mar.vae import DiagonalGaussian, KLVAE, KLVAEConfig
 
@@ -140,7 +140,7 @@ MAR_EMOJI_SAMPLING = {"num_iter": 16, "guidance_scale": 2.0, "cfg_schedule": "li
 def export(args) -> None:
     """Write `mar-emoji64` (target MAR + VAE) and `mar-emoji64-draft` (drafter, VAE shared with
     the target) and the model card."""
-    from benchmarks.bench_mar import mar_diffusion_loss
+    from mmgen.image_ar.bench.mar import mar_diffusion_loss
     from mmgen.image_ar.mar import MARPipeline
 
     data = np.load(args.data)
@@ -179,7 +179,7 @@ def model_card(f: dict) -> str:
     s = MAR_EMOJI_SAMPLING
     return f"""# mar-emoji64: bundled MAR models (a target and a drafter)
 
-Trained on this project's CPU machine by `benchmarks/train_mar.py` (its docstring has the exact
+Trained on this project's CPU machine by `training/train_mar.py` (its docstring has the exact
 commands; deterministic for a seed and thread count) on the same emoji set as `emoji64`
 (see `../emoji64/MODEL_CARD.md` for the data): 64x64 images, 74 classes, horizontal flips.
 
@@ -216,7 +216,7 @@ the proxies.
 
 ## Reproduce
 
-The commands in the docstring of `benchmarks/train_mar.py` (the two MAR runs ran side by side,
+The commands in the docstring of `training/train_mar.py` (the two MAR runs ran side by side,
 one thread each).
 
 ## Limits

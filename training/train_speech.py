@@ -3,20 +3,20 @@ codec (transformers' own `DacModel`) and a CTC phoneme recogniser (the quality p
 is `mmgen.audio.recogniser.PhonemeRecogniser`, and `export` writes the folder bundled as
 `audio/assets/phoneme-recogniser`).
 
-Data comes from `benchmarks/data/speech.py` (16 kHz, phonemes per utterance, a fixed 5%
+Data comes from `training/data/speech.py` (16 kHz, phonemes per utterance, a fixed 5%
 held-out split that is never trained on). The loop, checkpointing and data order are
-`benchmarks/train.py`'s (`train_loop`: resumable, randomness from (seed, step)), so a killed and
+`training/train.py`'s (`train_loop`: resumable, randomness from (seed, step)), so a killed and
 resumed run ends with the weights of one that never stopped.
 
-    python -m benchmarks.data.speech --out data/speech16k.npz
-    python -m benchmarks.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1
-    python -m benchmarks.train_speech phonemes --data data/speech16k.npz --out runs/speech-phonemes --threads 1
-    python -m benchmarks.train_speech tokenize --data data/speech16k.npz --codec runs/speech-codec --out runs/speech-codes.npz
-    python -m benchmarks.train_speech calibrate --data data/speech16k.npz --codec runs/speech-codec \
+    python -m training.data.speech --out data/speech16k.npz
+    python -m training.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1
+    python -m training.train_speech phonemes --data data/speech16k.npz --out runs/speech-phonemes --threads 1
+    python -m training.train_speech tokenize --data data/speech16k.npz --codec runs/speech-codec --out runs/speech-codes.npz
+    python -m training.train_speech calibrate --data data/speech16k.npz --codec runs/speech-codec \
         --recogniser runs/speech-phonemes --out runs/speech-calibration.json
-    python -m benchmarks.train_speech export --codec runs/speech-codec --recogniser runs/speech-phonemes \
+    python -m training.train_speech export --codec runs/speech-codec --recogniser runs/speech-phonemes \
         --out runs/speech-export
-    python -m benchmarks.train_speech bundle-recogniser --recogniser runs/speech-phonemes --data data/speech16k.npz \
+    python -m training.train_speech bundle-recogniser --recogniser runs/speech-phonemes --data data/speech16k.npz \
         --out audio/assets/phoneme-recogniser
 
 `calibrate` takes exported folders too: `--codec audio/assets/speech-tts/codec --half --recogniser
@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 import torchaudio
 
-from benchmarks.data.speech import SAMPLE_RATE, load_corpus, utterance
-from benchmarks.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop, wall_clock
+from training.data.speech import SAMPLE_RATE, load_corpus, utterance
+from training.train import add_training_arguments, last_log, load_trained, round_to_half, train_loop, wall_clock
 from mmgen.audio.phonemes import PHONEMES, reduce_phonemes
 from mmgen.audio.recogniser import PhonemeRecogniser, phoneme_error_rate
 
@@ -393,7 +393,7 @@ UNSEEN_TEXTS = (
 def unseen_per(recogniser: PhonemeRecogniser, texts: tuple[str, ...] = UNSEEN_TEXTS) -> float:
     """PER on `texts` spoken as the corpus speaks a text (voice, speed and pitch from its hash;
     16 kHz; trimmed), against the phonemes espeak-ng spoke."""
-    from benchmarks.data.speech import speak, to_16k, voice_for
+    from training.data.speech import speak, to_16k, voice_for
 
     waves, refs = [], []
     for text in texts:
@@ -420,7 +420,7 @@ text (`mmgen.audio.phonemes.text_phonemes`, the reduction the training data used
 
 ## Data
 
-`benchmarks/data/speech.py` (`data/speech16k.npz`): English texts the project makes itself (emoji
+`training/data/speech.py` (`data/speech16k.npz`): English texts the project makes itself (emoji
 names, spelled-out numbers, short template sentences) spoken by Debian's espeak-ng 1.51 with
 {len(f['voices'])} voices ({', '.join(f['voices'])}), 140-200 words per minute, pitch 35-65, chosen by a hash
 of the text; 16 kHz, 0.5-3 s each. Labels are the phonemes espeak-ng spoke (its IPA for the
@@ -429,7 +429,7 @@ voice's accent), reduced to the {len(f['inventory'])}-symbol inventory. {f['trai
 
 ## Training
 
-`benchmarks/train_speech.py phonemes`: CTC loss, AdamW (betas 0.9/0.95, weight decay
+`training/train_speech.py phonemes`: CTC loss, AdamW (betas 0.9/0.95, weight decay
 {a['weight_decay']}), peak learning rate {a['lr']} with {a['warmup']} warm-up steps and a cosine schedule to step {a['steps']},
 batch {a['batch_size']}, gradient clipping 1.0, seed {a['seed']}. Augmentation per utterance: gain -6..+2 dB, white
 noise 30-50 dB below the speech, SpecAugment (2 time masks up to 8 frames, 2 mel masks up to 8
@@ -454,7 +454,7 @@ when the weights are rounded to float16. The codec's held-out mel L1 is {c['code
 {c['codec_si_snr_db']:.1f} dB.
 
 Words it never heard: on {f['unseen_count']} everyday sentences outside the corpus (`UNSEEN_TEXTS` in
-`benchmarks/train_speech.py`, spoken by espeak-ng as the corpus speaks a text), PER {f['unseen']:.1%}.
+`training/train_speech.py`, spoken by espeak-ng as the corpus speaks a text), PER {f['unseen']:.1%}.
 
 ## Limits
 
@@ -474,9 +474,9 @@ Words it never heard: on {f['unseen_count']} everyday sentences outside the corp
 
 ```bash
 apt-get install espeak-ng unicode-data
-python -m benchmarks.data.speech --out data/speech16k.npz
-python -m benchmarks.train_speech phonemes --data data/speech16k.npz --out runs/speech-phonemes --threads 1
-python -m benchmarks.train_speech bundle-recogniser --recogniser runs/speech-phonemes --data data/speech16k.npz \\
+python -m training.data.speech --out data/speech16k.npz
+python -m training.train_speech phonemes --data data/speech16k.npz --out runs/speech-phonemes --threads 1
+python -m training.train_speech bundle-recogniser --recogniser runs/speech-phonemes --data data/speech16k.npz \\
     --codec {f['codec']} --out audio/assets/phoneme-recogniser
 ```
 
@@ -489,7 +489,7 @@ card (torch {f['torch']}).
 def bundle_recogniser(args) -> None:
     """Export a recogniser run as a float16 folder, measure it (`calibration` with the codec rounded
     to float16, and the float32 run on the same audio) and write the folder's MODEL_CARD.md."""
-    from benchmarks.data.speech import VOICES
+    from training.data.speech import VOICES
 
     data = load_corpus(args.data)
     held_out = Speech(data, "eval")

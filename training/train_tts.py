@@ -4,7 +4,7 @@
 Both are transformers' own `DiaForConditionalGeneration` in small configurations: Dia's byte-level
 text encoder (`DiaTokenizer`, text read as "[S1] <text>" as `DiaSpeech.text_with_speaker` does)
 and its multi-channel audio decoder over the codes of the project's 16 kHz DAC codec
-(`benchmarks/train_speech.py`), in Dia's delayed layout (`DELAY`). The decoder vocabulary is the
+(`training/train_speech.py`), in Dia's delayed layout (`DELAY`). The decoder vocabulary is the
 codebook, then EOS, PAD and BOS. They load through `TTSPipeline.from_pretrained(folder)` exactly
 as official Dia checkpoints do (the codec is the folder's `codec/`).
 
@@ -17,17 +17,17 @@ is, and right padding leaves no query position with every key masked. The loss i
 own (cross-entropy over every channel's labelled positions). `TEXT_DROPOUT` of the training rows
 read all-zero text ids (same mask): the unconditional branch of Dia's classifier-free guidance.
 
-The loop, checkpointing and data order are `benchmarks/train.py`'s (`train_loop`: resumable,
+The loop, checkpointing and data order are `training/train.py`'s (`train_loop`: resumable,
 randomness from (seed, step)), so a killed and resumed run ends with the weights of one that
 never stopped. Held-out utterances (the corpus' `is_eval`) are never trained on.
 
-    python -m benchmarks.train_speech tokenize --data data/speech16k.npz --codec runs/speech-codec \
+    python -m training.train_speech tokenize --data data/speech16k.npz --codec runs/speech-codec \
         --out runs/speech-codes.npz
-    python -m benchmarks.train_tts target --codes runs/speech-codes.npz --out runs/tts-target --threads 1
-    python -m benchmarks.train_tts draft --codes runs/speech-codes.npz --out runs/tts-draft --threads 1
-    python -m benchmarks.train_tts export --codec runs/speech-export/codec --target runs/tts-target \
+    python -m training.train_tts target --codes runs/speech-codes.npz --out runs/tts-target --threads 1
+    python -m training.train_tts draft --codes runs/speech-codes.npz --out runs/tts-draft --threads 1
+    python -m training.train_tts export --codec runs/speech-export/codec --target runs/tts-target \
         --draft runs/tts-draft --out audio/assets
-    python -m benchmarks.train_tts card --codes runs/speech-codes.npz --target runs/tts-target \
+    python -m training.train_tts card --codes runs/speech-codes.npz --target runs/tts-target \
         --draft runs/tts-draft --assets audio/assets --out audio/assets/speech-tts/MODEL_CARD.md
 
 The card also hears the exported folders (`--assets`) speak the held-out texts as written, one
@@ -37,7 +37,7 @@ on the exported pair, from the benchmarks' results: `--decoding` takes `benchmar
 --out` files (batch 1, one per thread count), `--batch-decoding` a `benchmarks.tts_continuous_batching
 --json` file. The `decoding` job writes that section alone into an existing card:
 
-    python -m benchmarks.train_tts decoding --card audio/assets/speech-tts/MODEL_CARD.md \
+    python -m training.train_tts decoding --card audio/assets/speech-tts/MODEL_CARD.md \
         --results runs/speech-bundled-t1.json runs/speech-bundled-t2.json --batch-results runs/speech-batch8-t1.json
 
 `--codec` is either a codec run of `train_speech.py codec` (checkpoint.pt + config.json) or a
@@ -49,20 +49,20 @@ scored by the phoneme recogniser (PER, texts that end, durations; best.pt keeps 
 `--text-input phonemes` has the encoder read each utterance's espeak phonemes, one letter each
 (`mmgen.audio.phonemes.spell_phonemes`), instead of the text's bytes:
 
-    python -m benchmarks.train_tts target --codes runs/speech-codes.npz --out runs/tts-phon --threads 1 \
+    python -m training.train_tts target --codes runs/speech-codes.npz --out runs/tts-phon --threads 1 \
         --text-input phonemes --guided-attention 1.0 --eval-every 250 --eval-speak 48 --codec audio/assets/speech-tts/codec
 
-One voice first (issue 30): codes of the one-voice corpus (`benchmarks/data/speech.py
+One voice first (issue 30): codes of the one-voice corpus (`training/data/speech.py
 --one-voice`), then a second stage from that run's weights (`--init`) with a sharper guide
 (`--guide-width`) and noisier past codes, so the decoder reads each word where it is:
 
-    python -m benchmarks.data.speech --out data/speech16k-en-us.npz --one-voice
-    python -m benchmarks.train_speech tokenize --data data/speech16k-en-us.npz --codec audio/assets/speech-tts/codec \
+    python -m training.data.speech --out data/speech16k-en-us.npz --one-voice
+    python -m training.train_speech tokenize --data data/speech16k-en-us.npz --codec audio/assets/speech-tts/codec \
         --out runs/speech-codes-en-us.npz --threads 1
-    python -m benchmarks.train_tts target --codes runs/speech-codes-en-us.npz --out runs/tts-en-us --threads 1 \
+    python -m training.train_tts target --codes runs/speech-codes-en-us.npz --out runs/tts-en-us --threads 1 \
         --text-input phonemes --guided-attention 1.0 --code-noise 0.3 --steps 6000 --eval-every 250 --eval-speak 48 \
         --codec audio/assets/speech-tts/codec
-    python -m benchmarks.train_tts target --codes runs/speech-codes-en-us.npz --out runs/tts-en-us-2 --threads 1 \
+    python -m training.train_tts target --codes runs/speech-codes-en-us.npz --out runs/tts-en-us-2 --threads 1 \
         --init runs/tts-en-us --text-input phonemes --guided-attention 1.0 --guide-width 0.1 --code-noise 0.5 \
         --steps 6000 --eval-every 250 --eval-speak 48 --codec audio/assets/speech-tts/codec
 
@@ -83,7 +83,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop, trained_weights
+from training.train import add_training_arguments, keep_window_cost, last_log, load_trained, round_to_half, train_loop, trained_weights
 from mmgen.audio.dia import TEXT_FRONTEND_KEY
 from mmgen.audio.phonemes import spell_phonemes
 from mmgen.files import write_atomic
@@ -168,7 +168,7 @@ class CodesData:
         codes, offsets = data["codes"], data["offsets"]
         self.codes = [torch.from_numpy(codes[offsets[i]:offsets[i + 1]].astype(np.int64)) for i in keep]
         self.texts = [str(data["text"][i]) for i in keep]
-        # What each utterance's espeak voice said (`benchmarks/data/speech.py`), where the file has it.
+        # What each utterance's espeak voice said (`training/data/speech.py`), where the file has it.
         self.phonemes = [str(data["phonemes"][i]) for i in keep] if "phonemes" in data else None
         self.written = list(self.texts)  # the texts as written, before any phoneme spelling
         self.voices = sorted({str(v) for v in data["voice"][keep]}) if "voice" in data else None
@@ -480,7 +480,7 @@ def held_out_loss(model: Any, data: CodesData, batch: int = 32, drop_text: bool 
 def export(args) -> None:
     """`<out>/speech-tts` and `<out>/speech-tts-draft`: each the model (`save_pretrained`) and the
     codec in `codec/`, in `--dtype` (float16 by default; weights rounded first)."""
-    from benchmarks.train_speech import load_codec
+    from training.train_speech import load_codec
 
     codec = load_codec(args.codec)
     half = args.dtype == "float16"
@@ -536,7 +536,7 @@ def text_gap_bound(codes: str, held_out: CodesData) -> str:
 
 
 #: Everyday sentences of none of the corpus' kinds (no emoji name, number or template of
-#: `benchmarks/data/speech.py`): how far a model's reading carries past what it trained on.
+#: `training/data/speech.py`): how far a model's reading carries past what it trained on.
 EVERYDAY_TEXTS = (
     "Hello there, how are you today?", "Please close the door.", "It is raining again.", "Where is the station?",
     "I like green tea.", "The meeting starts at nine.", "Thank you very much.", "Open the window, please.",
@@ -573,7 +573,7 @@ def speaking_figures(held_out: CodesData, assets: Path, count: Optional[int]) ->
     return figures
 
 
-#: What each kind of the corpus' texts is (`benchmarks/data/speech.py`), for the card.
+#: What each kind of the corpus' texts is (`training/data/speech.py`), for the card.
 KIND_NAMES = {"emoji": "emoji names", "number": "spelled-out numbers", "sentence": "short template sentences",
               "words": "strings of 2-7 words from emoji and Unicode character names with function words between"}
 
@@ -722,15 +722,15 @@ def card(args) -> None:
 
 Two transformers `DiaForConditionalGeneration` models (Dia's byte-level text encoder and
 multi-codebook audio decoder, small configurations) trained from scratch on this project's CPU
-machine by `benchmarks/train_tts.py`, over the codes of the project's 16 kHz DAC codec
-(`benchmarks/train_speech.py`, {C} codebooks of {V} codes, 50 frames/s), which ships in each
+machine by `training/train_tts.py`, over the codes of the project's 16 kHz DAC codec
+(`training/train_speech.py`, {C} codebooks of {V} codes, 50 frames/s), which ships in each
 folder's `codec/`. `speech-tts-draft` is the drafter for `decoding="draft"` (same codec, codebooks,
 delay pattern and vocabulary). Load with `mmgen.audio.TTSPipeline.from_pretrained(folder)`.
 Weights ship in float16 (rounded before the figures below were computed).
 
 ## Data
 
-`benchmarks/data/speech.py`: English texts the project makes itself ({corpus_kinds(held_out, train)}) spoken by espeak-ng (Debian `espeak-ng`) with {voices(train)},
+`training/data/speech.py`: English texts the project makes itself ({corpus_kinds(held_out, train)}) spoken by espeak-ng (Debian `espeak-ng`) with {voices(train)},
 speeds and pitches chosen by a hash of the text; 16 kHz, 0.5-3 s each.
 {len(train)} training utterances ({seconds(train) / 3600:.2f} h), {len(held_out)} held out (5% by a hash of the
 text, never trained on). {TEXT_INPUTS[text_input]}
@@ -779,7 +779,7 @@ the reference codes decoded by the shipped codec and heard the same way.
 | codec round trip (floor) | {speaking['codec_floor']:.1%} | | | |
 {kind_table(speaking)}
 Sentences of none of the corpus' kinds: {len(EVERYDAY_TEXTS)} everyday ones ("{EVERYDAY_TEXTS[0]}",
-"{EVERYDAY_TEXTS[1]}", ...: `EVERYDAY_TEXTS` in `benchmarks/train_tts.py`), text k from seed k, score
+"{EVERYDAY_TEXTS[1]}", ...: `EVERYDAY_TEXTS` in `training/train_tts.py`), text k from seed k, score
 PER {speaking['speech-tts']['everyday_per']:.1%} (speech-tts) and {speaking['speech-tts-draft']['everyday_per']:.1%} (speech-tts-draft). {args.speaking_note}
 
 {decoding_text}## Sampling defaults
@@ -801,8 +801,8 @@ speech; the models read at most {TEXT_CONTEXT} tokens and {FRAME_CONTEXT} frames
 {args.codes_command}
 {args.target_command}
 {args.draft_command}
-python -m benchmarks.train_tts export --codec {args.codec_name} --target {args.target} --draft {args.draft} --out {args.assets}
-python -m benchmarks.train_tts card --codes {args.codes} --target {args.target} --draft {args.draft} --assets {args.assets} \\
+python -m training.train_tts export --codec {args.codec_name} --target {args.target} --draft {args.draft} --out {args.assets}
+python -m training.train_tts card --codes {args.codes} --target {args.target} --draft {args.draft} --assets {args.assets} \\
     --out {args.out} ...   # the commands and notes above
 ```
 """
@@ -863,16 +863,16 @@ def main(argv: list[str] | None = None) -> None:
     cd.add_argument("--speak", type=int, default=0, metavar="N", help="speak the first N held-out texts (0: all)")
     cd.add_argument("--codec-name", default="audio/assets/speech-tts/codec", help="the --codec the export was given (for "
                     "the card's reproduce lines)")
-    cd.add_argument("--data-command", default="python -m benchmarks.data.speech --out data/speech16k.npz\n"
-                    "python -m benchmarks.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1")
+    cd.add_argument("--data-command", default="python -m training.data.speech --out data/speech16k.npz\n"
+                    "python -m training.train_speech codec --data data/speech16k.npz --out runs/speech-codec --threads 1")
     cd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
     cd.add_argument("--speaking-note", default="", help="what the speaking figures show, for the card")
     decoding_arguments(cd, "--decoding", "--batch-decoding", required=False)
-    cd.add_argument("--codes-command", default="python -m benchmarks.train_speech tokenize --data data/speech16k.npz "
+    cd.add_argument("--codes-command", default="python -m training.train_speech tokenize --data data/speech16k.npz "
                     "--codec runs/speech-codec --out runs/speech-codes.npz")
-    cd.add_argument("--target-command", default="python -m benchmarks.train_tts target --codes runs/speech-codes.npz "
+    cd.add_argument("--target-command", default="python -m training.train_tts target --codes runs/speech-codes.npz "
                     "--out runs/tts-target --threads 1")
-    cd.add_argument("--draft-command", default="python -m benchmarks.train_tts draft --codes runs/speech-codes.npz "
+    cd.add_argument("--draft-command", default="python -m training.train_tts draft --codes runs/speech-codes.npz "
                     "--out runs/tts-draft --threads 1")
     dec = jobs.add_parser("decoding", help="write the decoding figures into an existing MODEL_CARD.md")
     dec.add_argument("--card", required=True)

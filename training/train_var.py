@@ -1,16 +1,16 @@
 """Train the bundled VAR models on the emoji set: a multi-scale VQVAE and two VAR transformers
 of different depths on its tokens (a large one and a small one, for collaborative decoding).
 
-Same harness as `benchmarks/train.py` (deterministic for a seed and thread count, resumable,
+Same harness as `training/train.py` (deterministic for a seed and thread count, resumable,
 atomic checkpoints):
 
-    python -m benchmarks.train_var vqvae --data data/emoji64.npz --out runs/var-vqvae --steps 900 --threads 2
-    python -m benchmarks.train_var tokenize --data data/emoji64.npz --vqvae runs/var-vqvae --out runs/var-codes.npz
-    python -m benchmarks.train_var var --preset large --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-large \
+    python -m training.train_var vqvae --data data/emoji64.npz --out runs/var-vqvae --steps 900 --threads 2
+    python -m training.train_var tokenize --data data/emoji64.npz --vqvae runs/var-vqvae --out runs/var-codes.npz
+    python -m training.train_var var --preset large --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-large \
         --steps 1500 --threads 1
-    python -m benchmarks.train_var var --preset small --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-small \
+    python -m training.train_var var --preset small --codes runs/var-codes.npz --vqvae runs/var-vqvae --out runs/var-small \
         --steps 1500 --threads 1
-    python -m benchmarks.train_var export --data data/emoji64.npz --vqvae runs/var-vqvae --large runs/var-large \
+    python -m training.train_var export --data data/emoji64.npz --vqvae runs/var-vqvae --large runs/var-large \
         --small runs/var-small --out image_ar/assets
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import add_training_arguments, component_row, last_log, load_images, load_trained, random_flip, round_to_half, train_loop
+from training.train import add_training_arguments, component_row, last_log, load_images, load_trained, random_flip, round_to_half, train_loop
 from mmgen.image_ar.var.transformer import VARConfig, VARTransformer
 from mmgen.image_ar.var.vqvae import MultiScaleVQVAE, VQVAEConfig
 
@@ -114,7 +114,7 @@ VAR_EMOJI_SAMPLING = {"guidance_scale": 2.0, "top_k": 0, "top_p": 1.0}
 def export(args) -> None:
     """Write `var-emoji64` (large transformer + VQVAE) and `var-emoji64-small` (small
     transformer, VQVAE shared with the large one) and the model card."""
-    from benchmarks.bench_var import var_token_nll
+    from mmgen.image_ar.bench.var import var_token_nll
     from mmgen.image_ar.var import VARPipeline
 
     data = np.load(args.data)
@@ -147,7 +147,7 @@ def model_card(f: dict) -> str:
     L, S = VAR_EMOJI["large"], VAR_EMOJI["small"]
     return f"""# var-emoji64: bundled VAR models (a large drafter and a small refiner)
 
-Trained on this project's CPU machine by `benchmarks/train_var.py` (its docstring has the exact
+Trained on this project's CPU machine by `training/train_var.py` (its docstring has the exact
 commands; deterministic for a seed and thread count) on the same emoji set as `emoji64`
 (see `../emoji64/MODEL_CARD.md` for the data): 64x64 images, 74 classes, horizontal flips.
 
@@ -180,7 +180,7 @@ guidance, not tuned on the proxies.
 
 ## Reproduce
 
-The commands in the docstring of `benchmarks/train_var.py` (the two VAR runs ran side by side,
+The commands in the docstring of `training/train_var.py` (the two VAR runs ran side by side,
 one thread each; the VQVAE with two threads).
 
 ## Limits

@@ -17,47 +17,47 @@ clean counterpart's rotary frame positions. That is exactly what the cached bloc
 computation the pipeline runs. The loss is MSE(v, noise - x0) on the noisy half. `TEXT_DROPOUT`
 of the captions are "" (the pipeline's negative prompt) for classifier-free guidance.
 
-The loop, checkpointing and data order are `benchmarks/train.py`'s (`train_loop`: resumable,
+The loop, checkpointing and data order are `training/train.py`'s (`train_loop`: resumable,
 randomness from (seed, step)), so a killed and resumed run ends with the weights of one that never
 stopped.
 
     # The shipped VAE: a base-16 encoder trained plainly, then with the sprites weighted, then
     # against a critic (each run starting from the last one's checkpoint), and a base-32 decoder
     # trained behind that encoder, frozen (so the denoisers' latents stay valid).
-    python -m benchmarks.train_video vae --out runs/video-vae2 --z-dim 16 --steps 9000 --frames 9 --eval-every 500 \
+    python -m training.train_video vae --out runs/video-vae2 --z-dim 16 --steps 9000 --frames 9 --eval-every 500 \
         --threads 1  # to 2,800; then without --frames 9 (whole 17-frame clips) to 3,800
     cp -r runs/video-vae2 runs/video-vae2-fg  # at step 3,800
-    python -m benchmarks.train_video vae --out runs/video-vae2-fg --foreground-weight 4 --z-dim 16 --steps 9000 \
+    python -m training.train_video vae --out runs/video-vae2-fg --foreground-weight 4 --z-dim 16 --steps 9000 \
         --eval-every 500 --threads 1  # from 3,800 to 5,600
-    python -m benchmarks.train_video vae --out runs/video-vae2-gan --branch-from runs/video-vae2-fg --foreground-weight 4 \
+    python -m training.train_video vae --out runs/video-vae2-gan --branch-from runs/video-vae2-fg --foreground-weight 4 \
         --adversarial-weight 0.5 --z-dim 16 --steps 9000 --eval-every 500 --threads 1  # from 5,600 to 9,000
-    python -m benchmarks.train_video vae --out runs/video-dec32-gan --encoder-from runs/video-vae2-gan --decoder-base-dim 32 \
+    python -m training.train_video vae --out runs/video-dec32-gan --encoder-from runs/video-vae2-gan --decoder-base-dim 32 \
         --steps 8000 --autocast bf16 --frames 17 --foreground-weight 4 --adversarial-weight 0.5 --adversarial-from 1500 \
         --eval-every 500 --threads 1
     # or on a borrowed GPU: bf16 autocast, clips drawn ahead in 12 processes, stop after 4 minutes
     # (the denoisers take --device cuda and --minutes too, `latents` --device cuda)
-    python -m benchmarks.train_video vae --device cuda --workers 12 --batch-size 32 --minutes 4 --out runs/video-vae
-    python -m benchmarks.train_video vae-quality --vae runs/video-dec32-gan --threads 1   # PSNR, proxies through the VAE
-    python -m benchmarks.train_video latents --vae runs/video-vae2-gan --out runs/video-latents-gan.npz --clips 8000 --threads 1
-    python -m benchmarks.train_video target --latents runs/video-latents-gan.npz --out runs/video-target-gan --steps 8000 \
+    python -m training.train_video vae --device cuda --workers 12 --batch-size 32 --minutes 4 --out runs/video-vae
+    python -m training.train_video vae-quality --vae runs/video-dec32-gan --threads 1   # PSNR, proxies through the VAE
+    python -m training.train_video latents --vae runs/video-vae2-gan --out runs/video-latents-gan.npz --clips 8000 --threads 1
+    python -m training.train_video target --latents runs/video-latents-gan.npz --out runs/video-target-gan --steps 8000 \
         --ema 0.999 --threads 1 --eval-every 500 --vae runs/video-vae2-gan  # --ema from step 3,200 on
-    python -m benchmarks.train_video small --latents runs/video-latents-gan.npz --text-encoder runs/video-target-gan/text_encoder \
+    python -m training.train_video small --latents runs/video-latents-gan.npz --text-encoder runs/video-target-gan/text_encoder \
         --out runs/video-small-gan --steps 8000 --ema 0.999 --threads 1 --eval-every 500 --vae runs/video-vae2-gan
-    python -m benchmarks.train_video export --vae runs/video-dec32-gan --target runs/video-target-gan \
+    python -m training.train_video export --vae runs/video-dec32-gan --target runs/video-target-gan \
         --small runs/video-small-gan --out video/assets
-    python -m benchmarks.train_video card --vae runs/video-dec32-gan --target runs/video-target-gan \
+    python -m training.train_video card --vae runs/video-dec32-gan --target runs/video-target-gan \
         --small runs/video-small-gan --assets video/assets --out video/assets/emoji-motion/MODEL_CARD.md
     # Then, on a machine without those runs, the target continued from the shipped weights (a new
     # run: fresh optimizer and schedule) and was exported beside the shipped VAE and small model:
-    python -m benchmarks.train_video latents --vae video/assets/emoji-motion --out runs/video-latents-shipped.npz \
+    python -m training.train_video latents --vae video/assets/emoji-motion --out runs/video-latents-shipped.npz \
         --clips 8000 --threads 1
-    python -m benchmarks.train_video target --init-from video/assets/emoji-motion --text-steps 0 \
+    python -m training.train_video target --init-from video/assets/emoji-motion --text-steps 0 \
         --latents runs/video-latents-shipped.npz --out runs/video-target-ft --steps 2400 --lr 5e-4 --warmup 50 \
         --ema 0.999 --threads 1 --eval-every 400 --vae video/assets/emoji-motion
-    python -m benchmarks.train_video export --vae video/assets/emoji-motion --target runs/video-target-ft \
+    python -m training.train_video export --vae video/assets/emoji-motion --target runs/video-target-ft \
         --small video/assets/emoji-motion-small --out video/assets
     # Where a denoiser loses the prompt: its rows with a real past, and its first frame alone
-    python -m benchmarks.train_video diagnose --pipeline video/assets/emoji-motion --out runs/diagnose.json --threads 1
+    python -m training.train_video diagnose --pipeline video/assets/emoji-motion --out runs/diagnose.json --threads 1
 
 Run folders do not outlive the machine they trained on; the shipped weights do. A denoiser run
 can start from them (`target --init-from video/assets/emoji-motion --text-steps 0`, `small
@@ -81,7 +81,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.train import (add_training_arguments, last_log, load_trained, log_heldout, round_to_half, train_loop,
+from training.train import (add_training_arguments, last_log, load_trained, log_heldout, round_to_half, train_loop,
                               trained_weights, wall_clock)
 
 #: Clips of the training corpus, the VAE's held-out corpus (never trained on) and the proxies' corpora.
@@ -142,7 +142,7 @@ class PrefetchedClips:
         from collections import deque
         from concurrent.futures import ProcessPoolExecutor
 
-        from benchmarks.train import batches
+        from training.train import batches
 
         self.data, self.ahead = data, ahead
         self.order = batches(len(data), args.batch_size, args.seed, start)
@@ -260,7 +260,7 @@ def branch_checkpoint(parent: Path, out: Path, critic: Optional[PatchCritic], cr
     """Start run `out` at `parent`'s checkpoint (weights, optimizer, step) and log. With `critic`,
     a plain parent's state is lifted into `VAEWithCritic`'s: its VAE under `vae.*`, the fresh critic
     beside it, and an optimizer group for the critic without moments yet."""
-    from benchmarks.train import save_atomic
+    from training.train import save_atomic
 
     state = torch.load(parent / "checkpoint.pt", map_location="cpu", weights_only=True)
     if critic is not None and not any(key.startswith("critic.") for key in state["model"]):
@@ -1224,14 +1224,14 @@ def model_card(f: dict, args) -> str:
     if f["sweep"]:
         lines = [f"| {r['model']} | {r['steps']} | {r['shift']:g} | {r['guidance']:g} | {r['class_accuracy']:.1%} | "
                  f"{r['direction_accuracy']:.1%} | {r['temporal_l1']:.4f} | {r['fid_proxy']:.1f} |" for r in f["sweep"]]
-        sweep = ("\n### Sampler sweep\n\n`python -m benchmarks.train_video sweep` on the first "
+        sweep = ("\n### Sampler sweep\n\n`python -m training.train_video sweep` on the first "
                  f"{f['sweep'][0]['num_clips']} prompts (Euler steps, flow shift, guidance scale):\n\n"
                  "| model | steps | shift | guidance | class acc. | direction acc. | temporal L1 | FID-proxy |\n"
                  "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
     return f"""# emoji-motion and emoji-motion-small: bundled block-diffusion text-to-video on moving emoji
 
 A text-to-video pair for `mmgen.video.BlockDiffusionVideoPipeline`, trained from scratch on this
-project's CPU machine by `benchmarks/train_video.py`: diffusers' `AutoencoderKLWan` and
+project's CPU machine by `training/train_video.py`: diffusers' `AutoencoderKLWan` and
 `WanTransformer3DModel` and transformers' `UMT5EncoderModel` in small configurations. A video is
 made block by block (one latent frame per block) with a cached block-causal attention.
 `emoji-motion-small` is the small denoiser of the same latent space for collaborative decoding

@@ -2,20 +2,20 @@
 
 Both are transformers' own `LlavaForConditionalGeneration` (a tiny CLIP vision tower, a small
 Llama), sharing one byte-level BPE tokenizer and one `LlavaProcessor`; `VLMPipeline` loads
-them. Questions and answers come from `benchmarks/data/emoji_vlm.py`; the image set's held-out
-split is never trained on. The loop, checkpointing and data order are `benchmarks/train.py`'s
+them. Questions and answers come from `training/data/emoji_vlm.py`; the image set's held-out
+split is never trained on. The loop, checkpointing and data order are `training/train.py`'s
 (`train_loop`: resumable, randomness from (seed, step)), so a killed and resumed run ends with
 the weights of one that never stopped.
 
-    python -m benchmarks.data.emoji --out data/emoji64.npz
-    python -m benchmarks.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
-    python -m benchmarks.train_vlm tokenizer --data data/emoji64.npz --out runs/vlm-processor
-    python -m benchmarks.train_vlm target --data data/emoji64.npz --processor runs/vlm-processor --out runs/vlm-target
-    python -m benchmarks.train_vlm draft --data data/emoji64.npz --processor runs/vlm-processor --out runs/vlm-draft
-    python -m benchmarks.train_vlm export --processor runs/vlm-processor --target runs/vlm-target \
+    python -m training.data.emoji --out data/emoji64.npz
+    python -m training.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
+    python -m training.train_vlm tokenizer --data data/emoji64.npz --out runs/vlm-processor
+    python -m training.train_vlm target --data data/emoji64.npz --processor runs/vlm-processor --out runs/vlm-target
+    python -m training.train_vlm draft --data data/emoji64.npz --processor runs/vlm-processor --out runs/vlm-draft
+    python -m training.train_vlm export --processor runs/vlm-processor --target runs/vlm-target \
         --draft runs/vlm-draft --out vlm/assets
-    python -m benchmarks.train_vlm eval --assets vlm/assets --out runs/vlm-eval.json
-    python -m benchmarks.train_vlm card --eval runs/vlm-eval.json --target runs/vlm-target --draft runs/vlm-draft \
+    python -m training.train_vlm eval --assets vlm/assets --out runs/vlm-eval.json
+    python -m training.train_vlm card --eval runs/vlm-eval.json --target runs/vlm-target --draft runs/vlm-draft \
         --out vlm/assets/emoji-vlm/MODEL_CARD.md
 """
 
@@ -33,9 +33,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.data.emoji_vlm import (KINDS, PALETTE, QUESTIONS, SHORT_KINDS, dominant_colours, eval_records, image_answers,
-                                       patch_mean_colours, read_jsonl, write_jsonl)
-from benchmarks.train import add_training_arguments, cosine_lr, keep_window_cost, last_log, load_trained, round_to_half, train_loop
+from training.data.emoji_vlm import (KINDS, PALETTE, QUESTIONS, SHORT_KINDS, dominant_colours, eval_records, image_answers,
+                                       patch_mean_colours, write_jsonl)
+from mmgen.vlm.heldout import load_eval, token_f1
+from training.train import add_training_arguments, cosine_lr, keep_window_cost, last_log, load_trained, round_to_half, train_loop
 
 IMAGE_SIZE, PATCH = 64, 8
 SPECIAL = {"pad": "<pad>", "bos": "<s>", "eos": "</s>", "image": "<image>"}
@@ -434,24 +435,6 @@ def export(args) -> None:
         print(f"wrote {out / name}")
 
 
-def token_f1(prediction: str, answer: str) -> float:
-    """SQuAD-style F1 over whitespace words (multiset overlap)."""
-    pred, gold = prediction.split(), answer.split()
-    common = sum((Counter(pred) & Counter(gold)).values())
-    if not pred or not gold or common == 0:
-        return float(pred == gold)
-    precision, recall = common / len(pred), common / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
-def load_eval(assets: str | Path) -> tuple[list[dict], np.ndarray]:
-    """The shipped held-out questions and their images (rows of `emoji64-eval.npz`)."""
-    from mmgen import image_ar
-
-    images = np.load(Path(image_ar.__file__).parent / "assets" / "emoji64-eval.npz")["images"]
-    return read_jsonl(Path(assets) / "emoji-vlm-eval.jsonl"), images
-
-
 def answer_all(pipe: Any, records: list[dict], images: np.ndarray, decoding: Any = "ar",
                batch: int = EVAL_BATCH) -> tuple[list[str], dict]:
     """Greedy answers to `records` in calls of `batch` rows, and summed decode counters."""
@@ -586,7 +569,7 @@ def card(args) -> None:
     text = f"""# emoji-vlm and emoji-vlm-draft: bundled LLaVA-style question answering about emoji
 
 Two transformers `LlavaForConditionalGeneration` models (tiny CLIP vision tower, small Llama),
-trained from scratch on this project's CPU machine by `benchmarks/train_vlm.py`; they share one
+trained from scratch on this project's CPU machine by `training/train_vlm.py`; they share one
 byte-level BPE tokenizer ({e['vocab']} tokens) and one `LlavaProcessor`, and `emoji-vlm-draft`
 is the drafter for `decoding="draft"`. Load with `mmgen.vlm.VLMPipeline.from_pretrained(folder)`.
 Weights ship in {e['dtype'].removeprefix('torch.')} (`from_pretrained` computes in the stored dtype; on CPU float16 is
@@ -596,10 +579,10 @@ float16 export of earlier weights). The figures below were measured on the shipp
 
 ## Data
 
-The emoji images of `benchmarks/data/emoji.py` (Noto Color Emoji 64x64 on white, Debian
+The emoji images of `training/data/emoji.py` (Noto Color Emoji 64x64 on white, Debian
 `fonts-noto-color-emoji` and `unicode-data`): 3,212 training images, 316 held out (every 10th of
 each subgroup; the images of `image_ar/assets/emoji64-eval.npz`, never trained on). Five
-questions per image, answers computed by `benchmarks/data/emoji_vlm.py`:
+questions per image, answers computed by `training/data/emoji_vlm.py`:
 
 | kind | question (evaluation asks the first paraphrase) | answer |
 |---|---|---|
@@ -681,13 +664,13 @@ sentence, whose other parts it mostly gets right (token F1).
 ## Reproduce
 
 ```
-python -m benchmarks.data.emoji --out data/emoji64.npz
-python -m benchmarks.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
+python -m training.data.emoji --out data/emoji64.npz
+python -m training.train_vlm data --data data/emoji64.npz --out vlm/assets/emoji-vlm-eval.jsonl
 {args.target_command}
 {args.draft_command}
-python -m benchmarks.train_vlm export --processor vlm/assets/emoji-vlm --target {run_of('target', args.target)} --draft {run_of('draft', args.draft)} --out vlm/assets
-python -m benchmarks.train_vlm eval --assets vlm/assets --out {args.eval} --threads {e['threads']}
-python -m benchmarks.train_vlm card --eval {args.eval} --target {args.target} --draft {args.draft} --out vlm/assets/emoji-vlm/MODEL_CARD.md \\
+python -m training.train_vlm export --processor vlm/assets/emoji-vlm --target {run_of('target', args.target)} --draft {run_of('draft', args.draft)} --out vlm/assets
+python -m training.train_vlm eval --assets vlm/assets --out {args.eval} --threads {e['threads']}
+python -m training.train_vlm card --eval {args.eval} --target {args.target} --draft {args.draft} --out vlm/assets/emoji-vlm/MODEL_CARD.md \\
     --target-command ... --draft-command ... --training-note ...   # the training lines and notes above
 ```
 """
@@ -827,10 +810,10 @@ def main(argv: list[str] | None = None) -> None:
     cd = jobs.add_parser("card")
     for name in ("--eval", "--target", "--draft", "--out"):
         cd.add_argument(name, required=True)
-    cd.add_argument("--target-command", default="python -m benchmarks.train_vlm target --data data/emoji64.npz "
+    cd.add_argument("--target-command", default="python -m training.train_vlm target --data data/emoji64.npz "
                     "--processor runs/vlm-processor --out runs/vlm-target")
     cd.add_argument("--training-note", default="", help="how the runs went (stops and resumes), for the card")
-    cd.add_argument("--draft-command", default="python -m benchmarks.train_vlm draft --data data/emoji64.npz "
+    cd.add_argument("--draft-command", default="python -m training.train_vlm draft --data data/emoji64.npz "
                     "--processor runs/vlm-processor --out runs/vlm-draft")
     args = parser.parse_args(argv)
     if getattr(args, "threads", 0):

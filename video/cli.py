@@ -29,6 +29,9 @@ def _switch(text: str) -> tuple[int, str]:
 
 
 def register(commands, groups) -> None:
+    from mmgen.video.bench import register as register_bench
+
+    register_bench(groups)
     video = groups["generate"].add_parser("video", help="make a video from a prompt, block by block (block-diffusion models)")
     video.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_FOLDER",
                        help=f"the bundled {DEFAULT_MODEL} (default) or a BlockDiffusionVideoPipeline folder / Hub repo "

@@ -12,11 +12,24 @@ length zeroed).
     out = pipe("cat face moving left", num_frames=17, cache_policy="window:4",
                callback=lambda i, latents, frames: ..., generator=torch.Generator().manual_seed(0))
     write_mp4("cat.mp4", out.frames[0], fps=pipe.fps)
+
+`stream` runs a video for as long as it is read, under a rolling `sink,window` cache (memory
+fixed), and takes a new prompt at any time (`video.stream`):
+
+    with pipe.stream("cat face moving left", generator=torch.Generator().manual_seed(0)) as stream:
+        for block in stream:              # block.index, block.frames [B, T, H, W, 3] uint8, block.latents
+            show(block.frames[0])
+            if block.index == 10:
+                stream.set_prompt("cat face moving right")  # the next block follows it
+            if block.index == 40:
+                break
 """
 
 from __future__ import annotations
 
+import math
 import os
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -27,13 +40,17 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from mmgen.cache import CachePolicy
 from mmgen.decoding import BlockStats, FlowSchedule
+from mmgen.decoding.block_diffusion import BlockRollout
+from mmgen.hub import loading_folder
 from mmgen.inference import inference, ordinary
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
+from mmgen.sampling import takes_sampling
 from mmgen.video.export import to_uint8
-from mmgen.video.model import PromptEmbeddings, RecomputingWanModel, WanBlockModel
+from mmgen.video.model import PromptEmbeddings, RecomputingWanModel, WanBlockModel, check_rotary_table
 from mmgen.video.profiler import BlockProfiler, VideoProfile
-from mmgen.video.vae import StreamingDecoder, decode_latents
+from mmgen.video.stream import VideoStream
+from mmgen.video.vae import StreamingDecoder, decode_latents, video_frames
 
 DECODE_MODES = ("block", "end", "none")
 #: callback(block index, the block's latents [B, C, f, h, w], its frames [B, T, H, W, 3] uint8 or None)
@@ -49,6 +66,12 @@ class VideoOutput:
     profile: VideoProfile
     stats: BlockStats
     fps: float
+
+
+def check_thresholds(cache_threshold: Optional[float], drop_threshold: Optional[float]) -> None:
+    for name, value in (("cache_threshold", cache_threshold), ("drop_threshold", drop_threshold)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
 
 
 def wan_folder(wan: Union[str, os.PathLike], with_transformer: bool = True) -> Path:
@@ -98,11 +121,15 @@ class BlockDiffusionVideoPipeline(Pipeline):
         given): a causal Wan generator (a converted Self-Forcing / CausVid checkpoint) beside the
         VAE and text encoder it was trained with. `config`: the pipeline settings."""
         root = wan_folder(wan, with_transformer=transformer is None)
-        if transformer is None or isinstance(transformer, (str, os.PathLike)):
-            transformer = WanTransformer3DModel.from_pretrained(str(transformer or root / "transformer"))
-        return cls(transformer=transformer, vae=AutoencoderKLWan.from_pretrained(str(root / "vae")),
-                   text_encoder=UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), trust_remote_code=False),
-                   tokenizer=AutoTokenizer.from_pretrained(str(root / "tokenizer"), trust_remote_code=False), **config)
+        with loading_folder(root):  # no link out of it, sizes within bounds, one-line errors
+            if transformer is None:
+                transformer = WanTransformer3DModel.from_pretrained(str(root / "transformer"))
+            elif isinstance(transformer, (str, os.PathLike)):
+                with loading_folder(transformer):
+                    transformer = WanTransformer3DModel.from_pretrained(str(transformer))
+            return cls(transformer=transformer, vae=AutoencoderKLWan.from_pretrained(str(root / "vae")),
+                       text_encoder=UMT5EncoderModel.from_pretrained(str(root / "text_encoder"), trust_remote_code=False),
+                       tokenizer=AutoTokenizer.from_pretrained(str(root / "tokenizer"), trust_remote_code=False), **config)
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -192,6 +219,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
             raise ValueError(f"{companion.role}: the small model's VAE has {other.vae.config.z_dim} latent channels, not {self.vae.config.z_dim}")
 
     # ---------------------------------------------------------------- call
+    @takes_sampling
     @inference
     def __call__(
         self,
@@ -223,21 +251,19 @@ class BlockDiffusionVideoPipeline(Pipeline):
         returns latents only. `cache_threshold` turns on First Block Cache for denoising steps
         (0 equals no caching); `drop_threshold` computes, after a block's first step, only the
         tokens whose block input changed by at least it (relative L2; 0 equals no dropping).
-        `guidance_scale` defaults to the pipeline's (saved with it). `decoding`: "block"
-        (default) or "collaborative" with `small=`.
+        `guidance_scale` defaults to the pipeline's (saved with it), `schedule` (each block's
+        noise levels, a `FlowSchedule`) too. `decoding`: "block" (default) or "collaborative"
+        with `small=`.
         """
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
-            raise ValueError("prompt must be a non-empty string or a list of them")
+        prompts = self.prompt_list(prompt)
+        self.check_no_stream()
         num_frames = self.num_frames if num_frames is None else num_frames
         block_frames = self.block_frames if block_frames is None else block_frames
         height, width = height or self.height, width or self.width
         self.check_geometry(num_frames, block_frames, height, width)
         if decode not in DECODE_MODES:
             raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
-        for name, value in (("cache_threshold", cache_threshold), ("drop_threshold", drop_threshold)):
-            if value is not None and not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        check_thresholds(cache_threshold, drop_threshold)
         if cache_policy != "none" and not isinstance(cache_policy, CachePolicy):
             CachePolicy.parse(cache_policy)
         num_blocks = self.latent_frames(num_frames) // block_frames
@@ -271,7 +297,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
         profiler.start()
         try:
             out = decoder.generate(model, conditions, num_blocks, generator, guidance_scale=guidance_scale,
-                                   switches=switched, callback=on_block, schedule=self.schedule)
+                                   switches=switched, callback=on_block, schedule=self.schedule if schedule is None else schedule)
             latents = torch.cat(out.latents, dim=2)
             frames = torch.cat(pieces, dim=1) if streaming is not None else None
             if decode == "end":
@@ -284,6 +310,82 @@ class BlockDiffusionVideoPipeline(Pipeline):
         profile = profiler.finish(num_frames * len(prompts), cache_bytes=out.stats.cache_bytes)
         return VideoOutput(frames, latents, profile, out.stats, self.fps)
 
+    @inference
+    def stream(
+        self,
+        prompt: Union[str, list[str]],
+        block_frames: Optional[int] = None,
+        height: Optional[int] = None,
+        width: Optional[int] = None,
+        decoding: Any = None,
+        cache_policy: Union[str, CachePolicy, None] = None,
+        guidance_scale: Optional[float] = None,
+        negative_prompt: Optional[str] = None,
+        cache_threshold: Optional[float] = None,
+        drop_threshold: Optional[float] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> VideoStream:
+        """A video for each prompt that runs block by block for as long as it is read: a
+        `VideoStream` of `StreamBlock`s (index, first video frame, frames [B, T, H, W, 3]
+        uint8 as `__call__`'s block decode gives them, latents). No frame count: the KV cache
+        is a rolling window, `cache_policy` "sink:S,window:N" or "window:N" (latent frames;
+        the default `default_stream_policy` keeps the first block as the sink), allocated once,
+        so memory stays flat and rotary positions stay below S + N + block.
+
+        `stream.set_prompt(text)` (from any thread) switches the prompt from the next block not
+        yet started, as `prompt_switches` does; `close()` (or a `with` block) frees the caches.
+        With the same generator, the blocks equal `__call__`'s under the same cache policy
+        (prompt switches included). While a stream is open this pipeline makes nothing else.
+        The other arguments are `__call__`'s."""
+        prompts = self.prompt_list(prompt)
+        self.check_no_stream()
+        block_frames = self.block_frames if block_frames is None else block_frames
+        height, width = height or self.height, width or self.width
+        self.check_geometry(video_frames(block_frames, self.temporal_ratio), block_frames, height, width)
+        check_thresholds(cache_threshold, drop_threshold)
+        policy = self.stream_policy(cache_policy, block_frames)
+        held = policy.sink + policy.window
+        check_rotary_table(self.transformer.config, held + block_frames, held + block_frames, str(policy), "use a smaller window")
+        negative = self.negative_prompt if negative_prompt is None else negative_prompt
+        self.check_prompts([*prompts, negative])
+        decoder = self.decoder(self.default_decoding if decoding is None else decoding)
+        model = self.block_model(block_frames=block_frames, latent_size=(height // self.spatial_ratio, width // self.spatial_ratio),
+                                 cache_policy=policy, cache_threshold=cache_threshold, drop_threshold=drop_threshold)
+        generator = self.generator_for(generator)
+        guidance_scale = self.guidance_scale if guidance_scale is None else float(guidance_scale)
+        guided = guidance_scale != 1.0
+        conditions = self.embeddings(prompts, guided, negative)
+        # Caches for the blocks the window holds: later blocks evict, they never add.
+        rollout = BlockRollout(decoder, model, conditions, math.ceil(held / block_frames), generator, guidance_scale,
+                               self.schedule)
+        stream = VideoStream(self, prompts, rollout, block_frames, guided, negative)
+        self._stream = weakref.ref(stream)
+        return stream
+
+    def default_stream_policy(self, block_frames: int) -> CachePolicy:
+        """A sink of the first block and a window such that the held frames and the new block
+        span the pipeline's default video (the context it was made for), at least one block."""
+        window = max(block_frames, self.latent_frames(self.num_frames) - 2 * block_frames)
+        return CachePolicy(window=window, sink=block_frames)
+
+    def stream_policy(self, cache_policy: Union[str, CachePolicy, None], block_frames: int) -> CachePolicy:
+        """The rolling cache of a stream; ValueError for one that would grow with it."""
+        if cache_policy is None:
+            return self.default_stream_policy(block_frames)
+        policy = CachePolicy.parse(cache_policy) if isinstance(cache_policy, str) and cache_policy != "none" else cache_policy
+        if not isinstance(policy, CachePolicy) or policy.window is None:
+            raise ValueError(f"a stream needs a rolling cache, 'window:N' or 'sink:S,window:N', not {str(cache_policy)!r}: "
+                             "it runs unbounded")
+        return policy
+
+    def check_no_stream(self) -> None:
+        """ValueError while a stream of this pipeline is open: it holds the transformer's
+        attention processors (and First Block Cache) between its blocks."""
+        stream = getattr(self, "_stream", None)
+        stream = stream() if stream is not None else None
+        if stream is not None and not stream.closed:
+            raise ValueError("a stream of this pipeline is open: close it (stream.close()) before another call")
+
     def _switch_blocks(self, switches: dict, num_frames: int, num_blocks: int, block_frames: int, batch: int) -> dict[int, list[str]]:
         """{video frame: prompt(s)} -> {block index: prompts}, checked before any work."""
         starts = [self.first_frame(b * block_frames) for b in range(num_blocks)]
@@ -295,8 +397,22 @@ class BlockDiffusionVideoPipeline(Pipeline):
             if block is None:
                 raise ValueError(f"prompt switch at frame {frame}: no block starts at or after it (the last block starts at "
                                  f"frame {starts[-1]}; blocks start at frames {starts})")
-            prompts = [prompt] * batch if isinstance(prompt, str) else list(prompt)
-            if len(prompts) != batch or any(not isinstance(p, str) or not p.strip() for p in prompts):
-                raise ValueError(f"prompt switch at frame {frame}: give one non-empty prompt, or one per video ({batch})")
-            blocks[block] = prompts
+            blocks[block] = self.batch_prompts(prompt, batch, f"prompt switch at frame {frame}")
         return blocks
+
+    @staticmethod
+    def prompt_list(prompt: Union[str, Sequence[str]]) -> list[str]:
+        """A call's prompt(s) as a list; ValueError for none or an empty one."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else []
+        if not prompts or any(not isinstance(p, str) or not p.strip() for p in prompts):
+            raise ValueError("prompt must be a non-empty string or a list of them")
+        return prompts
+
+    @staticmethod
+    def batch_prompts(prompt: Union[str, Sequence[str]], batch: int, what: str) -> list[str]:
+        """A new prompt for a batch of `batch` videos (one for all, or one each); ValueError
+        naming `what` (a switch, `set_prompt`) otherwise."""
+        prompts = [prompt] * batch if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else []
+        if len(prompts) != batch or any(not isinstance(p, str) or not p.strip() for p in prompts):
+            raise ValueError(f"{what}: give one non-empty prompt, or one per video ({batch})")
+        return prompts

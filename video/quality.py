@@ -1,7 +1,7 @@
 """Quality proxies for moving-emoji clips (`mmgen.video.data`), scored without any download.
 
 They reuse the image side's bundled emoji classifier (`mmgen.image_ar.quality`) and Fréchet
-distance (`mmgen.metrics`), plus a colour tracker that needs no model:
+distance (`mmgen.quality`), plus a colour tracker that needs no model:
 
 * **tracking**: the background is the most common colour of the first frame; an object is the
   pixels whose colour differs from it by more than `threshold` (any channel, 0-255) inside the
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from mmgen.image_ar.quality import ImageQualityProxies
-from mmgen.metrics import feature_statistics, frechet_distance
+from mmgen.quality import feature_statistics, frechet_distance
 from mmgen.video.data import (MOTION_AXIS, MovingEmoji, MovingEmojiConfig, class_names, parse_caption, sprite_class,
                               tensor_to_frames)
 

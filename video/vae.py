@@ -60,6 +60,12 @@ class StreamingDecoder:
         self.features: list = [None] * self.num_convs
         self.first = True
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the feature cache (each causal convolution's last input frames: fixed after
+        the first latent frame, however long the video runs)."""
+        return sum(f.nbytes for f in self.features if isinstance(f, torch.Tensor))
+
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """The next latent frames [B, C, f, h, w] (normalised) -> their video frames [B, 3, T, H, W]."""

@@ -9,10 +9,16 @@ as "module:Class", so importing this package stays cheap.
 
 from mmgen.registry import register_family
 
+#: The families whose video tokens mmgen places (tested against their own `generate`), and how a
+#: call's videos reach the model: "separate" (Qwen's M-RoPE families), or "stacked" into one
+#: [videos, frames, ...] tensor (LLaVA-OneVision: a call's videos then share a frame count).
+_VIDEO_INPUT = {"llava_onevision": "stacked", "qwen2_vl": "separate", "qwen2_5_vl": "separate", "qwen3_vl": "separate"}
+
 # PaliGemma 2 is `paligemma`; Mistral3 carries Pixtral's vision tower.
 for _model_type in ("llava", "llava_next", "llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm",
                     "gemma3", "paligemma", "internvl", "mistral3", "aya_vision"):
-    register_family("text", _model_type, pipeline="mmgen.vlm.pipeline:VLMPipeline")
+    register_family("text", _model_type, pipeline="mmgen.vlm.pipeline:VLMPipeline",
+                    capabilities={"video": _VIDEO_INPUT[_model_type]} if _model_type in _VIDEO_INPUT else None)
 del _model_type
 
 #: Bundled trained models (package data): name -> folder relative to this package.

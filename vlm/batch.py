@@ -139,7 +139,9 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype, continuous
     from mmgen.decoding.batching import check_continuous
     from mmgen.loading import decoder_from_spec
 
-    if pipe.conditions != "prompt" or not hasattr(pipe, "stream"):
+    from mmgen.vlm.pipeline import VLMPipeline
+
+    if not isinstance(pipe, VLMPipeline):
         raise ValueError(f"model {fields['model']!r} holds a {type(pipe).__name__}, not a vision-language model")
     decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
     if continuous:

@@ -15,7 +15,6 @@ The pipeline (and transformers) is imported only when the command runs, so build
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Optional
 
 from mmgen.cli import DTYPES, add_json_flag, report, seed_arg
@@ -27,6 +26,9 @@ DEFAULT_MODEL = "emoji-vlm"
 
 
 def register(commands, groups) -> None:
+    from mmgen.vlm.bench import register as register_bench
+
+    register_bench(groups)
     text = groups["generate"].add_parser("text", help="answer a prompt about images (vision-language models)")
     text.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME_OR_FOLDER",
                       help=f"a bundled model (default {DEFAULT_MODEL}), a transformers image-text-to-text folder or a "
@@ -80,19 +82,16 @@ def generate_text(args: argparse.Namespace) -> int:
     draft_dropping = dropping_from_flags(args.draft_dropping, None)
     images = [read_image(path) for path in args.image]  # every input is checked before any model loads
     cls = pipeline_class_of(args.model)
-    if getattr(cls, "conditions", None) != "prompt" or not hasattr(cls, "stream"):
+    from mmgen.vlm.pipeline import VLMPipeline
+
+    if not issubclass(cls, VLMPipeline):
         raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a vision-language model")
     videos = read_videos(args.model, args.video)
     if args.drafter is not None and parse_decoding(args.decoding)[0] not in cls.companions:
         raise ValueError(f"--drafter is for --decoding draft, not {args.decoding!r}")
     if args.drafter is not None:
-        from transformers import AutoTokenizer
-
-        from mmgen.loading import resolve_model
-
         # Tokenizers first (small files): a mismatch is an error before any weights load.
-        mine, theirs = (AutoTokenizer.from_pretrained(resolve_model(m), trust_remote_code=False).get_vocab()
-                        for m in (args.model, args.drafter))
+        mine, theirs = (vocabulary(m) for m in (args.model, args.drafter))
         if mine != theirs:
             raise ValueError(f"--drafter {args.drafter} has another tokenizer than --model {args.model}")
     transformers.utils.logging.disable_progress_bar()  # errors and answers stay the only output lines
@@ -117,6 +116,19 @@ def generate_text(args: argparse.Namespace) -> int:
     return 0
 
 
+def vocabulary(model: str) -> dict:
+    """The vocabulary of a model's tokenizer, loaded alone (small files) from its checked folder
+    (`mmgen.hub.loading_folder`) or Hub repo."""
+    from transformers import AutoTokenizer
+
+    from mmgen.hub import loading_folder
+    from mmgen.loading import resolve_model
+
+    source = resolve_model(model)
+    with loading_folder(source):
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False).get_vocab()
+
+
 def read_videos(model: str, paths: list[str]) -> list:
     """The --video files as `Video`s at their own frame rates (`mmgen.vlm.videos.read_video`: the
     pipeline's own reader and bounds), once the model's config.json says its family takes video:
@@ -127,8 +139,8 @@ def read_videos(model: str, paths: list[str]) -> list:
     from mmgen.loading import resolve_model
     from mmgen.vlm.videos import read_video, video_family_check
 
-    source = resolve_model(model)  # a folder, or a Hub repo id (only its config.json is fetched)
-    config = source / "config.json" if isinstance(source, Path) else resolve_path(source, "config.json")
+    # A folder's config.json (never through a link out of it), or a Hub repo's (only that file is fetched).
+    config = resolve_path(resolve_model(model), "config.json")
     model_type = read_json(config).get("model_type")
     try:
         video_family_check(model_type)

@@ -23,10 +23,11 @@ from mmgen import registry
 from mmgen.decoding import DecodeStats, Decoder, Stopping, TokenQueueStreamer
 from mmgen.decoding.base import check_int
 from mmgen.decoding.batching import ContinuousServer, Finished, Request, check_continuous, continuous_decode
+from mmgen.hub import loading_folder
 from mmgen.inference import inference, ordinary
 from mmgen.pipeline import Companion, Pipeline, load_dtype
 from mmgen.registry import register_pipeline
-from mmgen.sampling import SamplingConfig
+from mmgen.sampling import SamplingConfig, takes_sampling
 from mmgen.streaming import CallbackStreamer, stream_from_thread
 
 from mmgen.vlm.dropping import DroppingReport, make_dropping
@@ -106,17 +107,18 @@ class VLMPipeline(Pipeline):
         from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
         source = os.fspath(repo_or_path)
-        # Never the folder's own code (`auto_map`): transformers' classes only.
-        config = AutoConfig.from_pretrained(source, trust_remote_code=False)
-        if registry.family("text", config.model_type) is None:
-            raise ValueError(f"{source}: model_type {config.model_type!r} is not a vision-language family mmgen serves "
-                             f"({', '.join(registry.families('text'))})")
-        try:
-            processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
-        except ImportError as error:  # a processor's optional dependency (SmolVLM's num2words, ...)
-            raise ValueError(f"{source}: the {config.model_type} processor needs a missing package: {error}") from None
-        model = AutoModelForImageTextToText.from_pretrained(source, config=config, dtype=load_dtype(torch_dtype, device),
-                                                            trust_remote_code=False, **kwargs)
+        with loading_folder(source):  # no link out of a local folder, sizes within bounds, one-line errors
+            # Never the folder's own code (`auto_map`): transformers' classes only.
+            config = AutoConfig.from_pretrained(source, trust_remote_code=False)
+            if registry.family("text", config.model_type) is None:
+                raise ValueError(f"{source}: model_type {config.model_type!r} is not a vision-language family mmgen "
+                                 f"serves ({', '.join(registry.families('text'))})")
+            try:
+                processor = AutoProcessor.from_pretrained(source, trust_remote_code=False)
+            except ImportError as error:  # a processor's optional dependency (SmolVLM's num2words, ...)
+                raise ValueError(f"{source}: the {config.model_type} processor needs a missing package: {error}") from None
+            model = AutoModelForImageTextToText.from_pretrained(source, config=config, trust_remote_code=False,
+                                                                dtype=load_dtype(torch_dtype, device), **kwargs)
         pipe = cls(model.eval(), processor)
         pipe.name_or_path = source
         return pipe.to(device) if device is not None else pipe
@@ -215,6 +217,20 @@ class VLMPipeline(Pipeline):
         return PrunedView(self, dropping)
 
     # ---------------------------------------------------------------- generation
+    def calibration_calls(self, count: int, kind: Optional[str] = None) -> list[Callable[[str], Any]]:
+        """The bundled held-out questions about emoji (`mmgen.vlm.heldout`; of one `kind` only when
+        given: "sentence" for the long answers), 32 new tokens each (see
+        `Pipeline.calibration_calls`)."""
+        from PIL import Image
+
+        from mmgen.vlm.heldout import load_eval
+
+        records, images = load_eval()
+        records = [r for r in records if kind in (None, r["kind"])]
+        return [lambda spec, r=r: self(r["question"], Image.fromarray(images[r["index"]]), decoding=spec, max_new_tokens=32)
+                for r in records[:count]]
+
+    @takes_sampling
     @inference
     def __call__(
         self,
@@ -238,7 +254,7 @@ class VLMPipeline(Pipeline):
             prompts: one question or chat conversation, or a list of them (one row each).
             images: for one prompt an image or a list of images; for several prompts one image or
                 list per prompt (None or [] for a row without); None for text only.
-            videos: as `images`, for the families that take video (`mmgen.vlm.videos.VIDEO_FAMILIES`:
+            videos: as `images`, for the families that take video (`mmgen.vlm.videos.video_families()`:
                 Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision). A video is a list of frames (PIL
                 images or [H, W, 3] uint8 arrays, all of one size), a [T, H, W, 3] uint8 array or
                 tensor, a local video file's path (decoded through PyAV, at its own frame rate) or

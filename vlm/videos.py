@@ -18,20 +18,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-#: The model types whose video tokens mmgen places (tested against their own `generate`):
-#: Qwen's M-RoPE families and LLaVA-OneVision. Others take no `videos=` (a one-line refusal).
-VIDEO_FAMILIES = ("llava_onevision", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 #: Frames per video, at most (Qwen3-VL's processor samples at most 768).
 MAX_FRAMES = 768
 #: Pixels of one frame, at most (4096 x 4096).
 MAX_FRAME_PIXELS = 1 << 24
 #: Pixels of one video over all its frames, at most (768 frames of 640 x 480 fit).
 MAX_VIDEO_PIXELS = 1 << 28
-
-
-#: Families whose model stacks a batch's videos into one [videos, frames, ...] tensor (their
-#: `generate` too): a call's videos must share a frame count.
-STACKED_VIDEOS = ("llava_onevision",)
 
 
 @dataclass(frozen=True)
@@ -47,16 +39,32 @@ class Video:
         return {"total_num_frames": len(self.frames), "fps": self.fps, "frames_indices": list(range(len(self.frames)))}
 
 
+def video_input(model_type: Optional[str]) -> Optional[str]:
+    """How a text family takes video (its registered capability "video": "separate" or
+    "stacked"), or None when mmgen takes no video input for it."""
+    from mmgen import registry
+
+    family = registry.family("text", model_type) if isinstance(model_type, str) else None
+    return None if family is None else family.capabilities.get("video")
+
+
+def video_families() -> list[str]:
+    """The registered text families that take video input."""
+    from mmgen import registry
+
+    return [name for name, family in registry.families("text").items() if family.capabilities.get("video")]
+
+
 def video_family_check(model_type: Optional[str]) -> None:
     """ValueError naming `model_type` when mmgen takes no video input for it."""
-    if model_type not in VIDEO_FAMILIES:
-        raise ValueError(f"model_type {model_type!r} takes no video input in mmgen (videos go to {', '.join(VIDEO_FAMILIES)})")
+    if video_input(model_type) is None:
+        raise ValueError(f"model_type {model_type!r} takes no video input in mmgen (videos go to {', '.join(video_families())})")
 
 
 def video_batch_check(model_type: str, videos: list) -> None:
     """ValueError when a family that stacks a batch's videos gets videos of several frame counts."""
     counts = sorted({len(v.frames) for v in videos})
-    if model_type in STACKED_VIDEOS and len(counts) > 1:
+    if video_input(model_type) == "stacked" and len(counts) > 1:
         raise ValueError(f"{model_type} takes a batch's videos at one frame count only, got {counts} frames: give them "
                          "in separate calls (or answer_each, each prompt alone)")
 
@@ -201,3 +209,12 @@ def _check_pixels(label: str, frames: int, width: int, height: int, max_pixels: 
 
 def _size(array) -> str:
     return f"{array.shape[1]}x{array.shape[0]}"
+
+
+def __getattr__(name: str) -> Any:
+    # The old tuples, read from the registry now (a family's "video" capability).
+    if name == "VIDEO_FAMILIES":
+        return tuple(video_families())
+    if name == "STACKED_VIDEOS":
+        return tuple(f for f in video_families() if video_input(f) == "stacked")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,10 +13,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from mmgen.decoding import Decoder
+from mmgen.hub import loading_folder
 from mmgen.inference import inference
 from mmgen.pipeline import Pipeline
 from mmgen.registry import register_pipeline
-from mmgen.sampling import ConstantGuidance, SamplingConfig, make_generator
+from mmgen.sampling import ConstantGuidance, SamplingConfig, make_generator, takes_sampling
 
 from mmgen.image_ar.janus.token_model import JanusConditions, JanusTokenModel, config_boi_token_id
 from mmgen.image_ar.outputs import ImageGenerationOutput, check_output_type, check_prompts, postprocess
@@ -71,8 +72,9 @@ class JanusPipeline(Pipeline):
         source = os.fspath(repo_or_path)
         kwargs.setdefault("trust_remote_code", False)  # never the folder's own code (`auto_map`)
         try:
-            processor = JanusProcessor.from_pretrained(source, trust_remote_code=False)
-            model = JanusForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
+            with loading_folder(source):  # no link out of a local folder, sizes within bounds, one-line errors
+                processor = JanusProcessor.from_pretrained(source, trust_remote_code=False)
+                model = JanusForConditionalGeneration.from_pretrained(source, dtype=torch_dtype, **kwargs)
         except OSError as error:
             offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
             hint = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached or the repo does not exist"
@@ -124,6 +126,7 @@ class JanusPipeline(Pipeline):
         inputs = self.processor(text=texts, generation_mode="image", padding=True, return_tensors="pt")
         return JanusConditions(inputs["input_ids"].to(self.device), inputs["attention_mask"].to(self.device))
 
+    @takes_sampling
     @inference
     def __call__(
         self,

@@ -18,7 +18,7 @@ from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
-from mmgen.sampling import IntervalGuidance, SamplingConfig
+from mmgen.sampling import IntervalGuidance, SamplingConfig, takes_sampling
 
 from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
 from mmgen.image_ar.llamagen.token_model import LlamaGenTokenModel
@@ -260,6 +260,12 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
     component_types = {"transformer": (LlamaGenTransformer, LlamaGenConfig), "vq": (VQModel, VQConfig)}
     official_sampling = OFFICIAL_SAMPLING
 
+    def calibration_calls(self, count: int) -> list[Callable[[str], Any]]:
+        """Class ids spread over the classes, one seed each (see `Pipeline.calibration_calls`)."""
+        return [lambda spec, i=i: self([i * self.num_classes // count], decoding=spec,
+                                       generator=torch.Generator().manual_seed(i))
+                for i in range(count)]
+
     def __init__(
         self,
         transformer: LlamaGenTransformer,
@@ -304,6 +310,7 @@ class LlamaGenPipeline(ClassLabelled, LlamaGenPipelineBase):
         self.check_image_size(image_size)
         return labels
 
+    @takes_sampling
     @inference
     def __call__(
         self,

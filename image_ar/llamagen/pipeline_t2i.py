@@ -19,9 +19,10 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5EncoderModel
 
 from mmgen.decoding import Decoder
-from mmgen.hub import CheckpointError, PathLike
+from mmgen.hub import CheckpointError, PathLike, loading_folder
 from mmgen.inference import inference
 from mmgen.registry import register_pipeline
+from mmgen.sampling import takes_sampling
 
 from mmgen.image_ar.llamagen.gpt import LlamaGenConfig, LlamaGenTransformer
 from mmgen.image_ar.llamagen.pipeline import LlamaGenPipelineBase
@@ -128,6 +129,7 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
         captions = CaptionConditions.left_padded(features, mask)
         return CaptionConditions(captions.embeddings.to(self.device), captions.mask.to(self.device))
 
+    @takes_sampling
     @inference
     def __call__(
         self,
@@ -180,8 +182,9 @@ class LlamaGenText2ImagePipeline(LlamaGenPipelineBase):
 def load_text_encoder(path_or_repo: PathLike) -> T5EncoderModel:
     """A `T5EncoderModel` in float32 from a folder or repo id; every encoder weight must be in
     the checkpoint (a full T5's decoder weights are ignored, as transformers does)."""
-    model, info = T5EncoderModel.from_pretrained(str(path_or_repo), dtype=torch.float32, output_loading_info=True,
-                                                 trust_remote_code=False)
+    with loading_folder(path_or_repo):  # no link out of a local folder, sizes within bounds, one-line errors
+        model, info = T5EncoderModel.from_pretrained(str(path_or_repo), dtype=torch.float32, output_loading_info=True,
+                                                     trust_remote_code=False)
     problems = [f"missing: {k}" for k in info.get("missing_keys", [])] + [
         f"shape mismatch: {m[0] if isinstance(m, tuple) else m}" for m in info.get("mismatched_keys", [])
     ]

@@ -12,7 +12,7 @@ from mmgen.hub import CheckpointError, PathLike, load_state_dict, load_strict, r
 from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
-from mmgen.sampling import ConstantGuidance, LinearProgressGuidance, SamplingConfig
+from mmgen.sampling import ConstantGuidance, LinearProgressGuidance, SamplingConfig, takes_sampling
 
 from mmgen.image_ar.mar.continuous_model import MARContinuousModel
 from mmgen.image_ar.mar.mar import MAR, MARConfig
@@ -79,6 +79,7 @@ class MARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
                     else ConstantGuidance(o["guidance_scale"]))
         return SamplingConfig(temperature=o["temperature"], guidance=guidance)
 
+    @takes_sampling
     @inference
     def __call__(
         self,

@@ -13,7 +13,7 @@ from mmgen.hub import PathLike, load_state_dict, load_strict, resolve_path
 from mmgen.inference import inference
 from mmgen.pipeline import Companion, Pipeline
 from mmgen.registry import register_pipeline
-from mmgen.sampling import RampGuidance, SamplingConfig
+from mmgen.sampling import RampGuidance, SamplingConfig, takes_sampling
 
 from mmgen.image_ar.outputs import (
     ClassLabelled,
@@ -91,6 +91,7 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
             raise ValueError(f"unknown preset {name!r}; choose from {sorted(VAR_PRESETS)}")
         return VAR_PRESETS[name]
 
+    @takes_sampling
     @inference
     def __call__(
         self,

@@ -23,7 +23,7 @@ from mmgen.decoding.autoregressive import Autoregressive
 from mmgen.decoding.batching import Finished, Request, continuous_decode, row_decoder
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, Decoder
 from mmgen.decoding.block_diffusion import BlockDecodeOutput, BlockDenoising, BlockStats, CollaborativeDenoising, FlowSchedule
-from mmgen.decoding.continuous import (
+from mmgen.decoding.continuous_tokens import (
     ContinuousAcceptance,
     ContinuousDecoder,
     ContinuousOutput,
@@ -35,12 +35,13 @@ from mmgen.decoding.causal_continuous import CausalContinuousSpeculative
 from mmgen.decoding.coupled import CoupledJacobi, CounterNoise
 from mmgen.decoding.draft import DraftModelProposer, DraftSpeculative
 from mmgen.decoding.entropy_switch import EntropySwitch
-from mmgen.decoding.drafts import AboveNeighbourInit, DraftContext, DraftInit, LeftNeighbourInit, RandomDraftInit
+from mmgen.decoding.jacobi_init import AboveNeighbourInit, DraftContext, DraftInit, LeftNeighbourInit, RandomDraftInit
 from mmgen.decoding.jacobi import JacobiProposer, SpeculativeJacobi
 from mmgen.decoding.ngram import NGramProposer, PromptLookup
 from mmgen.decoding.next_scale import Collaborative, MapSmoothing, NextScale, ScaleDecodeOutput, ScaleDecoder
 from mmgen.decoding.pruning import CachedTokenPruning
-from mmgen.decoding.speculative import Proposer, speculative_decode
+from mmgen.decoding.proposer import DecodeRun, Proposer
+from mmgen.decoding.speculative import speculative_decode
 from mmgen.decoding.stats import DecodeStats, DraftCounters, StageCounters
 from mmgen.decoding.stopping import Stopping, Streamer, TokenQueueStreamer
 from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
@@ -177,6 +178,28 @@ FAMILY_DECODERS: dict[str, dict[str, Callable[[], Any]]] = {
 }
 
 
+def register_decoder(family: str, name: str, factory: Callable[[], Any]) -> None:
+    """Add a decoding shortcut `name` to a decoder family ("token", "scale", "continuous",
+    "causal-continuous", "block-diffusion"): `factory()` makes the decoder, a dataclass whose
+    fields are the spec's options ("NAME:key=value"). Every pipeline of that family then takes it
+    wherever a decoding is named (Python, `--decoding`, job files, the demos and the server), as
+    the built-in ones. A taken name is an error."""
+    if family not in FAMILY_DECODERS:
+        raise ValueError(f"unknown decoder family {family!r}: families are {', '.join(FAMILY_DECODERS)}")
+    if not isinstance(name, str) or not name or name != name.strip().lower() or ":" in name or "," in name:
+        raise ValueError(f"a decoding shortcut is a lowercase name without ':' or ',', got {name!r}")
+    if name in FAMILY_DECODERS[family]:
+        raise ValueError(f"decoding {name!r} is already registered for {family} models")
+    if not callable(factory):
+        raise ValueError(f"the factory of decoding {name!r} must be callable, got {factory!r}")
+    FAMILY_DECODERS[family][name] = factory
+
+
+def unregister_decoder(family: str, name: str) -> None:
+    """Remove a shortcut `register_decoder` added (tests clean up with this)."""
+    FAMILY_DECODERS.get(family, {}).pop(name, None)
+
+
 def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECODERS) -> Any:
     """A decoder object from itself, a shortcut name or a spec ("lantern:delta=0.2"); pass
     `registry=SCALE_DECODERS` for next-scale models, `CONTINUOUS_DECODERS` for continuous ones
@@ -217,6 +240,7 @@ __all__ = [
     "TokenQueueStreamer",
     "Streamer",
     "Stopping",
+    "DecodeRun",
     "Proposer",
     "PromptLookup",
     "NGramProposer",
@@ -258,6 +282,8 @@ __all__ = [
     "SpeculativeJacobi",
     "make_decoder",
     "parse_decoding",
+    "register_decoder",
+    "unregister_decoder",
     "resolve_decoder",
     "residual_distribution",
 ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmgen.decoding.speculative import Proposer, SpeculativeDecoder
+from mmgen.decoding.proposer import Proposer
+from mmgen.decoding.speculative import SpeculativeDecoder
 
 
 @dataclass

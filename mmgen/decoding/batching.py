@@ -214,14 +214,18 @@ class ContinuousServer:
     manager) is held while a decode runs, to keep the pipeline's other users off the model. A
     request's `streamer` is ended when its future fails, so a reader never waits on it.
     `future.cancel()` cancels a request until its result is set: waiting, it never starts;
-    running, its row is freed at the next forward (its streamer ended, no result)."""
+    running, its row is freed at the next forward (its streamer ended, no result).
+    The worker thread exists only while requests run or wait: it ends when the queue empties
+    and the next `submit` starts another, so an idle server (one a cache let go of, say) holds
+    no thread."""
 
     def __init__(self, decode: Callable[[LiveQueue], Any], result: Callable[[Finished], Any] = lambda f: f,
                  lock: Any = None):
         self.queue, self._decode, self._result = LiveQueue(), decode, result
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self.sessions = 0  # decodes run: requests that overlap share one
-        threading.Thread(target=self._work, daemon=True, name="mmgen-continuous-batch").start()
+        self._worker: Optional[threading.Thread] = None  # while requests run or wait
+        self._worker_state = threading.Lock()
 
     def submit(self, request: Request) -> Future:
         future: Future = Future()
@@ -252,11 +256,18 @@ class ContinuousServer:
 
         self.queue.put(request, finished, failed)
         future.add_done_callback(settled)
+        with self._worker_state:  # after the put: a worker checking for work now sees it, or is gone
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, daemon=True, name="mmgen-continuous-batch")
+                self._worker.start()
         return future
 
     def _work(self) -> None:
         while True:
-            self.queue.wait()
+            with self._worker_state:
+                if not self.queue.waiting():  # idle: the next submit starts a new worker
+                    self._worker = None
+                    return
             self.sessions += 1
             try:
                 with self._lock, torch.inference_mode():  # as a pipeline's call decodes (mmgen.inference)

@@ -5,7 +5,9 @@ The loop of CausVid (Yin et al., 2024) and Self-Forcing (Huang et al., 2025) on 
 (each predicts x0 = x − σ·v, then moves to the next noise level), and is committed by the
 model's clean pass. `CollaborativeDenoising` is CoDe's large/small split (Chen et al., 2024)
 across denoising steps: the large model takes the first steps of every block, where the
-content is decided, and a small one of the same latent space the rest.
+content is decided, and a small one of the same latent space the rest. `BlockRollout` is the
+loop one block at a time: `generate` runs it for a fixed number of blocks, a live video stream
+for as long as it is read.
 """
 
 from __future__ import annotations
@@ -103,53 +105,13 @@ class BlockDenoising(BaseDecoder):
         blocks use (a prompt switch); `callback(index, x0)` sees each block once committed.
         `schedule` is the model's default, used when the decoder has none."""
         check_int("num_blocks", num_blocks, 1)
-        schedule = self.schedule or schedule or FlowSchedule()
-        sigmas = schedule.sigmas()
-        steps = self.step_models(model, len(sigmas))
-        roles = dict((id(m), role) for role, m in reversed(steps))
-        models = {id(m): m for _, m in steps}  # each distinct model once, the pipeline's first
-        guided = guidance_scale != 1.0
-        states: dict[int, Any] = {}
-        try:
-            for key, m in models.items():
-                states[key] = m.start(conditions, num_blocks, guided)
-            return self._blocks(steps, models, states, roles, sigmas, schedule.stochastic, num_blocks, generator,
-                                guidance_scale, switches, callback)
-        finally:
-            for key, state in states.items():
-                models[key].finish(state)
-
-    def _blocks(self, steps, models, states, roles, sigmas, stochastic, num_blocks, generator, guidance_scale,
-                switches, callback) -> BlockDecodeOutput:
-        stats, blocks = BlockStats(cache_bytes=sum(getattr(state, "nbytes", 0) for state in states.values())), []
-        for b in range(num_blocks):
-            if switches and b in switches:
-                for key, m in models.items():
-                    m.condition(states[key], switches[b])
-            shape = models[id(steps[0][1])].block_shape(states[id(steps[0][1])])
-            x = torch.randn(shape, generator=generator, device=generator.device)
-            for i, (role, m) in enumerate(steps):
-                cond, uncond = m.velocity(states[id(m)], x, 1000.0 * sigmas[i])
-                v = cond if uncond is None else uncond + guidance_scale * (cond - uncond)
-                stats.denoise_forwards[role] = stats.denoise_forwards.get(role, 0) + 1
-                x0 = x - sigmas[i] * v
-                if i + 1 < len(steps):
-                    nxt = sigmas[i + 1]
-                    if stochastic:
-                        x = (1 - nxt) * x0 + nxt * torch.randn(shape, generator=generator, device=generator.device)
-                    else:
-                        x = x + (nxt - sigmas[i]) * v
-            for key, m in models.items():
-                m.commit(states[key], x0)
-                stats.commit_forwards[roles[key]] = stats.commit_forwards.get(roles[key], 0) + 1
-            stats.blocks += 1
-            blocks.append(x0)
-            if callback is not None:
-                callback(b, x0)
-        for key, state in states.items():
-            if getattr(state, "computed_fraction", None) is not None:
-                stats.computed_fraction[roles[key]] = state.computed_fraction
-        return BlockDecodeOutput(blocks, stats)
+        switches, blocks = switches or {}, []
+        with BlockRollout(self, model, conditions, num_blocks, generator, guidance_scale, schedule) as rollout:
+            for b in range(num_blocks):
+                blocks.append(rollout.step(switches.get(b)))
+                if callback is not None:
+                    callback(b, blocks[-1])
+            return BlockDecodeOutput(blocks, rollout.stats)
 
 
 @dataclass
@@ -169,3 +131,75 @@ class CollaborativeDenoising(BlockDenoising):
             raise ValueError(f"large_steps={self.large_steps} exceeds the schedule's {num_steps} steps")
         small = self.small.block_model(like=model) if hasattr(self.small, "block_model") else self.small
         return [("large", model)] * self.large_steps + [("small", small)] * (num_steps - self.large_steps)
+
+
+class BlockRollout:
+    """A started block decode of `decoder` (a `BlockDenoising` or a subclass: its step roles)
+    on `model`, `step` by `step`. `num_blocks` sizes the models' caches (under a window policy,
+    blocks past the window need no more). Draws come from `generator` in the order of
+    `generate`, so the same seed makes the same blocks."""
+
+    def __init__(self, decoder: "BlockDenoising", model: BlockDiffusionModel, conditions: Any, num_blocks: int,
+                 generator: torch.Generator, guidance_scale: float = 1.0, schedule: Optional[FlowSchedule] = None):
+        schedule = decoder.schedule or schedule or FlowSchedule()
+        self.sigmas, self.stochastic = schedule.sigmas(), schedule.stochastic
+        self.generator, self.guidance_scale = generator, guidance_scale
+        self.steps = decoder.step_models(model, len(self.sigmas))
+        self.roles = {id(m): role for role, m in reversed(self.steps)}
+        self.models = {id(m): m for _, m in self.steps}  # each distinct model once, the pipeline's first
+        self.states: dict[int, Any] = {}
+        try:
+            for key, m in self.models.items():
+                self.states[key] = m.start(conditions, num_blocks, guidance_scale != 1.0)
+        except BaseException:
+            self.close()  # the models started so far release what they installed
+            raise
+        self.stats = BlockStats(cache_bytes=self.cache_bytes)
+
+    @property
+    def cache_bytes(self) -> int:
+        """The models' caches now (states that report `nbytes`)."""
+        return sum(getattr(state, "nbytes", 0) for state in self.states.values())
+
+    def step(self, conditions: Any = None) -> torch.Tensor:
+        """Make and commit the next block; `conditions` (a prompt switch) first conditions every
+        model on them for this block and later ones. Returns the block's x0 (batch first)."""
+        models, states, stats, sigmas = self.models, self.states, self.stats, self.sigmas
+        if conditions is not None:
+            for key, m in models.items():
+                m.condition(states[key], conditions)
+        first = id(self.steps[0][1])
+        shape = models[first].block_shape(states[first])
+        generator = self.generator
+        x = torch.randn(shape, generator=generator, device=generator.device)
+        for i, (role, m) in enumerate(self.steps):
+            cond, uncond = m.velocity(states[id(m)], x, 1000.0 * sigmas[i])
+            v = cond if uncond is None else uncond + self.guidance_scale * (cond - uncond)
+            stats.denoise_forwards[role] = stats.denoise_forwards.get(role, 0) + 1
+            x0 = x - sigmas[i] * v
+            if i + 1 < len(self.steps):
+                nxt = sigmas[i + 1]
+                if self.stochastic:
+                    x = (1 - nxt) * x0 + nxt * torch.randn(shape, generator=generator, device=generator.device)
+                else:
+                    x = x + (nxt - sigmas[i]) * v
+        for key, m in models.items():
+            m.commit(states[key], x0)
+            stats.commit_forwards[self.roles[key]] = stats.commit_forwards.get(self.roles[key], 0) + 1
+        stats.blocks += 1
+        for key, state in states.items():
+            if getattr(state, "computed_fraction", None) is not None:
+                stats.computed_fraction[self.roles[key]] = state.computed_fraction
+        return x0
+
+    def close(self) -> None:
+        """Finish every started model once (their caches and installed processors go)."""
+        states, self.states = self.states, {}
+        for key, state in states.items():
+            self.models[key].finish(state)
+
+    def __enter__(self) -> "BlockRollout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

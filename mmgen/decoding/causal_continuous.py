@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from mmgen.decoding.base import BaseDecoder, Progress, check_int, check_num_tokens
-from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousOutput, GaussianTokens, check_continuous_sampling
+from mmgen.decoding.continuous_tokens import ContinuousAcceptance, ContinuousOutput, GaussianTokens, check_continuous_sampling
 from mmgen.decoding.stats import DraftCounters, StatsRecorder
 from mmgen.modeling import CausalContinuousModel, HeadSample
 from mmgen.sampling import SamplingConfig, uniform

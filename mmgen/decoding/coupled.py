@@ -17,15 +17,18 @@ time ([B, V]) whatever the vocabulary and length.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mmgen.decoding.base import check_int
-from mmgen.decoding.drafts import RandomDraftInit, resolve_draft_init
+from mmgen.decoding.jacobi_init import RandomDraftInit, resolve_draft_init
 from mmgen.decoding.jacobi import JacobiProposer
-from mmgen.decoding.speculative import DecodeRun, SpeculativeDecoder
+from mmgen.decoding.proposer import DecodeRun
+from mmgen.decoding.speculative import SpeculativeDecoder
 from mmgen.sampling import race
 
 _MASK = 0xFFFFFFFF
@@ -61,10 +64,17 @@ class CounterNoise:
         return -torch.log((h.double() + 0.5) / 2.0**32).float()
 
     def race(self, probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The exponential-race sample of `probs` [B, n, V] at `positions` [B, n], one slot at a
-        time so only [B, V] of noise exists at once."""
-        rows = torch.arange(probs.shape[0], device=probs.device)
-        return torch.stack([race(probs[:, i], self.exponential(rows, positions[:, i])) for i in range(probs.shape[1])], 1)
+        """The exponential-race sample of `probs` [B, n, V] (frames: [B, n, K, V]) at `positions`
+        [B, n], one slot at a time so only [B, (K,) V] of noise exists at once. Each codebook of a
+        frame is a lane of its own (row·K + k), so a frame's K draws are independent as the
+        model's law makes them; tokens (no K) keep lane = row."""
+        batch, extra = probs.shape[0], probs.shape[2:-1]
+        lanes = torch.arange(batch * math.prod(extra), device=probs.device).view(batch, *extra)
+        samples = []
+        for i in range(probs.shape[1]):
+            at = positions[:, i].view(batch, *([1] * len(extra))).expand_as(lanes)
+            samples.append(race(probs[:, i], self.exponential(lanes, at)))
+        return torch.stack(samples, 1)
 
 
 class CoupledProposer(JacobiProposer):

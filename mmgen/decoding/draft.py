@@ -13,7 +13,8 @@ import torch
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
 from mmgen.decoding.frames import complete_frame, gather_slots
-from mmgen.decoding.speculative import Proposer, SpeculativeDecoder
+from mmgen.decoding.proposer import Proposer
+from mmgen.decoding.speculative import SpeculativeDecoder
 from mmgen.decoding.stats import DraftCounters
 from mmgen.modeling import TokenModel
 from mmgen.sampling import sample
@@ -43,7 +44,7 @@ class DraftModelProposer(Proposer):
     later drafts would likely follow a rejected one. The round stops once fewer than half of the
     active rows are left in it (at batch 1: at the first unsure draft), since each more draft
     costs every row a drafter forward and a wider verify (on the bundled VLM pair at batch 8,
-    waiting for every row drafted 7.6 of 12 a round and ran slower than `ar`: docs/benchmarks.md).
+    waiting for every row drafted 7.6 of 12 a round and ran slower than `ar`: lab notes in the git history of docs/benchmarks.md).
     Where to stop depends only on drafts already drawn, so acceptance stays exact (the target
     still judges every draft it is given). The loop then records each forward's draft count
     in the stats (`drafts_per_forward`).

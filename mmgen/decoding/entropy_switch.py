@@ -37,7 +37,7 @@ class EntropySwitch(Decoder):
     small model alone; `threshold=0` is (almost always) the large one. The default, 3.5 nats,
     is where the bundled emoji pair gains (2.3x fewer large-model calls at batch 1, about even at
     batch 8, where the large model runs whenever any row needs it) for a measured quality cost
-    (docs/benchmarks.md); 2.0 ran the large model at almost every token.
+    (lab notes in the git history of docs/benchmarks.md); 2.0 ran the large model at almost every token.
 
     Frames (codec TTS, `num_codebooks = K > 1`): each step is one frame [B, K], and a frame's
     entropy is the mean over its codebooks of each codebook's entropy (a codebook the model

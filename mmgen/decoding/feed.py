@@ -12,17 +12,15 @@ says why and how).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
 from mmgen.decoding.frames import complete_frame, rows_with_invalid_laws
+from mmgen.decoding.proposer import DecodeRun, Proposer
 from mmgen.decoding.stats import DecodeStats
 from mmgen.decoding.stopping import RowEnds, Streamer
 from mmgen.sampling import RowGenerators, sample
-
-if TYPE_CHECKING:  # the loop's module imports this one
-    from mmgen.decoding.speculative import DecodeRun, Proposer
 
 
 class RowFeed(Protocol):
@@ -45,8 +43,6 @@ def follows_requests(feed: Any, model: Any, proposer: Proposer) -> bool:
     """Whether a continuous batch over `feed` can change its width as requests come and go: the
     feed says how many requests wait and renumbers its rows (`LiveQueue`), the model keeps a
     subset of its rows (`select_rows`), and the proposer has no per-row state or keeps it too."""
-    from mmgen.decoding.speculative import Proposer
-
     cls = type(proposer)
     return (callable(getattr(feed, "waiting", None)) and callable(getattr(model, "select_rows", None))
             and (cls.restart is Proposer.restart or cls.select_rows is not Proposer.select_rows))

@@ -17,9 +17,10 @@ import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
-from mmgen.decoding.drafts import DraftContext, RandomDraftInit, resolve_draft_init
+from mmgen.decoding.jacobi_init import DraftContext, RandomDraftInit, resolve_draft_init
 from mmgen.decoding.frames import gather_slots, where_slots
-from mmgen.decoding.speculative import DecodeRun, Proposer, SpeculativeDecoder
+from mmgen.decoding.proposer import DecodeRun, Proposer
+from mmgen.decoding.speculative import SpeculativeDecoder
 from mmgen.decoding.window import resolve_adaptive
 
 

@@ -16,7 +16,8 @@ import torch
 
 from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
-from mmgen.decoding.speculative import DecodeRun, Proposer, SpeculativeDecoder
+from mmgen.decoding.proposer import DecodeRun, Proposer
+from mmgen.decoding.speculative import SpeculativeDecoder
 from mmgen.decoding.window import resolve_adaptive
 from mmgen.sampling import one_hot
 

@@ -32,7 +32,7 @@ A linear cost misses what models show on a CPU: a forward of two tokens per row 
 10-60% more than one (the BLAS leaves its matrix-vector kernels), and a few tokens can cost less
 than one (LlamaGen emoji64 on another box: 0.96x at 2 and 4 tokens). A model can carry its
 measured curve, a `window_cost` (window width -> forward time relative to width 1, per device
-type and CPU thread count, measured at batch 1 by `benchmarks/window_cost.py`); batch-1 decodes
+type and CPU thread count, measured at batch 1 by `mmgen calibrate`); batch-1 decodes
 there use it instead. A curve is its machine's: CPUs differ several-fold in what a few more
 tokens per forward cost. A batch-1 decode on a CPU whose model carries no CPU curve uses
 `DEFAULT_WINDOW_COST` (GPT-B's, measured): a dear default costs a good case a few probes, a
@@ -40,7 +40,7 @@ cheap one costs a barren decode every forward.
 
 What a model usually accepts is a fact of the model, not of the machine: a model can carry its
 `window_tokens` (window width -> tokens a forward finalises, measured in fixed-window decodes at
-batch 1 with its own sampling, by `benchmarks/window_cost.py`). A decode then starts at the
+batch 1 with its own sampling, by `mmgen calibrate`). A decode then starts at the
 width those figures and the cost say pays best, and each width's running figure starts from
 them, worth `prior_forwards` forwards (an empirical-Bayes prior that the decode's own forwards
 overrule as they come): a short decode (an image of 64 tokens, an answer of 10) has too few
@@ -65,7 +65,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 #: Default `token_cost` by device type, for the linear cost (batches, and devices without a
-#: default curve). CPU: measured by `benchmarks/adaptive_window.py` on this project's 2-core box,
+#: default curve). CPU: measured on this project's 2-core box (docs/history.md, "Decoding"),
 #: 1 thread, CFG: 0.02 for the bundled emoji64 (a 16-token verify at 1.6x an AR step), 0.03-0.05
 #: for GPT-B (1.9-2.4x). CUDA: a 16-token verify within a few percent of an AR step at batch 1
 #: (memory-bound). Pass a measured figure for your model and machine (`adapt=0.05` in a spec, or
@@ -83,12 +83,11 @@ WindowTokens = Mapping[int, float]
 WindowCost = Mapping[str, Mapping[int, float]]
 
 #: The curve a batch-1 decode uses on a device type its model carries none for: LlamaGen GPT-B
-#: (random weights, CFG 4: two rows fed), measured on this project's 2-core box by
-#: `python -m benchmarks.adaptive_window --case gpt-b-barren --tokens 128 --repeats 2 --threads T
-#: --sweep 2 4 8 16` (2026-11-28). On a CPU a second token per row costs far more than any
-#: per-token figure says (1.5-1.6 AR steps here: the BLAS leaves its matrix-vector kernels), and
+#: (random weights, CFG 4: two rows fed), measured on this project's 2-core box in whole decodes
+#: of 128 tokens where nothing is accepted, at 1 and 2 threads (2026-11-28). On a CPU a second
+#: token per row costs far more than any per-token figure says (1.5-1.6 AR steps here: the BLAS leaves its matrix-vector kernels), and
 #: a linear default that misses it drafts where nothing is accepted (GPT-B: 1.31x AR's time).
-#: Other thread counts take the two-thread curve. Models measure their own (`window_cost.py`).
+#: Other thread counts take the two-thread curve. Models measure their own (`mmgen calibrate`).
 _GPT_B_TWO_THREADS = {1: 1.0, 2: 1.48, 4: 1.90, 8: 1.92, 16: 2.38}
 DEFAULT_WINDOW_COST: WindowCost = {
     "cpu:1": {1: 1.0, 2: 1.61, 4: 2.12, 8: 2.07, 16: 2.51},
@@ -148,7 +147,7 @@ class AdaptiveWindow:
     measured tokens per unit of cost are highest (autoregressive steps where none beats 1), not
     growing: its probes look both ways from there. Every width's running figure starts as
     `prior_forwards` forwards at the measured figure, which then decays like any forward's (0
-    turns it off). 24: on emoji64 and speech-tts (docs/benchmarks.md) 12 left 1.02-1.05x the
+    turns it off). 24: on emoji64 and speech-tts (lab notes in the git history of docs/benchmarks.md) 12 left 1.02-1.05x the
     best fixed window's cost, 24 1.01-1.02x, 48 1.01x; a stronger prior leaves a barren decode
     later (24 forwards at emoji64's 4-token figure take about ten barren ones to overrule, by the
     arithmetic of the decayed sums).

@@ -242,12 +242,13 @@ def test_the_bundled_recogniser_is_package_data_within_the_size_budget():
     """Every file of the asset matches pyproject's package-data globs (so the wheel ships it), and
     all bundled assets together stay within the 120 MB the project allows."""
     import glob
+    import runpy
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).parents[2]
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = setuptools["package-dir"]
+    folders = runpy.run_path(str(root / "setup.py"), run_name="packages")["FOLDERS"]
     shipped = {Path(p) for package, patterns in setuptools["package-data"].items() for pattern in patterns
                for p in glob.glob(str(root / folders[package] / pattern), recursive=True)}
     asset = {p for p in BUNDLED.iterdir() if p.is_file()}
@@ -260,9 +261,9 @@ def test_the_bundled_recogniser_is_package_data_within_the_size_budget():
 def test_a_training_run_becomes_a_measured_recogniser_folder(tmp_path):
     """`train_speech.py phonemes` then `bundle-recogniser`: the run's weights in float16, loadable,
     with a card whose figures are the folder's (here one step of a planned two: flagged as such)."""
-    from benchmarks.data import speech
-    from benchmarks.train_speech import load_recogniser
-    from benchmarks.train_speech import main as train_speech
+    from training.data import speech
+    from training.train_speech import load_recogniser
+    from training.train_speech import main as train_speech
 
     speech.main(["--out", str(tmp_path / "speech.npz"), "--limit", "6"])
     train_speech(["phonemes", "--data", str(tmp_path / "speech.npz"), "--out", str(tmp_path / "run"), "--steps", "2",
@@ -275,7 +276,7 @@ def test_a_training_run_becomes_a_measured_recogniser_folder(tmp_path):
     card = (tmp_path / "bundle" / "MODEL_CARD.md").read_text()
     assert "step-1 checkpoint, exported while it was still training\ntowards 2 steps" in card
     assert "1 steps on 1 CPU thread(s)" in card
-    from benchmarks.train_speech import Speech
+    from training.train_speech import Speech
 
     held_out = Speech(speech.load_corpus(tmp_path / "speech.npz"), "eval")
     per = phoneme_error_rate(held_out.phonemes, shipped.transcribe(held_out.waves, 16000))

@@ -1,5 +1,5 @@
-"""The espeak speech corpus (`benchmarks/data/speech.py`) is byte-identical run to run, and the
-speech codec trainer (`benchmarks/train_speech.py`) resumes exactly: killed at a checkpoint and
+"""The espeak speech corpus (`training/data/speech.py`) is byte-identical run to run, and the
+speech codec trainer (`training/train_speech.py`) resumes exactly: killed at a checkpoint and
 restarted, it ends with the weights of a run that never stopped."""
 
 import json
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from benchmarks.data import speech
-from benchmarks.data.speech import number_words
+from training.data import speech
+from training.data.speech import number_words
 
 def test_number_words():
     assert [number_words(n) for n in (0, 13, 40, 42, 100, 312, 1000, 1005, 2312, 9999)] == [
@@ -53,7 +53,7 @@ def test_corpus_is_byte_identical_with_any_worker_count(corpus, tmp_path):
 
 
 def test_resumed_codec_training_equals_an_uninterrupted_run(corpus, tmp_path):
-    from benchmarks.train_speech import main
+    from training.train_speech import main
 
     tiny = json.dumps({"encoder_hidden_size": 2, "decoder_hidden_size": 16, "n_codebooks": 2, "codebook_size": 16})
     # Every step restarts unused codes, so that path is replayed on resume too.
@@ -70,3 +70,13 @@ def test_resumed_codec_training_equals_an_uninterrupted_run(corpus, tmp_path):
     assert straight["step"] == resumed["step"] == 4
     for key, tensor in straight["model"].items():
         assert torch.equal(tensor, resumed["model"][key]), key
+
+
+def test_the_shipped_held_out_texts_are_the_corpus_first_held_out_texts():
+    """`mmgen.audio.heldout` ships the corpus's held-out texts, so the installed package (which
+    cannot import the training recipes) decodes the same texts the recipes held out."""
+    from mmgen.audio.heldout import held_out_texts
+
+    texts = held_out_texts(1000)
+    assert len(texts) == 128 and held_out_texts(3) == texts[:3]
+    assert texts == [text for _, text in speech.corpus_texts() if speech.is_eval(text)][:128]

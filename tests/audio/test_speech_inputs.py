@@ -118,3 +118,21 @@ def test_the_pipeline_imports_from_its_package_lazily():
             "else:\n    raise AssertionError('an unknown name imported')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_speech_adapter_that_lacks_a_member_of_the_protocol_is_named_in_one_line():
+    """`SpeechAdapter` states the adapter's contract in code: a registered adapter without one of
+    its members is refused, naming what it lacks, before any model is built."""
+    from mmgen import registry
+    from mmgen.audio.dia import DiaSpeech
+    from mmgen.audio.pipeline import _adapter
+
+    Partial = type("Partial", (), {name: getattr(DiaSpeech, name) for name in ("load", "token_model", "conditions", "stopping")})
+    registry.register_family("speech", "partial_tts", pipeline="TTSPipeline", adapter=Partial)
+    try:
+        with pytest.raises(ValueError, match=r"Partial of model type 'partial_tts' lacks codes, default_max_frames, "
+                                             r"frame_layout, saves_tokenizer \(mmgen.audio.pipeline.SpeechAdapter\)"):
+            _adapter("partial_tts")
+    finally:
+        registry.unregister_family("speech", "partial_tts")
+    assert _adapter("dia") is DiaSpeech

@@ -48,7 +48,7 @@ def test_the_bundled_model_samples_as_alone_beside_a_longer_text():
     """A sampled request beside a neighbour with a longer text: the batch pads its text, and
     with batched attention the longer encoder axis rounded differently (a draw near a boundary
     flipped); each row now attends over its own text only."""
-    from benchmarks.tts_continuous_batching import held_out_texts
+    from mmgen.audio.heldout import held_out_texts
     from mmgen.loading import load_pipeline
 
     texts = held_out_texts(5)  # 2: "file folder", 4: "sixty one" (the shorter text)
@@ -67,7 +67,7 @@ def test_the_bundled_model_samples_as_alone_when_it_joins_a_live_batch():
     the holes other rows left (SlotKVCache): with batched attention it reduced over a longer key
     axis than alone and a draw flipped (from frame 6 on here). Row-wise attention attends over
     its own keys only (`mmgen.batch_invariant`)."""
-    from benchmarks.tts_continuous_batching import held_out_texts
+    from mmgen.audio.heldout import held_out_texts
     from mmgen.loading import load_pipeline
 
     texts = held_out_texts(6)  # 1: "the black clock is near the key", 5: "the black shoe is beside the duck"

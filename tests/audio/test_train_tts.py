@@ -1,4 +1,4 @@
-"""The text-to-speech trainer (`benchmarks/train_tts.py`): its rows are `DiaProcessor`'s training
+"""The text-to-speech trainer (`training/train_tts.py`): its rows are `DiaProcessor`'s training
 rows, a killed and resumed run ends with the weights of one that never stopped, and its export
 loads through `TTSPipeline.from_pretrained` and speaks (alone and with its drafter)."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.train_tts import SAMPLING, CodesData, delay_pattern, delayed_row, guided_attention_loss, main
+from training.train_tts import SAMPLING, CodesData, delay_pattern, delayed_row, guided_attention_loss, main
 from tests.audio.tiny import RATE, V, tiny_dac
 
 C = 3  # codebooks of the tiny codec

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from mmgen.decoding.continuous import ContinuousAcceptance, ContinuousSpeculative, GaussianTokens, MaskedContinuous
+from mmgen.decoding.continuous_tokens import ContinuousAcceptance, ContinuousSpeculative, GaussianTokens, MaskedContinuous
 from mmgen.modeling import ContinuousModel, ContinuousState, HeadSample
 from mmgen.sampling import SamplingConfig
 

@@ -14,7 +14,7 @@ import torch
 from mmgen.decoding import make_decoder
 from mmgen.sampling import SamplingConfig, make_generator
 
-from benchmarks.tts_decoding import transformers_generate
+from mmgen.audio.bench import transformers_generate
 from tests.audio.tiny import DELAY, tiny_dia
 from tests.device.parity import DTYPES, assert_greedy_identical
 from tests.vlm.tiny import BUILDERS, PROMPTS, images, tiny_qwen
@@ -119,8 +119,6 @@ def test_dia_lossless_frame_decoders_equal_ar_and_sampling_repeats_its_seed(devi
         assert torch.equal(a.frames, b.frames) and all(torch.equal(x, y) for x, y in zip(a.audio, b.audio)), decoding
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="CoupledJacobi's counter noise has no codebook axis "
-                   "(mmgen/decoding/coupled.py, CounterNoise.race): frames of K codebooks decode only at batch 1 or K")
 def test_dia_coupled_jacobi_equals_ar_at_batch_two(device, dia):
     pipe = dia(device)
     ar = pipe(DIA_TEXTS, max_new_frames=30, temperature=0)

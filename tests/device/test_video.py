@@ -51,7 +51,7 @@ def test_denoiser_training_runs_on_the_device_with_the_cpus_randomness(device, t
     autocast on CUDA); the text encoder freezes and saves from the device."""
     import json
 
-    from benchmarks.train_video import main
+    from training.train_video import main
     from tests.video.test_train_video import fake_latents
 
     fake_latents(tmp_path / "latents.npz", channels=4)

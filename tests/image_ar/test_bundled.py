@@ -10,7 +10,7 @@ from mmgen.image_ar.bundled import BUNDLED_MODELS, QUALITY_CLASSIFIER, load_eval
 from mmgen.loading import resolve_model
 from mmgen.image_ar.llamagen import LlamaGenPipeline, LlamaGenTokenModel
 from mmgen.image_ar.quality import ImageQualityProxies
-from mmgen.metrics import token_nll
+from mmgen.quality import token_nll
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_bench_harness_reports_speed_and_quality(tmp_path):
     from mmgen.cli import main
 
     path = tmp_path / "bench.json"
-    argv = ["bench", "--methods", "ar", "sjd-8", "--batch-sizes", "2", "--repeats", "1", "--warmup", "0",
+    argv = ["bench", "image", "--methods", "ar", "sjd-8", "--batch-sizes", "2", "--repeats", "1", "--warmup", "0",
             "--quality-per-class", "1", "--json", str(path), "--markdown", str(tmp_path / "bench.md")]
     assert main(argv) == 0
     report = json.loads(path.read_text())
@@ -90,7 +90,7 @@ def test_random_weight_timing_mode(tmp_path):
     from mmgen.cli import main
 
     path = tmp_path / "cost.json"
-    assert main(["bench", "--random-weights", "GPT-B", "--windows", "1", "4", "--batch-sizes", "1", "--repeats", "1",
+    assert main(["bench", "image", "--random-weights", "GPT-B", "--windows", "1", "4", "--batch-sizes", "1", "--repeats", "1",
                  "--warmup", "0", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["forward_cost"]
     assert [r["window"] for r in rows] == [1, 4] and rows[0]["cost_vs_ar_step"] == 1.0

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.bench_mar import mar_diffusion_loss
+from mmgen.image_ar.bench.mar import mar_diffusion_loss
 from mmgen.decoding import ContinuousAcceptance, ContinuousSpeculative, MaskedContinuous
 from mmgen.image_ar.bundled import load_eval_set
 from mmgen.loading import resolve_model
@@ -80,7 +80,7 @@ def test_mar_bench_reports_speed_and_quality(tmp_path):
     from mmgen.cli import main
 
     path = tmp_path / "bench.json"
-    argv = ["bench", "--models", "mar-emoji64", "--methods", "ar", "ar:num_steps=4", "cspd:num_draft=4",
+    argv = ["bench", "image", "--models", "mar-emoji64", "--methods", "ar", "ar:num_steps=4", "cspd:num_draft=4",
             "--batch-sizes", "2", "--repeats", "1", "--warmup", "0", "--quality-per-class", "1", "--quality-classes", "16",
             "--json", str(path)]
     assert main(argv) == 0

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from benchmarks.bench_var import var_token_nll
+from mmgen.image_ar.bench.var import var_token_nll
 from mmgen.decoding import CachedTokenPruning, Collaborative
 from mmgen.image_ar.bundled import load_eval_set
 from mmgen.loading import resolve_model
@@ -47,7 +47,7 @@ def test_var_bench_reports_speed_memory_and_quality(tmp_path):
     from mmgen.cli import main
 
     path = tmp_path / "bench.json"
-    argv = ["bench", "--models", "var-emoji64", "--methods", "ar", "code:draft_steps=4", "--prunings", "none", "5=0.5@0:",
+    argv = ["bench", "image", "--models", "var-emoji64", "--methods", "ar", "code:draft_steps=4", "--prunings", "none", "5=0.5@0:",
             "--batch-sizes", "2", "--repeats", "1", "--warmup", "0", "--quality-per-class", "1", "--json", str(path)]
     assert main(argv) == 0
     report = json.loads(path.read_text())

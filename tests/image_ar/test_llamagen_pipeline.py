@@ -56,7 +56,7 @@ def test_save_and_load_round_trip(pipe, tmp_path):
 
 
 def test_measured_window_cost_and_tokens_are_saved_and_reach_the_token_model(pipe, tmp_path):
-    """The adaptive window's measured curve and tokens per forward (`benchmarks/window_cost.py
+    """The adaptive window's measured curve and tokens per forward (`mmgen calibrate
     --write`) live in model_index.json's config and ride on every token model; a malformed one
     fails the load."""
     assert pipe.window_cost is None and pipe.token_model().window_cost is None and pipe.token_model().window_tokens is None

@@ -30,7 +30,7 @@ def test_the_pair_is_stored_in_float16_loads_in_float32_and_shares_its_component
     assert small.transformer.config.num_layers < big.transformer.config.num_layers
     card = (folders["emoji-motion"] / "MODEL_CARD.md").read_text()
     assert "emoji-motion-small" in card and "direction acc." in card
-    # The card's table is quality.json (measured by `benchmarks/train_video.py card`), and the
+    # The card's table is quality.json (measured by `training/train_video.py card`), and the
     # proxies are calibrated: real clips score far above shuffled frames' chance and the models.
     quality = json.loads((folders["emoji-motion"] / "quality.json").read_text())
     real = quality["real clips"]

@@ -1,4 +1,4 @@
-"""The video trainer (`benchmarks/train_video.py`): its teacher-forced forward is the cached block
+"""The video trainer (`training/train_video.py`): its teacher-forced forward is the cached block
 decode (float64), its prompt encoding is the pipeline's, and a killed and resumed run ends with the
 weights of one that never stopped (VAE, target with its text-encoder freeze, small); runs log
 held-out figures as they go (the VAE's PSNR, the proxies of a denoiser's clips) without changing
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.train_video import (MAX_TEXT, PromptEncoder, main, new_text_encoder, new_tokenizer, teacher_forcing_mask,
+from training.train_video import (MAX_TEXT, PromptEncoder, main, new_text_encoder, new_tokenizer, teacher_forcing_mask,
                                     teacher_forcing_velocity)
 from mmgen.video.model import PromptEmbeddings, WanBlockModel
 from tests.video.tiny import tiny_transformer, tiny_vae
@@ -149,7 +149,7 @@ def test_resumed_vae_training_equals_an_uninterrupted_run(tmp_path):
 def test_foreground_mask_covers_the_sprites_and_not_the_background():
     """`--foreground-weight`'s mask: 1 at every object's centroid in every frame, 0 on most of the
     plain background."""
-    from benchmarks.train_video import TRAIN_SEED, clips, corpus, foreground_mask
+    from training.train_video import TRAIN_SEED, clips, corpus, foreground_mask
 
     data = corpus(TRAIN_SEED, length=4)
     mask = foreground_mask(clips(data, torch.arange(4)))
@@ -162,7 +162,7 @@ def test_foreground_mask_covers_the_sprites_and_not_the_background():
 
 
 def test_gradient_difference_is_zero_for_equal_videos_and_penalises_blur():
-    from benchmarks.train_video import gradient_difference
+    from training.train_video import gradient_difference
 
     video = torch.rand(1, 3, 2, 8, 8, generator=torch.Generator().manual_seed(0))
     blurred = torch.nn.functional.avg_pool3d(video, (1, 3, 3), stride=1, padding=(0, 1, 1), count_include_pad=False)
@@ -177,7 +177,7 @@ def test_an_adversarial_branch_lifts_a_plain_run_and_resumes_exactly(tmp_path):
     weights with a fresh critic beside it, the GAN term starts at `--adversarial-from`, a killed
     and resumed branch (bf16 autocast on the CPU) ends as one that never stopped, and the finished
     VAE loads without the critic."""
-    from benchmarks.train_video import load_vae_checkpoint
+    from training.train_video import load_vae_checkpoint
 
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
               "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1",
@@ -205,7 +205,7 @@ def test_a_decoder_trained_behind_a_frozen_encoder_keeps_its_latents(tmp_path):
     """`--encoder-from RUN --decoder-base-dim N`: a wider decoder trains alone behind RUN's
     finished encoder, so every latent (and the latents' statistics) is RUN's; it resumes exactly,
     and `latents` of the new run are byte-identical to RUN's."""
-    from benchmarks.train_video import TRAIN_SEED, clips, corpus, latent_foreground, load_vae_run
+    from training.train_video import TRAIN_SEED, clips, corpus, latent_foreground, load_vae_run
 
     common = ["vae", "--batch-size", "1", "--frames", "5", "--crop", "16", "--full-steps", "0", "--warmup", "1",
               "--log-every", "1", "--threads", "1", "--stats-clips", "2", "--eval-clips", "1", "--foreground-weight", "4"]
@@ -245,7 +245,7 @@ def test_a_decoder_trained_behind_a_frozen_encoder_keeps_its_latents(tmp_path):
 def test_the_adversarial_terms_train_each_side_against_the_other():
     """The generator's term moves the reconstruction and not the critic; the critic's hinge term
     moves the critic and not the reconstruction; the balance is VQGAN's gradient-norm ratio."""
-    from benchmarks.train_video import PatchCritic, adaptive_weight
+    from training.train_video import PatchCritic, adaptive_weight
 
     torch.manual_seed(0)
     critic, last = PatchCritic(), torch.randn(3, 3, requires_grad=True)
@@ -297,7 +297,7 @@ def test_the_model_card_states_the_vae_recipe_and_limits_from_the_figures(encode
     frozen encoder gets a row for each), and its limits quote the figures, per sprite."""
     from types import SimpleNamespace
 
-    from benchmarks.train_video import model_card
+    from training.train_video import model_card
 
     card = model_card(card_facts(encoder_from), SimpleNamespace(training_note="", commands="python -m ..."))
     assert ("| vae encoder | AutoencoderKLWan's encoder, base 16" in card) == encoder_from
@@ -313,7 +313,7 @@ def test_the_model_card_states_the_vae_recipe_and_limits_from_the_figures(encode
 def test_a_new_run_starts_from_shipped_weights(tmp_path):
     """`--init-from` starts a run from a pipeline folder as it ships (what survives a machine
     that lost its run folders): at learning rate 0 the run's weights stay exactly those."""
-    from benchmarks.train_video import load_transformer_run
+    from training.train_video import load_transformer_run
 
     path = tmp_path / "latents.npz"
     fake_latents(path, channels=4)
@@ -346,7 +346,7 @@ def test_a_target_of_another_shape_trains_on_a_frozen_text_encoder(tmp_path):
     beside the shipped small model, reading the text encoder that model was trained on, frozen
     (saved unchanged to <out>/text_encoder); a text encoder given with --text-steps other than 0
     is refused, and so is a shape with --init-from (the shipped transformer's is taken)."""
-    from benchmarks.train_video import PRESETS, load_text_encoder, load_transformer_run
+    from training.train_video import PRESETS, load_text_encoder, load_transformer_run
 
     path = tmp_path / "latents.npz"
     fake_latents(path, channels=4)
@@ -370,7 +370,7 @@ def test_teacher_forced_sampling_from_the_pipelines_own_past_is_its_decode():
     noise draws is the pipeline's guided Euler decode, every block: so `diagnose`'s rows with a
     real past differ from a free rollout only in that past (and its first frame, which has none,
     is the rollout's)."""
-    from benchmarks.train_video import teacher_forced_sample
+    from training.train_video import teacher_forced_sample
     from mmgen.decoding import FlowSchedule
     from tests.video.tiny import tiny_video_pipeline
 
@@ -422,7 +422,7 @@ def test_diagnose_scores_each_row_of_a_saved_pipeline(tmp_path):
     assert all(0 <= r["class_accuracy"] <= 1 for r in rows)
     assert "direction_accuracy" in rows[0] and "direction_accuracy" not in rows[-1]
     # Its VAE row is the round trip `vae-quality` scores, on the same clips.
-    from benchmarks.train_video import eval_prompts, scorer, through_vae
+    from training.train_video import eval_prompts, scorer, through_vae
 
     reference = scorer(4)(through_vae(pipe.vae, 2), eval_prompts(2))
     for key in ("class_accuracy", "direction_accuracy", "fid_proxy"):
@@ -439,7 +439,7 @@ def test_the_sprites_latent_positions_and_the_weighted_flow_loss(tmp_path):
     4-frame chunk, and a minority of the cells. `--foreground-weight`: a weighted mean of the
     squared errors, which equals the plain loss where the weight is uniform (all or no cells
     under a sprite) and not otherwise; files without the positions are refused for it."""
-    from benchmarks.train_video import TRAIN_SEED, Latents, clips, corpus, flow_loss, latent_foreground, new_transformer
+    from training.train_video import TRAIN_SEED, Latents, clips, corpus, flow_loss, latent_foreground, new_transformer
 
     data = corpus(TRAIN_SEED, length=4)
     cells = latent_foreground(clips(data, torch.arange(4)), 4)

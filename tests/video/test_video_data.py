@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.data.emoji import FONT
+from training.data.emoji import FONT
 
 # The clips are drawn with Debian's emoji font: a test requirement like espeak-ng (.ci/run
 # installs it), so its absence fails here with the remedy instead of skipping.

@@ -1,5 +1,5 @@
 """The bundled `emoji-vlm` / `emoji-vlm-draft` pair (package data, trained by
-`benchmarks/train_vlm.py`): it loads through `VLMPipeline.from_pretrained`, its greedy answers
+`training/train_vlm.py`): it loads through `VLMPipeline.from_pretrained`, its greedy answers
 on the first held-out call reproduce the model card's figures for it, drafting with the drafter
 is token-identical to autoregressive decoding, and the two share one tokenizer and processor."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import mmgen.vlm
-from benchmarks.data.emoji_vlm import KINDS
-from benchmarks.train_vlm import EVAL_BATCH, answer_all, load_eval, scores
+from training.data.emoji_vlm import KINDS
+from training.train_vlm import EVAL_BATCH, answer_all, load_eval, scores
 from mmgen import registry
 from mmgen.decoding import AdaptiveWindow, make_decoder
 from mmgen.vlm.pipeline import VLMPipeline
@@ -54,7 +54,7 @@ def test_the_pair_loads_and_shares_one_tokenizer_and_processor(pair):
 
 
 def test_the_target_carries_its_measured_window_cost_and_tokens(pair):
-    """`benchmarks/window_cost.py --write` measured the target's forward cost by window width on
+    """`mmgen calibrate` measured the target's forward cost by window width on
     the project's box and the tokens its fixed windows finalise per forward; its token models
     carry both. Its short greedy answers accept next to no Jacobi draft, so with them the
     adaptive window starts with AR steps at either thread count."""

@@ -1,4 +1,4 @@
-"""The VLM trainer (`benchmarks/train_vlm.py`) resumes exactly: killed at a checkpoint and
+"""The VLM trainer (`training/train_vlm.py`) resumes exactly: killed at a checkpoint and
 restarted, it ends with the weights of a run that never stopped (held-out evaluation during the
 run changes nothing, and the best step's weights are kept); it warm-starts from a saved model
 folder; and its batches put the loss on the answer and end tokens only, after the prompt exactly
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.data.emoji_vlm import KINDS, QUESTIONS, answers
-from benchmarks.train_vlm import QAData, load_pipeline_weights, load_processor, main, new_model
+from training.data.emoji_vlm import KINDS, QUESTIONS, answers
+from training.train_vlm import QAData, load_pipeline_weights, load_processor, main, new_model
 
 
 def synthetic_set(path, n=24):
@@ -86,7 +86,7 @@ def test_resumed_vlm_training_equals_an_uninterrupted_run(tmp_path):
 def test_colour_questions_on_recoloured_copies_are_answered_from_their_pixels(tmp_path):
     """`--colour-augment`: a colour question may ask about a channel-permuted, mirrored copy; its
     answer is the same pixel rule applied to the copy, and every other kind keeps the image."""
-    from benchmarks.data.emoji_vlm import dominant_colours
+    from training.data.emoji_vlm import dominant_colours
 
     data = tmp_path / "set.npz"
     synthetic_set(data)
@@ -125,7 +125,7 @@ def test_colour_questions_on_recoloured_copies_are_answered_from_their_pixels(tm
 
 def test_a_reader_of_one_pixel_patches_gives_the_colour_answer():
     """`patch_mean_colours` at patch 1 is the answer's own rule; at a coarser patch it reads means."""
-    from benchmarks.data.emoji_vlm import dominant_colours, patch_mean_colours
+    from training.data.emoji_vlm import dominant_colours, patch_mean_colours
 
     rng = np.random.default_rng(1)
     images = rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8)
@@ -140,8 +140,8 @@ def test_the_colour_head_trains_alongside_resumes_exactly_and_is_dropped_at_expo
     """`--colour-aux`: every look's colour answer is the pixel rule on that look, its pixels are
     the processor's; the run with the head resumes exactly, and the exported model is the VLM
     alone (its weights those the run trained)."""
-    from benchmarks.data.emoji_vlm import PALETTE, dominant_colours
-    from benchmarks.train_vlm import LOOKS, ColourLooks, look, trained_vlm
+    from training.data.emoji_vlm import PALETTE, dominant_colours
+    from training.train_vlm import LOOKS, ColourLooks, look, trained_vlm
 
     data = tmp_path / "set.npz"
     synthetic_set(data)
@@ -198,7 +198,7 @@ def test_a_partial_warm_start_takes_the_tensors_that_fit_a_deeper_or_wider_model
               "--warmup", "1", "--threads", "1", "--steps", "1", "--eval-every", "0", "--text-layers", "2",
               "--init", str(tmp_path / "saved"), "--init-partial"]
     main([*common, "--out", str(tmp_path / "deeper")])
-    from benchmarks.train_vlm import trained_vlm
+    from training.train_vlm import trained_vlm
 
     assert trained_vlm("draft", tok, str(tmp_path / "deeper")).config.text_config.num_hidden_layers == 2
 
@@ -209,7 +209,7 @@ def test_an_export_keeps_its_training_record_so_the_card_outlives_the_run(tmp_pa
     (weights as they are, the record carried over), so a card can be rewritten after runs/ is gone."""
     from safetensors.torch import load_file
 
-    from benchmarks.train_vlm import TRAINING_RECORD, training_record, trained_vlm
+    from training.train_vlm import TRAINING_RECORD, training_record, trained_vlm
 
     data = tmp_path / "set.npz"
     synthetic_set(data)
@@ -240,7 +240,7 @@ def test_an_export_keeps_its_training_record_so_the_card_outlives_the_run(tmp_pa
 def test_the_image_side_learns_at_its_own_rate_and_resumes_exactly(tmp_path):
     """`--tower-lr-scale S`: the vision tower, projector and colour head step at S times the
     schedule's rate, the language model at the rate itself, and the run resumes exactly."""
-    from benchmarks.train_vlm import WithColourHead, image_side_groups
+    from training.train_vlm import WithColourHead, image_side_groups
 
     data = tmp_path / "set.npz"
     synthetic_set(data)

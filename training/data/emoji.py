@@ -11,7 +11,7 @@ its class is its subgroup ("face-smiling", "animal-mammal", ...). Subgroups with
 `eval_every`-th image (in file order) is held out for evaluation.
 
     apt-get install fonts-noto-color-emoji unicode-data
-    python -m benchmarks.data.emoji --out data/emoji64.npz
+    python -m training.data.emoji --out data/emoji64.npz
 """
 
 from __future__ import annotations

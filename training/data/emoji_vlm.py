@@ -1,4 +1,4 @@
-"""Questions and answers about the emoji images (`benchmarks/data/emoji.py`) for the bundled VLM.
+"""Questions and answers about the emoji images (`training/data/emoji.py`) for the bundled VLM.
 
 Every answer needs the image and comes from data this project owns: the emoji's Unicode name
 (`emoji-test.txt`), its subgroup (the image set's class, hyphens read as spaces), its dominant
@@ -102,7 +102,7 @@ def answers(names: Iterable[str], subgroups: Iterable[str], colours: Iterable[st
 
 
 def image_answers(data: dict) -> list[dict[str, str]]:
-    """Answers for every image of a `benchmarks.data.emoji.build()` result (or its npz)."""
+    """Answers for every image of a `training.data.emoji.build()` result (or its npz)."""
     subgroups = [str(data["class_names"][label]) for label in data["labels"]]
     return answers([str(n) for n in data["names"]], subgroups, dominant_colours(data["images"]))
 

@@ -1,7 +1,7 @@
 """Synthetic English speech for the bundled text-to-speech pair: espeak-ng audio and phonemes.
 
 Every text is one the project makes itself, so the set needs nothing but Debian packages:
-  emoji names   from `emoji-test.txt` (Debian `unicode-data`, via `benchmarks/data/emoji.py`),
+  emoji names   from `emoji-test.txt` (Debian `unicode-data`, via `training/data/emoji.py`),
                 lower-cased, hyphens and punctuation read as spaces, skin-tone variants dropped
   numbers       0..100 and a fixed hash-chosen subset of 101..9999, spelled out in British style
                 ("three hundred and twelve")
@@ -34,8 +34,8 @@ make a small text-to-speech model learn to read (issue 30). Texts and held-out s
 same, so its held-out utterances say the same texts.
 
     apt-get install espeak-ng unicode-data
-    python -m benchmarks.data.speech --out data/speech16k.npz [--limit N]
-    python -m benchmarks.data.speech --out data/speech16k-en-us.npz --one-voice
+    python -m training.data.speech --out data/speech16k.npz [--limit N]
+    python -m training.data.speech --out data/speech16k-en-us.npz --one-voice
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def hash_order(texts: Iterable[str], salt: str) -> list[str]:
 
 def emoji_texts() -> list[str]:
     """Distinct emoji names that read as plain words (no digits, symbols, accents or skin tones)."""
-    from benchmarks.data.emoji import parse_emoji_test
+    from training.data.emoji import parse_emoji_test
 
     names = (re.sub(r"[\s:,.\-]+", " ", name.lower()).strip() for _, name, _, _ in parse_emoji_test() if "skin tone" not in name)
     return sorted({n for n in names if re.fullmatch(r"[a-z ]+", n)})
