@@ -123,6 +123,22 @@ def video() -> str:
     return markdown(header, rows) + "\n\n" + data["what"] + ". " + provenance(data)
 
 
+def video_stream() -> str:
+    data = load("video_stream_emoji-motion_cpu")
+    shows = lambda blocks: ", ".join("–" if b is None else str(b) for b in blocks)
+    rows = [[r["model"], r["method"], f"{r['first_block_s']:.2f}", f"{r['steady_fps']:.1f}",
+             f"{r['rss_first_mib']:.0f} → {r['rss_last_mib']:.0f} (max {r['rss_max_mib']:.0f})",
+             f"{r['class_accuracy_first_prompt']:.0%}", shows(r["blocks_until_switch_shows"])] for r in data["speed"]]
+    header = ["model", "method", "first block s", "frames per s", "resident MiB, first → last", "8-way class acc., 1st prompt",
+              "blocks until each switch shows"]
+    seconds, switches = data["args"]["stream"], data["args"]["switches"]
+    what = (f"{seconds:.0f}-second streams with {switches} prompt switches at even intervals; \"cache=global\" is the "
+            "model's default stream policy; a switch shows at the first block whose cut-outs the emoji classifier, "
+            "its reading restricted to the data's eight sprites, reads as the new sprite at least half the time "
+            "(–: not within the stream)")
+    return markdown(header, rows) + "\n\n" + what + ". " + provenance(data)
+
+
 def gpu() -> str:
     data = load("gpu_step_latency_h200")
     rows = [[r["model"], r["parameters"], num(r["floor_ms"]), num(r["ar_step_ms"], 1), times(r["ar_over_floor"]),
@@ -134,7 +150,7 @@ def gpu() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "image-emoji64": image_tokens, "image-var": image_var, "image-mar": image_mar,
-    "vlm": vlm, "speech": speech, "video": video, "gpu": gpu,
+    "vlm": vlm, "speech": speech, "video": video, "video-stream": video_stream, "gpu": gpu,
 }
 
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mmgen.cli import build_parser, main
 
 ROOT = Path(__file__).parents[1]
@@ -72,3 +74,16 @@ def test_video_bench_crosses_methods_and_cache_policies(tmp_path):
     # Nine frames are one block: no policy has anything to evict, so both make the same video.
     assert by["block cache=sink:1,window:1"]["identical_to_block cache=global"] == 1.0
     assert all(row["units"] == 9 and row["units_per_forward"] > 0 for row in rows)
+
+
+def test_video_bench_streams_with_switches(tmp_path):
+    path = tmp_path / "stream.json"
+    assert main(["bench", "video", "--stream", "3", "--switches", "1", "--methods", "block", "--cache-policies", "global",
+                 "--threads", "1", "--no-progress", "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["speed"]
+    assert row["method"] == "block cache=global" and row["blocks"] >= 2 and row["first_block_s"] > 0
+    assert row["steady_fps"] > 0 and row["rss_max_mib"] >= row["rss_first_mib"] > 0
+    assert 0 <= row["class_accuracy_first_prompt"] <= 1 and len(row["blocks_until_switch_shows"]) == 1
+    with pytest.raises(SystemExit):
+        main(["bench", "video", "--stream", "x"])
+    assert main(["bench", "video", "--stream", "-1"]) == 2

@@ -12,6 +12,15 @@ frame (VAE decoding of each block included on every side), the speedup against t
 (paired per caption), and how many videos equal the baseline's latents (all of them for the
 baseline's own settings; a cache policy or collaborative decoding changes them by design:
 judge those with the quality proxies of the model card).
+
+`--stream SECONDS` measures live streams instead (`pipe.stream`): each method x rolling cache
+policy streams for that long from the first caption, switching to the next caption
+`--switches` times at even intervals, and reports the first block's latency, the steady frames
+per second after it, resident memory at the first block, the last and its peak, the class
+accuracy of the blocks before the first switch (the judge's own check), and per switch the
+blocks until the new caption shows (the first block whose cut-outs the bundled emoji
+classifier, its reading restricted to the data's eight sprites, reads as the new sprite at
+least half the time; None: not within the run).
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ def register(groups: dict) -> None:
     bench.add_argument("--cache-policies", nargs="+", default=["global"],
                        help="KV cache policies crossed with --methods: global, window:N, sink:S,window:N, none")
     bench.add_argument("--num-frames", type=int, default=None, help="video frames (default: the model's)")
+    bench.add_argument("--stream", type=float, default=0.0, metavar="SECONDS",
+                       help="measure live streams of this length instead (rolling cache policies only; 'global' "
+                            "means the model's default stream policy)")
+    bench.add_argument("--switches", type=int, default=3, help="with --stream: prompt changes per stream")
     bench.set_defaults(run=run_bench)
 
 
@@ -60,8 +73,67 @@ def rows(pipe: Any, args: argparse.Namespace, progress: Optional[tqdm] = None) -
     return compare_methods(captions(args.inputs), methods, args.repeats, args.warmup, progress)
 
 
+def resident_mib() -> float:
+    """This process's resident memory (Linux /proc; 0.0 where there is none)."""
+    try:
+        line = next(l for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return 0.0
+    return int(line.split()[1]) / 1024
+
+
+def stream_rows(pipe: Any, args: argparse.Namespace, progress: Optional[tqdm] = None) -> list[dict]:
+    """One row per method x cache policy: a live stream of `args.stream` seconds (module docstring)."""
+    from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
+    from mmgen.image_ar.quality import ImageQualityProxies
+    from mmgen.video.quality import VideoQualityProxies
+
+    from mmgen.video.data import DEFAULT_SPRITES, sprite_class
+
+    judge = VideoQualityProxies(ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER))
+    sprites = [sprite_class(name) for name in DEFAULT_SPRITES]  # read among the data's eight sprites
+    texts = captions(args.switches + 1)
+    switch_at = [args.stream * (k + 1) / (args.switches + 1) for k in range(args.switches)]
+    rows = []
+    for spec in args.methods:
+        for policy in args.cache_policies:
+            begun = time.perf_counter()
+            stream = pipe.stream(texts[0], decoding=spec, cache_policy=None if policy == "global" else policy,
+                                 generator=torch.Generator().manual_seed(0))
+            shown, switched, rss, frames, first_s, current, before = [], [], [], 0, None, 0, []
+            with stream:
+                for block in stream:
+                    now = time.perf_counter() - begun
+                    frames += block.frames.shape[1] if first_s is not None else 0
+                    first_s = now if first_s is None else first_s
+                    rss.append(resident_mib())
+                    accuracy = judge.class_accuracy(block.frames.cpu().numpy(), [texts[current]], among=sprites)
+                    if not switched:
+                        before.append(accuracy)
+                    if switched and shown[-1] is None and accuracy >= 0.5:
+                        shown[-1] = block.index - switched[-1]
+                    if progress is not None:
+                        progress.update(1)
+                    if now >= args.stream:
+                        break
+                    if current < args.switches and now >= switch_at[current]:
+                        current += 1
+                        stream.set_prompt(texts[current])
+                        switched.append(block.index + 1)
+                        shown.append(None)
+                seconds = time.perf_counter() - begun
+            rows.append({"method": f"{spec} cache={policy}", "seconds": round(seconds, 1), "blocks": len(rss),
+                         "first_block_s": first_s, "steady_fps": frames / max(seconds - first_s, 1e-9),
+                         "rss_first_mib": rss[0], "rss_last_mib": rss[-1], "rss_max_mib": max(rss),
+                         "class_accuracy_first_prompt": sum(before) / len(before), "blocks_until_switch_shows": shown})
+    return rows
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.num_frames is not None and args.num_frames < 1:
         raise ValueError(f"--num-frames must be at least 1, got {args.num_frames}")
-    print(run_methods(args, lambda pipe, name, progress: rows(pipe, args, progress)))
+    if args.stream < 0 or args.switches < 0:
+        raise ValueError("--stream and --switches must be >= 0")
+    rows_of = stream_rows if args.stream else rows
+    print(run_methods(args, lambda pipe, name, progress: rows_of(pipe, args, progress)))
     return 0
