@@ -26,7 +26,7 @@ def register(commands, groups) -> None:
     image = groups["demo"].add_parser("image", help="class-conditional image generation with every decoding method")
     image.add_argument("--model", action="append", default=None, metavar="NAME_OR_FOLDER",
                        help="a bundled model name or a pipeline folder (repeatable; default: every bundled model). "
-                            "Names ending in -draft/-small are companions (drafters, refiners) of the model they extend")
+                            "Names ending in -draft/-small are companions (drafters, small models) of the model they extend")
     image.add_argument("--max-images", type=bounded_int(1, MAX_IMAGES, "--max-images"), default=4,
                        help=f"images per request, at most (default 4, up to {MAX_IMAGES})")
     _continuous_batch(image, "the images of requests that overlap in time (same model, a method that batches continuously: "

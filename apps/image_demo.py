@@ -125,7 +125,7 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
     with gr.Blocks(title="mmgen image demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
         gr.Markdown("## mmgen: fast autoregressive image generation\nPick a model, a class and a decoding method; "
                     "*compare* runs plain autoregressive decoding on the same seed beside it. "
-                    f"Companion models (drafters, refiners): {companions}.")
+                    f"Companion models (drafters, small models): {companions}.")
         with gr.Row():
             with gr.Column(scale=1, min_width=300):
                 model = gr.Dropdown(list(catalog.main), value=first, label="Model", elem_id="model")
@@ -161,7 +161,7 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
                                     x_title="forward", y_title="tokens accepted", height=240, elem_id="chart")
                 # Next-scale (VAR) runs: one bar per step, labelled with the model that ran it
                 # ("3 · var-emoji64"). Not a colour per model: Gradio 6 drops the colour of a
-                # plot whose first data had none, and the series a later update adds (CoDe's refiner).
+                # plot whose first data had none, and the series a later update adds (CoDe's small model).
                 steps_chart = gr.BarPlot(None, x="step", y="tokens", label="Tokens per step (scale)",
                                          x_title="step (scale) · model", y_title="tokens per image", height=280,
                                          x_label_angle=-30, visible=False, elem_id="steps-chart")

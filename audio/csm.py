@@ -166,6 +166,11 @@ class CsmTokenModel:
             out[:, :m, 1:] = depth.logits.float().view(B, m, K - 1, V)
         return Logits(out)
 
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        """The backbone's blocks, for layer-skip drafting (`mmgen.decoding.layer_skip`); the
+        depth decoder always runs whole."""
+        return self.model.backbone_model.layers
+
 
 class _Run:
     """Per-decode state: position `offset` [B, 1] of generated slots (left padding), and the

@@ -34,7 +34,7 @@ from mmgen.batch_invariant import rowwise
 from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding import Stopping
 from mmgen.decoding.window import model_window_cost, model_window_tokens
-from mmgen.modeling import DecodeState
+from mmgen.modeling import DecodeState, place_hidden
 from mmgen.sampling import Logits
 
 NEVER = 1 << 40  # "no EOS yet" as a frame index
@@ -74,6 +74,7 @@ class DiaTokenModel:
         dec = model.config.decoder_config
         self.num_codebooks = dec.num_channels
         self.vocab_size = dec.vocab_size
+        self.hidden_size = dec.hidden_size
         self.eos, self.pad, self.bos = dec.eos_token_id, dec.pad_token_id, dec.bos_token_id
         self.delay = torch.tensor(list(model.config.delay_pattern), dtype=torch.long)
         self.compact_ratio = compact_ratio
@@ -119,6 +120,7 @@ class DiaTokenModel:
         hidden = self._decode(state, template[:, :valid], prompt_mask, positions)
         state.cache = SlotKVCache(kv.self_attention_cache, prompt_mask, prompt_length=valid, compact_ratio=self.compact_ratio)
         state.first_logits = self._logits(state, hidden[:, -1:], template[:, valid - 1: valid], first=True)
+        state.hidden = hidden[:, -1:]
         return state
 
     @torch.no_grad()
@@ -126,7 +128,18 @@ class DiaTokenModel:
         mask, positions = state.cache.open(tokens.shape[1])
         hidden = self._decode(state, tokens, mask, positions + state.extra.offset[:, None])
         state.extra.fed = tokens
+        state.hidden = hidden
         return self._logits(state, hidden, tokens)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.model.decoder.embeddings(tokens)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        R, n = hidden.shape[:2]
+        return self.model.logits_dense(hidden).view(R, n, self.num_codebooks, self.vocab_size).float()
+
+    def hidden_logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor) -> Logits:
+        return self._logits(state, hidden, fed)
 
     @torch.no_grad()
     def restart_rows(self, state: DecodeState, rows: list[int], conditions: list[DiaConditions]) -> list[Logits]:
@@ -179,6 +192,7 @@ class DiaTokenModel:
         # live prompt region's.
         run.offset[rows] = fresh.cache.prompt_length - state.cache.prompt_length
         self._place_encoder(run, solo, rows, theirs)
+        place_hidden(state, rows, fresh.hidden[theirs])
         run.template[row], run.budget_end[row], run.history[row] = solo.template[k], solo.budget_end[k], self.pad
         self._set_generated(run, run.generated.index_fill(0, torch.tensor([row], device=run.generated.device), 0))
         return fresh.first_logits[k:k + 1]
@@ -253,7 +267,8 @@ class DiaTokenModel:
         return out.last_hidden_state
 
     def _logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor, first: bool = False) -> Logits:
-        """Dia's processed logits [B, n, C, V] for the frames after each fed frame."""
+        """Dia's processed logits [B, n, C, V] for the frames after each of the last n fed frames
+        (`fed` [B, m, C], m >= n: `hidden` holds the last n positions)."""
         run: _Run = state.extra
         B, n, C, V = state.batch_size, hidden.shape[1], self.num_codebooks, self.vocab_size
         logits = self.model.logits_dense(hidden).view(-1, n, C, V).float()
@@ -276,16 +291,17 @@ class DiaTokenModel:
         cond[:, :, 0] = torch.where(eos_top[..., None], cond[:, :, 0].masked_fill(torch.arange(V, device=cond.device) != self.eos, neg),
                                     cond[:, :, 0].masked_fill(torch.arange(V, device=cond.device) == self.eos, neg))
         # Frame history of each predicted frame: the committed frames, then the fed ones before it.
-        steps = torch.arange(n, device=cond.device)
         if first:
             index = torch.zeros(B, 1, dtype=torch.long, device=cond.device)
             first_eos, closed = run.first_eos[:, None], run.closed[:, None]
         else:
-            index = run.generated[:, None] + steps + 1  # generated index of each predicted frame
+            m = fed.shape[1]
+            steps = torch.arange(m, device=cond.device)
             fed_eos = fed == self.eos
-            seen = torch.where(fed_eos[..., 0], run.generated[:, None] + steps, NEVER).cummin(1).values
+            seen = torch.where(fed_eos[..., 0], run.generated[:, None] + steps, NEVER).cummin(1).values[:, m - n:]
+            closed = (run.closed[:, None] | fed_eos.long().cummax(1).values.bool())[:, m - n:]
+            index = run.generated[:, None] + steps[m - n:] + 1  # generated index of each predicted frame
             first_eos = torch.minimum(run.first_eos[:, None], seen)
-            closed = run.closed[:, None] | fed_eos.long().cummax(1).values.bool()
         end = torch.minimum(torch.minimum(first_eos, torch.where(eos_top, index, NEVER)), run.budget_end[:, None])
         forced = torch.full((B, n, C), -1, dtype=torch.long, device=cond.device)
         forced = torch.where(index[..., None] == end[..., None] + run.delay, self.eos, forced)
@@ -297,6 +313,11 @@ class DiaTokenModel:
             forced = torch.where((index < T)[..., None] & (known != self.pad), known, forced)
         one_hot = torch.full_like(cond, neg).scatter(-1, forced.clamp_min(0)[..., None], 0.0)
         return Logits(torch.where((forced >= 0)[..., None], one_hot, cond))
+
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        """The decoder's blocks, for layer-skip drafting (`mmgen.decoding.layer_skip`); the
+        encoder and the cross-attention caches are left as they are."""
+        return self.model.model.decoder.layers
 
 
 def _right_padded(conditions: list[DiaConditions]) -> DiaConditions:

@@ -17,7 +17,9 @@ still leaves what it measured), section by section:
 - rule cost (`benchmarks.rule_cost`): each acceptance rule beside a GPT-B verify forward;
 - decoders: SJD, GSD and LANTERN against AR, whole decodes of random LlamaGen GPT-XL at batch 1
   and 8 (wall clock, forwards, step compression);
-- continuous batching: images per second against static batches at batch 8 and 32.
+- continuous batching: images per second against static batches at batch 8 and 32;
+- proposers: a round of drafting by draft heads and by layer skipping beside the verify forward
+  it feeds and an AR step (random GPT-XL and heads: costs, not acceptance).
 
 Goals (docs/benchmarks.md, "GPU check"): AR step <= 1.3x the floor, 16-token verify <= 1.2x an
 AR step, every rule <= 10% of a verify forward, SJD wall-clock speedup >= 0.85x its step
@@ -355,6 +357,57 @@ def decoders(ctx: Context, result: dict) -> None:
                                    "speedup_over_compression": base / seconds / compression})
 
 
+def proposers(ctx: Context, result: dict) -> None:
+    """Speculation without a second model at real sizes: one round's drafting (3 drafts) by
+    draft heads and by layer-skip self-drafting, beside the 4-token verify forward it feeds and
+    an AR step, on random LlamaGen GPT-XL with random heads at batch 1 and 8 (medians). Random
+    weights accept nothing worth reporting, so only costs are measured: a round pays when
+    (1 + accepted drafts) AR steps cost more than drafting plus verifying."""
+    import statistics
+    import time as clock
+
+    import torch
+
+    from benchmarks.step_latency import _sync
+    from mmgen.decoding import DraftHeads, DraftHeadsConfig, HeadsSpeculative, LayerSkipSpeculative
+    from mmgen.decoding.proposer import DecodeRun
+    from mmgen.sampling import make_generator
+
+    model, sampling, tokens, classes = _random_llamagen(ctx)
+    heads = DraftHeads(DraftHeadsConfig(model.hidden_size)).to(ctx.device, ctx.dtype)
+    repeats, drafts = 3 if ctx.small else 10, 3
+    result.update(model="random LlamaGen " + ("tiny" if ctx.small else "GPT-XL"), drafts=drafts, repeats=repeats, rows=[])
+
+    def median_ms(work) -> float:
+        times = []
+        for _ in range(repeats + 1):  # the first warms up
+            _sync(ctx.device)
+            begun = clock.perf_counter()
+            work()
+            _sync(ctx.device)
+            times.append(clock.perf_counter() - begun)
+        return 1e3 * statistics.median(times[1:])
+
+    for batch in (1, 8):
+        labels = torch.arange(batch, device=ctx.device) % classes
+        for name, decoder in (("heads", HeadsSpeculative(heads=heads, num_draft=drafts)), ("skip", LayerSkipSpeculative(num_draft=drafts))):
+            run = DecodeRun.begin(model, labels, tokens, sampling, make_generator(0, ctx.device), drafts)
+            run.tokens[:, 0] = run.state.first_logits.cond[:, 0].argmax(-1)
+            proposer, _ = decoder.roles(model, tokens, run.generator)
+            proposer.start(run)
+            drafted, _ = proposer.propose(run)
+            window = torch.cat([run.newest(), drafted], 1)
+            # A forward writes the cache but commits nothing, and a round's drafting leaves the
+            # state as it found it, so each is timed again and again from the same state.
+            row = {"proposer": name, "batch": batch, "draft_ms": median_ms(lambda: proposer.propose(run)),
+                   "verify_ms": median_ms(lambda: model.forward(run.state, window)),
+                   "ar_ms": median_ms(lambda: model.forward(run.state, run.newest()))}
+            row["draft_over_ar"] = row["draft_ms"] / row["ar_ms"]
+            # Accepted drafts per round a round needs to beat AR: (1 + a) * ar = draft + verify.
+            row["break_even_accepted"] = (row["draft_ms"] + row["verify_ms"]) / row["ar_ms"] - 1
+            result["rows"].append(row)
+
+
 def continuous_batching(ctx: Context, result: dict) -> None:
     """Images per second, static batches against continuous batching (`benchmarks.continuous_batching`'s
     two modes), 2x the batch in requests; the first two requests checked against their decode alone."""
@@ -403,6 +456,7 @@ SECTIONS = [
     Section("rule_cost", "Acceptance rules beside a verify forward", rule_cost, 30, 10),
     Section("decoders", "SJD, GSD and LANTERN against AR", decoders, 40, 8),
     Section("continuous_batching", "Continuous batching", continuous_batching, 35, 8),
+    Section("proposers", "Draft heads and layer skipping: drafting beside verifying", proposers, 25, 6),
     Section("step:GPT-XL:compiled", "Step latency: LlamaGen GPT-XL, compiled (CUDA graphs)", step_section("GPT-XL", "compiled"),
             85, 0),
 ]
@@ -497,8 +551,10 @@ def run_isolated(section: Section, ctx: Context, seconds: float, argv: list[str]
 def run_all(sections: list[Section], ctx: Context, budget: float, isolate: bool, argv: list[str],
             on_record: Callable[[list[dict]], None] = lambda records: None) -> list[dict]:
     """Every section in turn within its box, cut at the run's deadline; the last one gets all
-    the others left (the compiled steps: compilation takes what it takes). The boxes of a GPU
-    run add up to the budget; --small's are generous caps on sections that take seconds."""
+    the others left (the compiled steps: compilation takes what it takes). A GPU run's boxes
+    add up to more than the budget, so the last gets what sections that ended early left
+    (`--sections step:GPT-XL:compiled` gives it the whole budget); --small's are generous caps on
+    sections that take seconds."""
     deadline = time.perf_counter() + budget
     boxes = [s.small if ctx.small else s.seconds for s in sections]
     records: list[dict] = []
@@ -602,6 +658,13 @@ def section_markdown(record: dict) -> list[str]:
                                          ("speedup vs AR", "speedup_vs_ar", ".2f"), ("forwards", "forwards", ".0f"),
                                          ("step compression", "step_compression", ".2f"),
                                          ("speedup / compression", "speedup_over_compression", ".2f")]) + [""]
+    elif name == "proposers" and result.get("rows"):
+        lines += [f"{result['model']}, {result['drafts']} drafts a round, medians of {result['repeats']}; random weights: "
+                  "costs only (break-even: the accepted drafts per round at which a round costs what its tokens cost by AR).", ""]
+        lines += _table(result["rows"], [("proposer", "proposer", ""), ("batch", "batch", ""), ("drafting ms", "draft_ms", ".3f"),
+                                         (f"{result['drafts'] + 1}-token verify ms", "verify_ms", ".3f"), ("AR ms", "ar_ms", ".3f"),
+                                         ("drafting / AR", "draft_over_ar", ".2f"),
+                                         ("break-even accepted", "break_even_accepted", ".2f")]) + [""]
     elif name == "continuous_batching" and result.get("rows"):
         lines += [f"{result['model']}, {result['tokens']} tokens per image.", ""]
         lines += _table(result["rows"], [("method", "method", ""), ("batch", "batch", ""), ("requests", "requests", ""),

@@ -52,11 +52,13 @@ def provenance(data: dict) -> str:
     return f"Measured {date} on {machine}: `{env['command']}`."
 
 
-def bench_table(name: str, lossless: Callable[[str], bool], column: str = "row_step_compression") -> str:
+def bench_table(name: str, lossless: Callable[[str], bool], column: str = "row_step_compression",
+                label: Callable[[str], str] = str) -> str:
     """An `mmgen bench` image run at batch 1: forwards, seconds per image against `ar`, quality proxies.
 
     `column` names the figure of the forwards column: tokens per forward per row (from the
     quality set, over every class), the step compression, or the forwards themselves (VAR).
+    `label` shows a recorded method spec (under today's names: `scale_spec`).
     """
     data = load(name)
     quality = {(q["model"], q["method"], q.get("pruning")): q for q in data["quality"]}
@@ -66,7 +68,7 @@ def bench_table(name: str, lossless: Callable[[str], bool], column: str = "row_s
             continue
         q = quality.get((r["model"], r["method"], r.get("pruning")), {})
         figure = q.get(column, r.get(column))
-        rows.append([r["model"], f"`{r['method']}`", num(figure) if isinstance(figure, float) else str(figure),
+        rows.append([r["model"], f"`{label(r['method'])}`", num(figure) if isinstance(figure, float) else str(figure),
                      f"{r['seconds'] * 1000:.0f}", times(r.get("speedup_vs_ar", r.get("speedup"))),
                      "yes" if lossless(r["method"]) else "no", num(q.get("accuracy"), 3), num(q.get("fid_proxy"), 1)])
     label = {"forwards": "forwards", "step_compression": "step compression"}.get(column, "tokens per forward")
@@ -94,8 +96,20 @@ def image_tokens() -> str:
     return bench_table("decoding_family_emoji64", lambda method: method.split(":")[0] in exact)
 
 
+def scale_spec(method: str) -> str:
+    """A recorded next-scale method spec under today's names (the results keep what was run):
+    CoDe's `code:draft_steps=N` is `collaborative:large_steps=N`."""
+    from mmgen.decoding import RENAMED_SHORTCUTS, SCALE_DECODERS
+
+    name, colon, options = method.partition(":")
+    name = RENAMED_SHORTCUTS["scale"].get(name, name)
+    renamed = getattr(SCALE_DECODERS[name](), "renamed_options", {}) if name in SCALE_DECODERS else {}
+    items = (item.partition("=") for item in options.split(",")) if options else ()
+    return name + colon + ",".join(renamed.get(key, key) + eq + value for key, eq, value in items)
+
+
 def image_var() -> str:
-    return bench_table("var_emoji64", lambda method: method == "ar", column="forwards")
+    return bench_table("var_emoji64", lambda method: method == "ar", column="forwards", label=scale_spec)
 
 
 def image_mar() -> str:
@@ -148,9 +162,33 @@ def gpu() -> str:
     return markdown(header, rows) + "\n\n" + data["what"] + ". " + provenance(data)
 
 
+def self_drafting() -> str:
+    """`mmgen bench` runs of the speculation that needs no second model (`heads`, `skip`) beside
+    `ar` and the methods that do, one per bundled token model, batch 1, one thread."""
+    runs = {"self_drafting_emoji64_cpu": "token", "self_drafting_emoji-vlm_cpu": "token", "self_drafting_speech-tts_cpu": "frame"}
+    rows = []
+    for name, unit in runs.items():
+        data = load(name)
+        for r in data["speed"]:
+            if "units_per_forward" in r:  # the text and speech harness: paired ratios of interleaved runs
+                per_forward, per_unit, draft = r["units_per_forward"], r["ms_per_unit"], num(r["draft_forwards_per_unit"])
+            else:  # the image harness: a 64-token image per decode
+                per_forward, per_unit, draft = r["step_compression"], r["seconds"] * 1000 / 64, "–"
+            rows.append([r["model"], f"`{r['method']}`", unit, num(per_forward), draft, num(per_unit),
+                         times(r["speedup_vs_ar"])])
+    header = ["model", "method", "unit", "units per target forward", "draft steps per unit", "ms per unit", "vs `ar`"]
+    what = ("Batch 1, one thread, each model's default sampling (emoji64: CFG 2, temperature 1; emoji-vlm: greedy, "
+            "held-out sentence questions; speech-tts: CFG 3, top-k 32); every method is exact. The text and speech "
+            "harness interleaves the methods per input and reports paired ratios; the image harness times each "
+            "method's decodes in turn (its run set OMP_NUM_THREADS=1, since `mmgen bench image` has no --threads) and "
+            "counts no draft steps")
+    return markdown(header, rows) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "image-emoji64": image_tokens, "image-var": image_var, "image-mar": image_mar,
     "vlm": vlm, "speech": speech, "video": video, "video-stream": video_stream, "gpu": gpu,
+    "self-drafting": self_drafting,
 }
 
 

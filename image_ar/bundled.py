@@ -5,8 +5,8 @@
 same tokenizer, for draft-model speculation; `emoji64-classifier` scores samples for the
 quality proxies; `emoji64-eval.npz` holds the held-out real images. See
 `assets/emoji64/MODEL_CARD.md`. `var-emoji64` and `var-emoji64-small` are two VAR transformers
-of different depths on one multi-scale VQVAE (`training/train_var.py`; a large drafter and a
-small refiner for collaborative decoding); see `assets/var-emoji64/MODEL_CARD.md`.
+of different depths on one multi-scale VQVAE (`training/train_var.py`; the large model and its
+small model for collaborative decoding); see `assets/var-emoji64/MODEL_CARD.md`.
 `mar-emoji64` and `mar-emoji64-draft` are two MARs of different sizes on one KL VAE
 (`training/train_mar.py`; a target and a drafter for continuous speculative decoding); see
 `assets/mar-emoji64/MODEL_CARD.md`.

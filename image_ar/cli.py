@@ -109,11 +109,11 @@ def decoding_help() -> str:
     """`--decoding`'s help, listing every registered decoder of each model family."""
     from mmgen.decoding import CONTINUOUS_DECODERS, DECODERS, SCALE_DECODERS
 
-    companions = "draft, entropy-switch, code and cspd"  # the bundled families' `Pipeline.companions`
+    companions = "draft, entropy-switch, collaborative and cspd"  # the bundled families' `Pipeline.companions`
     return (f"decoder, optionally with options as NAME:key=value,...: for LlamaGen and Janus models {', '.join(DECODERS)} "
             "(default: sjd, lossless speculative Jacobi decoding; 'sjd-8' is 'sjd:window=8'; e.g. "
             f"'lantern:delta=0.2,window=8', 'draft:drafter=emoji64-draft'); for VAR models {', '.join(SCALE_DECODERS)} "
-            f"(default: ar; code is CoDe, e.g. 'code:draft_steps=4'); for MAR models {', '.join(CONTINUOUS_DECODERS)} "
+            f"(default: ar; collaborative is CoDe, e.g. 'collaborative:large_steps=4'); for MAR models {', '.join(CONTINUOUS_DECODERS)} "
             f"(default: ar; cspd is continuous speculative decoding, e.g. 'cspd:num_draft=4'). {companions} use the "
             "bundled companion of a bundled model unless the spec names one. A setting given both here and as a flag "
             "(--window, --num-iter) must agree")
@@ -204,7 +204,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", nargs="+", default=["ar", "sjd-8", "sjd-16"],
                         help=f"decoding specs: a shortcut ({', '.join(DECODERS)}) with optional options, e.g. sjd:window=8 "
                              "(or sjd-8), lantern:delta=0.2, draft:drafter=emoji64-draft; VAR models "
-                             f"({', '.join(SCALE_DECODERS)}): ar, code:draft_steps=N[,refiner=NAME]; MAR models "
+                             f"({', '.join(SCALE_DECODERS)}): ar, collaborative:large_steps=N[,small=NAME]; MAR models "
                              f"({', '.join(CONTINUOUS_DECODERS)}): ar[:num_steps=N], "
                              "cspd:num_draft=N,prefill_ratio=R,flatten=F[,drafter=NAME]")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 4], help="speed rows per batch size (none: skip)")
@@ -225,7 +225,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prunings", nargs="+", default=["none"], metavar="SPEC",
                         help="VAR: FastVAR pruning settings crossed with --methods: none or STEP=KEEP,...[@START:STOP] "
                              "(scale steps from 0, block range), e.g. '8=0.6,9=0.5@3:-4'")
-    parser.add_argument("--refiner-depth", type=int, default=16, help="with --random-weights var-dN: the CoDe refiner's depth")
+    parser.add_argument("--small-depth", type=int, default=16, help="with --random-weights var-dN: the depth of CoDe's "
+                        "small model")
+    parser.add_argument("--refiner-depth", type=int, help=argparse.SUPPRESS)  # --small-depth's old name, until 0.3
     parser.add_argument("--windows", type=int, nargs="+", default=[1, 4, 8, 16], help="with --random-weights")
     parser.add_argument("--json", help="write the report as JSON here")
     parser.add_argument("--markdown", help="write the report as Markdown here")

@@ -154,7 +154,7 @@ def image_file_names(inputs: Sequence[Union[int, str]], model: Union[str, os.Pat
                      options: ImageOptions, spec: str, prompts: bool = False) -> list[str]:
     """The PNG names `generate image` writes: position, class id or prompt, model, seed,
     decoding spec and any other option, e.g. `000_class7_emoji64_seed0_sjd.png` or
-    `001_class3_var-emoji64_seed2_code-draft_steps=4_pruning=5=0.5.png`, so that runs with other
+    `001_class3_var-emoji64_seed2_collaborative-large_steps=4_pruning=5=0.5.png`, so that runs with other
     seeds, decoders, options or models do not collide. Settings longer than 60 characters are
     cut and end in a hash of the whole, and so do settings that name a path or hold characters a
     file name cannot (only the spec's ':' and ',' become '-'), so that no two settings share a

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -225,6 +225,19 @@ class SlotKVCache:
             for name in ("keys", "values"):
                 setattr(layer, name, getattr(layer, name)[rows])
         self.mask, self.positions = self.mask[rows], self.positions[rows]
+
+    def fill_layers(self, layers: Sequence[int]) -> None:
+        """Append zero slots to the store's `layers` up to the cache's length: a forward that
+        skipped those blocks (layer-skip drafting, `mmgen.decoding.layer_skip`) wrote no K/V
+        there, and crops (`Cache.crop` cuts each layer's own tail) and compaction need every
+        layer the same length. No query reads the zeros: the drafting rewinds past them before
+        a full forward rewrites those slots."""
+        for i in layers:
+            layer = self.kv.layers[i]
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                if t.shape[2] < self.length:
+                    setattr(layer, name, torch.cat([t, t.new_zeros(*t.shape[:2], self.length - t.shape[2], t.shape[3])], dim=2))
 
     def evict(self, drop: torch.Tensor) -> None:
         """Hide the slots where `drop` [R, S] is True from their rows, for every later query.

@@ -32,6 +32,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, Optional, Sequence
 
+from mmgen.deprecation import show_deprecations
+
 if TYPE_CHECKING:
     import torch
 
@@ -150,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    show_deprecations()  # an old name typed on the command line or in a job file is reported
     if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-") and argv[1] not in ("-h", "--help")):
         # `mmgen bench` benchmarked image models before it took a modality: read until 0.3.
         print("mmgen: `mmgen bench` without a modality is deprecated (removed in 0.3): use `mmgen bench image`",

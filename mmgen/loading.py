@@ -5,11 +5,12 @@ One loader for every modality: a bundled name (`registry.bundled_models()`: "emo
 transformers folder (config.json's `model_type`: "janus", "llava", "qwen2_5_vl", ...), locally
 or on the Hugging Face Hub. `decoder_from_spec` turns "draft:drafter=NAME" / "lantern:delta=0.2"
 into a decoder among the shortcuts a pipeline declares, loading the companion model a spec
-needs (a drafter, a refiner) the same way.
+needs (a drafter, a small model) the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from pathlib import Path
@@ -115,25 +116,25 @@ def merge_decoding_options(spec: str, named: dict, given: dict) -> dict:
 def decoder_from_spec(spec: str, pipe: Any, model: Optional[PathLike], device="cpu",
                       dtype=torch.float32, companions: Optional[dict] = None, **overrides):
     """A decoder for `pipe` (a pipeline or its class) from a command-line spec ("lantern:delta=0.2",
-    "draft:drafter=emoji64-draft", "code:draft_steps=4"), among the shortcuts the pipeline
+    "draft:drafter=emoji64-draft", "collaborative:large_steps=4"), among the shortcuts the pipeline
     declares (`Pipeline.decoders`). `overrides` are settings given besides the spec (a spec that
     sets one differently is an error: `merge_decoding_options`). Settings neither gives take the
     model's own defaults when the decoder runs (MAR's masked steps: `ContinuousDecoder`). An
     empty spec is an error.
 
     Decoders that pair the model with a second one (`Pipeline.companions`: draft,
-    entropy-switch, code, cspd) take it by name or path, loaded as a pipeline of the same
+    entropy-switch, collaborative, cspd) take it by name or path, loaded as a pipeline of the same
     decoder family and checked by `pipe.check_companion` (same tokenizer, ...); without one they
     use `companion_of(model, suffix)`, the bundled companion of a bundled model (`emoji64-draft`,
     `emoji-vlm-draft`). `companions` (a dict) memoises the loaded
     companions by (source, device, dtype) across calls (`Pipeline.decoder` keeps one per pipeline).
     """
-    from mmgen.decoding import make_decoder, parse_decoding
+    from mmgen.decoding import canonical_decoding, make_decoder, parse_decoding
 
     shortcuts = pipe.decoders()
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty decoding spec {spec!r}: name a decoder ({', '.join(sorted(shortcuts))})")
-    name, named = parse_decoding(spec)
+    name, named = canonical_decoding(*parse_decoding(spec), shortcuts)  # old names warn here, once
     options = merge_decoding_options(spec, named, overrides)
     companion = pipe.companions.get(name)
     if companion is not None and name in shortcuts:
@@ -152,7 +153,20 @@ def decoder_from_spec(spec: str, pipe: Any, model: Optional[PathLike], device="c
         if _is_pipeline(pipe) and _is_pipeline(other):
             pipe.check_companion(other, companion)
         options[companion.option] = other
-    return make_decoder(name, shortcuts, **options)
+    decoder = make_decoder(name, shortcuts, **options)
+    return with_draft_heads(decoder, pipe) if _is_pipeline(pipe) else decoder
+
+
+def with_draft_heads(decoder: Any, pipe: Any) -> Any:
+    """`decoder` with the pipeline's own draft heads (`Pipeline.draft_heads`: its model folder's
+    `draft_heads/`) where it takes heads (`HeadsSpeculative`) and was given none."""
+    from mmgen.decoding.heads import HeadsSpeculative
+
+    if isinstance(decoder, HeadsSpeculative) and decoder.heads is None:
+        heads = pipe.draft_heads()
+        if heads is not None:
+            return dataclasses.replace(decoder, heads=heads)
+    return decoder
 
 
 def _is_pipeline(obj: Any) -> bool:

@@ -36,6 +36,9 @@ class DecodeState:
     guidance: bool
     first_logits: Logits
     extra: Any = None
+    #: A `HiddenStateModel`'s final hidden states of its latest forward [R, n, D] (the prefill:
+    #: its last position only): what draft heads start from.
+    hidden: Optional[torch.Tensor] = None
 
     @property
     def device(self) -> torch.device:
@@ -75,6 +78,44 @@ class TokenModel(Protocol):
         """Forget committed tokens: row b keeps its first `num_generated[b]` generated tokens
         ([B] int64, never more than it has). Draft models need it to drop rejected drafts."""
         ...
+
+
+@runtime_checkable
+class HiddenStateModel(Protocol):
+    """A `TokenModel` that shows draft heads (Medusa, Hydra) what its output head reads.
+
+    Every `start` and `forward` leaves its final hidden states (after the last norm: what the
+    output head reads) in `state.hidden` [R, n, D]: R is every row the model runs, the
+    conditional rows first and then, under guidance, their unconditional twins in the same
+    order (R = B or 2B). After `restart` (continuous batching) the restarted row's entries at
+    index 0 hold its prefill's last hidden state.
+    """
+
+    hidden_size: int
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input embedding [b, n, D] of tokens [b, n] (frames [b, n, K])."""
+        ...
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output head's raw float32 logits [R, n(, K), V] of hidden states [R, n, D]
+        (no guidance, no processing): what heads are trained to match."""
+        ...
+
+    def hidden_logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor) -> Logits:
+        """The logits `forward` would return at its last n positions had it been fed `fed`
+        [B, m(, K)] (m >= n) after the committed tokens and its trunk made `hidden` [R, n, D]
+        there (guidance and the model's own logits processing applied), without touching the
+        state. Draft heads pass their newest state alone (n = 1) with every token fed so far."""
+        ...
+
+
+def place_hidden(state: DecodeState, rows: Sequence[int], hidden: torch.Tensor) -> None:
+    """After a restart: the cache rows `rows` (a row and, under guidance, its unconditional twin)
+    hold the prefill's last hidden states `hidden` [len(rows), 1, D] at index 0 of
+    `state.hidden` (`HiddenStateModel`); nothing when the model keeps none."""
+    if state.hidden is not None:
+        state.hidden[list(rows), :1] = hidden.to(state.hidden.dtype)
 
 
 @dataclass

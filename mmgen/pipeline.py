@@ -32,7 +32,7 @@ from mmgen.decoding.window import parse_window_cost, parse_window_tokens
 from mmgen.files import write_atomic
 from mmgen.hub import (
     MODEL_INDEX,
-    CheckpointError, check_model_folder, check_shapes, load_state_dict, load_strict, loading_folder, model_root, read_json,
+    CheckpointError, check_model_folder, folder_file, check_shapes, load_state_dict, load_strict, loading_folder, model_root, read_json,
     resolve_path, save_safetensors, tensor_shapes,
 )
 from mmgen.sampling import make_generator
@@ -43,7 +43,7 @@ CONFIG_NAME = "config.json"
 
 @dataclass(frozen=True)
 class Companion:
-    """A second model that a decoder pairs with the pipeline's own (a drafter, a refiner): the
+    """A second model that a decoder pairs with the pipeline's own (a drafter, a small model): the
     decoder option that takes it, the name suffix of a bundled model's companion
     (`emoji64` -> `emoji64-draft`), and what it is, for messages."""
 
@@ -105,14 +105,26 @@ class Pipeline:
         companion of a bundled model (`emoji64` -> `emoji64-draft`), loaded once per pipeline."""
         from mmgen.decoding import resolve_decoder
 
-        if not isinstance(decoding, str):
-            return resolve_decoder(decoding, self.decoders())
-        from mmgen.loading import decoder_from_spec
+        from mmgen.loading import decoder_from_spec, with_draft_heads
 
+        if not isinstance(decoding, str):
+            return with_draft_heads(resolve_decoder(decoding, self.decoders()), self)
         parameter = next((p for m in self.module_components() for p in m.parameters()), None)
         dtype = parameter.dtype if parameter is not None else torch.float32
         loaded = self.__dict__.setdefault("_companions", {})
         return decoder_from_spec(decoding, self, self.name_or_path, self.device, dtype, companions=loaded)
+
+    def draft_heads(self) -> Optional[Any]:
+        """The model's draft heads (`mmgen.decoding.heads`): the `draft_heads/` folder beside its
+        weights (a bundled model's, a local folder's), loaded once; None where it has none."""
+        if "_draft_heads" not in self.__dict__:
+            from mmgen.decoding.heads import HEADS_FOLDER, DraftHeads
+            from mmgen.loading import resolve_model
+
+            source = resolve_model(self.name_or_path) if self.name_or_path is not None else None
+            folder = folder_file(source, HEADS_FOLDER) if isinstance(source, Path) else None
+            self._draft_heads = DraftHeads.from_pretrained(folder, self.device) if folder is not None and folder.is_dir() else None
+        return self._draft_heads
 
     def check_companion(self, other: "Pipeline", companion: Companion) -> None:
         """ValueError when `other` cannot serve as this pipeline's `companion` beyond sharing

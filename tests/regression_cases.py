@@ -5,7 +5,9 @@ shape, never what it generates. `python -m tests.regression_cases` rewrites
 `tests/fixtures/decode_regression.{safetensors,json}`; `tests/core/test_regression.py` replays
 every case and compares tokens (VAR: all token maps; MAR: latents) and the forward counts.
 A deliberate change of a decoder's output re-records only that decoder's cases
-(`python -m tests.regression_cases DECODING...`) and says why in the commit.
+(`python -m tests.regression_cases DECODING...`) and says why in the commit. A renamed decoder
+renames its cases' keys only (CoDe's `code` / `draft_steps` became `collaborative` /
+`large_steps`, same tensors).
 
 Jacobi and lookup decoders adapt their window by default since issue 17; their cases here run
 with `adapt=False`, the fixed window they pinned before (the adaptive window's own tests show
@@ -61,8 +63,8 @@ def cases() -> list[Case]:
                     Case("emoji64", "entropy-switch:threshold=0.5", batch, guided, seed, "emoji64-draft")]
             for model in ("var-emoji64", "var-emoji64-small"):
                 out.append(Case(model, "ar", batch, guided, seed))
-            out += [Case("var-emoji64", "code", batch, guided, seed, "var-emoji64-small"),
-                    Case("var-emoji64", "code:draft_steps=3", batch, guided, seed, "var-emoji64-small"),
+            out += [Case("var-emoji64", "collaborative", batch, guided, seed, "var-emoji64-small"),
+                    Case("var-emoji64", "collaborative:large_steps=3", batch, guided, seed, "var-emoji64-small"),
                     Case("var-emoji64", "ar+prune", batch, guided, seed)]
             for model in ("mar-emoji64", "mar-emoji64-draft"):
                 out.append(Case(model, "ar", batch, guided, seed))
@@ -99,7 +101,7 @@ def run(case: Case) -> tuple[torch.Tensor, dict]:
     spec, prune = (case.decoding[: -len("+prune")], True) if case.decoding.endswith("+prune") else (case.decoding, False)
     name, options = parse_decoding(spec)
     if case.companion is not None:
-        role = {"draft": "drafter", "cspd": "drafter", "entropy-switch": "small", "code": "refiner"}[name]
+        role = {"draft": "drafter", "cspd": "drafter", "entropy-switch": "small", "collaborative": "small"}[name]
         options[role] = pipeline(case.companion)
     registry = {"llamagen": DECODERS, "var": SCALE_DECODERS, "mar": CONTINUOUS_DECODERS}[family]
     decoder = make_decoder(name, registry, **options)

@@ -123,3 +123,21 @@ def assert_drafted(out, ar) -> None:
     greedy identity test)."""
     assert sum(out.stats.accepted_histogram[2:]) > 0, f"no draft was accepted: {out.stats.accepted_histogram}"
     assert out.stats.forwards < ar.stats.forwards, (out.stats.forwards, ar.stats.forwards)
+
+
+def assert_continuous_equals_alone(decoder, model, sampling, labels=(1, 5, 7, 2, 9), num_tokens: int = 64) -> None:
+    """Continuous batching at two rows (restarts, a batch that narrows and widens): each
+    class-conditional request decodes exactly what it decodes alone from its own generator,
+    and drafts were accepted along the way."""
+    from mmgen.decoding.batching import Request, continuous_decode
+    from mmgen.sampling import make_generator
+
+    requests = [Request(torch.tensor([label]), make_generator(10 + i)) for i, label in enumerate(labels)]
+    done, _ = continuous_decode(decoder, model, requests, num_tokens, sampling, batch_size=2)
+    for i, label in enumerate(labels):
+        generator = make_generator(10 + i)
+        alone = decoder.generate(model, torch.tensor([label]), num_tokens, sampling, generator)
+        assert torch.equal(done[i].tokens, alone.tokens[0]), f"request {i}"
+        assert torch.equal(requests[i].generator.get_state(), generator.get_state())
+        assert done[i].stats.accepted_histogram == alone.stats.accepted_histogram
+    assert sum(sum(f.stats.accepted_histogram[2:]) for f in done) > 0, "no draft was accepted"

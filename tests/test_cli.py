@@ -166,7 +166,7 @@ def var_dirs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("extra", [[], ["--decoding", "code:draft_steps=2,refiner={small}", "--pruning", "3=0.5", "--pruning-layers", "0", "2"],
+@pytest.mark.parametrize("extra", [[], ["--decoding", "collaborative:large_steps=2,small={small}", "--pruning", "3=0.5", "--pruning-layers", "0", "2"],
                                    ["--preset", "demo", "--more-smooth"]])
 def test_generate_image_with_var(var_dirs, tmp_path, extra):
     extra = [a.format(small=var_dirs / "small") for a in extra]
@@ -174,14 +174,31 @@ def test_generate_image_with_var(var_dirs, tmp_path, extra):
     assert result.returncode == 0, result.stderr
     assert positions(tmp_path) == ["000_class3", "001_class8"]
     stats = json.loads(result.stderr.strip().splitlines()[-1])["stats"]
-    assert stats["tokens"] == 30 and stats["stage_forwards"] == ([2, 2] if "code" in " ".join(extra) else [4])
+    assert stats["tokens"] == 30 and stats["stage_forwards"] == ([2, 2] if "collaborative" in " ".join(extra) else [4])
+
+
+def test_old_collaborative_names_on_the_command_line_warn_and_make_the_same_images(var_dirs, tmp_path):
+    """`--decoding code:draft_steps=N,refiner=PATH`, CoDe's names before it took the video's, still
+    works until 0.3: the same PNGs as `collaborative:large_steps=N,small=PATH`, one warning a name."""
+    made = {}
+    for spec in ("collaborative:large_steps=2,small={small}", "code:draft_steps=2,refiner={small}"):
+        out = tmp_path / spec.partition(":")[0]
+        result = mmgen("generate", "image", "--model", var_dirs / "large", "--class-labels", 3, "--decoding",
+                       spec.format(small=var_dirs / "small"), "--out", out, "--no-progress")
+        assert result.returncode == 0, result.stderr
+        made[spec] = ([p.read_bytes() for p in sorted(out.iterdir())], result.stderr)
+    (new, quiet), (old, warned) = made.values()
+    assert old == new and "deprecated" not in quiet
+    for name, instead in (("decoding 'code'", "use 'collaborative'"), ("Collaborative's refiner=", "use small="),
+                          ("Collaborative's draft_steps=", "use large_steps=")):
+        assert warned.count(f"{name} is deprecated and will be removed in mmgen 0.3: {instead}") == 1, warned
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--decoding", "sjd"], "unknown decoding 'sjd'"),
-        (["--decoding", "code"], "needs a small refiner model"),
+        (["--decoding", "collaborative"], "needs a small model"),
         (["--pruning", "0=0.5"], "step 0 cannot be pruned"),
         (["--pruning", "3:0.5"], "bad --pruning item"),
         (["--cfg-interval", "2"], "VARPipeline has no option(s) ['cfg_interval']"),

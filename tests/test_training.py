@@ -4,6 +4,7 @@ weights of a run that never stopped."""
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from training.train import main
@@ -106,3 +107,136 @@ def test_wall_clock_sums_the_invocations_of_a_resumed_run(tmp_path):
                {"step": 150, "seconds": 12.5}, {"step": 200, "seconds": 25.0}]
     (tmp_path / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert wall_clock(tmp_path) == (45.0, 2)
+
+
+def test_self_forcing_trains_on_its_own_rollouts_resumes_exactly_and_refuses_bad_arguments(tmp_path, capsys, monkeypatch):
+    """`train_video self-forcing` from a tiny random pipeline folder: its gradient forward is the
+    cached decode's forward (the same velocity, through `GradientCache`), a 3-step run stopped after
+    step 1 and resumed ends with an uninterrupted run's weights, the past it trains on is the model's own
+    rollout, and a bad argument is refused with one line before any work."""
+    from mmgen.decoding.block_diffusion import BlockRollout
+    from mmgen.video.model import PromptEmbeddings, WanBlockModel
+    from training.train_video import GradientCache, main as video_main, new_text_encoder, new_transformer, new_vae, vae_config
+
+    pair = tmp_path / "pair"
+    transformer = new_transformer("small", channels=4).to(torch.float16)  # shipped in float16, trained in float32
+    transformer.save_pretrained(pair / "transformer")
+    new_text_encoder().to(torch.float16).save_pretrained(pair / "text_encoder")
+    transformer = transformer.float()
+    rng = np.random.default_rng(0)
+    latents = tmp_path / "latents.npz"
+    captions = ["red heart moving left", "sun bouncing vertically", "snake moving up and airplane moving down"]
+    np.savez(latents, latents=rng.standard_normal((8, 4, 3, 4, 4)).astype(np.float16),
+             captions=np.array([captions[i % 3] for i in range(8)]), indices=np.arange(8))
+
+    # The forward with gradients computes what the inference decode computes after the same past.
+    model = WanBlockModel(transformer, 1, (4, 4))
+    text = torch.randn(2, 12, 64)
+    state = model.start(PromptEmbeddings(text, torch.zeros_like(text)), 3, guidance=True)
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                model.commit(state, torch.randn(2, 4, 1, 4, 4))
+            x = torch.randn(2, 4, 1, 4, 4)
+            plain = model.velocity(state, x, 750.0)
+        cache, state.context.cache = state.context.cache, GradientCache(state.context.cache)
+        trained = model.velocity(state, x, 750.0)
+        state.context.cache = cache
+    finally:
+        model.finish(state)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, trained)) and trained[0].requires_grad
+
+    common = ["self-forcing", "--init-from", str(pair), "--latents", str(latents), "--batch-size", "2", "--warmup", "1",
+              "--log-every", "1", "--threads", "1", "--steps-per-block", "2", "--steps", "3", "--lr", "1e-3"]
+    # The uninterrupted run also logs held-out figures (at its start and end), which change nothing it trains.
+    vae = new_vae(config=dict(vae_config(base_dim=8, z_dim=4), latents_std=[1.0, 2.0, 1.0, 2.0]))
+    vae.save_pretrained(str(pair / "vae"))
+    rollout_blocks = []
+    step = BlockRollout.step
+    monkeypatch.setattr(BlockRollout, "step", lambda self, *a: rollout_blocks.append(1) or step(self, *a))
+    video_main([*common, "--out", str(tmp_path / "straight"), "--eval-every", "3", "--vae", str(pair), "--eval-clips", "2",
+                "--reference-clips", "8"])
+    monkeypatch.undo()
+    video_main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "1"])
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["step"] == 1
+    video_main([*common, "--out", str(tmp_path / "resumed")])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    straight, resumed = load("straight"), load("resumed")
+    assert straight["step"] == resumed["step"] == 3 and straight["optimizer"]["state"]
+    for key, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][key]), key
+    start = {f"transformer.{k}": v for k, v in transformer.state_dict().items()}
+    assert any(not torch.equal(v, start[k]) for k, v in straight["model"].items() if k in start)  # it trained
+    shipped = new_text_encoder().to(torch.float16).float().state_dict()
+    assert all(torch.equal(straight["model"][f"text_encoder.{k}"], v) for k, v in shipped.items())  # the text encoder stays frozen
+    records = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+    heldout = [r for r in records if "heldout" in r]
+    assert [r["step"] for r in heldout] == [0, 3] and heldout[0]["init_from"] == str(pair)
+    assert all(0 <= r["heldout"][k] <= 1 for r in heldout for k in ("class_accuracy_8", "class_8_first_quarter", "class_8_last_quarter"))
+    records = [r for r in records if "loss" in r]
+    assert len(records) == 3 and all(np.isfinite(r["loss"]) and 0 <= r["block"] < 3 for r in records)
+    # The past after the anchored first block is the model's own rollout through the cached decode.
+    assert all(r["own_blocks"] == max(0, r["block"] - 1) for r in records)
+    assert len(rollout_blocks) == sum(r["own_blocks"] for r in records) + 2 * 5  # and 5 blocks per held-out measurement
+
+    # Bad arguments: one line on stderr, exit status 2, nothing written.
+    bad = [(["--steps-per-block", "0"], "--steps-per-block must be >= 1"),
+           (["--init-from", str(tmp_path / "missing")], "not a pipeline folder"),
+           (["--eval-every", "1"], "--eval-every needs --vae"),
+           (["--latents", str(tmp_path / "none.npz")], "no such file")]
+    for options, message in bad:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            video_main([*common, *options, "--out", str(tmp_path / "refused")])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "refused").exists()
+    # --levels continuous trains at any noise level, not only the 2-step schedule's (1 and 0.75 at shift 3).
+    video_main([*common, "--levels", "continuous", "--out", str(tmp_path / "continuous")])
+    records = [json.loads(line) for line in (tmp_path / "continuous" / "log.jsonl").read_text().splitlines()]
+    assert all(0 <= r["sigma"] <= 1 for r in records) and not {r["sigma"] for r in records} <= {1.0, 0.75}
+    with pytest.raises(SystemExit, match="--anchor-blocks 3 leaves none"):  # known once the latents' length is
+        video_main([*common, "--anchor-blocks", "3", "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+
+
+def test_draft_heads_train_on_the_frozen_model_resume_exactly_and_export(tmp_path, capsys):
+    """`training/train_heads.py` on the bundled emoji64: two recorded calls, four steps; stopped
+    after two and run again, it ends with the weights and log of an uninterrupted run; the
+    exported heads load and decode exactly; bad arguments and changed settings are one line."""
+    from mmgen import load_pipeline
+    from mmgen.decoding import DraftHeads
+    from training import train_heads
+
+    common = ["emoji64", "--sequences", "2", "--steps", "4", "--eval-every", "2", "--batch", "32"]
+    train_heads.main([*common, "--out", str(tmp_path / "straight")])
+    train_heads.main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "2"])
+    assert torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["step"] == 2
+    assert not (tmp_path / "resumed" / "log.json").exists()
+    model = tmp_path / "model"
+    model.mkdir()
+    train_heads.main([*common, "--out", str(tmp_path / "resumed"), "--export", str(model)])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    straight, resumed = load("straight"), load("resumed")
+    assert straight["step"] == resumed["step"] == 4
+    for key, tensor in straight["heads"].items():
+        assert torch.equal(tensor, resumed["heads"][key]), key
+    log = lambda name: [{k: v for k, v in r.items() if k != "seconds"} for r in json.loads(load(name)["log"])]
+    assert log("straight") == log("resumed") and [r["step"] for r in log("straight")] == [0, 2, 4]
+    heads = DraftHeads.from_pretrained(model / "draft_heads")
+    assert torch.equal(heads.up.weight, resumed["heads"]["up.weight"])
+    pipe = load_pipeline("emoji64")
+    ar = pipe([3], decoding="ar", temperature=0, output_type="np")
+    out = pipe([3], decoding=f"heads:heads={model / 'draft_heads'}", temperature=0, output_type="np")
+    assert np.array_equal(ar.images, out.images)
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train_heads.main([*common, "--out", str(tmp_path / "bad"), "--steps", "0"])
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("--steps must be at least 1")
+    with pytest.raises(SystemExit, match="was started with other settings"):
+        train_heads.main([*common, "--out", str(tmp_path / "straight"), "--lr", "0.5"])
+    with pytest.raises(SystemExit):
+        train_heads.main(["var-emoji64", "--out", str(tmp_path / "var")])
+    assert "no training inputs for 'var-emoji64'" in capsys.readouterr().err
+    assert not (tmp_path / "var").exists()

@@ -379,11 +379,12 @@ def help_text(*argv, capsys) -> str:
 def test_help_lists_every_decoder_family_and_default(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside words such as sjd-8
     text = help_text("generate", "image", capsys=capsys)
-    for word in ("cspd", "code", "(default: sjd", "'sjd-8' is 'sjd:window=8'", "VAR", "MAR", "Janus-Pro", "mar-emoji64",
+    for word in ("cspd", "collaborative:large_steps=4", "(default: sjd", "'sjd-8' is 'sjd:window=8'", "VAR", "MAR", "Janus-Pro", "mar-emoji64",
                  "seed of the random generator", "torch device", "weights' dtype", "--overwrite"):
         assert word in text, word
+    assert "'code" not in text and "draft_steps" not in text  # CoDe's old names are read, not taught
     text = help_text("bench", "image", capsys=capsys)
-    for word in ("(default: 5)", "(default: ['ar', 'sjd-8', 'sjd-16'])", "(default: float32)", "(default: cpu)", "--no-progress"):
+    for word in ("collaborative:large_steps=N[,small=NAME]", "--small-depth", "(default: 5)", "(default: ['ar', 'sjd-8', 'sjd-16'])", "(default: float32)", "(default: cpu)", "--no-progress"):
         assert word in text, word
     assert "(default: None)" not in text
 

@@ -145,7 +145,7 @@ def export(args) -> None:
 def model_card(f: dict) -> str:
     row = lambda name, what: component_row(f, name, what)
     L, S = VAR_EMOJI["large"], VAR_EMOJI["small"]
-    return f"""# var-emoji64: bundled VAR models (a large drafter and a small refiner)
+    return f"""# var-emoji64: bundled VAR models (a large and a small model for collaborative decoding)
 
 Trained on this project's CPU machine by `training/train_var.py` (its docstring has the exact
 commands; deterministic for a seed and thread count) on the same emoji set as `emoji64`

@@ -65,6 +65,14 @@ can start from them (`target --init-from video/assets/emoji-motion --text-steps 
 a new run with a fresh optimizer and its own schedule, its held-out figures logged first at
 step 0 for the weights it starts from. `--vae video/assets/emoji-motion` reads the shipped VAE
 (for `latents` and the held-out figures), whose encoder made the shipped denoisers' latents.
+
+`self-forcing` trains a shipped transformer on its own rollouts through the cached block decode
+(Self-Forcing; the objective is student forcing's flow matching, not the paper's distribution
+matching: `self-forcing --help` says why), e.g. at 4 steps per block:
+
+    python -m training.train_video self-forcing --init-from video/assets/emoji-motion \
+        --latents runs/video-latents-shipped.npz --out runs/self-forcing --steps 2000 --steps-per-block 4 \
+        --ema 0.999 --threads 1 --eval-every 200 --vae video/assets/emoji-motion
 """
 
 from __future__ import annotations
@@ -769,11 +777,7 @@ def train_transformer(args) -> None:
             raise ValueError("--eval-every needs --vae (the VAE run the latents came from)")
         heldout = GeneratedQuality(load_vae_run(args.vae), transformer, text_encoder, args.eval_clips, args.reference_clips)
     if started_from is not None and heldout is not None:  # the curve starts at the weights it continues
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        record = {**log_heldout(model, heldout, 0, Path(args.out), nullcontext()), "init_from": str(args.init_from)}
-        with open(Path(args.out) / "log.jsonl", "a") as log:
-            log.write(json.dumps(record) + "\n")
-        print(json.dumps(record), flush=True)
+        log_start(model, heldout, args)
     train_loop(model, loss_fn, len(data), args, config, heldout=heldout)
     if args.job == "target" and args.text_steps >= args.steps and step_of(args, None) == args.steps:
         freeze_text_encoder(text_encoder, snapshot)
@@ -797,34 +801,225 @@ def init_from(args) -> Optional[dict]:
     return {"transformer": load_transformer_run(args.init_from)}
 
 
+# ---------------------------------------------------------------------------- Self-Forcing
+
+
+#: What the `self-forcing` job does and why (its --help; the module docstring says it shorter).
+SELF_FORCING = """Self-Forcing (Huang et al., 2025): the denoiser trains on its own rollouts through the cached block
+decode it runs at inference (`BlockRollout` over `WanBlockModel`: the same KV cache, processors and
+clean commit pass), against teacher forcing's exposure bias (trained on clean real pasts, a model
+decodes from its own imperfect ones, and its subject melts as the clip goes on).
+
+Each step draws a block b; the past blocks 0 .. b-1 are committed into the model's cache by a
+rollout of the model itself (no gradients; --steps-per-block Euler steps per block, guidance 3 as
+the pipeline samples), except the first --anchor-blocks, which are the clip's own latents committed
+by the same clean pass; one forward with gradients then predicts block b's velocity at one of the
+schedule's noise levels (those the few-step sampler visits; --levels continuous: any level, as the
+teacher-forcing jobs train) from the real block noised there.
+
+Objective: flow matching against noise - x0 on the real block given the model's own past (student
+forcing), not the paper's distribution matching: DMD needs a teacher's score and a second, "fake"
+score network trained beside the student (three models, two optimizers), too heavy for this CPU and
+with no teacher better than the student here. Why the anchor: a free rollout's first frame puts the
+sprite where the real clip's next block does not, and a target that contradicts its past teaches
+the model to ignore the past; with the clip's first block committed the sprite's place is the
+clip's, the model's later blocks carry its own errors (shape drift, wrong motion), and the real
+block is the way back from them. Gradients flow through block b's one forward only (the paper
+keeps them to each block's last denoising step); the past's keys and values are the rollout's,
+without gradients. The guided batch's unconditional
+half (the "" prompt on the same past) weighs --text-dropout. A run starts from --init-from's
+weights with a fresh optimizer; it resumes from <out>/checkpoint.pt (weights, optimizer, step; every
+draw derives from (seed, step), so a resumed run ends with an uninterrupted one's weights)."""
+
+
+class GradientCache:
+    """A decode's `FrameKVCache` as the one forward with gradients sees it: the held frames' keys
+    and values (written without gradients by the rollout) with the block's own after them, joined
+    out of place. `FrameKVCache.update` writes every layer's block into one shared buffer, and
+    each write would invalidate what autograd saved from the layers before; the keys and values
+    attended to are the same."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, index: Optional[torch.Tensor] = None):
+        if index is not None:
+            raise ValueError("static-token dropping is an inference option: not in training")
+        held, cache = self.cache.frames * self.cache.tokens_per_frame, self.cache
+        return (torch.cat([cache.k[layer, :, :held], k.to(cache.k.dtype)], 1),
+                torch.cat([cache.v[layer, :, :held], v.to(cache.v.dtype)], 1))
+
+
+def self_forcing_loss(model, prompts: PromptEncoder, data: Latents, index: torch.Tensor, generator: torch.Generator,
+                      schedule, guidance_scale: float, anchor_blocks: int, text_dropout: float,
+                      continuous: bool = False) -> tuple[torch.Tensor, dict]:
+    """Student forcing through the cached block decode (`self-forcing`'s objective, see its help):
+    for a block b drawn uniformly, the blocks before it are committed into `model`'s (a
+    `WanBlockModel`) cache by a `BlockRollout` of the model itself (no gradients; `schedule`'s
+    steps, guidance `guidance_scale`), the first `anchor_blocks` of them the clip's own latents
+    committed by the same clean pass; then one forward with gradients predicts block b's velocity
+    at one of the schedule's noise levels (`continuous`: u ~ U(0, 1) warped by the schedule's
+    shift, as teacher forcing draws them) from the real block noised there, against noise - x0.
+    The guided batch's unconditional half (the "" prompt, on the same past) weighs `text_dropout`.
+    Draws come from `generator` (CPU), the rollout's from a generator seeded by it on the model's
+    device."""
+    from mmgen.decoding import BlockDenoising
+    from mmgen.decoding.block_diffusion import BlockRollout
+    from mmgen.video.model import PromptEmbeddings
+
+    device = model.transformer.patch_embedding.weight.device
+    x0 = data.latents[index].float()
+    B, _, frames, _, _ = x0.shape
+    f = model.block_frames
+    block = int(torch.randint(0, frames // f, (1,), generator=generator))
+    if continuous:
+        sigma = float(shifted(torch.rand(1, generator=generator), schedule.shift))
+    else:
+        sigmas = schedule.sigmas()
+        sigma = sigmas[int(torch.randint(0, len(sigmas), (1,), generator=generator))]
+    noise = torch.randn(x0[:, :, :f].shape, generator=generator).to(device)
+    rollout_generator = torch.Generator(device).manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=generator)))
+    x0 = x0.to(device)
+    guided = guidance_scale != 1.0
+    with torch.no_grad():
+        conditions = PromptEmbeddings(prompts([data.captions[int(i)] for i in index]), prompts([""] * B) if guided else None)
+    with BlockRollout(BlockDenoising(schedule=schedule), model, conditions, block + 1, rollout_generator, guidance_scale) as rollout:
+        state = rollout.states[id(model)]
+        with torch.no_grad():
+            for b in range(block):
+                if b < anchor_blocks:
+                    model.commit(state, x0[:, :, b * f:(b + 1) * f])  # the clip's own block, as a committed one
+                else:
+                    rollout.step()
+        model.condition(state, conditions)  # the prompt's keys and values computed again, with gradients
+        target = x0[:, :, block * f:(block + 1) * f]
+        cache, state.context.cache = state.context.cache, GradientCache(state.context.cache)
+        try:
+            cond, uncond = model.velocity(state, (1 - sigma) * target + sigma * noise, 1000.0 * sigma)
+        finally:
+            state.context.cache = cache
+    loss = F.mse_loss(cond.float(), noise - target)
+    if uncond is not None:
+        loss = (1 - text_dropout) * loss + text_dropout * F.mse_loss(uncond.float(), noise - target)
+    return loss, {"block": block, "sigma": round(sigma, 4), "own_blocks": max(0, block - anchor_blocks)}
+
+
+def self_forcing_error(args) -> Optional[str]:
+    """What is wrong with a `self-forcing` command (one line), checked before any work; None if nothing."""
+    init = Path(args.init_from)
+    if not ((init / "transformer" / "config.json").exists() and (init / "text_encoder" / "config.json").exists()):
+        return f"--init-from {args.init_from}: not a pipeline folder with transformer/ and text_encoder/ (e.g. video/assets/emoji-motion)"
+    missing = [path for path in args.latents if not Path(path).is_file()]
+    if missing:
+        return f"--latents {missing[0]}: no such file (make one with `latents`)"
+    for name, value, low in (("--steps-per-block", args.steps_per_block, 1), ("--anchor-blocks", args.anchor_blocks, 0)):
+        if value < low:
+            return f"{name} must be >= {low}, got {value}"
+    if not args.shift > 0:
+        return f"--shift must be > 0, got {args.shift}"
+    if not 0 <= args.text_dropout <= 1:
+        return f"--text-dropout must be in [0, 1], got {args.text_dropout}"
+    if args.eval_every and not args.vae:
+        return "--eval-every needs --vae (e.g. video/assets/emoji-motion, whose VAE made the latents)"
+    if args.vae and not ((Path(args.vae) / "vae" / "config.json").exists() or (Path(args.vae) / "checkpoint.pt").exists()):
+        return f"--vae {args.vae}: neither a pipeline folder with vae/ nor a vae run"
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {args.device}: CUDA is not available here"
+    return None
+
+
+def train_self_forcing(args) -> None:
+    """The `self-forcing` job (its help says what and why): the `--init-from` pipeline folder's
+    transformer trains on `self_forcing_loss` beside its frozen text encoder (saved to
+    `<out>/text_encoder`, so `export --target <out>` takes the run as it takes a target run)."""
+    from mmgen.decoding import FlowSchedule
+    from mmgen.video.model import WanBlockModel
+
+    data = Latents(args.latents)
+    blocks = data.latents.shape[2] // BLOCK_FRAMES
+    if args.anchor_blocks >= blocks:
+        raise SystemExit(f"train_video self-forcing: --anchor-blocks {args.anchor_blocks} leaves none of the clips' "
+                         f"{blocks} blocks to the model's own rollout: give at most {blocks - 1}")
+    transformer, text_encoder = load_transformer_run(args.init_from, with_text_encoder=True)
+    text_encoder.requires_grad_(False)
+    model = torch.nn.ModuleDict({"transformer": transformer, "text_encoder": text_encoder})
+    out = Path(args.out)
+    fresh = not (out / "checkpoint.pt").exists()
+    freeze_text_encoder(text_encoder, out / "text_encoder")  # the shipped weights (already float16): unchanged
+    prompts = PromptEncoder(new_tokenizer(), text_encoder)
+    block_model = WanBlockModel(transformer, BLOCK_FRAMES, tuple(data.latents.shape[3:]))
+    schedule = FlowSchedule.uniform(args.steps_per_block, args.shift)
+    guidance = PIPELINE["guidance_scale"]
+
+    def loss_fn(index, generator):
+        return self_forcing_loss(block_model, prompts, data, index, generator, schedule, guidance, args.anchor_blocks,
+                                 args.text_dropout, continuous=args.levels == "continuous")
+
+    params = {name: sum(p.numel() for p in m.parameters()) for name, m in (("transformer", transformer), ("text_encoder", text_encoder))}
+    print(f"self-forcing: transformer {params['transformer'] / 1e6:.2f}M from {args.init_from} (text encoder frozen), "
+          f"{len(data)} clips, latents {tuple(data.latents.shape[1:])}, {args.steps_per_block} steps per block, "
+          f"guidance {guidance:g}, first {args.anchor_blocks} block(s) of each past the clip's own")
+    config = {"preset": "target", "job": "self-forcing", "transformer": dict(transformer.config),
+              "text_encoder": text_encoder.config.to_dict(), "block_frames": BLOCK_FRAMES, "params": params,
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    heldout = None
+    if args.eval_every:
+        heldout = GeneratedQuality(load_vae_run(args.vae), transformer, text_encoder, args.eval_clips, args.reference_clips,
+                                   steps=args.steps_per_block, shift=args.shift)
+    if fresh and heldout is not None:
+        log_start(model, heldout, args)
+    train_loop(model, loss_fn, len(data), args, config, heldout=heldout)
+
+
+def log_start(model: torch.nn.Module, heldout, args) -> None:
+    """The held-out figures of the weights a new `--init-from` run starts at, logged as step 0."""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    record = {**log_heldout(model, heldout, 0, Path(args.out), nullcontext()), "init_from": str(args.init_from)}
+    with open(Path(args.out) / "log.jsonl", "a") as log:
+        log.write(json.dumps(record) + "\n")
+    print(json.dumps(record), flush=True)
+
+
 class GeneratedQuality:
     """Held-out figures of a denoiser in training: the quality proxies of clips it makes (copies of
-    the modules, rounded to float16 as they ship; 8 Euler steps, shift 3, seeded) for the first
-    `clips` evaluation prompts. Score: the mean of class and direction accuracy."""
+    the modules, rounded to float16 as they ship; `steps` Euler steps per block, shift `shift`,
+    seeded) for the first `clips` evaluation prompts, and the class accuracy read among the data's
+    eight sprites (the 74-way reading spends errors on classes the clips never hold), over all
+    frames and over the first and last quarter of them (whether a subject holds as the clip goes
+    on). Score: the mean of class and direction accuracy."""
 
-    def __init__(self, vae, transformer, text_encoder, clips: int, reference_clips: int):
+    def __init__(self, vae, transformer, text_encoder, clips: int, reference_clips: int, steps: int = 8, shift: float = 3.0):
         self.vae, self.transformer, self.text_encoder = vae, transformer, text_encoder  # the VAE as it ships
         self.prompts, self.reference_clips, self.score = eval_prompts(clips), reference_clips, None
+        self.steps, self.shift = steps, shift
 
     def __call__(self) -> dict:
         import copy
 
         from mmgen.decoding import FlowSchedule
+        from mmgen.video.data import DEFAULT_SPRITES, sprite_class
         from mmgen.video.pipeline import BlockDiffusionVideoPipeline
 
         if self.score is None:
             self.score = scorer(self.reference_clips)
-        schedule = FlowSchedule.uniform(8, 3.0)
+        schedule = FlowSchedule.uniform(self.steps, self.shift)
         # Copies: the pipeline may wrap the transformer's blocks, which training must not see.
         copied = lambda module: round_to_half(copy.deepcopy(module).cpu().float())  # made on the CPU, whatever trains
         pipe = BlockDiffusionVideoPipeline(transformer=copied(self.transformer), vae=self.vae,
                                            text_encoder=copied(self.text_encoder), tokenizer=new_tokenizer(),
-                                           **dict(PIPELINE, timesteps=schedule.timesteps, shift=3.0))
+                                           **dict(PIPELINE, timesteps=schedule.timesteps, shift=self.shift))
         pipe.set_progress_bar_config(disable=True)
-        clips_, _ = generate(pipe, self.prompts)
+        clips_, seconds = generate(pipe, self.prompts)
         figures = self.score(clips_, self.prompts)
         keep = ("class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy")
-        return {**{k: round(figures[k], 4) for k in keep}, "metric": "class+direction",
+        sprites, quarter = [sprite_class(name) for name in DEFAULT_SPRITES], max(1, clips_.shape[1] // 4)
+        among = lambda frames: round(self.score.class_accuracy(frames, self.prompts, among=sprites), 4)
+        return {**{k: round(figures[k], 4) for k in keep}, "class_accuracy_8": among(clips_),
+                "class_8_first_quarter": among(clips_[:, :quarter]), "class_8_last_quarter": among(clips_[:, -quarter:]),
+                "seconds_per_clip_batched": round(seconds, 3), "metric": "class+direction",
                 "score": (figures["class_accuracy"] + figures["direction_accuracy"]) / 2}
 
 
@@ -1395,6 +1590,32 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
         add_training_arguments(p, lr, 16)
         p.set_defaults(log_every=10, save_every=50, warmup=50)
+    sf = jobs.add_parser("self-forcing", help="train a shipped transformer on its own rollouts (Self-Forcing)",
+                         description=SELF_FORCING, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sf.add_argument("--init-from", required=True, help="the pipeline folder whose transformer trains (its text encoder "
+                    "frozen), e.g. video/assets/emoji-motion")
+    sf.add_argument("--latents", nargs="+", required=True, help="files of `latents` (encoded by that pipeline's VAE)")
+    sf.add_argument("--steps-per-block", type=int, default=4, help="Euler steps of each block, in the rollouts and in "
+                    "the held-out clips (Self-Forcing's 4; the shipped pipeline samples 8)")
+    sf.add_argument("--shift", type=float, default=3.0, help="flow shift of that schedule (the shipped pipeline's)")
+    sf.add_argument("--levels", choices=("schedule", "continuous"), default="schedule", help="noise levels of the "
+                    "trained forward: the schedule's own (those the few-step sampler visits) or u ~ U(0, 1) warped by "
+                    "--shift, as the teacher-forcing jobs draw them (every level stays trained, for other step counts)")
+    sf.add_argument("--anchor-blocks", type=int, default=1, help="blocks at the start of each past that are the clip's "
+                    "own latents (committed by the model's clean pass); the rest of the past is the model's rollout. "
+                    "0: the whole past is the model's, so the real target may contradict it (where its first frame "
+                    "put the sprite)")
+    sf.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT, help="weight of the unconditional (\"\" prompt) "
+                    "half of the guided batch in the loss (the other jobs drop this share of captions)")
+    sf.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
+    sf.add_argument("--eval-every", type=int, default=0, help="log the proxies of clips the model makes every N steps "
+                    "(at --steps-per-block; class accuracy also among the data's eight sprites, and over the first and "
+                    "last quarter of the frames); best.pt keeps the best mean of class and direction accuracy")
+    sf.add_argument("--vae", help="the VAE for --eval-every: a pipeline folder such as video/assets/emoji-motion, or a vae run")
+    sf.add_argument("--eval-clips", type=int, default=16)
+    sf.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
+    add_training_arguments(sf, 2e-4, 16)
+    sf.set_defaults(log_every=10, save_every=50, warmup=20)
     runs = ("--vae", "--target", "--small")
     vq = jobs.add_parser("vae-quality", help="a VAE run's held-out PSNR and the proxies of real clips through it")
     vq.add_argument("--vae", required=True)
@@ -1445,10 +1666,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.job in ("diagnose", "sweep") and Path(args.out).exists() and not args.overwrite:
         parser.exit(2, f"train_video {args.job}: {args.out} exists: choose another --out or add --overwrite\n")
+    if args.job == "self-forcing" and (error := self_forcing_error(args)):
+        parser.exit(2, f"train_video self-forcing: {error}\n")
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     jobs_ = {"vae": train_vae, "vae-quality": vae_quality, "latents": encode_latents, "target": train_transformer, "small": train_transformer,
-             "diagnose": diagnose, "export": export, "sweep": sweep, "card": card}
+             "self-forcing": train_self_forcing, "diagnose": diagnose, "export": export, "sweep": sweep, "card": card}
     jobs_[args.job](args)
 
 

@@ -66,12 +66,12 @@ class GenerationRules:
         return self._suppress(logits, self.suppress + self.begin_suppress)
 
     def step(self, logits: torch.Tensor, state: "RuleState", tokens: torch.Tensor) -> torch.Tensor:
-        """The logits [R, n, V] of a forward of `tokens` [R, n]: position j's history is the row's
-        committed tokens and tokens[:, :j + 1]."""
+        """The logits [R, n, V] of the last n positions of a forward of `tokens` [R, m] (m >= n):
+        position j's history is the row's committed tokens and tokens[:, :j + 1]."""
         if self.repetition_penalty != 1.0:
             fed = torch.zeros(*tokens.shape, logits.shape[-1], dtype=torch.bool, device=logits.device)
             fed.scatter_(2, tokens[..., None], True)
-            seen = state.history()[:, None] | fed.cummax(1).values
+            seen = state.history()[:, None] | fed.cummax(1).values[:, tokens.shape[1] - logits.shape[1]:]
             logits = self._penalise(logits, seen)
         return self._suppress(logits, self.suppress)
 

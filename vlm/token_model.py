@@ -36,7 +36,7 @@ import torch
 from mmgen.cache import SlotKVCache, transformers_cache
 from mmgen.decoding.window import model_window_cost, model_window_tokens
 from mmgen.hooks import hooks_attached
-from mmgen.modeling import DecodeState
+from mmgen.modeling import DecodeState, place_hidden
 from mmgen.sampling import Logits
 
 from mmgen.vlm.dropping import Capture, MustDrop, Prefill, decode_eviction, gather_seq, make_dropping
@@ -58,6 +58,7 @@ class VLMTokenModel:
         self.last_report = None  # DroppingReport of the latest prefill (None without dropping)
         self.prefill_done_at = 0.0  # perf_counter() when it ended
         self.vocab_size = model.lm_head.out_features
+        self.hidden_size = model.lm_head.in_features
         self.trunk = text_trunk(model)
         self.embed = model.get_input_embeddings()  # looked up once: the lookup walks the wrappers (12 us a forward on CPU)
         self.window_cost = model_window_cost(model)
@@ -93,12 +94,19 @@ class VLMTokenModel:
             inputs["position_ids"] = positions.unsqueeze(0).expand(3, -1, -1) if mrope else positions
         policy = None if self.dropping is None or self.dropping.identity else self.dropping
         prefill = Prefill(policy, self.model, self.trunk, ids, mask) if policy is not None else None
+        last: list = []  # the trunk's final hidden state at the last prompt position (draft heads start there)
+        keep_last = self.trunk.register_forward_hook(lambda module, args, out: last.append(out.last_hidden_state[:, -1:]))
+        try:
+            if prefill is None:
+                out = self.model(**inputs, **transformers_cache(kv), use_cache=True, logits_to_keep=1)
+            else:
+                with prefill.hooks():
+                    out = self.model(**inputs, **transformers_cache(kv), use_cache=True, logits_to_keep=1)
+        finally:
+            keep_last.remove()
         if prefill is None:
-            out = self.model(**inputs, **transformers_cache(kv), use_cache=True, logits_to_keep=1)
             slots, kept_mask = ids.shape[1], mask
         else:
-            with prefill.hooks():
-                out = self.model(**inputs, **transformers_cache(kv), use_cache=True, logits_to_keep=1)
             prefill.finish(kv)
             slots, kept_mask = prefill.valid.shape[1], prefill.valid.long()
         cache = SlotKVCache(kv, kept_mask, prompt_length=slots, compact_ratio=self.compact_ratio)
@@ -120,7 +128,7 @@ class VLMTokenModel:
         if mask.device.type == "cuda":
             torch.cuda.synchronize(mask.device)
         self.prefill_done_at = time.perf_counter()
-        return DecodeState(cache, ids.shape[0], False, Logits(first), extra=extra)
+        return DecodeState(cache, ids.shape[0], False, Logits(first), extra=extra, hidden=last[-1] if last else None)
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
@@ -157,11 +165,22 @@ class VLMTokenModel:
             cache.evict(drop)
             self.last_report.evicted_tokens = drop.sum(1).tolist()
             extra.evict = False
-        logits = self.head(hidden)
+        state.hidden = hidden
+        logits = self.hidden_logits(state, hidden, tokens)
         if extra.rules is not None:
-            logits = self.rules.step(logits, extra.rules, tokens)
             extra.rules.pending = tokens
-        return Logits(logits)
+        return logits
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+    def hidden_logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor) -> Logits:
+        logits = self.head(hidden)
+        rules = state.extra.rules
+        return Logits(logits if rules is None else self.rules.step(logits, rules, fed))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the trunk's hidden states, as the model's own forward makes them
@@ -188,6 +207,7 @@ class VLMTokenModel:
         extra.offset[row] = solo.offset[0] + fresh.cache.prompt_length - state.cache.prompt_length
         if extra.rules is not None:
             extra.rules.restart(row, solo.rules)
+        place_hidden(state, [row], fresh.hidden)
         return fresh.first_logits
 
     def select_rows(self, state: DecodeState, index: torch.Tensor) -> None:
@@ -209,6 +229,15 @@ class VLMTokenModel:
         state.cache.rewind(num_generated)
         if state.extra.rules is not None:
             state.extra.rules.rewind(num_generated)
+
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        """The text trunk's blocks, for layer-skip drafting (`mmgen.decoding.layer_skip`).
+        MustDrop's decode-stage eviction reads the first decode forward, which would be a draft
+        forward with blocks skipped: refused."""
+        if isinstance(self.dropping, MustDrop) and self.dropping.decode_keep < 1:
+            raise ValueError("layer-skip drafting cannot run MustDrop's decode-stage eviction (decode_keep < 1): "
+                             "its first decode forward would be a draft's; set decode_keep=1 or use another decoding")
+        return self.trunk.layers
 
 
 class _Extra:

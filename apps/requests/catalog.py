@@ -20,7 +20,7 @@ from mmgen.hub import read_json
 
 from .bounds import shown
 
-#: Name endings of second models (drafters, refiners, small models): companions, not main
+#: Name endings of second models (drafters, small models): companions, not main
 #: choices. A bundled main model brings its bundled companions; a folder X brings X-draft / X-small beside it.
 COMPANION_SUFFIXES = ("-draft", "-small")
 #: A model folder may say which lossless method measured fastest on it, and with which settings

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Optional, Sequence
 import torch
 
 from mmgen import registry
-from mmgen.decoding import DecodeStats, Request, parse_decoding
+from mmgen.decoding import RENAMED_SHORTCUTS, DecodeStats, Request, canonical_decoding, parse_decoding
 from mmgen.image_ar.bundled import BUNDLED_MODELS
 from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
 from mmgen.sampling import make_generator
@@ -273,7 +273,7 @@ def check_request(request: ImageRequest, catalog: ImageCatalog, max_images: int 
         steps = info.defaults.get(keyword) if request.num_steps is None else request.num_steps
         overrides[setting] = sampling[keyword] = integer(f"{family} steps", steps, 1, MAX_STEPS)
     return CheckedImage(request, pipe, label, seed, count, sampling, name, options, overrides, scales,
-                        _spec_text(name, request.options))
+                        _spec_text(request.method, request.options))
 
 
 def run_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 4) -> ImageResult:
@@ -333,22 +333,23 @@ def _class_label(class_name: Any, names: list[str]) -> int:
 
 
 def companion_options(pipe: Any) -> frozenset:
-    """Decoder options that name a second model for this pipeline (draft:drafter=..., code:refiner=...)."""
+    """Decoder options that name a second model for this pipeline (draft:drafter=..., collaborative:small=...)."""
     return frozenset(c.option for c in pipe.companions.values())
 
 
 def _decoding(method: Any, text: Any, pipe: Any, catalog: ImageCatalog, model: str) -> tuple[str, dict[str, Any]]:
     """The method (a shortcut the pipeline declares) and its checked options: numbers and
-    booleans bounded, strings only for companion models the demo offers (never a path)."""
+    booleans bounded, strings only for companion models the demo offers (never a path). An old
+    method or option name is read as its new one, with a DeprecationWarning."""
     shortcuts = pipe.decoders()
-    if not isinstance(method, str) or method not in shortcuts:
+    if not isinstance(method, str) or RENAMED_SHORTCUTS.get(pipe.decoder_family, {}).get(method, method) not in shortcuts:
         raise ValueError(f"unknown decoding method {shown(method)} for this model; choose one of {sorted(shortcuts)}")
     if not isinstance(text, str) or len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"decoding options must be text of at most {MAX_SPEC_CHARS} characters")
     if ":" in text:
         raise ValueError(f"decoding options are key=value pairs separated by commas (e.g. 'delta=0.2,window=8'); "
                          f"pick the method in the list, got {text!r}")
-    name, options = parse_decoding(f"{method}:{text}" if text.strip() else method)
+    name, options = canonical_decoding(*parse_decoding(f"{method}:{text}" if text.strip() else method), shortcuts)
     defaults = _option_defaults(shortcuts[name]())
     for key, value in options.items():
         if key in companion_options(pipe):

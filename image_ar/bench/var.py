@@ -3,8 +3,8 @@
 
 Speed rows time whole decodes (warm-up, medians over repeats) and report the speedup against
 plain decoding of the same model and batch, the forwards of each model, and memory: the KV
-caches' bytes (the largest cache alive at once: CoDe frees the drafter's before the refiner
-allocates), the weights of the models involved, and the CUDA allocator's peak on a GPU.
+caches' bytes (the largest cache alive at once: CoDe frees the large model's before the small
+one allocates), the weights of the models involved, and the CUDA allocator's peak on a GPU.
 Quality rows score the same labels and seed for every method with the bundled classifier and
 the NLL of the tokens under the plain model.
 """
@@ -18,7 +18,9 @@ import torch
 
 from mmgen.benchmarking import plan, tick
 from mmgen.image_ar.bench.common import quality_chunks, quality_labels, timed_decodes
+from mmgen.decoding import RENAMED_SHORTCUTS, parse_decoding
 from mmgen.decoding.pruning import CachedTokenPruning
+from mmgen.deprecation import warn_deprecated
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
 from mmgen.loading import decoder_from_spec, resolve_model
 from mmgen.image_ar.var import MultiScaleVQVAE, VARConfig, VARPipeline, VARTransformer, VQVAEConfig
@@ -55,13 +57,13 @@ def var_speed_rows(pipe: VARPipeline, model_name: str, decoders: dict, prunings:
                                             output_type="pt", **options).stats
             stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup, progress,
                                   f"{model_name} {method} pruning {pruning_spec} batch {batch}")
-            refiner = getattr(decoder, "refiner", None)
+            small = getattr(decoder, "small", None)
             row = {
                 "model": model_name, "method": method, "pruning": pruning_spec, "batch": batch,
                 "forwards": "+".join(str(f) for f in stats[0].stage_forwards),
                 "seconds": statistics.median(s.wall_time_s for s in stats),
                 "kv_cache_mb": max(s.cache_bytes for s in stats) / 2**20,
-                "weights_mb": weights_mb(pipe, *([refiner] if isinstance(refiner, VARPipeline) else [])),
+                "weights_mb": weights_mb(pipe, *([small] if isinstance(small, VARPipeline) else [])),
                 "peak_memory_mb": None if stats[0].peak_memory_bytes is None else max(s.peak_memory_bytes for s in stats) / 2**20,
             }
             baseline = baseline or (row["seconds"] if method == "ar" and pruning is None else None)
@@ -112,10 +114,16 @@ def random_var_pipeline(depth: int, device: torch.device, dtype: torch.dtype) ->
     return pipe.to(device, dtype)
 
 
-def scale_decoders(methods: Sequence[str], pipe: VARPipeline, model_name: str, refiner: Optional[VARPipeline] = None) -> dict:
-    """Decoders for method specs; `refiner` (random-weight runs) replaces the bundled companion."""
+def is_collaborative(method: str) -> bool:
+    """Whether a method spec names CoDe (also by its old shortcut, which decoding it warns about)."""
+    name = parse_decoding(method)[0]
+    return RENAMED_SHORTCUTS["scale"].get(name, name) == "collaborative"
+
+
+def scale_decoders(methods: Sequence[str], pipe: VARPipeline, model_name: str, small: Optional[VARPipeline] = None) -> dict:
+    """Decoders for method specs; `small` (random-weight runs) replaces the bundled companion."""
     dtype = pipe.transformer.class_emb.weight.dtype
-    overrides = lambda m: {"refiner": refiner} if refiner is not None and m.startswith("code") else {}
+    overrides = lambda m: {"small": small} if small is not None and is_collaborative(m) else {}
     return {m: decoder_from_spec(m, pipe, model_name, pipe.device, dtype, **overrides(m)) for m in methods}
 
 
@@ -123,14 +131,17 @@ def run_var(args, report: dict, device: torch.device, dtype: torch.dtype, progre
     """The VAR part of `mmgen bench`: bundled/saved VAR pipelines, or official sizes with random weights."""
     options = {k: v for k, v in dict(guidance_scale=args.guidance_scale, temperature=args.temperature, top_k=args.top_k,
                                      top_p=args.top_p).items() if v is not None}
+    if getattr(args, "refiner_depth", None) is not None:
+        warn_deprecated("--refiner-depth", "use --small-depth")
+        args.small_depth = args.refiner_depth
     if args.random_weights:
         depth = int(args.random_weights.removeprefix("var-d"))
         pipe = random_var_pipeline(depth, device, dtype)
-        refiner = random_var_pipeline(args.refiner_depth, device, dtype) if any(m.startswith("code") for m in args.methods) else None
-        for p in (pipe, refiner):
+        small = random_var_pipeline(args.small_depth, device, dtype) if any(map(is_collaborative, args.methods)) else None
+        for p in (pipe, small):
             if p is not None:
                 p.set_progress_bar_config(disable=True)
-        report["speed"] = var_speed_rows(pipe, args.random_weights, scale_decoders(args.methods, pipe, "", refiner), args.prunings,
+        report["speed"] = var_speed_rows(pipe, args.random_weights, scale_decoders(args.methods, pipe, "", small), args.prunings,
                                          args.batch_sizes, options, args.repeats, args.warmup, progress)
         return
     report.setdefault("speed", [])

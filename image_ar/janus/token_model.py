@@ -123,7 +123,7 @@ class JanusTokenModel:
         embeds = self.model.get_input_embeddings()(ids)
         hidden = self._trunk(embeds, mask, positions, kv)[:, -1:]
         cache = SlotKVCache(kv, mask, prompt_length=length, compact_ratio=self.compact_ratio)
-        return DecodeState(cache, batch, guidance, self._logits(hidden, guidance))
+        return DecodeState(cache, batch, guidance, self._logits(hidden, guidance), hidden=hidden)
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
@@ -131,7 +131,21 @@ class JanusTokenModel:
             tokens = torch.cat([tokens, tokens])
         mask, positions = state.cache.open(tokens.shape[1])
         embeds = self.model.prepare_embeddings_for_image_generation(tokens)
-        return self._logits(self._trunk(embeds, mask, positions, state.cache.kv), state.guidance)
+        state.hidden = self._trunk(embeds, mask, positions, state.cache.kv)
+        return self._logits(state.hidden, state.guidance)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.text_config.hidden_size
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.prepare_embeddings_for_image_generation(tokens)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.model.generation_head(hidden).float()
+
+    def hidden_logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor) -> Logits:
+        return self._logits(hidden, state.guidance)
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.commit(torch.cat([accepted, accepted]) if state.guidance else accepted)
@@ -152,6 +166,10 @@ class JanusTokenModel:
             return Logits(logits)
         cond, uncond = logits.chunk(2)
         return Logits(cond, uncond)
+
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        """The language model's blocks, for layer-skip drafting (`mmgen.decoding.layer_skip`)."""
+        return self.model.model.language_model.layers
 
 
 def config_boi_token_id(generation_config) -> Optional[int]:

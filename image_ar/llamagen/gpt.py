@@ -353,6 +353,16 @@ class LlamaGenTransformer(nn.Module):
         """Run embeddings h [B, n, dim] at absolute `positions` [B, n]; with a cache, write K/V
         there and attend to each row's earlier cached positions. `attention_backend` is one of
         `ATTENTION_BACKENDS`. Returns float32 logits."""
+        return self.output(self.final_hidden(h, positions, cache, attention_backend)).float()
+
+    def final_hidden(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Optional[StaticKVCache] = None,
+        attention_backend: str = "default",
+    ) -> torch.Tensor:
+        """`forward_hidden` up to the output head: the final norm's hidden states [B, n, dim]."""
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
         rope = self.rope(positions, h.device)
@@ -361,7 +371,7 @@ class LlamaGenTransformer(nn.Module):
             mask = additive_mask(mask, h.dtype)  # once per forward, not in every layer
         for layer in self.layers:
             h = layer(h, rope, cache, positions, mask, attention_backend)
-        return self.output(self.norm(h)).float()
+        return self.norm(h)
 
     def setup_cache(self, batch_size: int, max_length: int) -> StaticKVCache:
         """A per-row-length KV cache for this model's layers, dtype and device."""

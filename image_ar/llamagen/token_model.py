@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mmgen.compile import CachePool, compile_forward
-from mmgen.modeling import DecodeState
+from mmgen.modeling import DecodeState, place_hidden
 from mmgen.sampling import Logits
 
 from mmgen.image_ar.llamagen.gpt import LlamaGenTransformer
@@ -79,6 +79,7 @@ class LlamaGenTokenModel:
     ):
         self.transformer = transformer
         self.vocab_size = transformer.config.vocab_size
+        self.hidden_size = transformer.config.dim
         self.row_length = transformer.config.grid_size  # raster order: tokens per image row
         self._codebook = codebook
         if official_attention is None:
@@ -114,8 +115,9 @@ class LlamaGenTokenModel:
             make = lambda: self.transformer.setup_cache(rows, length)
             return make() if self._caches is None else self._caches.take(key, make)
 
-        cache, logits, n = self._prefill(conditions, guidance, capacity, cache_for)
-        state = DecodeState(cache, cache.batch_size // 2 if guidance else cache.batch_size, guidance, logits, extra=n)
+        cache, logits, n, hidden = self._prefill(conditions, guidance, capacity, cache_for)
+        state = DecodeState(cache, cache.batch_size // 2 if guidance else cache.batch_size, guidance, logits, extra=n,
+                            hidden=hidden)
         if self._caches is not None:
             self._caches.lend(key, cache, state)
         return state
@@ -127,12 +129,14 @@ class LlamaGenTokenModel:
         copied over the row whole (with its unconditional twin), so the row then holds what a
         batch-1 `start` would: the logits it returns predict the row's token 0."""
         live = state.cache
-        cache, logits, n = self._prefill(conditions, state.guidance, live.max_length - state.extra, self.transformer.setup_cache)
+        cache, logits, n, hidden = self._prefill(conditions, state.guidance, live.max_length - state.extra,
+                                                 self.transformer.setup_cache)
         if cache.batch_size != (2 if state.guidance else 1) or n != state.extra:
             raise ValueError(f"restart takes one row's conditions with a {state.extra}-token prefix")
         rows = [row, row + state.batch_size] if state.guidance else [row]
         live.k[:, rows], live.v[:, rows] = cache.k, cache.v
         live.lengths[rows], live.key_padding[rows] = cache.lengths, cache.key_padding
+        place_hidden(state, rows, hidden)
         return logits
 
     def select_rows(self, state: DecodeState, index: torch.Tensor) -> None:
@@ -141,9 +145,10 @@ class LlamaGenTokenModel:
         state.cache.select_rows(torch.cat([index, index + state.batch_size]) if state.guidance else index)
         state.batch_size = len(index)
 
-    def _prefill(self, conditions, guidance: bool, capacity: int, cache_for) -> tuple[Any, Logits, int]:
-        """(cache, logits predicting token 0, prefix length n): the condition prefix (and with
-        `guidance` the unconditional one) fed into `cache_for(rows, n + capacity)`."""
+    def _prefill(self, conditions, guidance: bool, capacity: int, cache_for) -> tuple[Any, Logits, int, torch.Tensor]:
+        """(cache, logits predicting token 0, prefix length n, the final hidden state predicting
+        token 0 [rows, 1, dim]): the condition prefix (and with `guidance` the unconditional
+        one) fed into `cache_for(rows, n + capacity)`."""
         model = self.transformer
         conditions, mask = self._check_conditions(conditions)
         if guidance:
@@ -155,9 +160,10 @@ class LlamaGenTokenModel:
         cache = cache_for(rows, n + capacity)
         if mask is not None:
             cache.key_padding[:, :n] = ~mask[:, :n]
-        logits = model.forward_hidden(prefix, cache.positions(n), cache)[:, -1:]
+        hidden = model.final_hidden(prefix, cache.positions(n), cache)
+        logits = model.output(hidden).float()[:, -1:]
         cache.advance(n)
-        return cache, _split(logits, guidance), n
+        return cache, _split(logits, guidance), n, hidden[:, -1:]
 
     @torch.no_grad()
     def forward(self, state: DecodeState, tokens: torch.Tensor) -> Logits:
@@ -165,8 +171,19 @@ class LlamaGenTokenModel:
             tokens = torch.cat([tokens, tokens])
         h = self.transformer.tok_embeddings(tokens)
         positions = state.cache.positions(tokens.shape[1])
-        logits = self.transformer.forward_hidden(h, positions, state.cache, attention_backend=self.decode_attention)
-        return _split(logits, state.guidance)
+        hidden = self.transformer.final_hidden(h, positions, state.cache, attention_backend=self.decode_attention)
+        if not self.compiled:  # a captured graph's outputs are overwritten by its next replay
+            state.hidden = hidden
+        return _split(self.transformer.output(hidden).float(), state.guidance)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.transformer.tok_embeddings(tokens)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.transformer.output(hidden).float()
+
+    def hidden_logits(self, state: DecodeState, hidden: torch.Tensor, fed: torch.Tensor) -> Logits:
+        return _split(self.output_logits(hidden), state.guidance)
 
     def commit(self, state: DecodeState, accepted: torch.Tensor) -> None:
         state.cache.advance(torch.cat([accepted, accepted]) if state.guidance else accepted)
@@ -196,6 +213,12 @@ class LlamaGenTokenModel:
         if self.transformer.config.model_type == "c2i":
             return torch.full_like(conditions, embedder.num_classes)
         return embedder.uncond_embedding.to(conditions.dtype).expand_as(conditions)
+
+    def decoder_layers(self) -> torch.nn.ModuleList:
+        """The GPT's blocks, for layer-skip drafting (`mmgen.decoding.layer_skip`): its static
+        cache is slot = position, so a skipped block's stale draft slots are overwritten by the
+        verify forward."""
+        return self.transformer.layers
 
 
 def _split(logits: torch.Tensor, guidance: bool) -> Logits:

@@ -48,7 +48,7 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
 
     component_types = {"transformer": (VARTransformer, VARConfig), "vqvae": (MultiScaleVQVAE, VQVAEConfig)}
     decoder_family = "scale"
-    companions = {"code": Companion("refiner", "-small", "a small refiner model of the same tokenizer")}
+    companions = {"collaborative": Companion("small", "-small", "a small model of the same tokenizer")}
     official_sampling = VAR_PRESETS["fid"]
 
     def __init__(
@@ -72,7 +72,7 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         return self.vqvae.config.image_size
 
     def scale_model(self, pruning: Optional[CachedTokenPruning] = None) -> VARScaleModel:
-        """The transformer and VQVAE as the core's `ScaleModel` (what `Collaborative` takes as a refiner)."""
+        """The transformer and VQVAE as the core's `ScaleModel` (what `Collaborative` takes as `small`)."""
         return VARScaleModel(self.transformer, self.vqvae, pruning)
 
     def sampling_config(self, guidance_scale=None, temperature=None, top_k=None, top_p=None, preset=None) -> SamplingConfig:
@@ -112,8 +112,8 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
 
         Args:
             class_labels: class ids in [0, num_classes).
-            decoding: "ar" (one forward per scale), "code" / `Collaborative(refiner=small_pipe,
-                draft_steps=8)` (CoDe: this model drafts the first scales, a smaller one refines),
+            decoding: "ar" (one forward per scale), "collaborative" / `Collaborative(small=small_pipe,
+                large_steps=8)` (CoDe: this model decodes the first scales, a smaller one the rest),
                 or any `ScaleDecoder`.
             guidance_scale: the official `cfg`: scale k of n is guided as (1 + t) c - t u with
                 t = cfg * k / (n - 1); 0 turns guidance off.
@@ -134,9 +134,9 @@ class VARPipeline(ClassLabelled, SamplingDefaults, Pipeline):
         sampling = self.sampling_config(guidance_scale, temperature, top_k, top_p, preset)
         smooth = self.preset(preset)["more_smooth"] if more_smooth is None else more_smooth
         decoder = self.decoder(decoding)
-        if pruning is not None and isinstance(decoder, Collaborative) and hasattr(decoder.refiner, "scale_model"):
-            # The pruned (largest) scales are the refiner's: it prunes them.
-            decoder = replace(decoder, refiner=decoder.refiner.scale_model(pruning))
+        if pruning is not None and isinstance(decoder, Collaborative) and hasattr(decoder.small, "scale_model"):
+            # The pruned (largest) scales are the small model's: it prunes them.
+            decoder = replace(decoder, small=decoder.small.scale_model(pruning))
         generator = self.generator_for(generator)
         with self.progress_bar(len(self.transformer.config.patch_nums), desc="scales") as bar:
             result = decoder.generate(

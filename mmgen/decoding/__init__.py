@@ -35,8 +35,10 @@ from mmgen.decoding.causal_continuous import CausalContinuousSpeculative
 from mmgen.decoding.coupled import CoupledJacobi, CounterNoise
 from mmgen.decoding.draft import DraftModelProposer, DraftSpeculative
 from mmgen.decoding.entropy_switch import EntropySwitch
+from mmgen.decoding.heads import DraftHeads, DraftHeadsConfig, HeadsProposer, HeadsSpeculative
 from mmgen.decoding.jacobi_init import AboveNeighbourInit, DraftContext, DraftInit, LeftNeighbourInit, RandomDraftInit
 from mmgen.decoding.jacobi import JacobiProposer, SpeculativeJacobi
+from mmgen.decoding.layer_skip import LayerSkipProposer, LayerSkipSpeculative
 from mmgen.decoding.ngram import NGramProposer, PromptLookup
 from mmgen.decoding.next_scale import Collaborative, MapSmoothing, NextScale, ScaleDecodeOutput, ScaleDecoder
 from mmgen.decoding.pruning import CachedTokenPruning
@@ -45,6 +47,7 @@ from mmgen.decoding.speculative import speculative_decode
 from mmgen.decoding.stats import DecodeStats, DraftCounters, StageCounters
 from mmgen.decoding.stopping import Stopping, Streamer, TokenQueueStreamer
 from mmgen.decoding.window import AdaptiveWindow, resolve_adaptive
+from mmgen.deprecation import rename_options, warn_deprecated
 
 #: String shortcuts accepted wherever a decoder is (`decoding="lantern"`).
 DECODERS: dict[str, Callable[[], Decoder]] = {
@@ -55,7 +58,9 @@ DECODERS: dict[str, Callable[[], Decoder]] = {
     "lantern": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(delta=0.1)),
     "lantern++": lambda: SpeculativeJacobi(acceptance=RelaxedAcceptance(lam=2.0)),
     "draft": DraftSpeculative,
+    "heads": HeadsSpeculative,
     "lookup": PromptLookup,
+    "skip": LayerSkipSpeculative,
     "entropy-switch": EntropySwitch,
 }
 
@@ -72,11 +77,14 @@ CAUSAL_CONTINUOUS_DECODERS: dict[str, Callable[[], CausalContinuousSpeculative]]
     "cspd": CausalContinuousSpeculative,
 }
 
-#: The shortcuts of next-scale models (VAR): `decoding="code"` needs `refiner=`.
+#: The shortcuts of next-scale models (VAR): `decoding="collaborative"` (CoDe) needs `small=`.
 SCALE_DECODERS: dict[str, Callable[[], ScaleDecoder]] = {
     "ar": NextScale,
-    "code": Collaborative,
+    "collaborative": Collaborative,
 }
+
+#: Old shortcut names by decoder family, old -> new, read (with a DeprecationWarning) until 0.3.
+RENAMED_SHORTCUTS: dict[str, dict[str, str]] = {"scale": {"code": "collaborative"}}
 
 
 def make_decoder(name: str, registry: dict[str, Callable[[], Any]] = DECODERS, **options: Any) -> Any:
@@ -84,10 +92,9 @@ def make_decoder(name: str, registry: dict[str, Callable[[], Any]] = DECODERS, *
     names the decoder lacks, to its acceptance rule's (`make_decoder("lantern", delta=0.2,
     window=8)`) or its adaptive window's (`make_decoder("sjd", batch_rows=8)`: `AdaptiveWindow`'s
     fields but `widths`); rule options apply to an `acceptance=` given alongside them. Unknown
-    options are an error that lists the valid ones."""
-    if not isinstance(name, str) or name.lower() not in registry:
-        raise ValueError(f"unknown decoding {name!r}: use one of {sorted(registry)} or a decoder object")
-    decoder = registry[name.lower()]()
+    options are an error that lists the valid ones; old names are read (`canonical_decoding`)."""
+    name, options = canonical_decoding(name, options, registry, stacklevel=3)
+    decoder = registry[name]()
     own = {k: v for k, v in options.items() if k in _field_names(decoder)}
     window_fields = _WINDOW_OPTIONS if "adapt" in _field_names(decoder) else set()
     window = {k: v for k, v in options.items() if k in window_fields and k not in own}
@@ -107,6 +114,23 @@ def make_decoder(name: str, registry: dict[str, Callable[[], Any]] = DECODERS, *
             raise ValueError(f"option(s) {sorted(window)} of decoding {name!r} set the adaptive window, which adapt=false turns off")
         own["adapt"] = replace(adapt, **window)
     return replace(decoder, **own) if own else decoder
+
+
+def canonical_decoding(name: str, options: dict[str, Any], registry: dict[str, Callable[[], Any]] = DECODERS,
+                       stacklevel: int = 2) -> tuple[str, dict[str, Any]]:
+    """(shortcut, options) of `registry` under their current names: a renamed shortcut
+    (`RENAMED_SHORTCUTS`) or decoder option (the decoder's `renamed_options`) becomes its new
+    name with a DeprecationWarning. An unknown shortcut is an error listing the valid ones."""
+    if not isinstance(name, str):
+        raise ValueError(f"unknown decoding {name!r}: use one of {sorted(registry)} or a decoder object")
+    given, name, renamed = name, name.lower(), RENAMED_SHORTCUTS.get(_family_of(registry), {})
+    if name in renamed and name not in registry:
+        warn_deprecated(f"decoding {name!r}", f"use {renamed[name]!r}", stacklevel + 1)
+        name = renamed[name]
+    if name not in registry:
+        raise ValueError(f"unknown decoding {given!r}: use one of {sorted(registry)} or a decoder object")
+    decoder = registry[name]()
+    return name, rename_options(type(decoder).__name__, getattr(decoder, "renamed_options", {}), options, stacklevel + 1)
 
 
 #: The `AdaptiveWindow` fields a decoding spec may set ("sjd:batch_rows=8,dwell=10").
@@ -200,11 +224,16 @@ def unregister_decoder(family: str, name: str) -> None:
     FAMILY_DECODERS.get(family, {}).pop(name, None)
 
 
+def _family_of(registry: dict[str, Callable[[], Any]]) -> str:
+    """The decoder family whose shortcut table `registry` is ("token" for one of none)."""
+    return next((name for name, table in FAMILY_DECODERS.items() if table is registry), "token")
+
+
 def resolve_decoder(decoding: Any, registry: dict[str, Callable[[], Any]] = DECODERS) -> Any:
     """A decoder object from itself, a shortcut name or a spec ("lantern:delta=0.2"); pass
     `registry=SCALE_DECODERS` for next-scale models, `CONTINUOUS_DECODERS` for continuous ones
     (or `FAMILY_DECODERS[family]`). A decoder object must be of that registry's family."""
-    family = next((name for name, table in FAMILY_DECODERS.items() if table is registry), "token")
+    family = _family_of(registry)
     kind = {"token": Decoder, "scale": ScaleDecoder, "continuous": ContinuousDecoder,
             "causal-continuous": CausalContinuousSpeculative, "block-diffusion": BlockDenoising}[family]
     if isinstance(decoding, BaseDecoder) and decoding.family == family:
@@ -265,6 +294,12 @@ __all__ = [
     "DraftContext",
     "DraftInit",
     "DraftSpeculative",
+    "LayerSkipProposer",
+    "LayerSkipSpeculative",
+    "DraftHeads",
+    "DraftHeadsConfig",
+    "HeadsProposer",
+    "HeadsSpeculative",
     "EntropySwitch",
     "ExactAcceptance",
     "GaussianTokens",
@@ -281,6 +316,8 @@ __all__ = [
     "ScaleDecoder",
     "SpeculativeJacobi",
     "make_decoder",
+    "canonical_decoding",
+    "RENAMED_SHORTCUTS",
     "parse_decoding",
     "register_decoder",
     "unregister_decoder",

@@ -308,7 +308,7 @@ def continuous_decode(
     left out) and the run's stats (its forwards over the whole run, prefills included; `rows` =
     requests started; `baseline_forwards` = autoregressive decoding of the same tokens in
     gap-free rows)."""
-    from mmgen.decoding.speculative import speculative_decode
+    from mmgen.decoding.speculative import feed_decode
 
     check_num_tokens(num_tokens)
     check_continuous(decoder)
@@ -330,14 +330,14 @@ def continuous_decode(
     # from these, never from a request's.
     device = head.generator.device
     generators = RowGenerators(torch.Generator(device=device).manual_seed(0) for _ in range(rows))
-    proposer, rule = decoder.roles(model, num_tokens, generators[0])  # speculative_decode checks them first
+    proposer, rule = decoder.roles(model, num_tokens, generators[0])  # feed_decode checks them first
     if follows_requests(queue, model, proposer):  # start as wide as the requests waiting; grow as more come
         rows = min(rows, max(1, queue.waiting()))
         generators = generators.select(range(rows))
     # The batch is sized by the first request's conditions; each row is prefilled again alone.
-    result = speculative_decode(model, _stack([head.conditions] * rows), num_tokens, sampling, generators, proposer, rule,
-                                decoder.capacity(num_tokens), stopping=stopping, feed=queue,
-                               adapt=row_policy(resolve_adaptive(getattr(decoder, "adapt", None)), batch_size))
+    result = feed_decode(model, queue, _stack([head.conditions] * rows), num_tokens, sampling, generators, proposer, rule,
+                         decoder.capacity(num_tokens), stopping=stopping,
+                         adapt=row_policy(resolve_adaptive(getattr(decoder, "adapt", None)), batch_size))
     stats = result.stats
     # Forwards: the batch's decode forwards plus one batch-1 prefill per request. The baseline
     # is autoregressive decoding of the same tokens in rows packed without a gap (a prefill per

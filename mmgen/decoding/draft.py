@@ -29,6 +29,48 @@ def as_token_model(drafter: Any) -> TokenModel:
     return drafter
 
 
+def confident(logits: Any, draft: torch.Tensor, threshold: float) -> torch.Tensor:
+    """[B] whether each row's drafter gave its newest draft at least `threshold` (the softmax
+    of its conditional `Logits` [B, 1(, K), V] at temperature 1; draft [B, 1(, K)]; frames:
+    the first codebook's)."""
+    logits = logits.cond
+    if draft.dim() == 3:
+        logits, draft = logits[:, :, 0], draft[:, :, 0]
+    chosen = torch.softmax(logits.float(), -1).gather(-1, draft[..., None])[:, 0, 0]
+    return chosen >= threshold
+
+
+def round_stops(drafting: torch.Tensor, active: torch.Tensor) -> bool:
+    """Whether a round of drafting stops under a confidence stop: fewer than half of the
+    `active` [B] rows are still `drafting` [B] (at batch 1: the first unsure draft). One host
+    read."""
+    sure, live = torch.stack([drafting.sum(), active.sum()]).tolist()
+    return sure == 0 or 2 * sure < live
+
+
+class ConfidenceStop:
+    """A round's confidence stop (dynamic speculation lookahead; SWIFT's confidence-aware
+    drafting): a row drops out of the round at its first draft that its drafter gave less than
+    `threshold` (`confident`), and the round stops once fewer than half of the `active` rows are
+    left (`round_stops`: one host read per draft). Threshold 0: it never stops a round."""
+
+    def __init__(self, threshold: float, active: torch.Tensor, num_draft: int):
+        self.threshold, self.active, self.num_draft, self.drafting = threshold, active, num_draft, active
+
+    def stops(self, j: int, logits: Any, draft: torch.Tensor) -> bool:
+        """Whether the round ends after its draft `j`, drawn from `logits`."""
+        if self.threshold <= 0 or j + 1 >= self.num_draft:
+            return False
+        self.drafting = self.drafting & confident(logits, draft, self.threshold)
+        return round_stops(self.drafting, self.active)
+
+
+def check_confidence(confidence: Any) -> None:
+    """ValueError unless `confidence` (a confidence stop's threshold) is a probability in [0, 1)."""
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < 1:
+        raise ValueError(f"confidence must be a probability in [0, 1), got {confidence!r}")
+
+
 class DraftModelProposer(Proposer):
     """A small model of the same tokenizer samples `num_draft` tokens autoregressively from its
     own distribution q (same sampling settings and guidance as the target); after each verify
@@ -66,7 +108,7 @@ class DraftModelProposer(Proposer):
         feed = gather_slots(run.tokens, (run.pos[:, None] + back).clamp_min(0))
         drafts, q = [], []
         complete = getattr(self.drafter, "complete_frame", None)
-        drafting = run.active  # the rows still sure of this round's drafts (under a confidence stop)
+        stop = ConfidenceStop(self.confidence, run.active, self.num_draft)
         for j in range(self.num_draft):
             at = run.pos[:, None] + 1 + j
             logits = self.drafter.forward(self.state, feed)[:, -1:]
@@ -81,22 +123,10 @@ class DraftModelProposer(Proposer):
                 feed, q_j = frame[:, None], torch.cat([q_j[:, :, :1], laws[:, None, 1:]], 2)
             drafts.append(feed)
             q.append(q_j)
-            if self.confidence > 0 and j + 1 < self.num_draft:
-                drafting = drafting & self._confident(logits, feed)
-                sure, active = torch.stack([drafting.sum(), run.active.sum()]).tolist()  # one host read per draft
-                if sure == 0 or 2 * sure < active:
-                    break
+            if stop.stops(j, logits, feed):
+                break
         self.forwards += len(drafts)
         return torch.cat(drafts, 1), torch.cat(q, 1)
-
-    def _confident(self, logits: Any, draft: torch.Tensor) -> torch.Tensor:
-        """[B] whether each row's drafter gave its newest draft at least `confidence`
-        (`Logits` [B, 1(, K), V], draft [B, 1(, K)])."""
-        logits = logits.cond
-        if draft.dim() == 3:  # frames: the first codebook's
-            logits, draft = logits[:, :, 0], draft[:, :, 0]
-        chosen = torch.softmax(logits.float(), -1).gather(-1, draft[..., None])[:, 0, 0]
-        return chosen >= self.confidence
 
     def update(self, run, n_acc, next_token, fresh, p, active):
         self.drafter.rewind(self.state, (run.pos - 1).clamp_min(0))
@@ -127,8 +157,7 @@ class DraftSpeculative(SpeculativeDecoder):
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)
-        if isinstance(self.confidence, bool) or not isinstance(self.confidence, (int, float)) or not 0 <= self.confidence < 1:
-            raise ValueError(f"confidence must be a probability in [0, 1), got {self.confidence!r}")
+        check_confidence(self.confidence)
 
     @property
     def window(self) -> int:

@@ -1,7 +1,7 @@
 """Continuous batching's side of the speculative loop: the feed of requests (`RowFeed`) and the
 loop's rows while a feed fills them (`FeedRows`).
 
-The loop (`speculative_decode`) asks its rows for three things: token 0 of every row before the
+The loop (`speculative.decode`, set up here by `feed_decode`) asks its rows for three things: token 0 of every row before the
 first forward (`start`), what follows each forward (`forwarded`: finished rows handed on, free
 rows started, and the value the loop compares with `num_tokens` to stop) and the end (`end`).
 For one batch decoded once that is `speculative.BatchRows`; with a feed it is `FeedRows`, whose

@@ -10,6 +10,7 @@ import torch
 
 from mmgen.decoding.base import BaseDecoder, DecodeOutput, Progress, check_int, raise_if_masked
 from mmgen.decoding.stats import StageCounters, StatsRecorder
+from mmgen.deprecation import renamed_keywords
 from mmgen.modeling import ScaleModel
 from mmgen.sampling import SamplingConfig, invalid_rows, sample
 
@@ -65,39 +66,42 @@ class NextScale(ScaleDecoder):
         return [(as_scale_model(model), 0)]
 
 
+@renamed_keywords(refiner="small", draft_steps="large_steps")
 @dataclass
 class Collaborative(ScaleDecoder):
-    """Collaborative decoding (CoDe; Chen et al., CVPR 2025, arXiv 2411.17787).
+    """Collaborative decoding (CoDe; Chen et al., CVPR 2025, arXiv 2411.17787): shortcut
+    "collaborative", as the video's `CollaborativeDenoising`.
 
-    The pipeline's (large) model drafts the first `draft_steps` scales, where few tokens carry
-    the image's content; its cache is then freed, and `refiner` (a smaller model on the same
-    tokenizer) feeds every drafted map in one block-causal prefill and decodes the remaining,
-    large scales, which hold most of the tokens and most of the cost. Training-free with two
-    official checkpoints (e.g. VAR-d30 drafting, VAR-d16 refining).
+    The pipeline's (large) model decodes the first `large_steps` scales, where few tokens carry
+    the image's content; its cache is then freed, and `small` (a smaller model on the same
+    tokenizer) feeds every map decoded so far in one block-causal prefill and decodes the
+    remaining, large scales, which hold most of the tokens and most of the cost. Training-free
+    with two official checkpoints (e.g. VAR-d30 large, VAR-d16 small).
 
-    `schedule` generalises the hand-off to any number of models: [(model or None, first step),
-    ...], None standing for the pipeline's own model; it overrides `refiner`/`draft_steps`.
-    `draft_steps=None` drafts all but the last two steps: the paper's N = 8 of VAR's 10 scales,
-    and a valid split for a model with fewer scales.
+    `handoffs` generalises the hand-off to any number of models: [(model or None, first step),
+    ...], None standing for the pipeline's own model; it overrides `small`/`large_steps`.
+    `large_steps=None` gives the large model all but the last two steps: the paper's N = 8 of
+    VAR's 10 scales, and a valid split for a model with fewer scales. (`refiner=` and
+    `draft_steps=` are the old names of `small=` and `large_steps=`, removed in 0.3.)
     """
 
-    refiner: Any = None
-    draft_steps: Optional[int] = None
+    small: Any = None
+    large_steps: Optional[int] = None
     handoffs: Optional[Sequence[tuple[Any, int]]] = None
 
     def __post_init__(self):
-        if self.draft_steps is not None:
-            check_int("draft_steps", self.draft_steps, 1)
+        if self.large_steps is not None:
+            check_int("large_steps", self.large_steps, 1)
 
     def schedule(self, model: ScaleModel) -> list[tuple[ScaleModel, int]]:
         model = as_scale_model(model)
         if self.handoffs is not None:
             stages = [(model if m is None else as_scale_model(m, "a collaborative stage's model"), s) for m, s in self.handoffs]
-        elif self.refiner is None:
-            raise ValueError("Collaborative needs a refiner: a smaller model on the same tokenizer")
+        elif self.small is None:
+            raise ValueError("Collaborative needs small=: a smaller model on the same tokenizer")
         else:
-            draft = max(1, len(model.step_sizes) - 2) if self.draft_steps is None else self.draft_steps
-            stages = [(model, 0), (as_scale_model(self.refiner, "refiner"), draft)]
+            large = max(1, len(model.step_sizes) - 2) if self.large_steps is None else self.large_steps
+            stages = [(model, 0), (as_scale_model(self.small, "small"), large)]
         steps = len(model.step_sizes)
         starts = [s for _, s in stages]
         if not stages or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= steps:

@@ -97,7 +97,10 @@ class DecodeRun:
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep rows `index` [B'] (into the current rows, in that order; a repeated row is one
         continuous batching restarts before it decodes), the model's state included."""
+        hidden, B = self.state.hidden, self.batch_size
         self.model.select_rows(self.state, index)
+        if hidden is not None:  # `HiddenStateModel`: each row's twins (guidance) come B rows apart
+            self.state.hidden = hidden[torch.cat([index + half * B for half in range(hidden.shape[0] // B)])]
         self.tokens, self.pos, self.active = self.tokens[index], self.pos[index], self.active[index]
         self.generator = self.generator.select(index.tolist())
 

@@ -43,6 +43,7 @@ K = 1 is the plain token case, bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -111,7 +112,6 @@ def speculative_decode(
     stopping: Optional[Stopping] = None,
     streamer: Optional[Streamer] = None,
     adapt: Optional[AdaptiveWindow] = None,
-    feed: Optional[RowFeed] = None,
 ) -> DecodeOutput:
     """Decode up to `num_tokens` tokens per row with `proposer` and acceptance `rule`.
 
@@ -120,44 +120,101 @@ def speculative_decode(
     rejection, the bonus sample when every draft passed), so each forward finalises 1 to k + 1
     tokens per row. Rows advance independently and finished rows idle with fixed shapes.
 
-    With a `feed` (continuous batching), `generator` is a `RowGenerators` and `conditions`
-    only size the batch: every row starts on a request from the feed (`model.restart`, a
-    batch-1 prefill), a finished row goes to `feed.finish` and takes the next request (as does
-    the row of a cancelled request, `feed.drop`), and the loop runs until no row is decoding.
+    This sets up one batch's decode (`BatchRows`); continuous batching sets up its own
+    (`feed_decode`); both hand a `DecodePlan` to the one loop, `decode`.
     """
     check_num_tokens(num_tokens)
-    if feed is not None:
-        check_row_feed(model, proposer, adapt)
     rows_of = adapt.batch_rows if adapt is not None else None
+    run, adapt, ends, recorder = _begin(model, conditions, num_tokens, sampling, generator, proposer, capacity, stopping, adapt)
+    B, k = run.batch_size, run.num_draft
+    if rows_of is not None and B > 1:
+        raise ValueError(f"batch_rows={rows_of} is for a decode of one row (a continuous batch's row, or alone); "
+                         f"this static batch of {B} rows shares one window: leave batch_rows out")
+    # Fixed-length decoding without drafts knows its forwards; every other loop reads one
+    # number per forward (the slowest active row), which also drives progress and stopping.
+    synced = k > 0 or stopping is not None or streamer is not None
+    window_cost = with_default_curves(getattr(model, "window_cost", None))  # GPT-B's measured curve where the model carries none
+    window_tokens = getattr(model, "window_tokens", None) if proposer.uses_window_tokens else None
+    length = ends.known_length() if adapt is not None else None
+    chooser = window_chooser(adapt, k, B, run.guided, run.device, window_cost, window_tokens, length)
+    rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)
+    return decode(DecodePlan(run, proposer, rule, ends, recorder, rows, chooser, synced, idle_rows=B > 1 and synced))
+
+
+def feed_decode(
+    model: TokenModel,
+    feed: RowFeed,
+    conditions: Any,
+    num_tokens: int,
+    sampling: Union[SamplingConfig, Sequence[SamplingConfig]],
+    generators: Any,
+    proposer: Proposer,
+    rule: Any = None,
+    capacity: Optional[int] = None,
+    stopping: Optional[Stopping] = None,
+    adapt: Optional[AdaptiveWindow] = None,
+) -> DecodeOutput:
+    """Continuous batching's decode (`mmgen.decoding.batching.continuous_decode`): `conditions`
+    (one request's, repeated) only size the first batch and `generators` (`RowGenerators`) are
+    the rows' own until requests arrive. Every row starts on a request from `feed`
+    (`model.restart`, a batch-1 prefill), a finished row goes to `feed.finish` and takes the
+    next request (as does the row of a cancelled request, `feed.drop`), and the loop runs until
+    no row is decoding. Under an adaptive window each row chooses its own draft counts
+    (`RowWindows`), as its decode alone would."""
+    check_num_tokens(num_tokens)
+    check_row_feed(model, proposer, adapt)
+    run, adapt, ends, recorder = _begin(model, conditions, num_tokens, sampling, generators, proposer, capacity, stopping, adapt)
+    k = run.num_draft
+    window_tokens = getattr(model, "window_tokens", None) if proposer.uses_window_tokens else None
+    windows = None
+    if adapt is not None and k > 0:
+        windows = RowWindows(adapt, k, run.guided, run.device, with_default_curves(getattr(model, "window_cost", None)), run,
+                             window_tokens, ends)
+    rows = FeedRows(feed, run, proposer, ends, None, windows)
+    chooser = windows or window_chooser(None, k, run.batch_size, run.guided, run.device)
+    return decode(DecodePlan(run, proposer, rule, ends, recorder, rows, chooser, synced=True, idle_rows=True))
+
+
+def _begin(model, conditions, num_tokens, sampling, generator, proposer, capacity, stopping, adapt):
+    """What both set-ups share: the run (the model prefilled), its adaptive window (None where
+    no width can pay), its rows' ends and the stats recorder."""
     if adapt is not None and proposer.num_draft > 0 and adapt.never_drafts(proposer.num_draft, generator.device):
         # A row whose window no width can pay for (a continuous batch's row on a compute-bound
         # device): autoregressive steps, in a cache without the window's room (fewer keys).
         proposer.num_draft, adapt, capacity = 0, None, None
     run = DecodeRun.begin(model, conditions, num_tokens, sampling, generator, proposer.num_draft, capacity)
-    B, k, K, state, device = run.batch_size, run.num_draft, run.num_codebooks, run.state, run.device
-    if rows_of is not None and feed is None and B > 1:
-        raise ValueError(f"batch_rows={rows_of} is for a decode of one row (a continuous batch's row, or alone); "
-                         f"this static batch of {B} rows shares one window: leave batch_rows out")
-    recorder = StatsRecorder(device, max_accepted=k + 1)
-    ends = RowEnds(stopping, B, num_tokens, device)
-    # Fixed-length decoding without drafts knows its forwards; every other loop reads one
-    # number per forward (the slowest active row), which also drives progress and stopping.
-    synced = k > 0 or stopping is not None or streamer is not None or feed is not None
-    window_cost, windows = getattr(model, "window_cost", None), None
-    window_tokens = getattr(model, "window_tokens", None) if proposer.uses_window_tokens else None
-    window_cost = with_default_curves(window_cost)  # GPT-B's measured curve where the model carries none
-    if feed is None:
-        rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)
-    else:  # under an adaptive window, each row chooses its own draft counts (`RowWindows`)
-        windows = RowWindows(adapt, k, run.guided, device, window_cost, run, window_tokens, ends) if adapt is not None and k > 0 else None
-        rows = FeedRows(feed, run, proposer, ends, streamer, windows)
+    ends = RowEnds(stopping, run.batch_size, num_tokens, run.device)
+    return run, adapt, ends, StatsRecorder(run.device, max_accepted=run.num_draft + 1)
+
+
+@dataclass
+class DecodePlan:
+    """One decode, set up (`speculative_decode` for a batch, `feed_decode` for continuous
+    batching) and ready for the loop: the run and its two roles, its rows' ends, the stats, who
+    the rows decode for (`BatchRows` or `feed.FeedRows`), the window chooser, whether the loop
+    reads the slowest row every forward (`synced`) and whether rows may idle in it
+    (`idle_rows`: their steps are zeroed)."""
+
+    run: DecodeRun
+    proposer: Proposer
+    rule: Any
+    ends: RowEnds
+    recorder: StatsRecorder
+    rows: Any
+    chooser: Any
+    synced: bool
+    idle_rows: bool
+
+
+def decode(plan: DecodePlan) -> DecodeOutput:
+    """The loop: propose, verify and finalise, commit, until the slowest row is done."""
+    run, proposer, ends, rows, chooser = plan.run, plan.proposer, plan.ends, plan.rows, plan.chooser
+    model, state, K, device = run.model, run.state, run.num_codebooks, run.device
     slowest = rows.start()  # every row's token 0
     B = run.batch_size  # continuous batching may have grown the batch for requests that arrived meanwhile
-    length = ends.known_length() if adapt is not None and windows is None else None
-    chooser = windows or window_chooser(adapt, k, B, run.guided, device, window_cost, window_tokens, length)
-    verify = VerifyStep(run, proposer, rule)
-    slots, ones = torch.arange(k + 2, device=device), torch.ones(B, dtype=torch.long, device=device)
-    while slowest < num_tokens:
+    verify = VerifyStep(run, proposer, plan.rule)
+    slots, ones = torch.arange(run.num_draft + 2, device=device), torch.ones(B, dtype=torch.long, device=device)
+    while slowest < run.num_tokens:
         active = run.active
         # Propose: d drafts per row and the laws they were drawn from (d = 0: an autoregressive step).
         d = run.num_draft = chooser.choose()
@@ -184,19 +241,19 @@ def speculative_decode(
             written, step = torch.cat([window, next_token[:, None]], 1), ones
         run.tokens.scatter_(1, frame_index(run.pos[:, None] + slots[: d + 2], K), written)
         step, still = ends.cut(step, written, slots, active)
-        if synced and (B > 1 or feed is not None):  # unsynced loops and a lone row have no idle rows
+        if plan.idle_rows:  # unsynced loops and a lone row have no idle rows
             step = torch.where(active, step, 0)
         model.commit(state, step)
-        recorder.record(step, active)
+        plan.recorder.record(step, active)
         run.pos = run.pos + step
         run.active = still & ends.advance(step)
         proposer.update(run, n_acc, next_token, fresh, p, active)
         chooser.after(step, active, d)
         slowest = rows.forwarded(step, active, p)
         if run.batch_size != B:  # continuous batching changed the batch's width (`FeedRows.resize`)
-            B, ones, verify = run.batch_size, torch.ones(run.batch_size, dtype=torch.long, device=device), VerifyStep(run, proposer, rule)
+            B, ones, verify = run.batch_size, torch.ones(run.batch_size, dtype=torch.long, device=device), VerifyStep(run, proposer, plan.rule)
     rows.end()
-    stats = recorder.finish(ends.tokens(), B, state.cache_bytes + proposer.cache_bytes)
+    stats = plan.recorder.finish(ends.tokens(), B, state.cache_bytes + proposer.cache_bytes)
     proposer.finish(stats)
     chooser.finish(stats)
     return ends.output(run.tokens, stats)

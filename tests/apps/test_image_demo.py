@@ -144,13 +144,24 @@ def test_compare_runs_autoregressive_on_the_same_seed(catalog):
 
 
 def test_two_model_methods_pair_with_the_cached_companion(catalog):
-    out = run_request(ImageRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
+    out = run_request(ImageRequest("var-emoji64", "heart", "collaborative", options="large_steps=3", compare=True), catalog)
     assert out.method.stats.stage_forwards and out.baseline.stats.forwards == 6
     assert "var-emoji64-small" in catalog._pipelines  # loaded once, through the catalog
 
 
+def test_old_collaborative_names_still_run_the_same_decode_and_warn(catalog):
+    """The demo and the server read CoDe's old names (`code`, `draft_steps=`) until 0.3: the same
+    images as `collaborative` / `large_steps=`, one DeprecationWarning a name, labelled as given."""
+    new = run_request(ImageRequest("var-emoji64", "heart", "collaborative", options="large_steps=3"), catalog)
+    with pytest.warns(DeprecationWarning) as caught:
+        old = run_request(ImageRequest("var-emoji64", "heart", "code", options="draft_steps=3"), catalog)
+    assert sorted(str(w.message).split(": use ")[1] for w in caught) == ["'collaborative'", "large_steps="]
+    assert [i.tobytes() for i in old.method.images] == [i.tobytes() for i in new.method.images]
+    assert old.method.label == "code:draft_steps=3" and old.method.stats.stage_forwards == [3, 3]
+
+
 def test_next_scale_runs_report_tokens_per_step_and_the_model_of_each_step(catalog):
-    out = run_request(ImageRequest("var-emoji64", "heart", "code", options="draft_steps=3", compare=True), catalog)
+    out = run_request(ImageRequest("var-emoji64", "heart", "collaborative", options="large_steps=3", compare=True), catalog)
     sizes = [1, 4, 9, 16, 36, 64]  # var-emoji64's scales 1, 2, 3, 4, 6, 8
     assert out.step_rows() == [{"step": k + 1, "tokens": n, "model": "var-emoji64" if k < 3 else "var-emoji64-small"}
                                for k, n in enumerate(sizes)]
@@ -190,7 +201,8 @@ def test_continuous_models_take_bounded_steps(tmp_path):
         (dict(options="lantern:delta=0.2"), "key=value pairs"),
         (dict(options="x" * 201), "at most 200 characters"),
         (dict(method="draft", options="drafter=/etc"), "name one of the demo's other models"),
-        (dict(method="code"), "unknown decoding method 'code'"),
+        (dict(method="code"), "unknown decoding method 'code'"),  # CoDe's old name is VAR's only
+        (dict(method="collaborative"), "unknown decoding method 'collaborative'"),
         (dict(model="../emoji64"), "unknown model"),
         (dict(class_name="<b>dog</b>"), "unknown class '<b>dog</b>'"),  # plain text, not HTML-escaped
         (dict(class_name="x" * 10_000), r"unknown class 'x{58}…; choose"),  # any size through the API: cut
@@ -226,7 +238,7 @@ def test_ui_handler_turns_errors_into_plain_text_gradio_errors(catalog, monkeypa
     # Plain text: no &lt; / &#x27; (HTML escaping made API messages unreadable); a "<" that could
     # open a tag is the Python escape \x3c, so that the page's toast shows it instead of rendering it.
     assert error.value.message.startswith("unknown class \"\\x3cb>cat\\x3c/b> & 'dog'\"; choose one of this model's classes (")
-    values.update(model="var-emoji64", class_name="heart", method="code", options="handoffs=3")  # fails inside the decoder
+    values.update(model="var-emoji64", class_name="heart", method="collaborative", options="handoffs=3")  # fails inside the decoder
     with pytest.raises(gr.Error, match="generation failed"):
         image_demo.handle_generate(catalog, 4, *values.values())
 
@@ -242,10 +254,10 @@ def test_ui_handler_turns_errors_into_plain_text_gradio_errors(catalog, monkeypa
 def test_var_chart_shows_tokens_per_step_by_model_not_a_flat_accepted_line(catalog):
     from mmgen.apps.image_demo import STEPS_TITLE, handle_generate
 
-    values = {**UI_VALUES, "model": "var-emoji64", "class_name": "heart", "method": "code", "options": "draft_steps=3"}
+    values = {**UI_VALUES, "model": "var-emoji64", "class_name": "heart", "method": "collaborative", "options": "large_steps=3"}
     *_, trace, steps = handle_generate(catalog, 4, *values.values())
     assert trace["visible"] is False and steps["visible"] is True
-    assert steps["label"] == STEPS_TITLE.format(label="code:draft_steps=3") and "per-step time is not recorded" in steps["label"]
+    assert steps["label"] == STEPS_TITLE.format(label="collaborative:large_steps=3") and "per-step time is not recorded" in steps["label"]
     frame = steps["value"]
     assert list(frame["step"]) == [f"{k} · var-emoji64" for k in (1, 2, 3)] + [f"{k} · var-emoji64-small" for k in (4, 5, 6)]
     assert list(frame["tokens"]) == [1, 4, 9, 16, 36, 64] and frame["tokens"].nunique() > 1
@@ -325,10 +337,10 @@ def api_call(url: str, **changes):
 
 def test_api_takes_any_method_and_class_of_the_chosen_model_without_a_ui_event(server_url):
     # The page was built with emoji64's methods; an API caller never sends the model-change
-    # event that would list VAR's, and Gradio used to refuse "code" as "not in the list of choices".
-    picture, baseline, stats, trace, steps = api_call(server_url, model="var-emoji64", class_name="heart", method="code",
-                                                      options="draft_steps=3")
-    assert stats["data"][0][:3] == ["code:draft_steps=3", 6, 130] and Path(picture["value"]).is_file()
+    # event that would list VAR's, and Gradio used to refuse "collaborative" as "not in the list of choices".
+    picture, baseline, stats, trace, steps = api_call(server_url, model="var-emoji64", class_name="heart",
+                                                      method="collaborative", options="large_steps=3")
+    assert stats["data"][0][:3] == ["collaborative:large_steps=3", 6, 130] and Path(picture["value"]).is_file()
     assert steps["visible"] and [row[1] for row in steps["value"]["data"]] == [1, 4, 9, 16, 36, 64]
     from gradio_client.exceptions import AppError
 
@@ -496,19 +508,19 @@ def test_switching_to_var_lists_its_methods(page, artifacts):
     pick(page, "model", "var-emoji64")
     expect(page.locator("#method input")).to_have_value("ar")
     page.locator("#method input").click()
-    assert page.get_by_role("option", name="code", exact=True).is_visible()
+    assert page.get_by_role("option", name="collaborative", exact=True).is_visible()
     assert page.get_by_role("option", name="sjd", exact=True).count() == 0
-    page.get_by_role("option", name="code", exact=True).click()
-    page.locator("#options textarea").fill("draft_steps=3")
+    page.get_by_role("option", name="collaborative", exact=True).click()
+    page.locator("#options textarea").fill("large_steps=3")
     generate(page, chart="steps-chart")
-    assert "code:draft_steps=3" in page.locator("#stats").inner_text()
+    assert "collaborative:large_steps=3" in page.locator("#stats").inner_text()
     # Not the flat accepted-length line: one bar per scale, named with the model that ran it.
     expect(page.locator("#chart")).to_be_hidden()
     chart = page.locator("#steps-chart")
     expect(chart).to_contain_text("per-step time is not recorded")
     expect(chart).to_contain_text("6 · var-emoji64-small")
     assert "3 · var-emoji64" in chart.inner_text() and chart.locator(".mark-rect path").count() == 6
-    page.screenshot(path=artifacts / "04-var-code.png", full_page=True)
+    page.screenshot(path=artifacts / "04-var-collaborative.png", full_page=True)
 
 
 def test_markup_in_an_error_is_shown_as_text_and_fetches_nothing(page, artifacts):

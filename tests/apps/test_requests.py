@@ -90,21 +90,23 @@ def test_the_measured_default_runs_with_its_measured_settings_where_a_request_se
     assert catalog.measured_options("model", "sjd") == {} and catalog.default_method("model") == "sjd"
 
 
-def test_the_bundled_vlm_drafts_with_its_measured_settings_unless_told_otherwise():
+def test_the_bundled_vlm_drafts_with_its_own_heads_unless_told_otherwise():
     from mmgen.apps.requests.text import VLMCatalog
+    from mmgen.decoding import DraftHeads
 
     catalog = VLMCatalog.discover()
     measured = json.loads((Path(__file__).parents[2] / "vlm/assets/emoji-vlm/decoding.json").read_text())
-    assert catalog.default_method("emoji-vlm") == measured["default"] == "draft"
-    decoder = catalog.decoder("draft", "emoji-vlm")
-    assert (decoder.num_draft, decoder.confidence) == (measured["options"]["num_draft"], measured["options"]["confidence"])
-    assert catalog.decoder("draft", "emoji-vlm", num_draft=2).num_draft == 2
+    assert catalog.default_method("emoji-vlm") == measured["default"] == "heads"
+    decoder = catalog.decoder("heads", "emoji-vlm")
+    assert isinstance(decoder.heads, DraftHeads) and decoder.drafts == decoder.heads.config.num_drafts == 5
+    assert catalog.decoder("heads", "emoji-vlm", num_draft=2).drafts == 2
+    assert catalog.decoder("draft", "emoji-vlm", num_draft=2).num_draft == 2  # the drafter is still offered
 
 
-@pytest.mark.parametrize("folder, default", [("audio/assets/speech-tts", "ar"), ("vlm/assets/emoji-vlm", "draft")])
+@pytest.mark.parametrize("folder, default", [("audio/assets/speech-tts", "ar"), ("vlm/assets/emoji-vlm", "heads")])
 def test_bundled_models_name_a_measured_default(folder, default):
     record = json.loads((Path(__file__).parents[2] / folder / "decoding.json").read_text())
-    assert record["default"] == default and "benchmarks." in record["measured"]
+    assert record["default"] == default and "mmgen bench " in record["measured"]
 
 
 @dataclass

@@ -40,7 +40,7 @@ READY = "#generate"  # the page fixture waits for it
 ARTIFACTS = "speech_demo"
 TEXT = "[S1] Hello there."
 FRAMES = 40
-METHODS = ["ar", "sjd", "sjd-coupled", "gsd", "draft", "lookup", "entropy-switch"]  # TTSPipeline.decoders() of a Dia model
+METHODS = ["ar", "sjd", "sjd-coupled", "gsd", "draft", "heads", "lookup", "skip", "entropy-switch"]  # TTSPipeline.decoders() of a Dia model
 
 
 @pytest.fixture(scope="module")

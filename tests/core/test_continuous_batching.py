@@ -255,7 +255,7 @@ def test_a_narrowed_row_draws_what_its_own_width_draws():
 def test_requests_that_arrive_while_others_decode_start_at_the_next_forward():
     """A server's queue: the second request appears after four forwards and takes the free row
     at once (free rows ask every forward), decoding what it decodes alone."""
-    from mmgen.decoding.speculative import speculative_decode
+    from mmgen.decoding.speculative import feed_decode
     from mmgen.sampling import RowGenerators
 
     class LateQueue:
@@ -276,7 +276,7 @@ def test_requests_that_arrive_while_others_decode_start_at_the_next_forward():
     queue = LateQueue([Request(torch.tensor([1]), make_generator(0)), Request(torch.tensor([5]), make_generator(1))])
     proposer, rule = decoder.roles(MODEL, 64, None)
     rows = RowGenerators([torch.Generator(), torch.Generator()])
-    out = speculative_decode(MODEL, torch.tensor([1, 1]), 64, SAMPLED, rows, proposer, rule, decoder.capacity(64), feed=queue)
+    out = feed_decode(MODEL, queue, torch.tensor([1, 1]), 64, SAMPLED, rows, proposer, rule, decoder.capacity(64))
     alone = [solo(decoder, label, i, SAMPLED) for i, label in enumerate([1, 5])]
     for i in range(2):
         assert torch.equal(queue.done[i][0], alone[i].tokens[0])

@@ -50,25 +50,25 @@ def test_next_scale_feeds_one_map_per_step_and_returns_every_map():
     assert out.stats.forwards == 3 and out.stats.tokens == 14 and out.stats.stage_forwards == [3]
 
 
-def test_collaborative_hands_off_with_one_prefill_of_every_drafted_map():
+def test_collaborative_hands_off_with_one_prefill_of_every_large_model_map():
     large, small = ToyScaleModel(seed=1), ToyScaleModel(seed=2)
-    out = run(Collaborative(refiner=small, draft_steps=2), large)
-    assert large.calls == [[], [1]] and large.starts == [2]  # the drafter's cache holds its 2 steps only
+    out = run(Collaborative(small=small, large_steps=2), large)
+    assert large.calls == [[], [1]] and large.starts == [2]  # the large model's cache holds its 2 steps only
     assert small.calls == [[1, 4]] and small.starts == [3]
     assert out.stats.stage_forwards == [2, 1] and out.stats.forwards == 3
     assert out.stats.stage_tokens == [3 * 5, 3 * 9] and out.stats.step_compression == 1.0  # one forward per scale, as AR
 
 
-def test_collaborative_drafts_all_but_the_last_two_steps_by_default():
+def test_collaborative_gives_the_large_model_all_but_the_last_two_steps_by_default():
     for sizes, split in (((1, 4, 9), [1, 2]), ((1, 2, 3, 4, 5, 6), [4, 2]), ((1, 4), [1, 1])):
         large, small = ToyScaleModel(step_sizes=sizes, seed=1), ToyScaleModel(step_sizes=sizes, seed=2)
-        assert run(Collaborative(refiner=small), large).stats.stage_forwards == split
+        assert run(Collaborative(small=small), large).stats.stage_forwards == split
 
 
 def test_collaborative_with_the_same_model_equals_next_scale():
     for seed in range(5):
         a = run(NextScale(), ToyScaleModel(seed=3), seed=seed, sampling=SamplingConfig(guidance=RampGuidance(2.0, 3)))
-        b = run(Collaborative(refiner=ToyScaleModel(seed=3), draft_steps=1), ToyScaleModel(seed=3), seed=seed,
+        b = run(Collaborative(small=ToyScaleModel(seed=3), large_steps=1), ToyScaleModel(seed=3), seed=seed,
                 sampling=SamplingConfig(guidance=RampGuidance(2.0, 3)))
         assert all(torch.equal(x, y) for x, y in zip(a.tokens, b.tokens))
 
@@ -94,15 +94,15 @@ def test_ramp_guidance_matches_the_official_formula():
 
 def test_bad_schedules_and_specs_are_clear_errors():
     model = ToyScaleModel()
-    with pytest.raises(ValueError, match="refiner"):
+    with pytest.raises(ValueError, match="needs small="):
         run(Collaborative(), model)
     with pytest.raises(ValueError, match="must start at 0"):
-        run(Collaborative(refiner=ToyScaleModel(), draft_steps=3), model)
+        run(Collaborative(small=ToyScaleModel(), large_steps=3), model)
     with pytest.raises(ValueError, match="share the tokenizer"):
-        run(Collaborative(refiner=ToyScaleModel(vocab_size=7), draft_steps=1), model)
-    with pytest.raises(ValueError, match="draft_steps"):
-        Collaborative(draft_steps=0)
-    assert isinstance(resolve_decoder("code:draft_steps=4", SCALE_DECODERS), Collaborative)
+        run(Collaborative(small=ToyScaleModel(vocab_size=7), large_steps=1), model)
+    with pytest.raises(ValueError, match="large_steps"):
+        Collaborative(large_steps=0)
+    assert isinstance(resolve_decoder("collaborative:large_steps=4", SCALE_DECODERS), Collaborative)
     assert isinstance(resolve_decoder("ar", SCALE_DECODERS), NextScale)
     with pytest.raises(ValueError, match="unknown decoding"):
         resolve_decoder("sjd", SCALE_DECODERS)

@@ -143,7 +143,7 @@ def test_sampled_decodes_are_reproduced_by_their_seed(device, families, kind, dt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_var_decodes_are_seeded_and_code_with_itself_is_plain_decoding(device, dtype):
+def test_var_decodes_are_seeded_and_collaborative_with_itself_is_plain_decoding(device, dtype):
     from mmgen.image_ar.var import VARPipeline
 
     pipe = VARPipeline(tiny_var(), tiny_vqvae()).to(device, dtype)
@@ -152,11 +152,11 @@ def test_var_decodes_are_seeded_and_code_with_itself_is_plain_decoding(device, d
                                                          generator=make_generator(seed, device), output_type="pt")
     a = run("ar")
     assert torch.equal(a.tokens, run("ar").tokens) and torch.isfinite(a.images).all()
-    if dtype == torch.float32:  # CoDe's refiner prefills the drafted scales at once: bf16 rounds that differently
+    if dtype == torch.float32:  # CoDe's small model prefills the large one's scales at once: bf16 rounds that differently
         for temperature in (0.0, 1.0):
             plain = run("ar", temperature=temperature)
-            code = run(Collaborative(refiner=pipe, draft_steps=2), temperature=temperature)
-            assert torch.equal(code.tokens, plain.tokens), temperature
+            collaborative = run(Collaborative(small=pipe, large_steps=2), temperature=temperature)
+            assert torch.equal(collaborative.tokens, plain.tokens), temperature
 
 
 def test_mar_decodes_are_seeded(device):

@@ -11,7 +11,7 @@ from tests.conftest import tiny_pipeline
 from tests.image_ar.test_janus import tiny_janus, tiny_processor
 from tests.image_ar.test_llamagen_t2i import tiny_t2i_pipeline
 
-LOSSLESS = ["sjd", "sjd-coupled", "draft", "lookup", "entropy-switch"]
+LOSSLESS = ["sjd", "sjd-coupled", "draft", "lookup", "skip", "heads", "entropy-switch"]
 LOSSY = ["gsd", "lantern", "lantern++"]
 
 
@@ -37,8 +37,12 @@ def decoder(name, pipe):
         return DraftSpeculative(drafter=pipe, num_draft=3)
     if name == "entropy-switch":
         return EntropySwitch(small=pipe, threshold=0.0)
-    if name == "lookup":
-        return make_decoder(name, num_draft=3)
+    if name == "heads":  # untrained heads (the identity): exact whatever they draft
+        from mmgen.decoding import DraftHeads, DraftHeadsConfig
+
+        return make_decoder(name, heads=DraftHeads(DraftHeadsConfig(pipe.token_model().hidden_size)))
+    if name in ("lookup", "skip"):  # skip: the tiny models' two blocks, block 0 skipped
+        return make_decoder(name, num_draft=3, **({"layers": [0]} if name == "skip" else {}))
     return make_decoder(name, window=4)
 
 

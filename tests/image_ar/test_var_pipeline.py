@@ -56,9 +56,9 @@ def test_generates_images_and_every_scale(pipe):
     assert len(pipe(1, generator=gen()).images) == 1
 
 
-def test_refiner_prefill_equals_its_own_scale_by_scale_logits(pipe, small):
-    """CoDe's hand-off: one block-causal prefill over the drafted maps gives the refiner the
-    logits it would have produced decoding those scales itself."""
+def test_small_model_prefill_equals_its_own_scale_by_scale_logits(pipe, small):
+    """CoDe's hand-off: one block-causal prefill over the large model's maps gives the small
+    model the logits it would have produced decoding those scales itself."""
     maps = [torch.randint(0, 32, (2, p * p), generator=gen(i)) for i, p in enumerate(PATCH_NUMS)]
     labels = torch.tensor([3, 7])
     for model in (small.scale_model(), pipe.scale_model()):
@@ -69,41 +69,52 @@ def test_refiner_prefill_equals_its_own_scale_by_scale_logits(pipe, small):
             prefill = model.forward(fresh, maps[:handoff])
             torch.testing.assert_close(prefill.cond, step_logits[-1].cond, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(prefill.uncond, step_logits[-1].uncond, rtol=1e-5, atol=1e-5)
-            # and the refiner continues from there exactly as the model that decoded every scale
+            # and the small model continues from there exactly as the model that decoded every scale
             if handoff < 3:
                 torch.testing.assert_close(model.forward(fresh, [maps[handoff]]).cond, model.forward(state, [maps[handoff]]).cond,
                                            rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_code_with_the_same_model_as_refiner_equals_plain_decoding(pipe, temperature):
+def test_collaborative_with_the_same_model_as_small_equals_plain_decoding(pipe, temperature):
     for seed in range(3):
         a = pipe([0, 5], decoding="ar", temperature=temperature, top_k=0, top_p=1.0, generator=gen(seed), output_type="pt")
         for n in (1, 2, 3):
-            b = pipe([0, 5], decoding=Collaborative(refiner=pipe, draft_steps=n), temperature=temperature, top_k=0, top_p=1.0,
+            b = pipe([0, 5], decoding=Collaborative(small=pipe, large_steps=n), temperature=temperature, top_k=0, top_p=1.0,
                      generator=gen(seed), output_type="pt")
             assert torch.equal(a.tokens, b.tokens)
             assert b.stats.stage_forwards == [n, 4 - n]
 
 
-def test_code_drafts_with_the_large_model_and_refines_with_the_small_one(pipe, small):
+def test_collaborative_decodes_first_scales_with_the_large_model_and_the_rest_with_the_small_one(pipe, small):
     big = pipe([0, 5], generator=gen(), output_type="pt")
     alone = small([0, 5], generator=gen(), output_type="pt")
-    code = pipe([0, 5], decoding=Collaborative(refiner=small, draft_steps=2), generator=gen(), output_type="pt")
-    assert torch.equal(code.tokens[:, :5], big.tokens[:, :5])  # scales 0-1: the drafter's, same noise
+    code = pipe([0, 5], decoding=Collaborative(small=small, large_steps=2), generator=gen(), output_type="pt")
+    assert torch.equal(code.tokens[:, :5], big.tokens[:, :5])  # scales 0-1: the large model's, same noise
     assert not torch.equal(code.tokens, big.tokens) and not torch.equal(code.tokens, alone.tokens)
-    # The drafter's cache holds 2 scales (5 tokens); the refiner's all 30.
+    # The large model's cache holds 2 scales (5 tokens); the small one's all 30.
     assert code.stats.cache_bytes == small.transformer.new_cache(4, 30).nbytes
     assert code.stats.cache_bytes < big.stats.cache_bytes
 
 
-def test_code_from_a_spec_needs_a_refiner(pipe):
-    with pytest.raises(ValueError, match="refiner"):
-        pipe([0], decoding="code", generator=gen())
+def test_collaborative_from_a_spec_needs_a_small_model(pipe):
+    with pytest.raises(ValueError, match="needs a small model"):
+        pipe([0], decoding="collaborative", generator=gen())
+
+
+def test_old_collaborative_names_in_a_spec_load_the_small_model_and_decode_the_same(pipe, small, tmp_path):
+    """`code:draft_steps=N,refiner=PATH` (the old names, read until 0.3) still loads the small model from
+    PATH and decodes the tokens of `collaborative:large_steps=N,small=PATH`, warning once a name."""
+    small.save_pretrained(tmp_path / "small")
+    new = pipe([0, 5], decoding=f"collaborative:large_steps=2,small={tmp_path / 'small'}", generator=gen(), output_type="pt")
+    with pytest.warns(DeprecationWarning) as caught:
+        old = pipe([0, 5], decoding=f"code:draft_steps=2,refiner={tmp_path / 'small'}", generator=gen(), output_type="pt")
+    assert sorted(str(w.message).split(": use ")[1] for w in caught) == ["'collaborative'", "large_steps=", "small="]
+    assert torch.equal(old.tokens, new.tokens) and old.stats.stage_forwards == [2, 2]
 
 
 def test_pruning_that_keeps_every_token_is_identical(pipe, small):
-    for decoding in ("ar", Collaborative(refiner=small, draft_steps=2)):
+    for decoding in ("ar", Collaborative(small=small, large_steps=2)):
         a = pipe([0, 5], decoding=decoding, generator=gen(), output_type="pt")
         b = pipe([0, 5], decoding=decoding, pruning=CachedTokenPruning(keep={-1: 0.99, -2: 0.99}, layers=(0, None)),
                  generator=gen(), output_type="pt")
@@ -180,7 +191,7 @@ def test_next_scale_and_collaborative_run_on_the_core_directly(pipe, small):
     sampling = SamplingConfig(guidance=RampGuidance(1.0, 4))
     labels = torch.tensor([1])
     a = NextScale().generate(pipe.scale_model(), labels, sampling, gen())
-    b = Collaborative(refiner=small, draft_steps=3).generate(pipe, labels, sampling, gen())
+    b = Collaborative(small=small, large_steps=3).generate(pipe, labels, sampling, gen())
     assert [t.shape[1] for t in a.tokens] == [t.shape[1] for t in b.tokens] == [1, 4, 9, 16]
 
 

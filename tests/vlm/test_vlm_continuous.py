@@ -29,8 +29,8 @@ def requests_for(pipe, seed: int, budgets=None):
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
-@pytest.mark.parametrize("name,temperature", [("ar", 0.0), ("ar", 1.0), ("sjd", 1.0), ("sjd", 0.0)],
-                         ids=["ar-greedy", "ar-sampled", "sjd-sampled", "sjd-greedy"])
+@pytest.mark.parametrize("name,temperature", [("ar", 0.0), ("ar", 1.0), ("sjd", 1.0), ("sjd", 0.0), ("heads", 1.0), ("heads", 0.0)],
+                         ids=["ar-greedy", "ar-sampled", "sjd-sampled", "sjd-greedy", "heads-sampled", "heads-greedy"])
 def test_each_request_answers_what_it_answers_alone(family, name, temperature, monkeypatch):
     pipe = BUILDERS[family]()
     placed = []  # (prompt region growth, the request's prompt slots, the region after) per restart
@@ -42,7 +42,12 @@ def test_each_request_answers_what_it_answers_alone(family, name, temperature, m
         return grow
 
     monkeypatch.setattr(SlotKVCache, "restart_row", spy)
-    decoder = make_decoder(name) if name == "ar" else make_decoder(name, window=4, adapt=False)
+    if name == "heads":  # a restarted row's heads start from its own prefill's hidden state
+        from tests.core.test_heads import heads_for
+
+        decoder = make_decoder(name, heads=heads_for(pipe.token_model().hidden_size, seed=3))
+    else:
+        decoder = make_decoder(name) if name == "ar" else make_decoder(name, window=4, adapt=False)
     sampling = SamplingConfig(temperature=temperature)
     stopping = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=12, pad_token=pipe.pad_token_id)
     budgets = [None, 5, None, None, 3, None]
@@ -211,7 +216,12 @@ def test_a_live_batch_grows_and_narrows_and_each_request_answers_as_alone(family
     requests = requests_for(pipe, 50, budgets=[12, 3, 10, 12, 5, 8])
     queue = arrivals({2: requests[1:3], 4: requests[3:]}, seen)
     queue.arrive(requests[0])
-    decoder = make_decoder(name) if name == "ar" else make_decoder(name, window=4, adapt=False)
+    if name == "heads":  # a restarted row's heads start from its own prefill's hidden state
+        from tests.core.test_heads import heads_for
+
+        decoder = make_decoder(name, heads=heads_for(pipe.token_model().hidden_size, seed=3))
+    else:
+        decoder = make_decoder(name) if name == "ar" else make_decoder(name, window=4, adapt=False)
     sampling = SamplingConfig(temperature=temperature)
     stopping = Stopping(stop_tokens=pipe.eos_token_ids, max_new_tokens=12, pad_token=pipe.pad_token_id)
     continuous_decode(decoder, pipe.token_model(), queue, 12, sampling, batch_size=3, stopping=stopping)
