@@ -178,17 +178,29 @@ def self_drafting() -> str:
                          times(r["speedup_vs_ar"])])
     header = ["model", "method", "unit", "units per target forward", "draft steps per unit", "ms per unit", "vs `ar`"]
     what = ("Batch 1, one thread, each model's default sampling (emoji64: CFG 2, temperature 1; emoji-vlm: greedy, "
-            "held-out sentence questions; speech-tts: CFG 3, top-k 32); every method is exact. The text and speech "
-            "harness interleaves the methods per input and reports paired ratios; the image harness times each "
-            "method's decodes in turn (its run set OMP_NUM_THREADS=1, since `mmgen bench image` has no --threads) and "
-            "counts no draft steps")
+            "held-out sentence questions; speech-tts: CFG 3, top-k 32); every method is exact; methods interleaved per "
+            "input, ratios paired (the image harness counts no draft steps)")
     return markdown(header, rows) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
+
+
+def image_official() -> str:
+    """mmgen's decoders against the official LlamaGen `generate` on the same weights."""
+    data = load("official_llamagen_emoji64_cpu")
+    rows = [[f"`{r['method']}`" if r["method"] != "official generate" else "official LlamaGen `generate`",
+             f"{r['ms_per_image']:.0f}", times(r["vs_official"]), times(r["vs_ar"])] for r in data["rows"]]
+    header = ["method", "ms per image", "vs official", "vs mmgen `ar`"]
+    sampling = data["sampling"]
+    what = (f"`{data['model']}` at batch {data['batch']}, its sampling defaults (guidance {sampling['guidance_scale']:g}, "
+            f"temperature {sampling['temperature']:g}, top-k {sampling['top_k']}), {data['repeats']} rounds of every method "
+            "on the same classes, ratios paired per round; the official greedy tokens equal mmgen `ar`'s on the same "
+            "weights (checked first)")
+    return markdown(header, rows) + "\n\n" + what + ". " + provenance(data)
 
 
 TABLES: dict[str, Callable[[], str]] = {
     "image-emoji64": image_tokens, "image-var": image_var, "image-mar": image_mar,
     "vlm": vlm, "speech": speech, "video": video, "video-stream": video_stream, "gpu": gpu,
-    "self-drafting": self_drafting,
+    "self-drafting": self_drafting, "image-official": image_official,
 }
 
 

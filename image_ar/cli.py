@@ -219,6 +219,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quality-batch-size", type=int, default=32, help="images per decode of the quality samples")
     parser.add_argument("--seed", type=seed_arg, default=0, help="seed of the quality samples, in [0, 2**63)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, mps")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype")
     parser.add_argument("--random-weights", metavar="PRESET", help="time an official preset with random weights instead: "
                         "a LlamaGen preset (e.g. GPT-B: verify-window cost) or var-d16 ... var-d36 (whole decodes)")
@@ -236,6 +237,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from mmgen.image_ar.bench import run
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     print(run(args))
     return 0

@@ -87,3 +87,35 @@ def test_video_bench_streams_with_switches(tmp_path):
     with pytest.raises(SystemExit):
         main(["bench", "video", "--stream", "x"])
     assert main(["bench", "video", "--stream", "-1"]) == 2
+
+
+def test_image_bench_interleaves_methods_and_pairs_each_ratio(tmp_path, monkeypatch):
+    """`mmgen bench image`: repeat r decodes seed r under every method in turn (so the machine's
+    load reaches all of them alike), and `speedup_vs_ar` is the median of the paired ratios;
+    `--threads` sets torch's threads."""
+    import json
+
+    import torch
+
+    from mmgen.cli import main
+    from mmgen.decoding.speculative import SpeculativeDecoder
+
+    order = []
+    generate = SpeculativeDecoder.generate
+
+    def spy(self, model, conditions, num_tokens, sampling, generator, *args, **kwargs):
+        order.append((type(self).__name__, generator.initial_seed()))
+        return generate(self, model, conditions, num_tokens, sampling, generator, *args, **kwargs)
+
+    monkeypatch.setattr(SpeculativeDecoder, "generate", spy)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "image", "--models", "emoji64", "--methods", "ar", "sjd-4", "--batch-sizes", "1", "--repeats", "2",
+                     "--warmup", "0", "--quality-per-class", "0", "--threads", "1", "--no-progress",
+                     "--json", str(tmp_path / "b.json")]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert order == [("Autoregressive", 0), ("SpeculativeJacobi", 0), ("Autoregressive", 1), ("SpeculativeJacobi", 1)]
+    rows = json.loads((tmp_path / "b.json").read_text())["speed"]
+    assert [r["method"] for r in rows] == ["ar", "sjd-4"] and rows[0]["speedup_vs_ar"] == 1.0 and rows[1]["speedup_vs_ar"] > 0

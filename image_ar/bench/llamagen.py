@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from mmgen.benchmarking import plan, sync, tick
 from mmgen.decoding import Decoder
-from mmgen.image_ar.bench.common import quality_chunks, timed_decodes
+from mmgen.image_ar.bench.common import quality_chunks
 from mmgen.image_ar.bundled import QUALITY_CLASSIFIER
 from mmgen.image_ar.llamagen import LlamaGenConfig, LlamaGenPipeline, LlamaGenTokenModel, LlamaGenTransformer
 from mmgen.loading import decoder_from_spec
@@ -25,6 +25,10 @@ from mmgen.sampling import SamplingConfig
 @torch.no_grad()
 def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], batch_sizes: Sequence[int],
                sampling: SamplingConfig, repeats: int, warmup: int, progress: Optional[tqdm] = None) -> list[dict]:
+    """Per batch size, every method's decodes interleaved: repeat r decodes the same classes with
+    seed r under each method in turn, so a change of the machine's load reaches all of them;
+    `speedup_vs_ar` is the median of the paired ratios (each repeat's `ar` time over the
+    method's), and the other figures medians over repeats."""
     device = pipe.device
     token_model = pipe.token_model()
     n = pipe.transformer.config.block_size
@@ -32,12 +36,20 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
     dtype = pipe.transformer.output.weight.dtype
     decoders = {method: decoder_from_spec(method, pipe, model_name, device, dtype) for method in methods}  # drafters load once
     for batch in batch_sizes:
-        baseline = None
+        labels = lambda seed: ((seed * batch + torch.arange(batch)) % pipe.num_classes).tolist()
+        decode = lambda method, seed: decoders[method].generate(token_model, torch.tensor(labels(seed), device=device), n,
+                                                                sampling, torch.Generator(device).manual_seed(seed)).stats
+        plan(progress, (warmup + repeats) * len(methods), f"{model_name} batch {batch}")
+        for method, seed in itertools.product(methods, range(10_000, 10_000 + warmup)):
+            decode(method, seed)
+            tick(progress)
+        runs: dict[str, list] = {method: [] for method in methods}
+        for seed in range(repeats):
+            for method in methods:
+                runs[method].append(decode(method, seed))
+                tick(progress)
         for method in methods:
-            decoder = decoders[method]
-            run = lambda labels, seed: decoder.generate(token_model, torch.tensor(labels, device=device), n, sampling,
-                                                        torch.Generator(device).manual_seed(seed)).stats
-            stats = timed_decodes(run, batch, pipe.num_classes, repeats, warmup, progress, f"{model_name} {method} batch {batch}")
+            stats = runs[method]
             row = {
                 "model": model_name, "method": method, "batch": batch,
                 "forwards": statistics.median(s.forwards for s in stats),
@@ -45,9 +57,9 @@ def speed_rows(pipe: LlamaGenPipeline, model_name: str, methods: Sequence[str], 
                 "mean_accepted_length": statistics.median(s.mean_accepted_length for s in stats),
                 "seconds": statistics.median(s.wall_time_s for s in stats),
                 "peak_memory_mb": None if stats[0].peak_memory_bytes is None else max(s.peak_memory_bytes for s in stats) / 2**20,
+                "speedup_vs_ar": statistics.median(a.wall_time_s / s.wall_time_s for a, s in zip(runs["ar"], stats))
+                if "ar" in runs else None,
             }
-            baseline = baseline or (row["seconds"] if method == "ar" else None)
-            row["speedup_vs_ar"] = baseline / row["seconds"] if baseline else None
             rows.append(row)
     return rows
 
