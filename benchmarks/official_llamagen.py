@@ -15,17 +15,13 @@ first), and each method's time is reported against the official `generate` and a
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.official_peer import command, commit_of, finish, parse, ratio_rows, timed_rounds
 from mmgen.benchmarking import environment
-from mmgen.files import write_atomic
 
 
 def official_model(official: Path, transformer) -> torch.nn.Module:
@@ -45,21 +41,8 @@ def official_model(official: Path, transformer) -> torch.nn.Module:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--official", required=True, help="a checkout of FoundationVision/LlamaGen")
-    parser.add_argument("--model", default="emoji64", help="a class-conditional LlamaGen: bundled name or folder")
-    parser.add_argument("--methods", nargs="+", default=["ar", "sjd", "heads:confidence=0.3"], help="mmgen decoding specs")
-    parser.add_argument("--repeats", type=int, default=10, help="rounds; each decodes --batch classes with every method")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", help="write the report here")
-    args = parser.parse_args(argv)
-    official = Path(args.official)
-    if not (official / "autoregressive" / "models" / "generate.py").is_file():
-        parser.error(f"--official {official}: not a LlamaGen checkout (no autoregressive/models/generate.py)")
-    if args.repeats < 1 or args.batch < 1 or args.threads < 1:
-        parser.error("--repeats, --batch and --threads must be at least 1")
-    torch.set_num_threads(args.threads)
+    args = parse(__doc__, "FoundationVision/LlamaGen", "emoji64", ["ar", "sjd", "heads:confidence=0.3"], ["autoregressive/models/generate.py", "utils/drop_path.py"], argv)
+    official = args.official
 
     from mmgen import load_pipeline
 
@@ -91,40 +74,15 @@ def main(argv=None) -> int:
         if not same:
             print("official_llamagen: official greedy tokens differ from mmgen ar's: not the same model", file=sys.stderr)
             return 1
-        times: dict[str, list[float]] = {"official generate": [], **{m: [] for m in args.methods}}
-        for repeat in range(args.repeats + 1):  # round 0 warms up
-            labels = [(repeat * args.batch + i) % classes for i in range(args.batch)]
-            begun = time.perf_counter()
-            run_official(labels)
-            seconds = {"official generate": time.perf_counter() - begun}
-            for method in args.methods:
-                begun = time.perf_counter()
-                run_mmgen(method, labels, repeat)
-                seconds[method] = time.perf_counter() - begun
-            if repeat:
-                for key, value in seconds.items():
-                    times[key].append(value)
-    rows = []
-    for key, values in times.items():
-        rows.append({"method": key, "ms_per_image": 1e3 * statistics.median(values) / args.batch,
-                     "vs_official": statistics.median(o / v for o, v in zip(times["official generate"], values)),
-                     "vs_ar": statistics.median(a / v for a, v in zip(times["ar"], values)) if "ar" in times else None})
-    env = environment(torch.device("cpu"), "python -m benchmarks.official_llamagen " + " ".join(argv or sys.argv[1:]))
-    report = {"environment": env, "model": args.model, "batch": args.batch, "repeats": args.repeats,
+        times = timed_rounds("official generate", lambda labels, seed: run_official(labels), args.methods, run_mmgen,
+                             args.repeats, args.batch, classes)
+    report = {"environment": environment(torch.device("cpu"), command("official_llamagen", argv)), "model": args.model,
+              "batch": args.batch, "repeats": args.repeats,
               "sampling": {"guidance_scale": scale, "temperature": defaults.temperature, "top_k": defaults.top_k,
                            "top_p": defaults.top_p},
-              "greedy_equal": same, "official_commit": _commit(official), "rows": rows}
-    for row in rows:
-        print(f"{row['method']:>28}  {row['ms_per_image']:8.1f} ms/image  {row['vs_official']:.2f}x official"
-              + (f"  {row['vs_ar']:.2f}x ar" if row["vs_ar"] is not None else ""))
-    if args.json:
-        write_atomic(args.json, (json.dumps(report, indent=2) + "\n").encode())
-    return 0
-
-
-def _commit(official: Path):
-    head = official / ".git" / "HEAD"
-    return head.read_text().strip() if head.is_file() else None
+              "greedy_equal": same, "official_commit": commit_of(official),
+              "rows": ratio_rows(times, "official generate", args.batch)}
+    return finish(report, args.json)
 
 
 if __name__ == "__main__":

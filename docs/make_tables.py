@@ -183,24 +183,75 @@ def self_drafting() -> str:
     return markdown(header, rows) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
 
 
+def official_table(name: str, official: str, label: str, what: str) -> str:
+    """A `benchmarks.official_*` run: each method's ms per image against the official code's
+    run (`official`, shown as `label`) and against mmgen `ar`; `what` says how it was run."""
+    data = load(name)
+    rows = [[label if r["method"] == official else f"`{r['method']}`", f"{r['ms_per_image']:.0f}", times(r["vs_official"]),
+             times(r["vs_ar"])] for r in data["rows"]]
+    return markdown(["method", "ms per image", "vs official", "vs mmgen `ar`"], rows) + "\n\n" + what + ". " + provenance(data)
+
+
 def image_official() -> str:
     """mmgen's decoders against the official LlamaGen `generate` on the same weights."""
     data = load("official_llamagen_emoji64_cpu")
-    rows = [[f"`{r['method']}`" if r["method"] != "official generate" else "official LlamaGen `generate`",
-             f"{r['ms_per_image']:.0f}", times(r["vs_official"]), times(r["vs_ar"])] for r in data["rows"]]
-    header = ["method", "ms per image", "vs official", "vs mmgen `ar`"]
     sampling = data["sampling"]
     what = (f"`{data['model']}` at batch {data['batch']}, its sampling defaults (guidance {sampling['guidance_scale']:g}, "
             f"temperature {sampling['temperature']:g}, top-k {sampling['top_k']}), {data['repeats']} rounds of every method "
             "on the same classes, ratios paired per round; the official greedy tokens equal mmgen `ar`'s on the same "
             "weights (checked first)")
-    return markdown(header, rows) + "\n\n" + what + ". " + provenance(data)
+    return official_table("official_llamagen_emoji64_cpu", "official generate", "official LlamaGen `generate`", what)
+
+
+def image_var_official() -> str:
+    """mmgen's scale decoders against the official VAR `autoregressive_infer_cfg` on the same weights."""
+    data = load("official_var_emoji64_cpu")
+    sampling = data["sampling"]
+    what = (f"`{data['model']}` at batch {data['batch']}, its sampling defaults (guidance {sampling['guidance_scale']:g}, "
+            f"top-k {sampling['top_k']}, top-p {sampling['top_p']:g}), {data['repeats']} rounds of every method on the same "
+            "classes, image decoding included, ratios paired per round; the official greedy token maps equal mmgen "
+            f"`ar`'s and its images match to {data['greedy_image_max_diff']:.0e} on the same weights (checked first)")
+    return official_table("official_var_emoji64_cpu", "official autoregressive_infer_cfg",
+                          "official VAR `autoregressive_infer_cfg`", what)
+
+
+def image_mar_official() -> str:
+    """mmgen's MAR decoders against the official MAR `sample_tokens` on the same weights."""
+    data = load("official_mar_emoji64_cpu")
+    sampling, same = data["sampling"], data["same_model"]
+    error = max(same["z_error"], same["replayed_sample_error"])
+    agreement = "exactly" if error == 0 else f"to {error:.0e} of their scale"
+    what = (f"`{data['model']}` at batch {data['batch']}, its sampling defaults ({sampling['num_iter']} masked steps, "
+            f"{sampling['cfg_schedule']} guidance {sampling['guidance_scale']:g}, temperature {sampling['temperature']:g}), "
+            f"token sampling only (no VAE decode) on both sides, {data['repeats']} rounds of every method on the same "
+            "classes, ratios paired per round; on the same weights the official diffusion conditioning z and a whole "
+            f"official sample replayed with its own draws match mmgen's {agreement} "
+            "(checked first, without the bundle's x0 clip, which the official sampler lacks)")
+    return official_table("official_mar_emoji64_cpu", "official sample_tokens", "official MAR `sample_tokens`", what)
+
+
+def video_peer() -> str:
+    """`mmgen bench video --diffusers`: block decoding against diffusers' SkyReels-V2 diffusion forcing on the same weights."""
+    data = load("video_peer_emoji-motion_cpu")
+    args, rows = data["args"], data["speed"]
+    base = rows[0]["method"]
+    table = [[r["model"], r["method"], f"{r['units_per_forward']:.2f}", f"{r['ms_per_unit']:.1f}",
+              times(r[f"speedup_vs_{base}"]), f"{r[f'identical_to_{base}']:.0%}"] for r in rows]
+    header = ["model", "method", "frames per forward", "ms per frame", f"vs {base}", f"videos equal to {base}'s"]
+    frames = rows[0]["units"] // args["inputs"]
+    what = (f"{args['inputs']} captions at batch 1, one seed each, the same on both sides, {frames} frames, the model's 8 steps "
+            f"and guidance 3 on both sides; VAE decoding included on both sides; {args['warmup']} warm-up and {args['repeats']} timed rounds "
+            "per caption, methods interleaved, ratios paired per caption; block decoding counts each block's steps and its "
+            "commit pass, the peer one forward per step over the whole video, and its UniPC sampler over noisy context makes other videos by design")
+    return markdown(header, table) + "\n\n" + what + ". " + provenance(data)
 
 
 TABLES: dict[str, Callable[[], str]] = {
     "image-emoji64": image_tokens, "image-var": image_var, "image-mar": image_mar,
     "vlm": vlm, "speech": speech, "video": video, "video-stream": video_stream, "gpu": gpu,
-    "self-drafting": self_drafting, "image-official": image_official,
+    "self-drafting": self_drafting, "image-official": image_official, "image-var-official": image_var_official,
+    "image-mar-official": image_mar_official,
+    "video-peer": video_peer,
 }
 
 

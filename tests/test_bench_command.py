@@ -119,3 +119,19 @@ def test_image_bench_interleaves_methods_and_pairs_each_ratio(tmp_path, monkeypa
     assert order == [("Autoregressive", 0), ("SpeculativeJacobi", 0), ("Autoregressive", 1), ("SpeculativeJacobi", 1)]
     rows = json.loads((tmp_path / "b.json").read_text())["speed"]
     assert [r["method"] for r in rows] == ["ar", "sjd-4"] and rows[0]["speedup_vs_ar"] == 1.0 and rows[1]["speedup_vs_ar"] > 0
+
+
+def test_video_bench_adds_diffusers_skyreels_df_on_the_same_weights(tmp_path):
+    """`--diffusers`: diffusers' SkyReels-V2 diffusion forcing on the tiny model's own weights, a
+    row beside `block` with a finite paired ratio over the same frames (its sampler differs by
+    design, so its videos are not block decoding's)."""
+    from tests.video.tiny import tiny_video_pipeline
+
+    tiny_video_pipeline().save_pretrained(tmp_path / "tiny")
+    rows = run_bench(["bench", "video", "--models", str(tmp_path / "tiny"), "--methods", "block", "--diffusers",
+                      "--inputs", "1"], tmp_path)
+    by = {row["method"]: row for row in rows}
+    assert list(by) == ["block cache=global", "diffusers SkyReels-V2 DF"]
+    peer = by["diffusers SkyReels-V2 DF"]
+    assert "error" not in peer and peer["units"] == by["block cache=global"]["units"] == 13
+    assert 0 < peer["speedup_vs_block cache=global"] < float("inf") and peer["identical_to_block cache=global"] == 0.0

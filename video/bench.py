@@ -13,6 +13,14 @@ frame (VAE decoding of each block included on every side), the speedup against t
 baseline's own settings; a cache policy or collaborative decoding changes them by design:
 judge those with the quality proxies of the model card).
 
+`--diffusers` adds the peer a user would otherwise pick, diffusers'
+`SkyReelsV2DiffusionForcingPipeline`, on the same weights (SkyReels-V2's transformer has Wan's
+parameters; the VAE and text encoder are shared), the same text states, guidance, seeds, frames
+and number of steps, `causal_block_size` the model's block: synchronous diffusion forcing
+(`ar_step=0`) denoises the whole video at once with UniPC and returns it at the end. Its
+sampler and its noisy context differ from block decoding by design, so its videos are not the
+baseline's (`identical_to_*` is 0); its row is a speed figure.
+
 `--stream SECONDS` measures live streams instead (`pipe.stream`): each method x rolling cache
 policy streams for that long from the first caption, switching to the next caption
 `--switches` times at even intervals, and reports the first block's latency, the steady frames
@@ -27,12 +35,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm.auto import tqdm
 
 from mmgen.benchmarking import Run, add_method_arguments, compare_methods, run_methods
+
+DIFFUSERS = "diffusers SkyReels-V2 DF"
 
 
 def captions(count: int) -> list[str]:
@@ -54,6 +64,8 @@ def register(groups: dict) -> None:
                        help="measure live streams of this length instead (rolling cache policies only; 'global' "
                             "means the model's default stream policy)")
     bench.add_argument("--switches", type=int, default=3, help="with --stream: prompt changes per stream")
+    bench.add_argument("--diffusers", action="store_true",
+                       help=f"add '{DIFFUSERS}': diffusers' SkyReels-V2 diffusion forcing on the same weights")
     bench.set_defaults(run=run_bench)
 
 
@@ -70,7 +82,47 @@ def rows(pipe: Any, args: argparse.Namespace, progress: Optional[tqdm] = None) -
         return run
 
     methods = {f"{spec} cache={policy}": ours(spec, policy) for spec in args.methods for policy in args.cache_policies}
+    if args.diffusers:
+        methods[DIFFUSERS] = diffusion_forcing(pipe, args.num_frames)
     return compare_methods(captions(args.inputs), methods, args.repeats, args.warmup, progress)
+
+
+def diffusion_forcing(pipe: Any, num_frames: Optional[int]) -> Callable[[str, int], Run]:
+    """diffusers' SkyReels-V2 diffusion forcing over `pipe`'s weights, as a method's run (module
+    docstring): the transformer converted to `SkyReelsV2Transformer3DModel`, the VAE and text
+    encoder shared, a UniPC flow scheduler with the pipeline's shift."""
+    from diffusers import SkyReelsV2DiffusionForcingPipeline, SkyReelsV2Transformer3DModel, UniPCMultistepScheduler
+
+    config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+    transformer = SkyReelsV2Transformer3DModel(**config, num_frame_per_block=pipe.block_frames)
+    transformer.load_state_dict(pipe.transformer.state_dict(), strict=True)
+    transformer.to(pipe.device).eval()
+    if pipe.transformer.dtype != transformer.dtype:  # diffusers warns on a float32 cast, which loading already did
+        transformer.to(dtype=pipe.transformer.dtype)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=pipe.schedule.shift)
+    df = SkyReelsV2DiffusionForcingPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, transformer=transformer,
+                                            vae=pipe.vae, scheduler=scheduler)
+    df.set_progress_bar_config(disable=True)
+    frames = pipe.num_frames if num_frames is None else num_frames
+    steps = len(pipe.schedule.timesteps)
+
+    def run(caption: str, seed: int) -> Run:
+        from mmgen.video.export import to_uint8
+
+        begun = time.perf_counter()
+        with torch.no_grad():
+            # Our text states (the same for both sides), and the pipeline's guidance and negative prompt.
+            guided = pipe.guidance_scale != 1.0
+            embeds = pipe.embeddings([caption], guided, pipe.negative_prompt)
+            video = df(None, prompt_embeds=embeds.cond, negative_prompt_embeds=embeds.uncond, height=pipe.height,
+                       width=pipe.width, num_frames=frames, num_inference_steps=steps, guidance_scale=pipe.guidance_scale,
+                       generator=torch.Generator().manual_seed(seed), output_type="pt",
+                       max_sequence_length=pipe.max_sequence_length, base_num_frames=frames, ar_step=0,
+                       causal_block_size=pipe.block_frames).frames
+            video = to_uint8(video.permute(0, 2, 1, 3, 4) * 2 - 1)  # [B, T, C, H, W] in [0, 1], as ours
+        seconds = time.perf_counter() - begun
+        return Run(video, int(video.shape[1]), seconds, steps)  # one forward over the whole video per step
+    return run
 
 
 def resident_mib() -> float:
@@ -134,6 +186,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-frames must be at least 1, got {args.num_frames}")
     if args.stream < 0 or args.switches < 0:
         raise ValueError("--stream and --switches must be >= 0")
+    if args.stream and args.diffusers:
+        raise ValueError("--diffusers times whole videos: it does not combine with --stream")
     rows_of = stream_rows if args.stream else rows
     print(run_methods(args, lambda pipe, name, progress: rows_of(pipe, args, progress)))
     return 0
