@@ -171,3 +171,37 @@ def test_a_confidence_stop_drafts_fewer_and_keeps_greedy_output_and_the_law(enum
                                                            torch.Generator().manual_seed(0))
     assert acceptance.speculated(), acceptance.counts
     assert chi_square_pvalue(out.tokens, seqs, joint) > ALPHA
+
+
+def test_heads_stream_stop_and_take_any_acceptance_rule():
+    """Streaming hands each row its tokens as they commit (the same as the output), stop tokens
+    and per-row budgets end rows mid-window as under `ar`, and a lossy rule (grouped
+    acceptance) runs on the heads' drafts and laws, seeded."""
+    import threading
+
+    from mmgen.decoding import GroupedAcceptance, Stopping, TokenQueueStreamer
+
+    model = LlamaGenTokenModel(tiny_transformer())
+    heads = heads_for(model.hidden_size)
+    streamer, result = TokenQueueStreamer(timeout=60), {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", HeadsSpeculative(heads=heads).generate(
+        model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator().manual_seed(0), streamer=streamer)))
+    thread.start()
+    rows = [[], []]
+    for row, tokens in streamer:
+        rows[row].extend(tokens.tolist())
+    thread.join()
+    assert rows == result["out"].tokens.tolist()
+
+    ar = Autoregressive().generate(model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator())
+    stop = int(ar.tokens[0, 6])  # row 0 ends at its first such token
+    stopping = Stopping(stop_tokens=[stop], max_new_tokens=[32, 9])
+    expected = Autoregressive().generate(model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator(), stopping=stopping)
+    out = HeadsSpeculative(heads=heads).generate(model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator(), stopping=stopping)
+    assert torch.equal(out.lengths, expected.lengths) and torch.equal(out.tokens, expected.tokens)
+
+    sampling = SamplingConfig(temperature=1.0, top_k=8, guidance=2.0)
+    run = lambda: HeadsSpeculative(heads=heads, acceptance=GroupedAcceptance()).generate(
+        model, torch.tensor([1, 2]), 32, sampling, torch.Generator().manual_seed(5))
+    a, b = run(), run()
+    assert torch.equal(a.tokens, b.tokens) and a.stats.accepted_drafts > 0
