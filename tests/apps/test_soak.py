@@ -58,6 +58,12 @@ def test_flatness_catches_a_leak_but_not_a_breathing_pool():
     steady = samples([1400, 1450, 1390, 1440, 1470] * 6, [15, 17, 14, 16, 15, 14] * 5, every=2.0)
     flat = soak.flatness(steady, 60.0)
     assert flat["samples"] == 10 and flat["rss_mib"]["flat"] and flat["threads"]["flat"]
+    # A one-minute run of the suite read its last window's median 5.4% (62 MiB) above the one
+    # before while the arenas swung over 100 MiB within it: breathing, not a leak.
+    breathing = samples([1100] * 10 + [1150] * 10 + [1147, 1252, 1212, 1180, 1230, 1200, 1212, 1251, 1190, 1240], [15] * 30,
+                        every=2.0)
+    flat = soak.flatness(breathing, 60.0)
+    assert flat["rss_mib"]["change"] > 0.05 and flat["rss_mib"]["flat"]
     # A thread per sampling setting (the 37 -> 415 threads) and a creeping heap.
     leaking = samples([1400 + 10 * i for i in range(30)], [37 + 12 * i for i in range(30)], every=2.0)
     flat = soak.flatness(leaking, 60.0)
