@@ -1,6 +1,9 @@
-"""What every demo's Gradio app shares (the image, VLM, speech and video demos): the offline
-theme (system fonts: nothing is fetched), the launch with bounded uploads (`gradio_uploads`),
-number fields that refuse text in one line, and errors as one line of plain text.
+"""What every demo's Gradio app shares (the image, VLM, speech and video demos): Gradio itself,
+imported with analytics off (a demo imports `gr` from here), the app's Blocks and queue
+(`demo_blocks`, `queued`), the offline theme (system fonts: nothing is fetched), the launch with
+bounded uploads (`gradio_uploads`), number fields that refuse text in one line, a widget per
+option a model family declares (`family_widgets`, from `registry.family_options`) whose value the
+request carries to the model (`family_values`), and errors as one line of plain text.
 
 Error messages are plain text, not HTML-escaped: Gradio sends one message to the API (which
 returns it as it is) and to the page (whose toast renders it as sanitised HTML). So that a
@@ -14,12 +17,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Any, Optional
+from typing import Any, Collection, Optional, Sequence
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
 
 import gradio as gr  # noqa: E402
 
+from mmgen import registry  # noqa: E402
 from mmgen.apps.gradio_uploads import CACHE_SECONDS, remove_uploads, upload_bounds  # noqa: E402
 from mmgen.apps.requests.bounds import shown  # noqa: E402
 
@@ -52,6 +56,83 @@ def numeric(component: Any) -> Any:
 
     component.preprocess = checked
     return component
+
+
+def demo_blocks(title: str) -> gr.Blocks:
+    """A demo's Blocks (`with demo_blocks("mmgen image demo") as demo:`): no analytics, and its
+    uploads and outputs swept as they age (`DELETE_CACHE`)."""
+    return gr.Blocks(title=title, analytics_enabled=False, delete_cache=DELETE_CACHE)
+
+
+def queued(demo: gr.Blocks, concurrency: int) -> gr.Blocks:
+    """`demo` queued with `concurrency` requests at a time (at least 1), and at most `QUEUE_SIZE` waiting."""
+    return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
+
+
+def family_widgets(modality: str, pipe: Any, own: Collection[str] = ()) -> list:
+    """A widget per option the registered families of `modality` declare (`registry.family_options`)
+    but those the demo sets with controls of its `own` (MAR's `num_iter`: the image demo's steps),
+    one generic widget per type: a dropdown for choices, a checkbox for bool, a number field within
+    the option's bounds for int and float (a text box, empty, for one without a default: the page
+    sends 0 for an empty number field), a text box for str; labelled with the option and the
+    families that take it, `elem_id` "option-NAME", shown while the chosen model (`pipe`, loaded)
+    takes it (`family_updates` on a model change). Built inside the caller's layout."""
+    widgets, shown_now = [], _declared(pipe)
+    for option in _offered(modality, own).values():
+        owners = ", ".join(registry.option_families(modality, option.name))
+        common = dict(value=option.default, label=f"{option.name} ({owners} models)", info=option.help or None,
+                      elem_id=f"option-{option.name}", visible=option.name in shown_now)
+        if option.choices:
+            widgets.append(gr.Dropdown(list(option.choices), **common))
+        elif option.type is bool:
+            widgets.append(gr.Checkbox(**common))
+        elif option.type is str or option.default is None:  # a number field cannot be left empty on the page
+            widgets.append(gr.Textbox(placeholder="the model's default" if option.default is None else None, **common))
+        else:
+            widgets.append(numeric(gr.Number(minimum=option.minimum, maximum=option.maximum,
+                                             precision=0 if option.type is int else None, **common)))
+    return widgets
+
+
+def family_updates(modality: str, pipe: Any, own: Collection[str] = ()) -> list:
+    """The `family_widgets` of `modality` for a newly chosen model (`pipe`, loaded): each shown
+    when its family declares the option."""
+    declared = _declared(pipe)
+    return [gr.update(visible=name in declared) for name in _offered(modality, own)]
+
+
+def _offered(modality: str, own: Collection[str]) -> dict:
+    return {name: option for name, option in registry.family_options(modality).items() if name not in own}
+
+
+def _declared(pipe: Any) -> set[str]:
+    entry = registry.pipeline_family(pipe)
+    return {option.name for option in entry.options} if entry is not None else set()
+
+
+def family_values(modality: str, values: Sequence[Any], catalog: Any, model: Any,
+                  own: Collection[str] = ()) -> dict[str, Any]:
+    """The family option widgets' `values` (in `family_widgets`' order) that a request for `model`
+    (of `catalog`) carries, as its `family_options` (checked by the request layer through the
+    records): those of the options its family declares (a hidden widget's value is not the
+    model's) set to other than their default. An empty field is not set (the pipeline's own
+    default applies), and a number typed in the text box of an option without a default is read by
+    its record (`Option.parse`: a gr.Error of one line when it is not one)."""
+    try:
+        declared = _declared(catalog.main_pipeline(model))
+    except (ValueError, OSError):  # a model the request layer refuses in its own words
+        return {}
+    options, given = _offered(modality, own), {}
+    try:
+        for (name, option), value in zip(options.items(), values):
+            if name not in declared or value is None or value == "":
+                continue
+            value = option.parse(value) if isinstance(value, str) and option.type is not str else value
+            if value != option.default:
+                given[name] = value
+    except ValueError as error:
+        raise request_error(error, logging.getLogger(__name__), "family options") from None
+    return given
 
 
 def theme() -> gr.themes.Base:

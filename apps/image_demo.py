@@ -17,38 +17,40 @@ The theme, the launch (bounded uploads) and the one-line plain-text errors are e
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
+import pandas as pd
+from PIL import Image
 
-import gradio as gr  # noqa: E402
-import pandas as pd  # noqa: E402
-from PIL import Image  # noqa: E402
-
-from mmgen.apps.gradio_common import (  # noqa: E402,F401
+from mmgen.apps.gradio_common import (  # noqa: F401  (gr: gradio with analytics off; CSS, QUEUE_SIZE re-exported)
     CSS,
-    DELETE_CACHE,
     QUEUE_SIZE,
+    demo_blocks,
+    family_updates,
+    family_values,
+    family_widgets,
+    gr,
     launch_demo,
     numeric,
     plain_message,
+    queued,
     request_error,
 )
-from mmgen.apps.requests.bounds import MAX_GUIDANCE, MAX_SEED, MAX_TEMPERATURE  # noqa: E402
-from mmgen.apps.requests.image import (  # noqa: E402
+from mmgen.apps.requests.bounds import MAX_GUIDANCE, MAX_SEED, MAX_TEMPERATURE
+from mmgen.apps.requests.image import (
     MAX_IMAGES,
     MAX_SPEC_CHARS,
     MAX_STEPS,
     ImageCatalog,
     ImageRequest,
+    OWN_KEYWORDS,
     ImageResult,
     model_info,
     run_request,
 )
-from mmgen.image_ar.bundled import BUNDLED_MODELS  # noqa: E402
-from mmgen.hub import read_json  # noqa: E402
+from mmgen.image_ar.bundled import BUNDLED_MODELS
+from mmgen.hub import read_json
 
 __all__ = ["ImageRequest", "ImageResult", "ImageCatalog", "build_demo", "launch_demo", "run_request"]
 
@@ -62,6 +64,9 @@ GAP = 8
 PICTURE = dict(type="pil", interactive=False, height=300, buttons=["download", "fullscreen"])  # no "share": it uploads
 STATS_COLUMNS = ["run", "forwards", "tokens", "step compression", "mean accepted length", "time (s)", "ms/token",
                  "speedup (per token)"]
+#: Call keywords the demo sets with its own controls (the sampler's, and MAR's steps), so a family
+#: option of the same name gets no widget of its own (`gradio_common.family_widgets`).
+OWN_OPTIONS = (*OWN_KEYWORDS, "num_iter")
 #: Chart titles; next-scale decoders record forwards and tokens per step, not per-step time.
 TRACE_TITLE = "Accepted tokens per forward: {label}"
 STEPS_TITLE = "Tokens per step (scale) and the model that ran it: {label} (per-step time is not recorded)"
@@ -69,12 +74,14 @@ STEPS_TITLE = "Tokens per step (scale) and the model that ran it: {label} (per-s
 
 def handle_generate(catalog: ImageCatalog, max_images: int, model: str, class_name: str, method: str, options: str,
                     compare: bool, num_images: Any, seed: Any, guidance: Any, temperature: Any, top_k: Any, top_p: Any,
-                    steps: Any) -> tuple:
-    """Widget values -> (the method's picture, the baseline's, stats table, trace chart); a bad
-    input or a failed run becomes a gr.Error that the page shows."""
+                    steps: Any, *family: Any) -> tuple:
+    """Widget values (the family options' last: `gradio_common.family_widgets`) -> (the method's
+    picture, the baseline's, stats table, trace chart); a bad input or a failed run becomes a
+    gr.Error that the page shows."""
     request = ImageRequest(model=model, class_name=class_name, method=method, options=options or "", seed=seed,
                           num_images=num_images, compare=bool(compare), guidance_scale=guidance, temperature=temperature,
-                          top_k=top_k, top_p=top_p, num_steps=steps)
+                          top_k=top_k, top_p=top_p, num_steps=steps,
+                          family_options=family_values("image", family, catalog, model, OWN_OPTIONS))
     try:
         result = run_request(request, catalog, max_images)
     except Exception as error:  # keep the app up whatever a decoder does with odd options
@@ -95,7 +102,8 @@ def handle_model(catalog: ImageCatalog, model: str) -> tuple:
     """A new model: its classes, its methods (from the core's registry for its kind) and its
     sampler defaults and bounds."""
     try:
-        info = model_info(catalog.pipeline(model))
+        pipe = catalog.pipeline(model)
+        info = model_info(pipe)
     except (ValueError, OSError) as error:
         raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
     d, has_top = info.defaults, info.vocab_size is not None
@@ -107,6 +115,7 @@ def handle_model(catalog: ImageCatalog, model: str) -> tuple:
         gr.update(value=d.get("top_k", 0), maximum=info.vocab_size or 1, visible=has_top),
         gr.update(value=d.get("top_p", 1.0), visible=has_top),
         gr.update(value=d.get("num_iter", 64), visible=info.decoder_family == "continuous"),
+        *family_updates("image", pipe, OWN_OPTIONS),
     )
 
 
@@ -122,7 +131,7 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
     companions = ", ".join(catalog.companions) or "none"
     # The API's bound for top-k (see the module docstring); the page narrows it to each model's.
     top_k_bound = max([info.vocab_size or 1, *_config_vocab_sizes(catalog)])
-    with gr.Blocks(title="mmgen image demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
+    with demo_blocks("mmgen image demo") as demo:
         gr.Markdown("## mmgen: fast autoregressive image generation\nPick a model, a class and a decoding method; "
                     "*compare* runs plain autoregressive decoding on the same seed beside it. "
                     f"Companion models (drafters, small models): {companions}.")
@@ -148,6 +157,7 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
                                   visible=info.vocab_size is not None))
                 steps = numeric(gr.Slider(1, MAX_STEPS, value=d.get("num_iter", 64), step=1, label="MAR steps",
                                   visible=info.decoder_family == "continuous"))
+                family = family_widgets("image", catalog.pipeline(first), OWN_OPTIONS)
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 with gr.Row():
@@ -165,14 +175,15 @@ def build_demo(catalog: Optional[ImageCatalog] = None, max_images: int = 4, conc
                 steps_chart = gr.BarPlot(None, x="step", y="tokens", label="Tokens per step (scale)",
                                          x_title="step (scale) · model", y_title="tokens per image", height=280,
                                          x_label_angle=-30, visible=False, elem_id="steps-chart")
-        model_widgets = [class_name, method, guidance, temperature, top_k, top_p, steps]
+        model_widgets = [class_name, method, guidance, temperature, top_k, top_p, steps, *family]
         model.change(lambda m: handle_model(catalog, m), model, model_widgets)
         if top_k_bound != (info.vocab_size or 1):  # give the page the first model's own bound
             demo.load(lambda: handle_model(catalog, first), None, model_widgets)
         run.click(lambda *values: handle_generate(catalog, max_images, *values),
-                  [model, class_name, method, options, compare, num_images, seed, guidance, temperature, top_k, top_p, steps],
+                  [model, class_name, method, options, compare, num_images, seed, guidance, temperature, top_k, top_p, steps,
+                   *family],
                   [images, baseline, stats, chart, steps_chart], api_name="generate")
-    return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
+    return queued(demo, concurrency)
 
 
 def _trace_frame(rows: list[dict]) -> pd.DataFrame:

@@ -16,13 +16,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Iterable, Optional
+from typing import Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-#: What each modality's requests make, as the request layer counts it (`Run.units`).
-UNITS = {"image": "token", "text": "token", "speech": "frame", "video": "frame"}
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 FIRST_OUTPUT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 PER_FORWARD_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 64.0, 256.0)
@@ -50,10 +48,11 @@ class RateWindow:
 
 
 class ServerMetrics:
-    """The server's Prometheus metrics for the modalities it serves (their series exist, at 0,
-    from the start)."""
+    """The server's Prometheus metrics for the modalities it serves, each with the unit its requests
+    make as its request layer counts them (`ModalityService.unit`); their series exist, at 0, from
+    the start."""
 
-    def __init__(self, modalities: Iterable[str], window_s: float = 30.0):
+    def __init__(self, units: Mapping[str, str], window_s: float = 30.0):
         self.registry = CollectorRegistry()
         labels = dict(registry=self.registry)
         self.queue_depth = Gauge("mmgen_queue_depth", "Requests admitted and waiting for their model (bounded by --max-queue)",
@@ -75,10 +74,10 @@ class ServerMetrics:
                                      buckets=PER_FORWARD_BUCKETS, **labels)
         self.responses = Counter("mmgen_responses", "HTTP responses by route and status", ["route", "status"], **labels)
         self.rejected = Counter("mmgen_rejected_requests", "Requests refused before any work, by reason", ["reason"], **labels)
+        self.unit = dict(units)
         self.windows: dict[str, RateWindow] = {}
         self.recent: dict[str, deque] = {}
-        for modality in modalities:
-            unit = UNITS[modality]
+        for modality, unit in self.unit.items():
             self.queue_depth.labels(modality)
             self.rows_running.labels(modality)
             self.units.labels(modality, unit)
@@ -90,7 +89,7 @@ class ServerMetrics:
 
     def output(self, modality: str, units: int, method: Optional[str] = None, forwards: Optional[int] = None) -> None:
         """A request made `units` output units; its decode took `forwards` model calls with `method`."""
-        self.units.labels(modality, UNITS[modality]).inc(units)
+        self.units.labels(modality, self.unit[modality]).inc(units)
         self.windows[modality].add(units)
         if method is not None and forwards:
             self.per_forward.labels(modality, method).observe(units / forwards)

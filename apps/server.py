@@ -11,6 +11,9 @@ on the same request layer as the Gradio demos (`mmgen.apps.requests`).
                                   on the same connection (`mmgen.apps.http.video_stream`)
     GET  /v1/models, /health, /metrics (Prometheus)
 
+A model family's own options (`mmgen.registry.Option`) are listed in each `/v1/models` entry
+(`"options"`) and given in a request body's `"options"` object (the live video stream aside).
+
 Every request is checked by the request layer (its modality's `check_request`) before it waits
 for or takes a model, so bad input is one JSON error in OpenAI's shape (`{"error": {"message",
 "type", "param", "code"}}`) with a 4xx status and never a traceback; an unexpected failure is logged here and
@@ -29,8 +32,11 @@ when it is not JSON; it must arrive within `body_timeout_s`, and a connection's 
 `header_timeout_s`; at most `max_connections` are open (`mmgen.apps.http.guard`, `.connections`).
 A client that goes away mid-body is counted (status 499), not logged as a failure.
 
-This module builds the app (`create_app`) and holds the service's shared state (`Service`);
-each modality's routes are a mixin of their own (`mmgen.apps.http.images`, `.chat_routes`,
+This module builds the app (`create_app`) and holds the service's shared state (`Service`). It
+names no modality: the catalogues, `/v1/models`, admission and metrics iterate the request layer's
+registered services (`mmgen.apps.requests.service`: each modality's catalogue, request, checks,
+run and limits), and the app mounts the routes each modality registered (`mmgen.apps.http.routes`).
+The built-in modalities' routes are a mixin each (`mmgen.apps.http.images`, `.chat_routes`,
 `.speech_routes`, `.video_routes`, `.video_stream`), over the OpenAI error format (`.errors`), request bodies
 (`.bodies`), admission (`.admission`), encoders (`.encoders`) and streams (`.streams`).
 """
@@ -60,60 +66,46 @@ from mmgen.apps.http.encoders import pcm16, wav_header  # noqa: F401 (the server
 from mmgen.apps.http.errors import ApiError, error_body, error_response, one_line, validation_message
 from mmgen.apps.http.guard import Guard
 from mmgen.apps.http.images import ImageRoutes
+from mmgen.apps.http.routes import admitting_routes, main_route, routes_of
 from mmgen.apps.http.settings import BATCHED, ServerSettings
 from mmgen.apps.http.speech_routes import SpeechRoutes
 from mmgen.apps.http.video_routes import VideoJob, VideoRoutes
 from mmgen.apps.http.video_stream import VideoStreamRoutes
 from mmgen.apps.job_board import JobBoard
 from mmgen.apps.metrics import CONTENT_TYPE, ServerMetrics
-from mmgen.apps.requests import image, speech, video
-from mmgen.apps.requests import text as text_requests
 from mmgen.apps.requests.bounds import MAX_SEED, shown
+from mmgen.apps.requests.service import services
 
 log = logging.getLogger("mmgen.serve")
 
-#: The modalities in the order `/v1/models` lists them, and a --model entry is tried in: image
-#: and speech catalogues recognise their folders exactly, the text one (vision-language models)
-#: takes any model folder. These names key the catalogues, `/v1/models`' "modality" and the
-#: metrics' `modality` label.
-MODALITIES = tuple(sorted(registry.MODALITIES, key=lambda m: m == "text"))
-NOUNS = {"image": "image", "text": "vision-language", "speech": "speech", "video": "video"}
-ROUTES = {"image": "/v1/images/generations", "text": "/v1/chat/completions", "speech": "/v1/audio/speech",
-          "video": "/v1/videos"}
 #: Extra worker threads beyond one per model slot: request checks and response assembly.
 SPARE_THREADS = 16
 CLIENT_GONE = 499  # the status counted for a request whose client went away mid-body (nginx's)
 
 
-def catalog_classes() -> dict[str, Any]:
-    """Each modality's catalogue class, in the order a --model entry is tried."""
-    classes = {"image": image.TextImageCatalog, "speech": speech.SpeechCatalog, "video": video.VideoCatalog,
-               "text": text_requests.VLMCatalog}
-    return {modality: classes[modality] for modality in MODALITIES}
-
-
 def discover_catalogs(models: Optional[Sequence[str]] = None, device: str = "cpu",
                       continuous_batch: Optional[Mapping[str, int]] = None) -> dict[str, Any]:
-    """The catalogues a server offers: each modality's bundled models present in this installation
+    """The catalogues a server offers, keyed by modality in the registered services' order (which
+    `/v1/models` lists them in): each modality's bundled models present in this installation
     (default), or the given bundled names and folders, each assigned to the first modality whose
-    catalogue takes it. `continuous_batch` gives a modality's shared batch rows (0: off; the old
-    key "vlm" is "text", with a DeprecationWarning)."""
-    classes = catalog_classes()
+    catalogue takes it (each recognises its own folders). `continuous_batch` gives a modality's
+    shared batch rows (0: off; the old key "vlm" is "text", with a DeprecationWarning)."""
+    modalities = services()
     batch_rows: dict[str, int] = {}
     for modality, rows in (continuous_batch or {}).items():
         batch_rows[registry.modality_name(modality)] = rows
     catalogs: dict[str, Any] = {}
     if not models:
-        for modality, cls in classes.items():
+        for modality, found in modalities.items():
             try:
-                catalogs[modality] = cls.discover(device=device)
+                catalogs[modality] = found.discover(device=device)
             except ValueError:  # this modality's bundled models are missing from the installation
                 continue
     else:
         groups: dict[str, list[str]] = {}
         for entry in models:
-            groups.setdefault(_modality_of(str(entry), classes), []).append(str(entry))
-        catalogs = {m: classes[m].discover(groups[m], device=device) for m in classes if m in groups}
+            groups.setdefault(_modality_of(str(entry), modalities), []).append(str(entry))
+        catalogs = {m: found.discover(groups[m], device=device) for m, found in modalities.items() if m in groups}
     if not catalogs:
         raise ValueError("no models to serve: the bundled models are missing from this installation; pass --model FOLDER")
     seen: dict[str, str] = {}
@@ -128,15 +120,27 @@ def discover_catalogs(models: Optional[Sequence[str]] = None, device: str = "cpu
     return catalogs
 
 
-def _modality_of(entry: str, classes: Mapping[str, Any]) -> str:
-    for modality, cls in classes.items():
+def _modality_of(entry: str, modalities: Mapping[str, Any]) -> str:
+    for modality, found in modalities.items():
         try:
-            cls.discover([entry])  # finds and checks the entry's files; loads nothing
+            found.discover([entry])  # finds and checks the entry's files; loads nothing
         except ValueError:
             continue
         return modality
+    nouns = [found.noun for found in modalities.values()]
     raise ValueError(f"--model {entry!r} is neither a bundled model ({', '.join(registry.bundled_models())}) nor a "
-                     "model folder of a modality mmgen serves (image, vision-language, speech or video)")
+                     f"model folder of a modality mmgen serves ({', '.join(nouns[:-1])} or {nouns[-1]})")
+
+
+#: An option's value type as JSON Schema names it (`/v1/models`).
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string"}
+
+
+def option_entry(option: registry.Option) -> dict:
+    """A family option as `/v1/models` lists it (a request gives it in its `"options"` object):
+    its name, JSON type, default, help, and choices or inclusive bounds (empty, null: none)."""
+    return {"name": option.name, "type": JSON_TYPES[option.type], "default": option.default, "help": option.help,
+            "choices": list(option.choices), "minimum": option.minimum, "maximum": option.maximum}
 
 
 def preload(catalogs: Mapping[str, Any]) -> None:
@@ -157,10 +161,11 @@ class Service(ImageRoutes, ChatRoutes, SpeechRoutes, VideoRoutes, VideoStreamRou
 
     def __init__(self, catalogs: Mapping[str, Any], settings: ServerSettings = ServerSettings(),
                  board: Optional[JobBoard] = None):
-        self.catalogs = {m: catalogs[m] for m in MODALITIES if m in catalogs}
+        self.services = services()
+        self.catalogs = {m: catalogs[m] for m in self.services if m in catalogs}
         self.board = board  # where other copies of the server read this one's video jobs (`apps/job_board.py`)
         self.settings = settings
-        self.metrics = ServerMetrics(self.catalogs)
+        self.metrics = ServerMetrics({m: self.services[m].unit for m in self.catalogs})
         slots = {m: max(1, int(getattr(c, "continuous_batch", 0) or 0)) for m, c in self.catalogs.items()}
         self.admission = Admission(settings.max_queue, self.metrics, slots,
                                    {m: list(c.main) for m, c in self.catalogs.items()})
@@ -177,22 +182,29 @@ class Service(ImageRoutes, ChatRoutes, SpeechRoutes, VideoRoutes, VideoStreamRou
         """The catalogue and main model a request names (default: the modality's first); 404 otherwise."""
         catalog = self.catalogs.get(modality)
         if catalog is None:
-            raise ApiError(404, f"this server serves no {NOUNS[modality]} models", param="model", code="model_not_found")
+            raise ApiError(404, f"this server serves no {self.services[modality].noun} models", param="model",
+                           code="model_not_found")
         if name is None:
             return catalog, next(iter(catalog.main))
         if name not in catalog.main:
-            other = next((m for m, c in self.catalogs.items() if name in c.main), None)
-            hint = f" ({shown(name)} is a{'n' if NOUNS[other][0] in 'aeiou' else ''} {NOUNS[other]} model)" if other else ""
+            other = next((self.services[m].noun for m, c in self.catalogs.items() if name in c.main), None)
+            hint = f" ({shown(name)} is a{'n' if other[0] in 'aeiou' else ''} {other} model)" if other else ""
             raise ApiError(404, f"model {shown(name)} does not exist here{hint}; this route serves {list(catalog.main)}",
                            param="model", code="model_not_found")
         return catalog, name
+
+    def checker(self, modality: str, request: Any, catalog: Any) -> Callable[[], Any]:
+        """The request layer's check of `request` (`ModalityService.check`) within this server's
+        limits (its settings named as the service's `limits`), for `admitted` or a worker thread."""
+        found = self.services[modality]
+        return partial(found.check, request, catalog, **found.bounds(vars(self.settings)))
 
     def seed(self, value: Optional[int]) -> int:
         """The request's seed, or a fresh one (reported back, so that the output can be made again)."""
         return secrets.randbelow(MAX_SEED + 1) if value is None else value
 
     async def admitted(self, ticket: Ticket, check: Callable[[], Any]) -> Any:
-        """Check an admitted request with the request layer's `check_request` (400 before any
+        """Check an admitted request with the request layer's check (`checker`: 400 before any
         model work), then wait for its model's slot; the ticket is given up when either fails.
         Returns the checked request."""
         try:
@@ -221,13 +233,15 @@ class Service(ImageRoutes, ChatRoutes, SpeechRoutes, VideoRoutes, VideoStreamRou
                 if name not in self.info:
                     self.info[name] = await self.thread(self._model_info, catalog, name)
                 data.append({"id": name, "object": "model", "created": self.created, "owned_by": "mmgen",
-                             "modality": modality, "route": ROUTES[modality], **self.info[name]})
+                             "modality": modality, "route": main_route(modality), **self.info[name]})
         return JSONResponse({"object": "list", "data": data})
 
     @staticmethod
     def _model_info(catalog: Any, name: str) -> dict:
         companions = [c for c in catalog.companions if c.startswith(name + "-")]
-        return {"companions": companions, "decoding": catalog.methods(name), "default_decoding": catalog.default_method(name)}
+        family = registry.pipeline_family(catalog.pipeline(name))
+        return {"companions": companions, "decoding": catalog.methods(name), "default_decoding": catalog.default_method(name),
+                "options": [option_entry(option) for option in (family.options if family is not None else ())]}
 
     async def health(self) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -293,19 +307,18 @@ def create_app(catalogs: Mapping[str, Any], settings: ServerSettings = ServerSet
     app.add_exception_handler(ValueError, value_error)
     app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, server_error)
-    app.add_middleware(Guard, service=service, modality_of={route: m for m, route in ROUTES.items()})
+    app.add_middleware(Guard, service=service, modality_of=admitting_routes(service.services))
 
     app.add_api_route("/health", service.health, methods=["GET"])
     app.add_api_route("/metrics", service.prometheus, methods=["GET"])
     app.add_api_route("/v1/models", service.models, methods=["GET"])
-    app.add_api_route("/v1/images/generations", service.images, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", service.chat, methods=["POST"])
-    app.add_api_route("/v1/audio/speech", service.speech, methods=["POST"])
-    app.add_api_route("/v1/videos", service.create_video, methods=["POST"])
-    app.add_api_websocket_route("/v1/videos/stream", service.video_stream)
-    app.add_api_route("/v1/videos/{video_id}", service.video_status, methods=["GET"])
-    app.add_api_route("/v1/videos/{video_id}/content", service.video_content, methods=["GET"])
-    app.add_api_route("/v1/videos/{video_id}/events", service.video_events, methods=["GET"])
+    for modality in service.services:  # every registered modality's routes: one it does not serve answers 404
+        for route in routes_of(modality):
+            handler = route.handler.__get__(service)  # a function of (service, request), bound
+            if route.method == "WEBSOCKET":
+                app.add_api_websocket_route(route.path, handler)
+            else:
+                app.add_api_route(route.path, handler, methods=[route.method])
     return app
 
 
@@ -316,4 +329,4 @@ def _version() -> str:
 
 
 __all__ = ["ApiError", "ServerSettings", "Service", "create_app", "discover_catalogs", "preload",
-           "wav_header", "pcm16", "MODALITIES"]
+           "wav_header", "pcm16"]

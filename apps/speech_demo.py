@@ -15,27 +15,27 @@ Offline page, system fonts, plain-text one-line errors, bounded uploads: every d
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from functools import partial
 from typing import Any, Optional
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
+import numpy as np
+import pandas as pd
 
-import gradio as gr  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from mmgen.apps.gradio_common import (  # noqa: E402,F401
-    DELETE_CACHE,
-    QUEUE_SIZE,
+from mmgen.apps.gradio_common import (  # noqa: F401  (gr: gradio with analytics off; launch_demo re-exported)
+    demo_blocks,
+    family_updates,
+    family_values,
+    family_widgets,
+    gr,
     launch_demo,
     numeric,
     plain_message,
+    queued,
     request_error,
 )
-from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
-from mmgen.apps.requests.speech import (  # noqa: E402
+from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE
+from mmgen.apps.requests.speech import (
     BASELINE_LABEL,
     DEFAULT_MAX_NEW_FRAMES,
     MAX_NEW_FRAMES,
@@ -75,12 +75,13 @@ def pcm16(wave: np.ndarray) -> np.ndarray:
 
 def handle_generate(catalog: SpeechCatalog, max_new_frames: int, streaming: bool, text: Any, voice: Any, voice_text: Any,
                     model: str, method: str, compare: bool, temperature: Any, top_k: Any, top_p: Any, seed: Any,
-                    budget: Any):
-    """Widget values -> streamed (baseline player, method player, stats, status); a bad input
-    or a failed run becomes a gr.Error (one line of plain text)."""
+                    budget: Any, *family: Any):
+    """Widget values (the family options' last: `gradio_common.family_widgets`) -> streamed
+    (baseline player, method player, stats, status); a bad input or a failed run becomes a
+    gr.Error (one line of plain text)."""
     request = SpeechRequest(model=model, text=text, voice=voice, voice_text=voice_text, method=method,
                             max_new_frames=budget, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                            compare=bool(compare))
+                            compare=bool(compare), family_options=family_values("speech", family, catalog, model))
     events = stream_request(request, catalog, max_new_frames)
     try:
         pending: list[np.ndarray] = []  # chunks of run `current` not yet sent to its player (or counted in the status)
@@ -131,14 +132,15 @@ def _chunk(index: int, rate: int, pending: list, compare: bool, streaming: bool)
 
 
 def handle_model(catalog: SpeechCatalog, model: str) -> tuple:
-    """A new model: its methods and its own sampler defaults."""
+    """A new model: its methods, its own sampler defaults and its family's options."""
     try:
         offered = catalog.methods(model)
         d = sampling_defaults(catalog, model)
+        family = family_updates("speech", catalog.pipeline(model))
     except (ValueError, OSError) as error:
         raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
     return (gr.update(choices=offered, value=catalog.default_method(model)), gr.update(value=d["temperature"]),
-            gr.update(value=d["top_k"]), gr.update(value=d["top_p"]))
+            gr.update(value=d["top_k"]), gr.update(value=d["top_p"]), *family)
 
 
 def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRAMES, concurrency: int = 1,
@@ -153,7 +155,7 @@ def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRA
     d = sampling_defaults(catalog, first)
     drafters = ", ".join(catalog.companions) or "none (a folder MODEL-draft beside a model is its drafter)"
     played = "plays as it is decoded" if streaming else "plays when it is whole (streaming needs ffmpeg on the server)"
-    with gr.Blocks(title="mmgen speech demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
+    with demo_blocks("mmgen speech demo") as demo:
         gr.Markdown("## mmgen: fast text-to-speech decoding\nType a text (Dia reads speaker tags: `[S1] ... [S2] ...`), "
                     "optionally upload a voice to continue and its transcript, and pick a frame decoding method; "
                     f"*compare* speaks the same text with plain autoregressive decoding first, same seed. The audio {played}. "
@@ -177,6 +179,7 @@ def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRA
                 with gr.Row():
                     top_k = numeric(gr.Number(d["top_k"], label="Top-k (0 = off)", precision=0, minimum=0, elem_id="top-k"))
                     seed = numeric(gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed"))
+                family = family_widgets("speech", catalog.pipeline(first))
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 baseline_audio = gr.Audio(label=f"baseline: {BASELINE_LABEL}", visible=False, streaming=streaming,
@@ -184,10 +187,10 @@ def build_demo(catalog: SpeechCatalog, max_new_frames: int = DEFAULT_MAX_NEW_FRA
                 audio = gr.Audio(label="method", streaming=streaming, elem_id="audio", **PLAYER)
                 status = gr.Markdown("", elem_id="status")
                 stats = gr.Dataframe(headers=STATS_COLUMNS[:-1], label="Stats", interactive=False, wrap=True, elem_id="stats")
-        model.change(lambda m: handle_model(catalog, m), model, [method, temperature, top_k, top_p])
+        model.change(lambda m: handle_model(catalog, m), model, [method, temperature, top_k, top_p, *family])
         run.click(partial(handle_generate, catalog, max_new_frames, streaming),
-                  [text, voice, voice_text, model, method, compare, temperature, top_k, top_p, seed, budget],
+                  [text, voice, voice_text, model, method, compare, temperature, top_k, top_p, seed, budget, *family],
                   [baseline_audio, audio, stats, status], api_name="generate")
-    return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
+    return queued(demo, concurrency)
 
 

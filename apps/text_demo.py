@@ -20,21 +20,22 @@ import os
 from functools import partial
 from typing import Any, Optional
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
+import pandas as pd
 
-import gradio as gr  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from mmgen.apps.gradio_common import (  # noqa: E402,F401
-    DELETE_CACHE,
-    QUEUE_SIZE,
+from mmgen.apps.gradio_common import (  # noqa: F401  (gr: gradio with analytics off; launch_demo re-exported)
+    demo_blocks,
+    family_updates,
+    family_values,
+    family_widgets,
+    gr,
     launch_demo,
     numeric,
     plain_message,
+    queued,
     request_error,
 )
-from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE  # noqa: E402
-from mmgen.apps.requests.text import (  # noqa: E402
+from mmgen.apps.requests.bounds import MAX_SEED, MAX_TEMPERATURE
+from mmgen.apps.requests.text import (
     BASELINE_LABEL,
     MAX_IMAGES,
     MAX_MESSAGE_CHARS,
@@ -68,9 +69,10 @@ def is_video_file(path: Any) -> bool:
 
 def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, message: Any, state: Optional[dict],
                 model: str, method: str, dropping: str, keep_ratio: Any, temperature: Any, seed: Any, budget: Any,
-                compare: bool):
-    """Widget values -> streamed (method chat, baseline chat, stats, state, message box); a bad
-    input or a failed run becomes a gr.Error (one line of plain text) and changes nothing."""
+                compare: bool, *family: Any):
+    """Widget values (the family options' last: `gradio_common.family_widgets`) -> streamed
+    (method chat, baseline chat, stats, state, message box); a bad input or a failed run becomes
+    a gr.Error (one line of plain text) and changes nothing."""
     state = state or empty_state()
     message = message if isinstance(message, dict) else {"text": message, "files": []}
     files = [f if isinstance(f, str) else f.get("path") if isinstance(f, dict) else getattr(f, "path", f)
@@ -79,7 +81,7 @@ def handle_send(catalog: VLMCatalog, max_images: int, max_new_tokens: int, messa
                           videos=[f for f in files if is_video_file(f)], history=state["history"],
                           history_images=state["images"], history_videos=state.get("videos", []), method=method,
                           dropping=dropping, keep_ratio=keep_ratio, temperature=temperature, seed=seed,
-                          max_new_tokens=budget, compare=bool(compare))
+                          max_new_tokens=budget, compare=bool(compare), family_options=family_values("text", family, catalog, model))
     events = stream_request(request, catalog, max_images, max_new_tokens)
     shown_turn = {"role": "user", "content": [*({"path": f} for f in files), request.message]}
     chats = {BASELINE_LABEL: [*state["baseline"], shown_turn], "method": [*state["chat"], shown_turn]}
@@ -122,12 +124,13 @@ def _chat_update(chat: list, label: str) -> dict:
 
 
 def handle_model(catalog: VLMCatalog, model: str) -> tuple:
-    """A new model: its methods, and a fresh conversation."""
+    """A new model: its methods, a fresh conversation and its family's options."""
     try:
         offered = catalog.methods(model)
+        family = family_updates("text", catalog.pipeline(model))
     except (ValueError, OSError) as error:
         raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
-    return (gr.update(choices=offered, value=catalog.default_method(model)),) + handle_clear()
+    return (gr.update(choices=offered, value=catalog.default_method(model)),) + handle_clear() + tuple(family)
 
 
 def handle_clear() -> tuple:
@@ -145,7 +148,7 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
     first = next(iter(catalog.main))
     offered = catalog.methods(first)
     companions = ", ".join(catalog.companions) or "none"
-    with gr.Blocks(title="mmgen VLM demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
+    with demo_blocks("mmgen VLM demo") as demo:
         gr.Markdown("## mmgen: fast vision-language decoding\nUpload images (or videos, for models that take them: "
                     "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA-OneVision) and ask about them. Pick a decoding "
                     "method and a visual-token dropping policy; *compare* answers the same conversation with plain "
@@ -168,6 +171,7 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
                     seed = numeric(gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed"))
                     budget = numeric(gr.Slider(1, max_new_tokens, value=min(64, max_new_tokens), step=1, label="Max new tokens",
                                        elem_id="max-new-tokens"))
+                family = family_widgets("text", catalog.pipeline(first))
                 clear = gr.Button("Clear chat", elem_id="clear")
             with gr.Column(scale=2):
                 with gr.Row():
@@ -180,11 +184,11 @@ def build_demo(catalog: Optional[VLMCatalog] = None, max_images: int = 4, max_ne
                                                max_plain_text_length=MAX_MESSAGE_CHARS, show_label=False, elem_id="message")
                 stats = gr.Dataframe(headers=STATS_COLUMNS, label="Stats", interactive=False, wrap=True, elem_id="stats")
         cleared = [chat, baseline_chat, stats, state]
-        model.change(lambda m: handle_model(catalog, m), model, [method, *cleared])
+        model.change(lambda m: handle_model(catalog, m), model, [method, *cleared, *family])
         clear.click(handle_clear, None, cleared)
         message.submit(partial(handle_send, catalog, max_images, max_new_tokens),
-                       [message, state, model, method, dropping, keep_ratio, temperature, seed, budget, compare],
+                       [message, state, model, method, dropping, keep_ratio, temperature, seed, budget, compare, *family],
                        [chat, baseline_chat, stats, state, message], api_name="chat")
-    return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
+    return queued(demo, concurrency)
 
 

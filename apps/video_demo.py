@@ -21,31 +21,32 @@ Offline page, system fonts, plain-text one-line errors, bounded uploads: every d
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from functools import partial
 from typing import Any, Optional, Sequence
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported: no phoning home
+import numpy as np
+import pandas as pd
+from PIL import Image
 
-import gradio as gr  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from gradio import processing_utils  # noqa: E402
-from PIL import Image  # noqa: E402
-
-# launch_demo is every demo's (the offline theme and CSS, bounded uploads), served from here too
-from mmgen.apps.gradio_common import (  # noqa: E402,F401
-    DELETE_CACHE,
-    QUEUE_SIZE,
+# gr is gradio with analytics off; launch_demo is every demo's (the offline theme and CSS, bounded
+# uploads), served from here too
+from mmgen.apps.gradio_common import (  # noqa: F401
+    demo_blocks,
+    family_updates,
+    family_values,
+    family_widgets,
+    gr,
     launch_demo,
     numeric,
     plain_message,
+    queued,
     request_error,
 )
-from mmgen.apps.requests.bounds import MAX_SEED  # noqa: E402
-from mmgen.apps.requests.video import (  # noqa: E402
+from gradio import processing_utils  # after gradio_common, which turns analytics off
+from mmgen.apps.requests.bounds import MAX_SEED
+from mmgen.apps.requests.video import (
     COLLABORATIVE,
     DEFAULT_MAX_FRAMES,
     MAX_CACHE_THRESHOLD,
@@ -114,13 +115,15 @@ def _length(value: Any) -> Any:
 
 def handle_generate(catalog: VideoCatalog, max_frames: int, cache_dir: str, prompt: Any, model: str, length: Any,
                     cache_policy: Any, per_block: Any, method: Any, large_steps: Any, cache_threshold: Any,
-                    drop_threshold: Any, seed: Any):
-    """Widget values -> streamed (contact sheet, status, video, profile, per-block latency); a
-    bad input or a failed run becomes a gr.Error (one line of plain text). The MP4 is written
-    into Gradio's cache (`cache_dir`), which the demo's `delete_cache` empties."""
+                    drop_threshold: Any, seed: Any, *family: Any):
+    """Widget values (the family options' last: `gradio_common.family_widgets`) -> streamed
+    (contact sheet, status, video, profile, per-block latency); a bad input or a failed run
+    becomes a gr.Error (one line of plain text). The MP4 is written into Gradio's cache
+    (`cache_dir`), which the demo's `delete_cache` empties."""
     request = VideoRequest(model=model, prompt=prompt, num_frames=_length(length), cache_policy=cache_policy,
                            decode_per_block=per_block, method=method, large_steps=large_steps,
-                           cache_threshold=cache_threshold, drop_threshold=drop_threshold, seed=seed)
+                           cache_threshold=cache_threshold, drop_threshold=drop_threshold, seed=seed,
+                           family_options=family_values("video", family, catalog, model))
     events = stream_request(request, catalog, max_frames)
     try:
         shown: list[np.ndarray] = []
@@ -259,14 +262,15 @@ def handle_stop(players: LivePlayers, session: str) -> str:
 
 
 def handle_model(catalog: VideoCatalog, max_frames: int, model: str) -> tuple:
-    """A new model: its lengths, cache policies, methods and denoising steps."""
+    """A new model: its lengths, cache policies, methods, denoising steps and its family's options."""
     try:
         s = model_settings(catalog, model, max_frames)
+        family = family_updates("video", catalog.pipeline(model))
     except (ValueError, OSError) as error:
         raise gr.Error(plain_message(str(error)), title="Model not loaded", print_exception=False) from None
     return (gr.update(choices=s["lengths"], value=s["length"]), gr.update(choices=s["policies"], value="global"),
             gr.update(choices=s["methods"], value="block"),
-            gr.update(maximum=s["steps"], value=s["large_steps"], visible=False))
+            gr.update(maximum=s["steps"], value=s["large_steps"], visible=False), *family)
 
 
 def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT_MAX_FRAMES,
@@ -279,7 +283,7 @@ def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT
     s = model_settings(catalog, first, max_frames)
     smalls = ", ".join(catalog.companions) or "none (a folder MODEL-small beside a model is its small model)"
     height, width = s["size"]
-    with gr.Blocks(title="mmgen video demo", analytics_enabled=False, delete_cache=DELETE_CACHE) as demo:
+    with demo_blocks("mmgen video demo") as demo:
         gr.Markdown("## mmgen: streaming block-diffusion video\nType a prompt: the video is made block by block, each "
                     "block denoised in a few steps while attending to the cached frames of the earlier ones, and each "
                     "block's frames show as soon as it is committed (one row per block). Pick how much the cache keeps "
@@ -306,6 +310,7 @@ def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT
                 drop_threshold = numeric(gr.Slider(0, MAX_DROP_THRESHOLD, value=0, step=0.01, elem_id="drop-threshold",
                                            label="Static-token dropping threshold (0 = off)"))
                 seed = numeric(gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED, elem_id="seed"))
+                family = family_widgets("video", catalog.pipeline(first))
                 run = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column(scale=2):
                 sheet = gr.Image(label=f"Blocks as they are made ({height}×{width}, one row per block)", elem_id="blocks",
@@ -336,11 +341,11 @@ def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT
             with gr.Column(scale=2):
                 live_frame = gr.Image(label=f"Live ({height}×{width})", elem_id="live-frame", height=320, **PICTURE)
                 live_status = gr.Markdown("", elem_id="live-status")
-        model.change(partial(handle_model, catalog, max_frames), model, [length, cache_policy, method, large_steps])
+        model.change(partial(handle_model, catalog, max_frames), model, [length, cache_policy, method, large_steps, *family])
         method.change(lambda m: gr.update(visible=m == COLLABORATIVE), method, large_steps)
         run.click(partial(handle_generate, catalog, max_frames, video.GRADIO_CACHE),
                   [prompt, model, length, cache_policy, per_block, method, large_steps, cache_threshold, drop_threshold,
-                   seed],
+                   seed, *family],
                   [sheet, status, video, profile, latency], api_name="generate")
         players = LivePlayers()
 
@@ -358,4 +363,4 @@ def build_demo(catalog: Optional[VideoCatalog] = None, max_frames: int = DEFAULT
         # Beside the running stream (which holds the queue's slot): no concurrency limit of their own.
         steer.click(steer_live, steer_prompt, steer_status, api_name="steer", concurrency_limit=None)
         live_stop.click(stop_live, None, steer_status, api_name="stop", concurrency_limit=None)
-    return demo.queue(default_concurrency_limit=max(1, int(concurrency)), max_size=QUEUE_SIZE)
+    return queued(demo, concurrency)

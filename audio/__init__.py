@@ -9,12 +9,14 @@ the pipeline that opens its folders and the adapter `TTSPipeline` asks about it,
 "module:Class" so that importing this package loads neither torch nor transformers.
 """
 
-from mmgen.registry import register_family
+from mmgen.registry import Option, register_family
 
 register_family("speech", "dia", pipeline="mmgen.audio.pipeline:TTSPipeline", adapter="mmgen.audio.dia:DiaSpeech")
 register_family("speech", "csm", pipeline="mmgen.audio.pipeline:TTSPipeline", adapter="mmgen.audio.csm:CsmSpeech")
 # VibeVoice's pipeline is its own adapter (continuous latents: no codec frames to adapt).
-register_family("speech", "vibevoice", pipeline="mmgen.audio.latent_pipeline:LatentTTSPipeline")
+register_family("speech", "vibevoice", pipeline="mmgen.audio.latent_pipeline:LatentTTSPipeline", options=[
+    Option("final_std", float, 0.0, "VibeVoice: standard deviation of the head's last step (default 0, its own sampler; "
+                                    "cspd needs > 0)", minimum=0)])
 
 #: Bundled trained models (package data; see assets/speech-tts/MODEL_CARD.md): name -> folder
 #: relative to this package.

@@ -36,7 +36,8 @@ from typing import Any, Optional
 
 import torch
 
-from mmgen.batch import FIELD_KINDS, FileJob, LineError, check_schema, load_file_jobs, model_memo, run_file_batch
+from mmgen.batch import (FAMILY_FIELDS, FIELD_KINDS, FileJob, LineError, check_schema, family_call, family_fields,
+                         load_file_jobs, model_memo, run_file_batch)
 from mmgen.cli import check_seed
 
 from mmgen.audio.waveform import read_audio, wav_bytes
@@ -66,7 +67,7 @@ class SpeechJob(FileJob):
 def check_fields(value: Any) -> dict:
     """A job object's fields checked for presence and type, defaults filled in (ValueError)."""
     check_schema(value, REQUIRED, OPTIONAL, KINDS, modality=MODALITY)
-    fields = {**DEFAULTS, **value}
+    fields = {**DEFAULTS, **value, FAMILY_FIELDS: family_fields(value, MODALITY, {**REQUIRED, **OPTIONAL})}
     for name in ("temperature", "top_p", "guidance_scale"):
         fields[name] = None if fields[name] is None else float(fields[name])
     check_seed(fields["seed"])
@@ -121,7 +122,7 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype, continuous
     if continuous:
         check_continuous(decoder, pipe.token_model())
     options = {k: fields[k] for k in ("max_new_frames", "temperature", "top_k", "top_p", "guidance_scale")}
-    return SpeechCall(pipe, dict(options, decoding=decoder))
+    return SpeechCall(pipe, dict(options, decoding=decoder, **family_call(pipe, fields, MODALITY)))
 
 
 def load_jobs(path: Path, device: str, dtype: torch.dtype,

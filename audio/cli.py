@@ -17,7 +17,7 @@ import argparse
 import os
 from pathlib import Path
 
-from mmgen.cli import DTYPES, add_json_flag, check_output_file, report, seed_arg
+from mmgen.cli import DTYPES, add_family_flags, add_json_flag, check_output_file, family_flags, report, seed_arg
 
 #: The bundled model `mmgen generate speech` speaks with when given none.
 DEFAULT_MODEL = "speech-tts"
@@ -41,9 +41,7 @@ def register(commands, groups) -> None:
                              "VibeVoice ar or cspd (with --drafter and --final-std); options as NAME:key=value,...")
     speech.add_argument("--drafter", default=None, metavar="NAME_OR_FOLDER",
                         help="for --decoding draft, entropy-switch or cspd: a smaller model of the same codec")
-    speech.add_argument("--final-std", type=float, default=None,
-                        help="VibeVoice: standard deviation of the head's last step (default 0, its own sampler; "
-                             "cspd needs > 0)")
+    add_family_flags(speech, "speech")  # each family's own options, from its record (VibeVoice: --final-std)
     speech.add_argument("--max-new-frames", type=int, default=None, help="decoder frames at most (default: the model's context)")
     speech.add_argument("--temperature", type=float, default=None, help="default the model's generation config; 0 is greedy")
     speech.add_argument("--top-k", type=int, default=None, help="sampling: keep the k most likely codes (default the model's)")
@@ -85,9 +83,7 @@ def generate_speech(args: argparse.Namespace) -> int:
     method = parse_decoding(args.decoding)[0]
     if args.drafter is not None and method not in cls.companions:
         raise ValueError(f"--drafter is for --decoding {' or '.join(sorted(cls.companions))}, not {args.decoding!r}")
-    continuous = cls.decoder_family == "causal-continuous"
-    if args.final_std is not None and not continuous:
-        raise ValueError("--final-std is for continuous-latent models (VibeVoice)")
+    options = family_flags(args, "speech", args.model, cls)
     transformers.utils.logging.disable_progress_bar()  # errors and the report stay the only output lines
     transformers.utils.logging.set_verbosity_error()
     dtype = getattr(torch, args.dtype)
@@ -96,9 +92,7 @@ def generate_speech(args: argparse.Namespace) -> int:
     decoder = decoder_from_spec(args.decoding, pipe, args.model, args.device, dtype, **given)
     call = dict(voice=args.voice, voice_text=args.voice_text, max_new_frames=args.max_new_frames, decoding=decoder,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, guidance_scale=args.guidance_scale,
-                generator=make_generator(args.seed, args.device))
-    if args.final_std is not None:
-        call["final_std"] = args.final_std
+                generator=make_generator(args.seed, args.device), **options)
     if args.stream:
         output = _stream_to_file(pipe, args.text, out, call)
     else:

@@ -162,25 +162,41 @@ def gpu() -> str:
     return markdown(header, rows) + "\n\n" + data["what"] + ". " + provenance(data)
 
 
-def self_drafting() -> str:
-    """`mmgen bench` runs of the speculation that needs no second model (`heads`, `skip`) beside
-    `ar` and the methods that do, one per bundled token model, batch 1, one thread."""
-    runs = {"self_drafting_emoji64_cpu": "token", "self_drafting_emoji-vlm_cpu": "token", "self_drafting_speech-tts_cpu": "frame"}
+def drafting_rows(runs: dict[str, str]) -> list[list[str]]:
+    """Rows of `mmgen bench` runs (JSON name -> the unit it decodes) for the speculation tables:
+    model, method, unit, units per target forward, draft steps per unit, ms per unit, vs `ar`."""
     rows = []
     for name, unit in runs.items():
-        data = load(name)
-        for r in data["speed"]:
+        for r in load(name)["speed"]:
             if "units_per_forward" in r:  # the text and speech harness: paired ratios of interleaved runs
                 per_forward, per_unit, draft = r["units_per_forward"], r["ms_per_unit"], num(r["draft_forwards_per_unit"])
             else:  # the image harness: a 64-token image per decode
                 per_forward, per_unit, draft = r["step_compression"], r["seconds"] * 1000 / 64, "–"
-            rows.append([r["model"], f"`{r['method']}`", unit, num(per_forward), draft, num(per_unit),
-                         times(r["speedup_vs_ar"])])
-    header = ["model", "method", "unit", "units per target forward", "draft steps per unit", "ms per unit", "vs `ar`"]
+            rows.append([r["model"], f"`{r['method']}`", unit, num(per_forward), draft, num(per_unit), times(r["speedup_vs_ar"])])
+    return rows
+
+
+DRAFTING_HEADER = ["model", "method", "unit", "units per target forward", "draft steps per unit", "ms per unit", "vs `ar`"]
+
+
+def self_drafting() -> str:
+    """`mmgen bench` runs of the speculation that needs no second model (`heads`, `skip`) beside
+    `ar` and the methods that do, one per bundled token model, batch 1, one thread."""
+    runs = {"self_drafting_emoji64_cpu": "token", "self_drafting_emoji-vlm_cpu": "token", "self_drafting_speech-tts_cpu": "frame"}
     what = ("Batch 1, one thread, each model's default sampling (emoji64: CFG 2, temperature 1; emoji-vlm: greedy, "
             "held-out sentence questions; speech-tts: CFG 3, top-k 32); every method is exact; methods interleaved per "
             "input, ratios paired (the image harness counts no draft steps)")
-    return markdown(header, rows) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
+    return markdown(DRAFTING_HEADER, drafting_rows(runs)) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
+
+
+def token_trees() -> str:
+    """`mmgen bench` runs of each tree-drafting proposer as a chain and as a token tree (`tree=`),
+    on the bundled image and vision-language models, batch 1, one thread."""
+    runs = {"token_trees_emoji64_cpu": "token", "token_trees_emoji-vlm_cpu": "token"}
+    what = ("Batch 1, one thread, each model's default sampling (emoji64: CFG 2, temperature 1; emoji-vlm: greedy, "
+            "held-out sentence questions); every method is exact; methods interleaved per input, ratios paired (the "
+            "image harness counts no draft steps)")
+    return markdown(DRAFTING_HEADER, drafting_rows(runs)) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
 
 
 def official_table(name: str, official: str, label: str, what: str) -> str:
@@ -249,7 +265,7 @@ def video_peer() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "image-emoji64": image_tokens, "image-var": image_var, "image-mar": image_mar,
     "vlm": vlm, "speech": speech, "video": video, "video-stream": video_stream, "gpu": gpu,
-    "self-drafting": self_drafting, "image-official": image_official, "image-var-official": image_var_official,
+    "self-drafting": self_drafting, "token-trees": token_trees, "image-official": image_official, "image-var-official": image_var_official,
     "image-mar-official": image_mar_official,
     "video-peer": video_peer,
 }

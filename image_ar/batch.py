@@ -14,12 +14,13 @@ Required fields: `model` (a bundled name or a pipeline folder), `class_label` (i
 `seed` (integer >= 0), `decoding` (a `generate image --decoding` spec for that model), `count`
 (1 to 10000 images) and `output` (a file-name stem of letters, digits, '.', '_' and '-', unique
 in the file; image k is `<out>/<output>_<kkk>.png`). Optional, as the `mmgen generate image`
-flags of the same name: guidance_scale, temperature, top_k, top_p, cfg_interval, window
-(LlamaGen); preset, more_smooth (true), pruning, pruning_layers ([start, stop]) (VAR); num_iter,
-cfg_schedule (MAR); `modality` ("image", the only value it may take here). Every line is checked
-before any work (JSON, fields, types, the model loads, the class exists, the decoding and
-sampling options suit the model, output names): `--on-error stop` (default) lists the bad lines
-and runs nothing, `--on-error skip` runs the rest.
+flags of the same name: guidance_scale, temperature, top_k, top_p, window (Jacobi decoders), and
+each option of an image family's record (`mmgen.image_ar`, `registry.family_options("image")`):
+cfg_interval (LlamaGen); preset, more_smooth (true or false), pruning, pruning_layers ([start,
+stop]) (VAR); num_iter, cfg_schedule (MAR); `modality` ("image", the only value it may take
+here). Every line is checked before any work (JSON, fields, types, the model loads, the class
+exists, the decoding and sampling options suit the model, output names): `--on-error stop`
+(default) lists the bad lines and runs nothing, `--on-error skip` runs the rest.
 
 Groups and seeds. Row k of a job (its k-th image) has seed `seed + k`. Rows of jobs with the
 same model and options (decoding, sampling) are packed in file order into groups of up to
@@ -84,7 +85,7 @@ from typing import Any
 import torch
 
 from mmgen.batch import (CONTINUOUS_GROUP_BATCHES, FIELD_KINDS, GroupRun, LineError, Memo, check_schema, claim_output,
-                         form_groups, group_seed, model_memo, read_jsonl, run_groups, start_run)
+                         family_fields, form_groups, group_seed, model_memo, read_jsonl, run_groups, start_run)
 from mmgen.cli import check_seed
 from mmgen.decoding import row_spec
 
@@ -98,17 +99,14 @@ from mmgen.image_ar.generation import (
 
 MODALITY = "image"
 MAX_COUNT = 10_000
-#: field -> expected kind; the optional ones are ImageOptions' fields (decoding is required).
+#: field -> expected kind; the optional ones are the options every image model takes (`ImageOptions`'
+#: `COMMON_OPTIONS`; decoding is required). The families' options are fields too, checked by their
+#: records (`check_schema`).
 REQUIRED = {"model": "str", "class_label": "label", "seed": "int", "decoding": "str", "count": "int", "output": "str"}
-OPTIONAL = {"window": "int", "guidance_scale": "float", "cfg_interval": "int", "temperature": "float", "top_k": "int",
-            "top_p": "float", "preset": "str", "more_smooth": "true", "pruning": "str", "pruning_layers": "pair",
-            "num_iter": "int", "cfg_schedule": "str"}
+OPTIONAL = {"window": "int", "guidance_scale": "float", "temperature": "float", "top_k": "int", "top_p": "float"}
 KINDS = {
     **FIELD_KINDS,
     "label": ("a class id or name", lambda v: isinstance(v, str) or (isinstance(v, int) and not isinstance(v, bool))),
-    "true": ("true (omit it for the default)", lambda v: v is True),
-    "pair": ("a list of two integers", lambda v: isinstance(v, list) and len(v) == 2
-             and all(isinstance(x, int) and not isinstance(x, bool) for x in v)),
 }
 
 
@@ -174,9 +172,8 @@ def check_fields(value: Any) -> dict:
 def options_of(spec: dict) -> ImageOptions:
     """A job's options as `generate image` parses its flags (numbers of float fields as floats)."""
     given = {k: float(spec[k]) if OPTIONAL[k] == "float" else spec[k] for k in OPTIONAL if k in spec}
-    if "pruning_layers" in given:
-        given["pruning_layers"] = tuple(given["pruning_layers"])
-    return ImageOptions(decoding=spec["decoding"], **given)
+    family = family_fields(spec, MODALITY, {**REQUIRED, **OPTIONAL})  # the families' options, by their records
+    return ImageOptions.from_values({"decoding": spec["decoding"], **given, **family})
 
 
 def load_jobs(path: Path, device: str, dtype: torch.dtype, continuous: bool = False) -> tuple[list[ImageJob], dict, list[LineError]]:

@@ -1,4 +1,5 @@
-"""Image subcommands of `mmgen`: generate image, convert llamagen / var / mar, bench.
+"""Image subcommands of `mmgen`: generate image, bench; and what `mmgen convert llamagen / var /
+mar` run (those subcommands are built from the families' records in `mmgen.image_ar`).
 
 Building the parser imports no pipeline and no benchmark code: each subcommand imports what it
 runs when it runs (`mmgen bench image` its harness, `mmgen.image_ar.bench`).
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from mmgen.cli import DTYPES, add_json_flag, report, seed_arg
+from mmgen.cli import DTYPES, add_family_flags, add_json_flag, report, seed_arg
 from mmgen.files import write_atomic
 
 from mmgen.image_ar.bundled import BUNDLED_MODELS, DEFAULT_MODEL
@@ -43,20 +44,9 @@ def register(commands, groups) -> None:
     image.add_argument("--decoding", default=None, metavar="SPEC", help=decoding_help())
     image.add_argument("--window", type=int, default=None, help="tokens scored per forward (Jacobi decoders; default 16)")
     image.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (default: the model's)")
-    image.add_argument("--cfg-interval", type=int, default=None, help="guide tokens t <= N + 1 only (default: the model's)")
     image.add_argument("--temperature", type=float, default=None, help="default: the model's")
     image.add_argument("--top-k", type=int, default=None, help="top-k filter (default: the model's)")
     image.add_argument("--top-p", type=float, default=None, help="default: the model's")
-    image.add_argument("--preset", default=None, choices=["fid", "demo"], help="VAR: the official sampler settings")
-    image.add_argument("--more-smooth", action="store_true", help="VAR: Gumbel-softmax soft maps (official visualisation option)")
-    image.add_argument("--pruning", default=None, metavar="STEP=KEEP,...[@START:STOP]",
-                       help="VAR: FastVAR cached token pruning, keep ratios per scale step and optionally the block "
-                            "range, e.g. '4=0.6,5=0.5' or '5=0.5@0:' "
-                            "(negative steps count from the last: --pruning=-2=0.6,-1=0.5)")
-    image.add_argument("--pruning-layers", type=int, nargs=2, default=None, metavar=("START", "STOP"),
-                       help="VAR: the block range that prunes (default 3 -4, FastVAR's)")
-    image.add_argument("--num-iter", type=int, default=None, help="MAR: masked steps (default: the model's, officially 64)")
-    image.add_argument("--cfg-schedule", default=None, choices=["linear", "constant"], help="MAR: guidance schedule")
     image.add_argument("--seed", type=seed_arg, default=0, help="seed of the random generator, in [0, 2**63) (default 0): "
                        "the same seed, model and options give the same images")
     image.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
@@ -68,36 +58,12 @@ def register(commands, groups) -> None:
     image.add_argument("--overwrite", action="store_true", help="replace existing files of the same names (default: "
                        "an existing file is an error, before any work)")
     image.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    # The options only some families take (LlamaGen's --cfg-interval, VAR's --pruning, MAR's --num-iter,
+    # a plugin's own): a flag each, from the families' records (`mmgen.image_ar`, `registry.family_options`);
+    # last, so that none takes a flag above.
+    add_family_flags(image, "image")
     add_json_flag(image)
     image.set_defaults(run=generate_image)
-
-    llamagen = groups["convert"].add_parser("llamagen", help="official LlamaGen c2i or t2i GPT + VQ .pt files")
-    llamagen.add_argument("--gpt-checkpoint", required=True)
-    llamagen.add_argument("--vq-checkpoint", required=True)
-    llamagen.add_argument("--t2i", action="store_true", help="a text-to-image GPT (with a T5 caption encoder)")
-    llamagen.add_argument("--text-encoder", default="google/flan-t5-xl", help="with --t2i: T5 repo id or folder (and its tokenizer)")
-    llamagen.add_argument("--gpt-model", default=None, help="official preset (default: GPT-B, with --t2i GPT-XL)")
-    llamagen.add_argument("--vq-model", default="VQ-16", choices=["VQ-16", "VQ-8"])
-    llamagen.add_argument("--image-size", type=int, default=None, help="default: 256, with --t2i 512")
-    llamagen.add_argument("--codebook-size", type=int, default=16384)
-    llamagen.add_argument("--codebook-embed-dim", type=int, default=8)
-    llamagen.add_argument("--num-classes", type=int, default=1000)
-    llamagen.add_argument("--out", required=True)
-    llamagen.set_defaults(run=convert_llamagen)
-
-    var = groups["convert"].add_parser("var", help="official VAR .pth files (var_dN.pth + vae_ch160v4096z32.pth)")
-    var.add_argument("--var-checkpoint", required=True)
-    var.add_argument("--vae-checkpoint", required=True)
-    var.add_argument("--depth", type=int, default=16, choices=[16, 20, 24, 30, 36], help="36 is the 512px model")
-    var.add_argument("--out", required=True)
-    var.set_defaults(run=convert_var)
-
-    mar = groups["convert"].add_parser("mar", help="official MAR checkpoint-last.pth (its model_ema) + kl16.ckpt")
-    mar.add_argument("--mar-checkpoint", required=True)
-    mar.add_argument("--vae-checkpoint", required=True)
-    mar.add_argument("--model", default="mar_base", choices=["mar_base", "mar_large", "mar_huge"])
-    mar.add_argument("--out", required=True)
-    mar.set_defaults(run=convert_mar)
 
     bench = groups["bench"].add_parser("image", help="image models: decoding methods against autoregressive decoding, "
                                        "speed and quality", formatter_class=DefaultsHelpFormatter)

@@ -22,10 +22,11 @@ import os
 import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from mmgen import registry
 from mmgen.sampling import make_generator
 
 from mmgen.image_ar.bundled import DEFAULT_MODEL
@@ -35,7 +36,9 @@ from mmgen.loading import decoder_from_spec, load_pipeline
 @dataclass(frozen=True)
 class ImageOptions:
     """Decoding and sampling options of one call; None takes the model's default. Each field is
-    the `mmgen generate image` flag of the same name (`cfg_interval`: --cfg-interval)."""
+    the `mmgen generate image` flag of the same name (`cfg_interval`: --cfg-interval) and the
+    `mmgen batch` job field: those every image model takes are the modality's own, the others
+    (from `cfg_interval` on) are declared by the built-in families' records (`mmgen.image_ar`)."""
 
     decoding: Optional[str] = None
     window: Optional[int] = None
@@ -50,20 +53,32 @@ class ImageOptions:
     pruning_layers: Optional[tuple[int, int]] = None  # VAR
     num_iter: Optional[int] = None  # MAR
     cfg_schedule: Optional[str] = None  # MAR
+    #: Options of a registered family's own (`registry.family_options("image")`), as sorted
+    #: (name, value) pairs; each is a flag and a job field of its name too.
+    family: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> "ImageOptions":
-        given = {f.name: getattr(args, f.name) for f in fields(cls)}
-        given["more_smooth"] = given["more_smooth"] or None  # a store_true flag: False means "not given"
-        if given["pruning_layers"] is not None:
-            given["pruning_layers"] = tuple(given["pruning_layers"])
-        return cls(**given)
+        """The options of `mmgen generate image`'s flags (the families' from `cli.add_family_flags`)."""
+        return cls.from_values({name: getattr(args, name) for name in (*COMMON_OPTIONS, *args.family_flags)})
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "ImageOptions":
+        """The options of values by name (a job's fields, the flags'; None: not given), checked
+        already: this class's fields, the rest a registered family's own (`family`). A list is a
+        tuple here, and more_smooth's False (its default) is not given."""
+        values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items() if v is not None}
+        if values.get("more_smooth") is False:
+            del values["more_smooth"]
+        own = {f.name for f in fields(cls)} - {"family"}
+        return cls(**{name: v for name, v in values.items() if name in own},
+                   family=tuple(sorted((name, v) for name, v in values.items() if name not in own)))
 
     def flags(self) -> list[str]:
         """The `mmgen generate image` arguments that give these options."""
         out = []
-        for f in fields(self):
-            value, flag = getattr(self, f.name), "--" + f.name.replace("_", "-")
+        for name, value in [(f.name, getattr(self, f.name)) for f in fields(self) if f.name != "family"] + list(self.family):
+            flag = "--" + name.replace("_", "-")
             if value is None or value is False:
                 continue
             if value is True:
@@ -119,19 +134,28 @@ def prepare_call(pipe, model: Union[str, os.PathLike], options: ImageOptions, de
     if prompts != (pipe.conditions == "prompt"):
         raise ValueError(f"this model is conditioned on {'text' if pipe.conditions == 'prompt' else 'class labels'}: "
                          f"use {'--prompt, not --class-labels' if pipe.conditions == 'prompt' else '--class-labels, not --prompt'}")
+    given = call_keywords(pipe, options)
+    spec = pipe.default_decoding if options.decoding is None else options.decoding
+    settings = {"window": options.window, **{setting: given.get(kw) for kw, setting in pipe.decoder_settings.items()}}
+    decoder = decoder_from_spec(spec, pipe, model, device, dtype, **{k: v for k, v in settings.items() if v is not None})
+    return ImageCall(pipe, decoder, given, spec)
+
+
+def call_keywords(pipe, options: ImageOptions) -> dict:
+    """`options` as keywords of `pipe`'s call, checked against what its call takes and its
+    sampler's bounds (ValueError). The one place the families' options become call keywords:
+    VAR's `pruning` and `pruning_layers` make one `pruning` (a CachedTokenPruning)."""
     given = {name: getattr(options, name) for name in CALL_OPTIONS}
     given["pruning"] = parse_pruning(options.pruning, options.pruning_layers)
     given = {k: v for k, v in given.items() if v is not None}
+    given.update(registry.family_call_options("image", registry.pipeline_family(pipe), dict(options.family)))
     unsupported = sorted(set(given) - set(inspect.signature(pipe.__call__).parameters))
     if unsupported:
         raise ValueError(f"{type(pipe).__name__} has no option(s) {unsupported}")
     if hasattr(pipe, "sampling_config"):  # the sampler's own bounds (top_p in (0, 1], ...), now rather than mid-run
         accepted = inspect.signature(pipe.sampling_config).parameters
         pipe.sampling_config(**{k: v for k, v in given.items() if k in accepted})
-    spec = pipe.default_decoding if options.decoding is None else options.decoding
-    settings = {"window": options.window, **{setting: given.get(kw) for kw, setting in pipe.decoder_settings.items()}}
-    decoder = decoder_from_spec(spec, pipe, model, device, dtype, **{k: v for k, v in settings.items() if v is not None})
-    return ImageCall(pipe, decoder, given, spec)
+    return given
 
 
 def compile_companions(pipe, decoder) -> None:
@@ -145,6 +169,9 @@ def compile_companions(pipe, decoder) -> None:
             other.compile()
 
 
+#: ImageOptions fields every image model takes, the modality's own flags and job fields (the
+#: others are the families' options, `registry.family_options("image")`).
+COMMON_OPTIONS = ("decoding", "window", "guidance_scale", "temperature", "top_k", "top_p")
 #: ImageOptions fields that are keywords of a pipeline call (the rest pick the decoder).
 CALL_OPTIONS = ("guidance_scale", "temperature", "top_k", "top_p", "cfg_interval", "preset", "more_smooth", "num_iter",
                 "cfg_schedule")

@@ -9,7 +9,9 @@ its pipelines; everything else here is shared so that every modality resumes, sh
 the same way. A job line says its modality in a `modality` field; a line without one is told by
 the field that marks it (`registry.batch_markers()`: `class_label` -> image, `prompt` -> text,
 `text` -> speech), so a video job, whose prompt is a `prompt` too, needs `"modality": "video"`.
-A file holds jobs of one modality.
+A file holds jobs of one modality. Besides its modality's fields, a job may give the options its
+model's family declares in its record (`registry.family_options`: VibeVoice's `final_std`, a
+plugin's own), checked by `check_schema` and refused by a model of another family.
 
 Durability contract. An output is written to a temp file in its own folder, fsynced and renamed
 over its final name (`write_atomic`): it is either absent or complete. Only then is its record
@@ -43,6 +45,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from mmgen import registry
 from mmgen.files import fsync_dir, open_append, remove_stale_temp_files, sha256_file, write_atomic
 
 MANIFEST = "manifest.jsonl"
@@ -118,7 +121,9 @@ def check_schema(value: Any, required: dict[str, str], optional: dict[str, str],
                  kinds: dict[str, tuple[str, Callable[[Any], bool]]] = FIELD_KINDS, modality: Optional[str] = None) -> dict:
     """A job object's fields checked for presence and kind (`required` / `optional`: field ->
     kind), and its `output` for a safe file-name stem; ValueError otherwise. A runner gives its
-    `modality` name: a job may then say it in a `modality` field (any other value is an error)."""
+    `modality` name: a job may then say it in a `modality` field (any other value is an error), and
+    give the options its registered families declare (`registry.family_options`), each checked by
+    its record (`Option.check`, the wording every surface uses)."""
     if not isinstance(value, dict):
         raise ValueError(f"a job must be a JSON object, got {type(value).__name__}")
     if modality is not None:
@@ -126,9 +131,11 @@ def check_schema(value: Any, required: dict[str, str], optional: dict[str, str],
             raise ValueError(f"{MODALITY_FIELD} must be {json.dumps(modality)} in a file of {modality} jobs, "
                              f"got {json.dumps(value[MODALITY_FIELD])}")
         optional = {**optional, MODALITY_FIELD: "str"}
-    unknown = sorted(set(value) - set(required) - set(optional))
+    family = {name: option for name, option in registry.family_options(modality).items()
+              if name not in required and name not in optional} if modality is not None else {}
+    unknown = sorted(set(value) - set(required) - set(optional) - set(family))
     if unknown:
-        raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(required)} and optional {sorted(optional)}")
+        raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(required)} and optional {sorted([*optional, *family])}")
     missing = [k for k in required if k not in value]
     if missing:
         raise ValueError(f"missing field(s) {missing}")
@@ -136,11 +143,33 @@ def check_schema(value: Any, required: dict[str, str], optional: dict[str, str],
         what, test = kinds[kind]
         if name in value and not test(value[name]):
             raise ValueError(f"{name} must be {what}, got {json.dumps(value[name])}")
+    for name, option in family.items():
+        if name in value:
+            option.check(value[name])
     name = value.get("output")
     if isinstance(name, str) and (not OUTPUT_NAME.fullmatch(name) or ".." in name):
         raise ValueError(f"output {name!r} is not a safe file-name stem: 1 to 128 letters, digits, '.', '_' or '-', "
                          "starting with a letter or digit, without '..' (no folders)")
     return value
+
+
+#: The `fields` entry of a checked job that holds its family options (`family_fields`); part of
+#: a `FileJob`'s key, so that only jobs of equal options share a call.
+FAMILY_FIELDS = "family_options"
+
+
+def family_fields(value: dict, modality: str, own: Collection[str]) -> dict:
+    """The options of `modality`'s registered families that a job line (checked by `check_schema`)
+    gives, but for the modality's `own` fields (which pass such a keyword already), as call
+    keywords' values (a float option's integer as a float)."""
+    options = registry.family_options(modality)
+    return {name: options[name].check(v) for name, v in value.items() if name in options and name not in own}
+
+
+def family_call(pipe: Any, fields: dict, modality: str) -> dict:
+    """A job's family options (`fields[FAMILY_FIELDS]`) as keywords of `pipe`'s call, once the
+    loaded model's family declares each (`registry.family_call_options`; ValueError otherwise)."""
+    return registry.family_call_options(modality, registry.pipeline_family(pipe), fields.get(FAMILY_FIELDS, {}))
 
 
 class Memo:
@@ -714,7 +743,7 @@ class FileJob:
 
     @property
     def key(self) -> tuple:
-        return tuple(json.dumps(self.fields[k]) for k in self.CALL_FIELDS)
+        return (*(json.dumps(self.fields[k]) for k in self.CALL_FIELDS), json.dumps(self.fields.get(FAMILY_FIELDS, {})))
 
     @property
     def category(self) -> tuple[str, str]:

@@ -21,6 +21,17 @@ import torch
 from torch import nn
 
 
+def tree_attention_mask(visible: torch.Tensor, committed: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Bool mask [R, 1, n, S] for a tree forward whose n slots start at slot `start` [R] of a
+    cache of S slots: slot s is seen by query i when `committed` [R, S] says it holds one of
+    the row's committed tokens, or when it is window slot j = s - start[r] and `visible[i, j]`."""
+    n, S = visible.shape[0], committed.shape[1]
+    rel = torch.arange(S, device=committed.device)[None, :] - start[:, None]  # [R, S]
+    inside = (rel >= 0) & (rel < n)
+    window = visible[:, rel.clamp(0, n - 1)].permute(1, 0, 2) & inside[:, None, :]  # [R, n, S]
+    return (window | (committed & ~inside)[:, None, :])[:, None]
+
+
 class StaticKVCache(nn.Module):
     """K/V buffers [layers, B, H, max_length, D] plus committed lengths [B] (int64).
 
@@ -89,6 +100,15 @@ class StaticKVCache(nn.Module):
         keys = self._arange[None, None, :]
         visible = (keys <= positions[:, :, None]) & ~self.key_padding[:, None, :]
         return (visible | (keys == positions[:, :, None]))[:, None]
+
+    def move(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy each row's keys and values at slots `source` [B, m] to slots `target` [B, m]
+        (every layer; all reads happen before the writes): a verified tree's chosen branch
+        moved to the slots its tokens now hold."""
+        L, B, H, _, D = self.k.shape
+        at = lambda slots: slots[None, :, None, :, None].expand(L, B, H, slots.shape[1], D)
+        for buffer in (self.k, self.v):
+            buffer.scatter_(3, at(target), buffer.gather(3, at(source)))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep rows `rows` [B'] (indices into the current rows, in that order; one may repeat,
@@ -174,6 +194,32 @@ class SlotKVCache:
         self.crop(start + (longest if self.pending else 0))
         self.pending = 0
         self.maybe_compact(width)
+
+    def open_tree(self, depth: torch.Tensor, visible: torch.Tensor, implementation: str,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`open` for a token tree of n = len(depth) slots (`mmgen.modeling.TreeModel`): its 4-D
+        attention mask [R, 1, n, S + n] for transformers (boolean for sdpa, additive for eager)
+        and each slot's position id [R, n] (the row's next position + its depth)."""
+        if implementation not in ("sdpa", "eager"):
+            raise ValueError(f"token trees are verified under sdpa or eager attention, not {implementation!r} "
+                             "(load the model with attn_implementation='sdpa')")
+        n = depth.shape[0]
+        mask, positions = self.open(n)
+        seen = tree_attention_mask(visible, mask, torch.full((mask.shape[0],), mask.shape[1] - n, device=mask.device))
+        if implementation == "eager":
+            seen = torch.zeros(seen.shape, dtype=dtype, device=mask.device).masked_fill(~seen, torch.finfo(dtype).min)
+        return seen, positions[:, :1] + depth[None]
+
+    def keep_path(self, path: torch.Tensor) -> None:
+        """Move the pending forward's slots `path` [R, m] (each row's own, in order) to its first
+        m slots in every layer, so that `commit` keeps a verified tree's chosen branch."""
+        start = self.length - self.pending
+        for layer in self.kv.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                R, H, _, D = t.shape
+                moved = t.gather(2, (start + path)[:, None, :, None].expand(R, H, path.shape[1], D))
+                t[:, :, start:start + path.shape[1]] = moved
 
     def rewind(self, num_generated: torch.Tensor) -> None:
         """Row r keeps its first `num_generated[r]` generated tokens ([R] int64)."""

@@ -14,7 +14,8 @@
 
 The core has no static dependency on any modality: each modality package contributes its
 subcommands through a `register(commands, groups)` function in a module named in
-`COMMAND_MODULES`, imported by name when the parser is built.
+`COMMAND_MODULES`, imported by name when the parser is built; `mmgen convert`'s subcommands are
+built from the families' records (`registry.registered_converters`, `add_converters`).
 
 Options every subcommand shares are checked here, once, before any subcommand runs:
 `--device` (`check_device`: the device must exist on this machine) and `--seed` (`seed_arg`,
@@ -91,6 +92,77 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
                              "nothing else there (default: stdout is for people, the record goes to stderr)")
 
 
+def add_family_flags(parser: argparse.ArgumentParser, modality: str) -> None:
+    """A flag for each option the registered families of `modality` declare
+    (`registry.family_options`: VibeVoice's `--final-std`, a plugin's own) that `parser` does not
+    already have (that flag of the modality's own passes the keyword already); unset, it is None
+    (the pipeline's default applies). Values are checked as they are parsed (`Option.parse`: one
+    line, exit status 2); `--help` shows an option's choices or `metavar`, and an option of `size`
+    N takes N words (a list). The names added are `args.family_flags`, which `family_flags` reads."""
+    from mmgen import registry
+
+    taken = set(parser._option_string_actions)
+    added = [option for option in registry.family_options(modality).values() if option.flag not in taken]
+    parser.set_defaults(family_flags=tuple(option.name for option in added))
+    for option in added:
+        add_option(parser, option, default=None)
+
+
+def add_option(parser: argparse.ArgumentParser, option: Any, default: Any) -> None:
+    """`option` (`registry.Option`) as an argument of `parser`, `default` when not given: a switch
+    for a bool, else a flag (a word for a `positional` one) whose value `Option.parse` checks."""
+    if option.type is bool:
+        parser.add_argument(option.flag, action="store_true", default=default, help=option.help)
+        return
+    name = option.name if option.positional else option.flag
+    required = {} if option.positional else {"required": option.required}
+    parser.add_argument(name, type=_option_arg(option, name), default=default, help=option.help,
+                        choices=option.choices or None, metavar=option.metavar,
+                        nargs=option.size if option.size > 1 else None, **required)
+
+
+def _option_arg(option: Any, name: str) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            return option.parse(text, name)
+        except ValueError as error:  # argparse names the argument itself
+            raise argparse.ArgumentTypeError(str(error).removeprefix(name + " ")) from None
+
+    return parse
+
+
+def add_converters(group: Any) -> None:
+    """A `mmgen convert <name>` subcommand per converter the registered families declare
+    (`registry.registered_converters`), built from its record: its help line, its arguments
+    (`add_option`, with their defaults) and what it runs."""
+    from mmgen import registry
+
+    for converter in registry.registered_converters().values():
+        command = group.add_parser(converter.name, help=converter.help)
+        for option in converter.arguments:
+            add_option(command, option, option.default)
+        command.set_defaults(run=converter.run, **converter.defaults)
+
+
+def family_flags(args: argparse.Namespace, modality: str, model: str, cls: type) -> dict:
+    """The family option flags given (`add_family_flags`) as call keywords, once the folder of
+    `--model` (holding a `cls` pipeline) names a family that declares each: ValueError otherwise,
+    before any weights load."""
+    from mmgen import registry
+
+    given = {name: getattr(args, name) for name in args.family_flags}
+    if all(value is None for value in given.values()):
+        return {}
+    if registry.FAMILY_KEYS[modality] == "_class_name":
+        entry = registry.family(modality, cls.__name__)
+    else:  # a transformers folder: its config.json's model_type (of a Hub repo, that file alone)
+        from mmgen.hub import read_json, resolve_path
+        from mmgen.loading import resolve_model
+
+        entry = registry.family(modality, read_json(resolve_path(resolve_model(model), "config.json")).get("model_type"))
+    return registry.family_call_options(modality, entry, given, lambda option: option.flag)
+
+
 def report(args: argparse.Namespace, lines: Sequence[str], record: dict) -> None:
     """The one output rule of `mmgen generate`: stdout is for people (what was written, a
     summary; for text, the answer), the machine record one JSON line on stderr; with `--json`
@@ -147,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(commands, groups)
+    add_converters(groups["convert"])
     return parser
 
 

@@ -110,6 +110,30 @@ class HiddenStateModel(Protocol):
         ...
 
 
+@runtime_checkable
+class TreeModel(Protocol):
+    """A `TokenModel` that verifies a token tree in one forward (SpecInfer's tree attention).
+
+    The fed tokens are a tree flattened in slot order: slot 0 the newest committed token, every
+    other slot a draft whose ancestors come before it. Each token sits at position "its row's
+    next position + `depth`" (so a branch reads as a contiguous continuation) and attends to the
+    committed tokens and to the window slots `visible` marks (its ancestors and itself).
+    """
+
+    def forward_tree(self, state: DecodeState, tokens: torch.Tensor, depth: torch.Tensor,
+                     visible: torch.Tensor) -> Logits:
+        """Logits [B, n, V] for `tokens` [B, n] at depths `depth` [n] (slot 0: depth 0), slot i
+        attending to window slot j where `visible` [n, n] (bool) is True; leaves the forward
+        pending as `forward` does (nothing committed) and, for a `HiddenStateModel`, its final
+        hidden states in `state.hidden`."""
+        ...
+
+    def keep_path(self, state: DecodeState, path: torch.Tensor) -> None:
+        """Move the pending forward's slots `path` [B, m] (row b's chosen branch, root first) to
+        its first m slots, so that `commit(state, n)` keeps the first n tokens of each row's path."""
+        ...
+
+
 def place_hidden(state: DecodeState, rows: Sequence[int], hidden: torch.Tensor) -> None:
     """After a restart: the cache rows `rows` (a row and, under guidance, its unconditional twin)
     hold the prefill's last hidden states `hidden` [len(rows), 1, D] at index 0 of

@@ -141,3 +141,58 @@ def assert_continuous_equals_alone(decoder, model, sampling, labels=(1, 5, 7, 2,
         assert torch.equal(requests[i].generator.get_state(), generator.get_state())
         assert done[i].stats.accepted_histogram == alone.stats.accepted_histogram
     assert sum(sum(f.stats.accepted_histogram[2:]) for f in done) > 0, "no draft was accepted"
+
+
+def assert_confidence_stop_stays_greedy(decoder, model, conditions, num_draft: int, sampling=None, num_tokens: int = 64):
+    """A decoder with a confidence stop (`confidence=`) under greedy `sampling` (CFG 4 by
+    default): token-identical to autoregressive decoding, drafted, and some of its rounds stopped
+    early while others drafted all `num_draft` (`drafts_per_forward`: one count per forward after
+    the prefill). Returns the decode, for checks of the proposer's own draft forwards."""
+    from mmgen.decoding import Autoregressive
+    from mmgen.sampling import SamplingConfig
+
+    sampling = sampling or SamplingConfig(top_k=1, guidance=4.0)
+    ar = Autoregressive().generate(model, conditions, num_tokens, sampling, torch.Generator().manual_seed(0))
+    out = decoder.generate(model, conditions, num_tokens, sampling, torch.Generator().manual_seed(1))
+    assert torch.equal(out.tokens, ar.tokens)
+    assert_drafted(out, ar)
+    counts = out.stats.drafts_per_forward
+    assert len(counts) == out.stats.forwards - 1 and min(counts) < num_draft == max(counts), counts
+    return out
+
+
+def assert_confidence_stop_keeps_the_law(decoder, enumerable, num_draft: int, batches: int = 500) -> None:
+    """A decoder with a confidence stop samples the exact joint of `enumerable` (chi-square, CFG,
+    temperature and top-k), in batches of 12 where rounds do stop (at thousands of rows, half of
+    them are never unsure at once), and the stop both cut rounds to one draft and let others run
+    to `num_draft`, with drafts accepted."""
+    from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, chi_square_pvalue, exact_joint
+
+    sampling = SAMPLINGS["cfg+temperature+top_k"]
+    seqs, joint = exact_joint(enumerable, 1, sampling)
+    generator, samples, counts, accepted = torch.Generator().manual_seed(0), [], [], 0
+    for _ in range(batches):
+        out = decoder.generate(enumerable, torch.full((12,), 1), LENGTH, sampling, generator)
+        samples.append(out.tokens)
+        counts += out.stats.drafts_per_forward
+        accepted += out.stats.accepted_drafts
+    assert min(counts) == 1 and max(counts) == num_draft and accepted > 0, (min(counts), max(counts), accepted)
+    assert chi_square_pvalue(torch.cat(samples), seqs, joint) > ALPHA
+
+
+def assert_streams_its_output(decoder, model, sampling, labels=(1, 2), num_tokens: int = 32) -> None:
+    """Streaming (`TokenQueueStreamer`, read from another thread) hands each row exactly the
+    tokens of the decode's output, as they commit."""
+    import threading
+
+    from mmgen.decoding import TokenQueueStreamer
+
+    streamer, result = TokenQueueStreamer(timeout=60), {}
+    thread = threading.Thread(target=lambda: result.setdefault("out", decoder.generate(
+        model, torch.tensor(list(labels)), num_tokens, sampling, torch.Generator().manual_seed(0), streamer=streamer)))
+    thread.start()
+    rows = [[] for _ in labels]
+    for row, tokens in streamer:
+        rows[row].extend(tokens.tolist())
+    thread.join()
+    assert rows == result["out"].tokens.tolist()

@@ -53,8 +53,9 @@ def test_small_run_reports_every_section(tmp_path):
     assert [(r["method"], r["batch"]) for r in batching] == [(m, b) for b in (8, 32) for m in ("ar", "sjd:adapt=false")]
     assert all(r["identical_to_alone"] == "2/2" and r["continuous_images_per_s"] > 0 for r in batching)
     proposers = result_of["proposers"]["rows"]
-    assert [(r["proposer"], r["batch"]) for r in proposers] == [(p, b) for b in (1, 8) for p in ("heads", "skip")]
+    assert [(r["proposer"], r["batch"]) for r in proposers] == [(p, b) for b in (1, 8) for p in ("heads", "skip", "heads:tree=3")]
     assert all(r["draft_ms"] > 0 and r["verify_ms"] > 0 and r["ar_ms"] > 0 for r in proposers)
+    assert [r["verify_tokens"] for r in proposers[:3]] == [4, 4, 10]  # a chain's window; the tree's 1 + 3 x 3
     goals = {g["what"] for g in report["goals"]}
     assert "llamagen-tiny eager ar_over_floor" in goals and "sjd batch 8 speedup / step compression" in goals
     text = (tmp_path / "report.md").read_text()

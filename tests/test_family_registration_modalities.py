@@ -75,14 +75,19 @@ class ToySpeech(DiaSpeech):
 @pytest.fixture
 def speech_family(tmp_path):
     """The toy speech family registered, a Dia pipeline, and the toy folder of the same weights."""
-    AutoConfig.register("toy_dia", ToyDiaConfig, exist_ok=True)
     registry.register_family("speech", "toy_dia", pipeline="TTSPipeline", adapter=ToySpeech)
+    yield save_toy_dia(tmp_path / "toy-tts"), tmp_path / "toy-tts"
+    registry.unregister_family("speech", "toy_dia")
+
+
+def save_toy_dia(folder):
+    """A tiny Dia pipeline, and its weights saved in `folder` as the toy model type `toy_dia`."""
+    AutoConfig.register("toy_dia", ToyDiaConfig, exist_ok=True)
     dia = tiny_dia(1)
     model = ToyDiaModel(renamed_config(ToyDiaConfig, dia.model.config)).eval()
     model.load_state_dict(dia.model.state_dict())
-    TTSPipeline(model, DiaTokenizer(), dia.codec.model).save_pretrained(tmp_path / "toy-tts")
-    yield dia, tmp_path / "toy-tts"
-    registry.unregister_family("speech", "toy_dia")
+    TTSPipeline(model, DiaTokenizer(), dia.codec.model).save_pretrained(folder)
+    return dia
 
 
 def test_a_speech_family_registered_here_loads_generates_and_serves(speech_family, tmp_path, capsys):
@@ -136,17 +141,23 @@ class ToyVLM(LlavaForConditionalGeneration):
 @pytest.fixture
 def vlm_family(tmp_path):
     """The toy VLM family registered, a LLaVA pipeline, and the toy folder of the same weights."""
+    registry.register_family("text", "toy_vlm", pipeline="VLMPipeline")
+    yield save_toy_vlm(tmp_path), tmp_path / "toy-vlm"
+    registry.unregister_family("text", "toy_vlm")
+
+
+def save_toy_vlm(tmp_path):
+    """A tiny LLaVA pipeline, its weights saved in `tmp_path/toy-vlm` as the toy model type
+    `toy_vlm`, and an image `tmp_path/cat.png`."""
     AutoConfig.register("toy_vlm", ToyVLMConfig, exist_ok=True)
     AutoModelForImageTextToText.register(ToyVLMConfig, ToyVLM, exist_ok=True)
-    registry.register_family("text", "toy_vlm", pipeline="VLMPipeline")
     llava = tiny_llava(0, std=0.1)
     model = ToyVLM(renamed_config(ToyVLMConfig, llava.model.config)).eval()
     model.load_state_dict(llava.model.state_dict())
     model.generation_config = llava.model.generation_config
     VLMPipeline(model, llava.processor).save_pretrained(tmp_path / "toy-vlm")
     images(1)[0].save(tmp_path / "cat.png")
-    yield llava, tmp_path / "toy-vlm"
-    registry.unregister_family("text", "toy_vlm")
+    return llava
 
 
 def test_a_vlm_family_registered_here_loads_generates_and_serves(vlm_family, tmp_path, capsys):

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from mmgen.batch import FIELD_KINDS, FileJob, LineError, World, check_schema, load_file_jobs, model_memo, run_file_batch
+from mmgen.batch import (FAMILY_FIELDS, FIELD_KINDS, FileJob, LineError, World, check_schema, family_call, family_fields,
+                         load_file_jobs, model_memo, run_file_batch)
 from mmgen.cache import CachePolicy
 from mmgen.cli import check_seed
 
@@ -74,7 +75,7 @@ def check_fields(value: Any) -> dict:
                 raise ValueError(f'"{old}" is the old name of "{new}": give only "{new}"')
         value = {RENAMED.get(name, name): v for name, v in value.items()}
     check_schema(value, REQUIRED, OPTIONAL, KINDS, modality=MODALITY)
-    fields = {**DEFAULTS, **value}
+    fields = {**DEFAULTS, **value, FAMILY_FIELDS: family_fields(value, MODALITY, {**REQUIRED, **OPTIONAL})}
     for name in ("guidance_scale", "cache_threshold", "drop_threshold"):
         fields[name] = None if fields[name] is None else float(fields[name])
     check_seed(fields["seed"])
@@ -123,7 +124,8 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype) -> VideoCa
     decoder = decoder_from_spec(fields["decoding"], pipe, fields["model"], device, dtype)
     options = {k: fields[k] for k in ("height", "width", "cache_policy", "guidance_scale", "negative_prompt", "cache_threshold",
                                       "drop_threshold")}
-    return VideoCall(pipe, dict(options, num_frames=frames, block_frames=block, decoding=decoder))
+    return VideoCall(pipe, dict(options, num_frames=frames, block_frames=block, decoding=decoder,
+                                **family_call(pipe, fields, MODALITY)))
 
 
 def load_jobs(path: Path, device: str, dtype: torch.dtype) -> tuple[list[VideoJob], dict, list[LineError]]:

@@ -1,4 +1,5 @@
-"""`mmgen generate video` and `mmgen convert self-forcing / causvid`.
+"""`mmgen generate video`, and what `mmgen convert self-forcing / causvid` run (those subcommands
+are built from the video family's record in `mmgen.video`).
 
     mmgen generate video --prompt "cat face moving left" --out cat.mp4          # the bundled emoji-motion, offline
     mmgen generate video --model FOLDER --prompt "..." --out clip.mp4 --frames 81 --block-frames 3 \
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from mmgen.cli import DTYPES, add_json_flag, check_output_file, report, seed_arg
+from mmgen.cli import DTYPES, add_family_flags, add_json_flag, check_output_file, family_flags, report, seed_arg
 
 #: The bundled model `mmgen generate video` uses when given none (its small model: emoji-motion-small).
 DEFAULT_MODEL = "emoji-motion"
@@ -67,21 +68,9 @@ def register(commands, groups) -> None:
     video.add_argument("--seed", type=seed_arg, default=0, help="seed of the random generator, in [0, 2**63) (default 0)")
     video.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
     video.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
+    add_family_flags(video, "video")  # each family's own options, from its record
     add_json_flag(video)
     video.set_defaults(run=generate_video)
-
-    for name, what in (("self-forcing", "Self-Forcing's checkpoints/self_forcing_dmd.pt"),
-                       ("causvid", "CausVid's autoregressive_checkpoint/model.pt")):
-        convert = groups["convert"].add_parser(name, help=f"{what} + a diffusers Wan-2.1 folder -> a video pipeline folder")
-        convert.add_argument("checkpoint", help=what)
-        convert.add_argument("--wan", required=True, metavar="FOLDER_OR_REPO",
-                             help="the diffusers Wan folder it was trained with (VAE, UMT5, tokenizer), "
-                                  "e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
-        convert.add_argument("--out", required=True, help="the pipeline folder to write")
-        convert.add_argument("--which", choices=("ema", "generator"), default=None,
-                             help="the checkpoint entry (default: the EMA when present, else the generator)")
-        convert.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
-        convert.set_defaults(run=convert_causal, preset=name)
 
 
 def quiet_loaders() -> None:
@@ -114,6 +103,7 @@ def generate_video(args: argparse.Namespace) -> int:
 
     if not issubclass(cls, BlockDiffusionVideoPipeline):
         raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a block-diffusion video model")
+    options = family_flags(args, "video", args.model, cls)
     method = parse_decoding(args.decoding)[0]
     if (args.small is not None or args.large_steps is not None) and method != "collaborative":
         raise ValueError(f"--small and --large-steps are for --decoding collaborative, not {args.decoding!r}")
@@ -130,7 +120,7 @@ def generate_video(args: argparse.Namespace) -> int:
     output = pipe(args.prompt, num_frames=frames, block_frames=block, height=args.height, width=args.width,
                   decoding=decoder, cache_policy=args.cache_policy, guidance_scale=args.guidance_scale,
                   negative_prompt=args.negative_prompt, prompt_switches=dict(args.switch), decode=args.decode,
-                  cache_threshold=args.cache_threshold, drop_threshold=args.drop_threshold, generator=make_generator(args.seed, args.device))
+                  cache_threshold=args.cache_threshold, drop_threshold=args.drop_threshold, generator=make_generator(args.seed, args.device), **options)
     from mmgen.video.export import write_mp4
 
     write_mp4(out, output.frames[0], fps=output.fps)

@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from mmgen.batch import FIELD_KINDS, FileJob, LineError, check_schema, load_file_jobs, model_memo, run_file_batch
+from mmgen.batch import (FAMILY_FIELDS, FIELD_KINDS, FileJob, LineError, check_schema, family_call, family_fields,
+                         load_file_jobs, model_memo, run_file_batch)
 from mmgen.cli import check_seed
 
 from mmgen.vlm.cli import DEFAULT_MODEL, dropping_from_flags
@@ -89,7 +90,7 @@ def check_fields(value: Any) -> dict:
     check_schema(value, REQUIRED, OPTIONAL, KINDS, modality=MODALITY)
     from mmgen.vlm.pipeline import check_budget, check_sampling
 
-    fields = {**DEFAULTS, **value}
+    fields = {**DEFAULTS, **value, FAMILY_FIELDS: family_fields(value, MODALITY, {**REQUIRED, **OPTIONAL})}
     for name in ("temperature", "top_p", "keep_ratio"):
         fields[name] = None if fields[name] is None else float(fields[name])
     check_seed(fields["seed"])
@@ -117,7 +118,7 @@ class TextCall:
         (text, token ids, stats)) as job i's answer ends."""
         from mmgen.sampling import make_generator
 
-        options = {name: self.options[name] for name in ("max_new_tokens", "decoding", "temperature", "top_k", "top_p")}
+        options = {name: v for name, v in self.options.items() if name not in ("dropping", "draft_dropping")}
         self.pipe.answer_each([job.fields["prompt"] for job in jobs], _per_job([job.images for job in jobs]),
                               [make_generator(job.fields["seed"], device) for job in jobs], batch_size,
                               lambda i, text, ids, stats: on_result(i, (text, ids, stats)),
@@ -152,7 +153,7 @@ def prepare_call(pipe, fields: dict, device: str, dtype: torch.dtype, continuous
     options = dict(max_new_tokens=fields["max_new_tokens"], decoding=decoder, temperature=fields["temperature"],
                    top_k=fields["top_k"], top_p=fields["top_p"],
                    dropping=dropping_from_flags(fields["dropping"], fields["keep_ratio"]),
-                   draft_dropping=dropping_from_flags(fields["draft_dropping"], None))
+                   draft_dropping=dropping_from_flags(fields["draft_dropping"], None), **family_call(pipe, fields, MODALITY))
     return TextCall(pipe, options)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from mmgen.cli import DTYPES, add_json_flag, report, seed_arg
+from mmgen.cli import DTYPES, add_family_flags, add_json_flag, family_flags, report, seed_arg
 
 from mmgen.vlm.images import read_image  # noqa: F401  (re-exported: the demo reads images through here)
 
@@ -60,6 +60,7 @@ def register(commands, groups) -> None:
     text.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:N, mps")
     text.add_argument("--dtype", default="float32", choices=DTYPES, help="weights' dtype (default float32)")
     text.add_argument("--stream", action="store_true", help="print the answer as tokens commit")
+    add_family_flags(text, "text")  # each family's own options, from its record
     add_json_flag(text)
     text.set_defaults(run=generate_text)
 
@@ -87,6 +88,7 @@ def generate_text(args: argparse.Namespace) -> int:
     if not issubclass(cls, VLMPipeline):
         raise ValueError(f"--model {args.model} holds a {cls.__name__}, not a vision-language model")
     videos = read_videos(args.model, args.video)
+    options = family_flags(args, "text", args.model, cls)
     if args.drafter is not None and parse_decoding(args.decoding)[0] not in cls.companions:
         raise ValueError(f"--drafter is for --decoding draft, not {args.decoding!r}")
     if args.drafter is not None:
@@ -100,7 +102,7 @@ def generate_text(args: argparse.Namespace) -> int:
     given = {"drafter": args.drafter} if args.drafter is not None else {}
     decoder = decoder_from_spec(args.decoding, pipe, args.model, args.device, dtype, **given)
     call = dict(max_new_tokens=args.max_new_tokens, decoding=decoder, temperature=args.temperature, top_k=args.top_k,
-                top_p=args.top_p, dropping=dropping, draft_dropping=draft_dropping, videos=videos or None)
+                top_p=args.top_p, dropping=dropping, draft_dropping=draft_dropping, videos=videos or None, **options)
     if args.stream:
         for _, piece in pipe.stream(args.prompt, images or None, generator=make_generator(args.seed, args.device), **call):
             print(piece, end="", flush=True)

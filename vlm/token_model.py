@@ -40,7 +40,7 @@ from mmgen.modeling import DecodeState, place_hidden
 from mmgen.sampling import Logits
 
 from mmgen.vlm.dropping import Capture, MustDrop, Prefill, decode_eviction, gather_seq, make_dropping
-from mmgen.vlm.layout import logit_softcap, text_trunk
+from mmgen.vlm.layout import TextModelLayout, check_layout, logit_softcap, text_trunk
 from mmgen.vlm.logits import GenerationRules
 from mmgen.vlm.masks import FULL, attention_layers, takes_mask_dict, window_masks
 
@@ -48,10 +48,12 @@ from mmgen.vlm.masks import FULL, attention_layers, takes_mask_dict, window_mask
 class VLMTokenModel:
     """`AutoModelForImageTextToText` models with a text trunk (`model.language_model`, or
     `model.text_model` in Idefics3 / SmolVLM) and an `lm_head`: every family of
-    `mmgen.vlm.MODEL_TYPES`. Conditions are the processor's batch (`input_ids`, `attention_mask` with left
-    padding, `pixel_values` and any other image inputs, `pixel_values_videos` and the other video inputs)."""
+    `mmgen.vlm.MODEL_TYPES` (the layout `mmgen.vlm.layout.TextModelLayout` states, checked here).
+    Conditions are the processor's batch (`input_ids`, `attention_mask` with left padding,
+    `pixel_values` and any other image inputs, `pixel_values_videos` and the other video inputs)."""
 
-    def __init__(self, model: Any, compact_ratio: Optional[float] = 1.0, dropping: Any = None):
+    def __init__(self, model: TextModelLayout, compact_ratio: Optional[float] = 1.0, dropping: Any = None):
+        check_layout(model)  # a model without a part read below is refused in one line, before any decoding
         self.model = model
         self.compact_ratio = compact_ratio
         self.dropping = make_dropping(dropping)
@@ -170,6 +172,32 @@ class VLMTokenModel:
         if extra.rules is not None:
             extra.rules.pending = tokens
         return logits
+
+    @torch.no_grad()
+    def forward_tree(self, state: DecodeState, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> Logits:
+        """`TreeModel`: a token tree in one forward, handed to the trunk as a 4-D mask (full-attention
+        language models under sdpa or eager attention, without logits processing or decode-time
+        eviction)."""
+        extra: _Extra = state.extra
+        if self.sliding or extra.rules is not None or extra.evict:
+            why = ("sliding-window layers" if self.sliding else "its generation config's logits processing"
+                   if extra.rules is not None else "decode-time token eviction")
+            raise ValueError(f"token trees need a full-attention model without logits processing or eviction: "
+                             f"this one has {why}")
+        embeds = self.embed(tokens)
+        attention, positions = state.cache.open_tree(depth, visible, self.model.config.get_text_config()._attn_implementation,
+                                                     embeds.dtype)
+        positions = positions + extra.offset
+        if extra.mrope:
+            positions = positions.unsqueeze(0).expand(3, -1, -1)
+        hidden = self.trunk(inputs_embeds=embeds, attention_mask=attention, position_ids=positions,
+                            **transformers_cache(state.cache.kv), use_cache=True).last_hidden_state
+        state.hidden = hidden
+        return Logits(self.head(hidden))
+
+    def keep_path(self, state: DecodeState, path: torch.Tensor) -> None:
+        """`TreeModel`: each row's chosen branch to the first slots of the pending forward."""
+        state.cache.keep_path(path)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)

@@ -17,6 +17,10 @@ MAX_MESSAGES = 2 * LIMITS.turns
 
 
 Scalar = Union[bool, int, float, str, None]
+#: A request's family options (`"options": {"name": value}`): what the model's family declares
+#: beyond the route's own fields (`mmgen.registry.family_options`; `/v1/models` lists each model's),
+#: checked by the request layer.
+FamilyOptions = Optional[dict[str, Scalar]]
 
 
 class Body(BaseModel):
@@ -41,6 +45,7 @@ class ImageBody(Body):
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     num_steps: Optional[int] = None
+    options: FamilyOptions = None
 
 
 class StreamOptions(Body):
@@ -60,6 +65,7 @@ class ChatBody(Body):
     n: Optional[int] = None
     user: Optional[str] = Field(None, max_length=256)
     decoding: Optional[str] = Field(None, max_length=64)  # mmgen's
+    options: FamilyOptions = None  # mmgen's
 
 
 class SpeechBody(Body):
@@ -78,6 +84,7 @@ class SpeechBody(Body):
     top_k: Optional[int] = None
     top_p: Optional[float] = None
     max_new_frames: Optional[int] = None
+    options: FamilyOptions = None
 
 
 class VideoBody(Body):
@@ -93,6 +100,7 @@ class VideoBody(Body):
     cache_policy: Optional[str] = Field(None, max_length=64)
     cache_threshold: Optional[float] = None
     drop_threshold: Optional[float] = None
+    options: FamilyOptions = None
 
 
 class VideoStreamBody(Body):

@@ -6,7 +6,6 @@ import json
 import time
 import uuid
 from dataclasses import replace
-from functools import partial
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -15,7 +14,8 @@ from fastapi.responses import JSONResponse, Response
 from mmgen.apps.http.bodies import ChatBody, parse_body
 from mmgen.apps.http.chat import StopText, conversation_of, stop_strings
 from mmgen.apps.http.errors import ApiError
-from mmgen.apps.http.streams import END, Pull, Streamed, Timing, request_of
+from mmgen.apps.http.routes import Route, register_routes
+from mmgen.apps.http.streams import END, Pull, Streamed, Timing
 from mmgen.apps.requests import text as text_requests
 
 
@@ -42,13 +42,13 @@ class ChatRoutes:
         except BaseException:
             ticket.done()
             raise
-        ask = request_of(text_requests.ChatRequest, model=model, message=talk.message, images=talk.images, history=talk.history,
-                         history_images=talk.history_images, videos=talk.videos, history_videos=talk.history_videos,
-                         method=method, temperature=body.temperature, seed=seed)
+        ask = text_requests.SERVICE.parse(model=model, message=talk.message, images=talk.images, history=talk.history,
+                                          history_images=talk.history_images, videos=talk.videos,
+                                          history_videos=talk.history_videos, method=method, temperature=body.temperature,
+                                          seed=seed, family_options=body.options)
         ask = replace(ask, max_new_tokens=budget)  # None: the server's cap, or what the model's context leaves
-        checked = await self.admitted(ticket, partial(text_requests.check_request, ask, catalog, max_images=self.settings.max_images,
-                                                      max_new_tokens=self.settings.max_new_tokens))
-        pull = Pull(text_requests.stream_checked(checked, catalog), self.limiter)
+        checked = await self.admitted(ticket, self.checker("text", ask, catalog))
+        pull = Pull(text_requests.SERVICE.stream(checked, catalog), self.limiter)
         answer = StopText(stops)
         chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         try:
@@ -148,3 +148,6 @@ class ChatRoutes:
         return Streamed(events(), cleanup, media_type="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+
+
+register_routes("text", Route("POST", "/v1/chat/completions", ChatRoutes.chat))

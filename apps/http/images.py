@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from functools import partial
 from typing import Any, Mapping, Optional, Union
 
 from fastapi import Request
@@ -15,9 +14,11 @@ from fastapi.responses import JSONResponse
 from mmgen.apps.http.bodies import ImageBody, parse_body
 from mmgen.apps.http.encoders import png_base64
 from mmgen.apps.http.errors import ApiError
-from mmgen.apps.http.streams import Timing, request_of
+from mmgen.apps.http.routes import Route, register_routes
+from mmgen.apps.http.streams import Timing
 from mmgen.apps.requests import image
 from mmgen.apps.requests.bounds import shown
+from mmgen.apps.requests.runs import finish
 
 
 def decoding_of(method: Optional[str], options: Union[None, str, Mapping[str, Any]]) -> tuple[Optional[str], str]:
@@ -61,28 +62,31 @@ class ImageRoutes:
             raise ApiError(400, f"output_format must be png, got {shown(body.output_format)}", param="output_format")
         pipe = await self.thread(catalog.main_pipeline, model)
         info = image.model_info(pipe)
-        side = int(pipe.image_size)
-        if body.size not in (None, "auto", f"{side}x{side}"):
-            raise ApiError(400, f"size must be {side}x{side} (the model's) or auto, got {shown(body.size)}", param="size")
+        side = getattr(pipe, "image_size", None)  # a family that does not say its size (a plugin's) takes auto only
+        size = None if side is None else f"{int(side)}x{int(side)}"
+        if body.size not in (None, "auto", size):
+            said = f"{size} (the model's) or auto" if size else "auto (this model does not say its size)"
+            raise ApiError(400, f"size must be {said}, got {shown(body.size)}", param="size")
         method, options = decoding_of(body.decoding, body.decoding_options)
         seed = self.seed(body.seed)
         condition = self._condition(body, pipe.conditions, info.class_names)
-        ask = request_of(image.ImageRequest, model=model, **condition,
-                         method=method or await self.thread(catalog.default_method, model), options=options, seed=seed,
-                         num_images=body.n, guidance_scale=body.guidance_scale, temperature=body.temperature,
-                         top_k=body.top_k, top_p=body.top_p, num_steps=body.num_steps)
+        ask = image.SERVICE.parse(model=model, **condition, method=method or await self.thread(catalog.default_method, model),
+                                  options=options, seed=seed, num_images=body.n, guidance_scale=body.guidance_scale,
+                                  temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, num_steps=body.num_steps,
+                                  family_options=body.options)
         limit = self.settings.max_images
         rows = body.n if 1 <= body.n <= limit else 1
         ticket = self.admission.admit("image", model, rows)
-        checked = await self.admitted(ticket, partial(image.check_request, ask, catalog, self.settings.max_images))
+        checked = await self.admitted(ticket, self.checker("image", ask, catalog))
         try:
-            result = await self.thread(image.run_checked, checked, catalog)
+            result = await self.thread(finish, image.SERVICE.stream(checked, catalog))
             data = await self.thread(lambda: [{"b64_json": png_base64(p), "revised_prompt": None} for p in result.method.images])
         finally:
             ticket.done()
         run = result.method
         timing.end(run.units, ask.method, run.stats.forwards)
-        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png", "size": f"{side}x{side}",
+        return JSONResponse({"created": int(time.time()), "data": data, "output_format": "png",
+                             "size": size or "{}x{}".format(*result.method.images[0].size),
                              "seed": seed})
 
     @classmethod
@@ -118,3 +122,6 @@ class ImageRoutes:
         folded = re.sub(r"[\s_]+", "-", prompt.lower())
         return folded if folded in names else prompt
 
+
+
+register_routes("image", Route("POST", "/v1/images/generations", ImageRoutes.images))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -11,7 +10,8 @@ from fastapi.responses import Response
 from mmgen.apps.http.bodies import SpeechBody, check_plain_fields, parse_body
 from mmgen.apps.http.encoders import decode_base64, pcm16, wav_header
 from mmgen.apps.http.errors import ApiError
-from mmgen.apps.http.streams import END, Pull, Streamed, Timing, request_of
+from mmgen.apps.http.routes import Route, register_routes
+from mmgen.apps.http.streams import END, Pull, Streamed, Timing
 from mmgen.apps.requests import speech
 from mmgen.apps.requests.bounds import LIMITS, shown
 
@@ -46,13 +46,12 @@ class SpeechRoutes:
             budget = max(1, min(self.settings.max_new_frames, int(limits["max_new_frames"])))
         seed = self.seed(body.seed)
         method = body.decoding or await self.thread(catalog.default_method, model)
-        ask = request_of(speech.SpeechRequest, model=model, text=body.input, voice=voice, voice_text=body.voice_text,
-                         method=method, max_new_frames=budget, temperature=body.temperature, top_k=body.top_k,
-                         top_p=body.top_p, seed=seed)
+        ask = speech.SERVICE.parse(model=model, text=body.input, voice=voice, voice_text=body.voice_text, method=method,
+                                   max_new_frames=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                                   seed=seed, family_options=body.options)
         ticket = self.admission.admit("speech", model)
-        checked = await self.admitted(ticket, partial(speech.check_request, ask, catalog,
-                                                      max_new_frames=self.settings.max_new_frames))
-        pull = Pull(speech.stream_checked(checked, catalog), self.limiter)
+        checked = await self.admitted(ticket, self.checker("speech", ask, catalog))
+        pull = Pull(speech.SERVICE.stream(checked, catalog), self.limiter)
         try:
             first = await pull.next()
             rate = int(first.sampling_rate if first is not END else catalog.pipeline(model).sampling_rate)
@@ -84,3 +83,6 @@ class SpeechRoutes:
         headers = {"X-Sample-Rate": str(rate), "X-Seed": str(seed), "Cache-Control": "no-cache"}
         return Streamed(audio(), cleanup, media_type=media, headers=headers)
 
+
+
+register_routes("speech", Route("POST", "/v1/audio/speech", SpeechRoutes.speech))

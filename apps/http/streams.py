@@ -1,6 +1,5 @@
 """The request layer's streams stepped in worker threads (`Pull`), responses that clean up however
-they end (`Streamed`), a request's clock for the metrics (`Timing`), and the request dataclasses
-built from a body's given fields (`request_of`)."""
+they end (`Streamed`), and a request's clock for the metrics (`Timing`)."""
 
 from __future__ import annotations
 
@@ -102,11 +101,3 @@ class Timing:
         self.metrics.ended(self.modality, time.perf_counter() - self.begun)
         if units:
             self.metrics.output(self.modality, units, method, forwards)
-
-
-
-def request_of(cls: type, **values: Any) -> Any:
-    """A request dataclass with the given values; None leaves the request layer's default."""
-    return cls(**{k: v for k, v in values.items() if v is not None})
-
-

@@ -20,7 +20,8 @@ from mmgen.apps.http.admission import Ticket
 from mmgen.apps.http.bodies import VideoBody, check_plain_fields, parse_form_or_json
 from mmgen.apps.http.encoders import png_base64
 from mmgen.apps.http.errors import ApiError
-from mmgen.apps.http.streams import END, Pull, Timing, request_of
+from mmgen.apps.http.routes import Route, register_routes
+from mmgen.apps.http.streams import END, Pull, Timing
 from mmgen.apps.requests import video
 from mmgen.apps.requests.bounds import shown
 
@@ -80,12 +81,13 @@ class VideoRoutes:
             frames = video.default_length(pipe, offered) or pipe.num_frames
         seed = self.seed(body.seed)
         method = body.decoding or await self.thread(catalog.default_method, model)
-        ask = request_of(video.VideoRequest, model=model, prompt=body.prompt, num_frames=frames, method=method,
-                         large_steps=body.large_steps, cache_policy=body.cache_policy, cache_threshold=body.cache_threshold,
-                         drop_threshold=body.drop_threshold, seed=seed)
+        ask = video.SERVICE.parse(model=model, prompt=body.prompt, num_frames=frames, method=method,
+                                  large_steps=body.large_steps, cache_policy=body.cache_policy,
+                                  cache_threshold=body.cache_threshold, drop_threshold=body.drop_threshold, seed=seed,
+                                  family_options=body.options)
         ticket = self.admission.admit("video", model)
         try:
-            checked = await self.thread(video.check_request, ask, catalog, self.settings.max_frames)
+            checked = await self.thread(self.checker("video", ask, catalog))
         except BaseException:
             ticket.done()
             raise  # the job waits for its slot in the background (`_run_video`)
@@ -94,7 +96,7 @@ class VideoRoutes:
         self._keep(job)
         await self._publish(job)
         job.task = asyncio.get_running_loop().create_task(self._run_video(job, ticket, timing,
-                                                                            partial(video.stream_checked, checked, catalog)))
+                                                                            partial(video.SERVICE.stream, checked, catalog)))
         return JSONResponse(job.view())
 
     @staticmethod
@@ -216,3 +218,9 @@ class VideoRoutes:
             raise ApiError(409, f"video {video_id} is {status}, not completed", param="video_id", code="video_not_ready")
         return Response(mp4, media_type="video/mp4")
 
+
+
+register_routes("video", Route("POST", "/v1/videos", VideoRoutes.create_video),
+                Route("GET", "/v1/videos/{video_id}", VideoRoutes.video_status),
+                Route("GET", "/v1/videos/{video_id}/content", VideoRoutes.video_content),
+                Route("GET", "/v1/videos/{video_id}/events", VideoRoutes.video_events))

@@ -39,11 +39,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.websockets import WebSocketDisconnect
 
 from mmgen.apps.requests import video
+from mmgen.apps.requests.service import request_of
 
 from .admission import Ticket
 from .bodies import StreamControl, VideoStreamBody, check_plain_fields
 from .errors import ApiError, error_body, one_line, validation_message
-from .streams import Timing, request_of
+from .routes import Route, register_routes
+from .streams import Timing
 
 ROUTE = "/v1/videos/stream"
 FORMAT = "rgb24"  # each frame: height·width·3 bytes, RGB, row by row (a browser draws it through ImageData)
@@ -254,3 +256,6 @@ class VideoStreamRoutes:
             await session.websocket.close(code)
         except (Gone, RuntimeError, OSError):
             pass
+
+
+register_routes("video", Route("WEBSOCKET", ROUTE, VideoStreamRoutes.video_stream))

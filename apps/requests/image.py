@@ -9,20 +9,22 @@ from __future__ import annotations
 
 import inspect
 import time
-from dataclasses import dataclass, fields, is_dataclass
-from typing import Any, ClassVar, Optional, Sequence
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
 from mmgen import registry
 from mmgen.decoding import RENAMED_SHORTCUTS, DecodeStats, Request, canonical_decoding, parse_decoding
 from mmgen.image_ar.bundled import BUNDLED_MODELS
+from mmgen.image_ar.generation import ImageOptions, call_keywords
 from mmgen.loading import decoder_from_spec, load_pipeline, pipeline_class_of
 from mmgen.sampling import make_generator
 
 from .bounds import LIMITS, MAX_SEED, checked_text, integer, sampler, shown
 from .catalog import COMPANION_SUFFIXES, Catalog, model_folder
 from .runs import BASELINE_LABEL, PerUnit, Result
+from .service import ModalityService, family_call, register_service
 
 MAX_STEPS = 256  # MAR masked steps
 MAX_IMAGES = LIMITS.images  # hard cap, whatever --max-images says
@@ -31,6 +33,9 @@ MAX_SPEC_CHARS = 200
 #: a few options set the cost of a forward, and an unbounded window stalls the demo.
 MAX_OPTION_FACTOR = 4
 MAX_OPTION_MAGNITUDE = 1e4  # any other number
+#: The call keywords a request sets through its own fields (the sampler's; a pipeline's
+#: `decoder_settings` keywords, MAR's `num_iter`, come from `num_steps`): not family options.
+OWN_KEYWORDS = ("guidance_scale", "temperature", "top_k", "top_p")
 
 
 class ImageCatalog(Catalog):
@@ -159,6 +164,7 @@ class ImageRequest:
     top_p: Optional[float] = None
     num_steps: Optional[int] = None  # MAR masked steps
     prompt: Optional[str] = None  # a text-to-image model's prompt
+    family_options: dict = field(default_factory=dict)  # its family's own options (`registry.family_options`)
 
 
 @dataclass
@@ -238,6 +244,7 @@ class CheckedImage:
     overrides: dict  # MAR: its masked steps, from the steps control
     scales: dict  # next-scale models: each step's tokens and the models that run them
     method: str  # the run's label: the method and its options as given
+    family: dict  # the family's own options, as call keywords (`family_call`)
 
 
 def check_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 4) -> CheckedImage:
@@ -253,6 +260,12 @@ def check_request(request: ImageRequest, catalog: ImageCatalog, max_images: int 
         if request.prompt is not None:
             raise ValueError("this model is class-conditional: give one of its classes, not a prompt")
         label = _class_label(request.class_name, info.class_names)
+    family_options = family_call("image", pipe, request.family_options)
+    clash = sorted(family_options.keys() & {*OWN_KEYWORDS, *pipe.decoder_settings})
+    if clash:  # the call would get it twice
+        raise ValueError(f"{clash[0]} is set by the request's own fields (the sampler's, the steps), not as a family option")
+    # As the command line's: VAR's pruning and pruning_layers become one CachedTokenPruning.
+    family_options = call_keywords(pipe, ImageOptions.from_values(family_options))
     seed = integer("seed", request.seed, 0, MAX_SEED)
     count = integer("number of images", request.num_images, 1, max(1, min(max_images, MAX_IMAGES)))
     sampling = sampler(request.temperature, request.top_k, request.top_p, info.vocab_size, request.guidance_scale)
@@ -273,7 +286,7 @@ def check_request(request: ImageRequest, catalog: ImageCatalog, max_images: int 
         steps = info.defaults.get(keyword) if request.num_steps is None else request.num_steps
         overrides[setting] = sampling[keyword] = integer(f"{family} steps", steps, 1, MAX_STEPS)
     return CheckedImage(request, pipe, label, seed, count, sampling, name, options, overrides, scales,
-                        _spec_text(request.method, request.options))
+                        _spec_text(request.method, request.options), family_options)
 
 
 def run_request(request: ImageRequest, catalog: ImageCatalog, max_images: int = 4) -> ImageResult:
@@ -292,8 +305,8 @@ def run_checked(checked: CheckedImage, catalog: ImageCatalog) -> ImageResult:
         built = {k: catalog.pipeline(v) if k in named else v for k, v in options.items()}
         decoder = decoder_from_spec(checked.name, pipe, source, catalog.device, **{**built, **checked.overrides})
         # Compare mode times its two runs, so it never shares a batch with other requests.
-        # MAR, VAR and text-to-image pipelines decode alone.
-        shares = not request.compare and hasattr(pipe, "serve") and pipe.conditions == "class"
+        # MAR, VAR and text-to-image pipelines decode alone, as does a call with its family's own options.
+        shares = not request.compare and not checked.family and hasattr(pipe, "serve") and pipe.conditions == "class"
         server = catalog.server(request.model, checked.method, decoder, sampling=pipe.sampling_config(**checked.sampling)) \
             if shares else None
         plan = [(BASELINE_LABEL, decoder_from_spec("ar", pipe, source, catalog.device, **checked.overrides),
@@ -302,12 +315,28 @@ def run_checked(checked: CheckedImage, catalog: ImageCatalog) -> ImageResult:
         runs = []
         for run_label, run_decoder, run_scales in plan if server is None else ():
             output = pipe([checked.label] * checked.count, decoding=run_decoder,
-                          generator=make_generator(checked.seed, catalog.device), **checked.sampling)
+                          generator=make_generator(checked.seed, catalog.device), **checked.sampling, **checked.family)
             runs.append(ImageRun(run_label, list(output.images), output.stats, **run_scales))
     if server is not None:  # outside the model's lock, which the shared batch takes while it decodes
         runs = [shared_run(server, f"{checked.method} (continuous batch)", checked.label, checked.count, checked.seed,
                            pipe.device)]
     return ImageResult(runs)
+
+
+class ImageService(ModalityService):
+    """The image modality's request layer (`mmgen.apps.requests.service`): class-conditional and
+    text-to-image models; the images come whole, so its stream has no updates."""
+
+    noun, unit = "image", ImageResult.unit
+    catalog, request = TextImageCatalog, ImageRequest
+    check = staticmethod(check_request)
+
+    def stream(self, checked: CheckedImage, catalog: ImageCatalog) -> Iterator[Any]:
+        yield from ()
+        return run_checked(checked, catalog)
+
+
+SERVICE = register_service(ImageService())
 
 
 def shared_run(server: Any, run_label: str, label: int, count: int, seed: int, device: Any) -> ImageRun:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -26,6 +26,7 @@ from mmgen.sampling import make_generator
 from .bounds import LIMITS, MAX_SEED, check_plain_text, checked_text, integer, sampler, shown
 from .catalog import Catalog, folder_field, model_folder
 from .runs import BASELINE_LABEL, PerUnit, Result, finish, relay
+from .service import ModalityService, family_call, register_service
 
 DRAFT_SUFFIX = "-draft"
 MAX_NEW_FRAMES = LIMITS.new_frames  # hard cap of a run's decoder frames, whatever --max-new-frames says
@@ -135,6 +136,7 @@ class SpeechRequest:
     top_p: Optional[float] = None
     seed: int = 0
     compare: bool = False  # also speak with plain autoregressive decoding, same seed, first
+    family_options: dict = field(default_factory=dict)  # its family's own options (`registry.family_options`)
 
 
 @dataclass
@@ -215,6 +217,7 @@ class CheckedSpeech:
     voice: Optional[tuple]
     voice_text: Optional[str]
     plan: tuple  # (label, method) of each run, the baseline first in compare mode
+    family: dict  # the family's own options, as call keywords (`family_call`)
 
 
 def check_request(request: SpeechRequest, catalog: SpeechCatalog,
@@ -227,6 +230,7 @@ def check_request(request: SpeechRequest, catalog: SpeechCatalog,
     budget = integer("max new frames", request.max_new_frames, 1, limit)
     seed = integer("seed", request.seed, 0, MAX_SEED)
     sampling = sampler(request.temperature, request.top_k, request.top_p, _vocab_size(pipe))
+    family = family_call("speech", pipe, request.family_options)
     offered = catalog.methods(request.model)
     if isinstance(request.method, str) and request.method in pipe.companions and request.method not in offered:
         catalog.decoder(request.method, request.model)  # raises: names the missing drafter
@@ -236,7 +240,7 @@ def check_request(request: SpeechRequest, catalog: SpeechCatalog,
     voice_text = _voice_text(request.voice_text, voice)
     plan = ((BASELINE_LABEL, "ar"),) if request.compare else ()
     return CheckedSpeech(request, pipe, text, limit, budget, seed, sampling, voice, voice_text,
-                         plan + ((request.method, request.method),))
+                         plan + ((request.method, request.method),), family)
 
 
 def run_request(request: SpeechRequest, catalog: SpeechCatalog,
@@ -257,8 +261,9 @@ def stream_checked(checked: CheckedSpeech, catalog: SpeechCatalog) -> Iterator[A
     """`stream_request` of a request `check_request` passed."""
     request, pipe, plan = checked.request, checked.pipe, list(checked.plan)
     runs = []
-    # Compare mode times its two runs, so it never shares a batch with other requests.
-    shared = None if request.compare else catalog.server(
+    # Compare mode times its two runs, so it never shares a batch with other requests; nor does a
+    # call with its family's own options.
+    shared = None if request.compare or checked.family else catalog.server(
         request.model, request.method, catalog.decoder(request.method, request.model), max_new_frames=checked.frame_limit,
         **checked.sampling)
     if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
@@ -274,12 +279,24 @@ def stream_checked(checked: CheckedSpeech, catalog: SpeechCatalog) -> Iterator[A
         decoders = [catalog.decoder(method, request.model) for _, method in plan]  # all checked before any run
         for index, ((label, _), decoder) in enumerate(zip(plan, decoders)):
             call = dict(voice=checked.voice, voice_text=checked.voice_text, max_new_frames=checked.budget, decoding=decoder,
-                        generator=make_generator(checked.seed, catalog.device), **checked.sampling)
+                        generator=make_generator(checked.seed, catalog.device), **checked.sampling, **checked.family)
             stream = pipe.stream(checked.text, **call)
             output = yield from relay(stream, _audio_so_far(index, label, pipe.sampling_rate, lambda item: item[1]))
             runs.append(SpeechRun(label, output.audio[0].float().numpy(), output.sampling_rate, int(output.lengths[0]),
                                   output.stats, float(output.decode_s), float(output.real_time_factor)))
     return SpeechResult(runs)
+
+
+class SpeechService(ModalityService):
+    """The speech modality's request layer (`mmgen.apps.requests.service`): text to speech, each
+    run's waveform streamed as its frames commit (`AudioUpdate`)."""
+
+    noun, unit = "speech", SpeechResult.unit
+    catalog, request = SpeechCatalog, SpeechRequest
+    check, stream = staticmethod(check_request), staticmethod(stream_checked)
+
+
+SERVICE = register_service(SpeechService())
 
 
 def _audio_so_far(index: int, label: str, rate: int, chunk_of: Any = lambda item: item):

@@ -22,6 +22,7 @@ from mmgen.vlm.videos import as_video, read_video, video_family_check
 from .bounds import LIMITS, MAX_SEED, MAX_TEMPERATURE, check_pixels, checked_text, integer, items, number, shown
 from .catalog import COMPANION_SUFFIXES, Catalog, folder_field, model_folder
 from .runs import BASELINE_LABEL, PerUnit, Result, finish, relay
+from .service import ModalityService, family_call, register_service
 
 #: The bundled model the demo serves when given none (its drafter `emoji-vlm-draft` comes along).
 DEFAULT_MODEL = "emoji-vlm"
@@ -78,6 +79,8 @@ def _checked_entry(entry: str, bundled: dict) -> str:
     if entry in bundled or entry == DEFAULT_MODEL:
         if entry not in bundled or not _is_model_folder(bundled[entry]):
             raise ValueError(f"the bundled model {entry!r} is missing from this installation; pass --model FOLDER")
+        if not _is_vlm_folder(bundled[entry]):
+            raise ValueError(f"the bundled model {entry!r} is not a vision-language model")
         return entry
     if not model_folder(Path(entry)):
         raise ValueError(f"--model {entry!r} is neither a bundled model nor a folder with a config.json "
@@ -130,6 +133,7 @@ class ChatRequest:
     seed: int = 0
     max_new_tokens: Optional[int] = 64  # None: the cap, or what the model's context leaves after the prompt
     compare: bool = False  # also answer with plain AR and no dropping, same seed
+    family_options: dict = field(default_factory=dict)  # its family's own options (`registry.family_options`)
 
 
 @dataclass
@@ -201,6 +205,7 @@ class CheckedChat:
     seed: int
     temperature: float
     plan: tuple  # (label, method, dropping policy) of each run, the baseline first in compare mode
+    family: dict  # the family's own options, as call keywords (`family_call`)
 
 
 def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4,
@@ -213,6 +218,7 @@ def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4
     budget = None if request.max_new_tokens is None else integer("max new tokens", request.max_new_tokens, 1, cap)
     seed = integer("seed", request.seed, 0, MAX_SEED)
     temperature = number("temperature", request.temperature, 0.0, MAX_TEMPERATURE)
+    family = family_call("text", pipe, request.family_options)
     offered = catalog.methods(request.model)
     if not isinstance(request.method, str) or request.method not in offered:
         raise ValueError(f"unknown decoding method {shown(request.method)} for this model; choose one of {offered}")
@@ -238,7 +244,7 @@ def check_request(request: ChatRequest, catalog: VLMCatalog, max_images: int = 4
     label = request.method + (f" · {dropping}" if dropping else "")
     plan = ((BASELINE_LABEL, "ar", None),) if request.compare else ()
     return CheckedChat(request, pipe, conversation, images, videos, prompt, cap, budget, seed,
-                       temperature, plan + ((label, request.method, dropping),))
+                       temperature, plan + ((label, request.method, dropping),), family)
 
 
 def _fitting_budget(pipe: Any, prompt: Any, images: list, videos: list, cap: int) -> int:
@@ -273,8 +279,9 @@ def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[Answer
     """`stream_request` of a request `check_request` passed."""
     request, pipe, plan = checked.request, checked.pipe, list(checked.plan)
     runs = []
-    # Compare mode times its two runs and dropping prunes each prefill, so neither shares a batch.
-    shared = None if request.compare or plan[-1][2] else catalog.server(
+    # Compare mode times its two runs and dropping prunes each prefill, so neither shares a batch, nor
+    # does a call with its family's own options.
+    shared = None if request.compare or plan[-1][2] or checked.family else catalog.server(
         request.model, request.method, catalog.decoder(request.method, request.model), max_new_tokens=checked.token_limit,
         temperature=checked.temperature)
     if shared is not None:  # outside the model's lock, which the shared batch takes while it decodes
@@ -287,7 +294,8 @@ def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[Answer
     with catalog.using([request.model, *filter(None, [catalog.companion_of(request.model, "-draft")])] if plan else []):
         for index, (run_label, method, policy) in enumerate(plan):
             call = dict(max_new_tokens=checked.budget, decoding=catalog.decoder(method, request.model),
-                        temperature=checked.temperature, generator=make_generator(checked.seed, catalog.device))
+                        temperature=checked.temperature, generator=make_generator(checked.seed, catalog.device),
+                        **checked.family)
             if policy is not None:
                 call["dropping"] = policy
             stream = pipe.stream(checked.prompt, checked.images or None, videos=checked.videos or None, **call)
@@ -295,6 +303,18 @@ def stream_checked(checked: CheckedChat, catalog: VLMCatalog) -> Iterator[Answer
             runs.append(ChatRun(run_label, answer.texts[0], int(answer.lengths[0]), answer.stats, _tokens_kept(answer)))
     reply = {"role": "assistant", "content": [{"type": "text", "text": runs[-1].text}]}
     return ChatResult(runs, [*checked.conversation, reply], checked.images, checked.videos)
+
+
+class ChatService(ModalityService):
+    """The text modality's request layer (`mmgen.apps.requests.service`): vision-language chat,
+    each answer streamed as its tokens commit (`AnswerUpdate`)."""
+
+    noun, unit = "vision-language", ChatResult.unit
+    catalog, request = VLMCatalog, ChatRequest
+    check, stream = staticmethod(check_request), staticmethod(stream_checked)
+
+
+SERVICE = register_service(ChatService())
 
 
 def _answer_so_far(index: int, label: str, piece_of: Any = lambda item: item):

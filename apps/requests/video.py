@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -30,6 +30,7 @@ from mmgen.streaming import stream_from_thread
 from .bounds import LIMITS, MAX_SEED, checked_text, integer, number, shown
 from .catalog import Catalog, folder_field, model_folder
 from .runs import finish, relay
+from .service import ModalityService, family_call, register_service
 
 #: The bundled model the demo serves when given none (its small model comes along).
 DEFAULT_MODEL = "emoji-motion"
@@ -92,6 +93,8 @@ def _checked_entry(entry: str, bundled: dict) -> str:
     if entry in bundled or entry == DEFAULT_MODEL:
         if entry not in bundled or not model_folder(bundled[entry], "model_index.json"):
             raise ValueError(f"the bundled model {entry!r} is missing from this installation; pass --model FOLDER")
+        if not _is_video_folder(bundled[entry]):
+            raise ValueError(f"the bundled model {entry!r} is not a block-diffusion video model")
         return entry
     if not model_folder(entry, "model_index.json"):
         raise ValueError(f"--model {entry!r} is neither a bundled video model nor a pipeline folder with a "
@@ -168,6 +171,7 @@ class VideoRequest:
     cache_threshold: Optional[float] = None  # First Block Cache; None or 0: off
     drop_threshold: Optional[float] = None  # static-token dropping; None or 0: off
     seed: int = 0
+    family_options: dict = field(default_factory=dict)  # its family's own options (`registry.family_options`)
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,7 @@ class CheckedVideo:
     thresholds: dict  # cache_threshold, drop_threshold
     seed: int
     small: Optional[str]  # the small model's name, for collaborative denoising
+    family: dict  # the family's own options, as call keywords (`family_call`)
 
 
 def check_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = DEFAULT_MAX_FRAMES) -> CheckedVideo:
@@ -261,6 +266,7 @@ def check_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int 
     frames = integer("length (frames)", pipe.num_frames if request.num_frames is None else request.num_frames, 1, limit)
     pipe.check_geometry(frames, pipe.block_frames, pipe.height, pipe.width)
     policy = _cache_policy(request.cache_policy)
+    family = family_call("video", pipe, request.family_options)
     if not isinstance(request.decode_per_block, bool):
         raise ValueError(f"decode per block must be true or false, got {shown(request.decode_per_block)}")
     offered = catalog.methods(request.model)
@@ -282,7 +288,7 @@ def check_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int 
                          "cache policy 'none'")
     seed = integer("seed", request.seed, 0, MAX_SEED)
     small = catalog.companion_of(request.model, SMALL_SUFFIX) if request.method == COLLABORATIVE else None
-    return CheckedVideo(request, pipe, prompt, frames, policy, label, options, thresholds, seed, small)
+    return CheckedVideo(request, pipe, prompt, frames, policy, label, options, thresholds, seed, small, family)
 
 
 def run_request(request: VideoRequest, catalog: VideoCatalog, max_frames: int = DEFAULT_MAX_FRAMES) -> VideoResult:
@@ -312,7 +318,7 @@ def stream_checked(checked: CheckedVideo, catalog: VideoCatalog) -> Iterator[Blo
                  for b in range(0, pipe.latent_frames(checked.num_frames), pipe.block_frames)]
         call = dict(prompt=checked.prompt, num_frames=checked.num_frames, decoding=decoder, cache_policy=checked.cache_policy,
                     decode="block" if request.decode_per_block else "end",
-                    generator=make_generator(checked.seed, catalog.device), **checked.thresholds)
+                    generator=make_generator(checked.seed, catalog.device), **checked.thresholds, **checked.family)
         started = time.perf_counter()
 
         def block(item: tuple) -> BlockUpdate:
@@ -324,6 +330,18 @@ def stream_checked(checked: CheckedVideo, catalog: VideoCatalog) -> Iterator[Blo
             (index, None if frames is None else frames[0].numpy()))), name=WORKER)
         output = yield from relay(stream, block)
     return VideoResult(checked.label, output.frames[0].numpy(), float(output.fps), spans, output.profile, output.stats)
+
+
+class VideoService(ModalityService):
+    """The video modality's request layer (`mmgen.apps.requests.service`): block-diffusion video,
+    each block streamed as it commits (`BlockUpdate`); a live stream is `LiveVideo`'s."""
+
+    noun, unit = "video", "frame"
+    catalog, request = VideoCatalog, VideoRequest
+    check, stream = staticmethod(check_request), staticmethod(stream_checked)
+
+
+SERVICE = register_service(VideoService())
 
 
 def _threshold(what: str, value: Any, high: float) -> Optional[float]:

@@ -134,6 +134,20 @@ class JanusTokenModel:
         state.hidden = self._trunk(embeds, mask, positions, state.cache.kv)
         return self._logits(state.hidden, state.guidance)
 
+    @torch.no_grad()
+    def forward_tree(self, state: DecodeState, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> Logits:
+        """`TreeModel`: a token tree in one forward, as a 4-D mask to the language model."""
+        if state.guidance:
+            tokens = torch.cat([tokens, tokens])
+        embeds = self.model.prepare_embeddings_for_image_generation(tokens)
+        mask, positions = state.cache.open_tree(depth, visible, self.model.config.text_config._attn_implementation, embeds.dtype)
+        state.hidden = self._trunk(embeds, mask, positions, state.cache.kv)
+        return self._logits(state.hidden, state.guidance)
+
+    def keep_path(self, state: DecodeState, path: torch.Tensor) -> None:
+        """`TreeModel`: each row's chosen branch to the first slots of the pending forward."""
+        state.cache.keep_path(torch.cat([path, path]) if state.guidance else path)
+
     @property
     def hidden_size(self) -> int:
         return self.model.config.text_config.hidden_size

@@ -361,12 +361,17 @@ class LlamaGenTransformer(nn.Module):
         positions: torch.Tensor,
         cache: Optional[StaticKVCache] = None,
         attention_backend: str = "default",
+        rope_positions: Optional[torch.Tensor] = None,
+        mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """`forward_hidden` up to the output head: the final norm's hidden states [B, n, dim]."""
+        """`forward_hidden` up to the output head: the final norm's hidden states [B, n, dim].
+        A token tree (`forward_tree`) writes at slots `positions` but rotates by its depths'
+        `rope_positions` and attends by its own boolean `mask` [B, 1, n, max_length]."""
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {attention_backend!r}; choose one of {ATTENTION_BACKENDS}")
-        rope = self.rope(positions, h.device)
-        mask = cache.attention_mask(positions) if cache is not None else None  # None: causal
+        rope = self.rope(positions if rope_positions is None else rope_positions, h.device)
+        if mask is None:
+            mask = cache.attention_mask(positions) if cache is not None else None  # None: causal
         if mask is not None and attention_backend == "math":
             mask = additive_mask(mask, h.dtype)  # once per forward, not in every layer
         for layer in self.layers:

@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 import torch
 
 from mmgen.compile import CachePool, compile_forward
+from mmgen.cache import tree_attention_mask
 from mmgen.modeling import DecodeState, place_hidden
 from mmgen.sampling import Logits
 
@@ -175,6 +176,26 @@ class LlamaGenTokenModel:
         if not self.compiled:  # a captured graph's outputs are overwritten by its next replay
             state.hidden = hidden
         return _split(self.transformer.output(hidden).float(), state.guidance)
+
+    @torch.no_grad()
+    def forward_tree(self, state: DecodeState, tokens: torch.Tensor, depth: torch.Tensor, visible: torch.Tensor) -> Logits:
+        """`TreeModel`: a token tree in one forward (slots after each row's committed ones)."""
+        if state.guidance:
+            tokens = torch.cat([tokens, tokens])
+        cache = state.cache
+        slots = cache.positions(tokens.shape[1])
+        committed = (cache._arange[None, :] < cache.lengths[:, None]) & ~cache.key_padding
+        mask = tree_attention_mask(visible, committed, cache.lengths)
+        hidden = self.transformer.final_hidden(self.transformer.tok_embeddings(tokens), slots, cache, self.decode_attention,
+                                               rope_positions=cache.lengths[:, None] + depth, mask=mask)
+        state.hidden = hidden
+        return _split(self.transformer.output(hidden).float(), state.guidance)
+
+    def keep_path(self, state: DecodeState, path: torch.Tensor) -> None:
+        """`TreeModel`: each row's chosen branch to the slots after its committed tokens."""
+        cache = state.cache
+        path = torch.cat([path, path]) if state.guidance else path
+        cache.move(cache.lengths[:, None] + path, cache.positions(path.shape[1]))
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.transformer.tok_embeddings(tokens)

@@ -286,6 +286,8 @@ def check_continuous(decoder: Any, model: Optional[TokenModel] = None) -> None:
 
     if not isinstance(decoder, SpeculativeDecoder):
         raise ValueError(f"continuous batching runs the token decoders of the speculative loop, not {type(decoder).__name__}")
+    if getattr(decoder, "tree", 0):
+        raise ValueError("token trees decode static batches: continuous batching verifies chains (leave tree= out)")
     if model is not None:
         proposer, _ = decoder.roles(model, 2, torch.Generator(device="cpu"))
         check_row_feed(model, proposer, resolve_adaptive(getattr(decoder, "adapt", None)))

@@ -16,7 +16,8 @@ from mmgen.decoding.frames import complete_frame, gather_slots
 from mmgen.decoding.proposer import Proposer
 from mmgen.decoding.speculative import SpeculativeDecoder
 from mmgen.decoding.stats import DraftCounters
-from mmgen.modeling import TokenModel
+from mmgen.decoding.tree import TreeLayout, check_tree_width, grow_tree, tree_forward_logits
+from mmgen.modeling import TokenModel, TreeModel
 from mmgen.sampling import sample
 
 
@@ -128,6 +129,30 @@ class DraftModelProposer(Proposer):
         self.forwards += len(drafts)
         return torch.cat(drafts, 1), torch.cat(q, 1)
 
+    def propose_tree(self, run, width):
+        """A token tree from the drafter (`tree.grow_tree`): its law after the newest token gives
+        the distinct first tokens; each later depth is one tree forward of the drafter over the
+        branches so far (left pending; the last one's chosen branch is kept, `tree_kept`)."""
+        back = torch.arange(1 if self.first_round else 2, device=run.device) - (0 if self.first_round else 1)
+        feed = gather_slots(run.tokens, (run.pos[:, None] + back).clamp_min(0))
+        root = self.drafter.forward(self.state, feed)[:, -1:]
+        # Every depth's tree is rooted at the newest token, fed again: commit only what precedes it.
+        fed = feed.shape[1] - (1 if run.num_draft > 1 else 0)
+        self.drafter.commit(self.state, torch.full_like(run.pos, fed))
+        self.newest_committed, self.tree_width = fed == feed.shape[1], width
+        tree = grow_tree(run, width, root, lambda tokens: tree_forward_logits(self.drafter, self.state, run, tokens))
+        self.forwards += run.num_draft
+        return tree
+
+    def tree_kept(self, run, branch, n_acc):
+        """The drafter keeps the newest token and the chosen branch's drafts it was fed (all but
+        the last), so `update` may rewind it to the finalised prefix as after a chain."""
+        if self.newest_committed:
+            return
+        d = run.num_draft
+        self.drafter.keep_path(self.state, TreeLayout(self.tree_width, d - 1, run.device).paths[branch])
+        self.drafter.commit(self.state, n_acc.clamp_max(d - 1) + 1)
+
     def update(self, run, n_acc, next_token, fresh, p, active):
         self.drafter.rewind(self.state, (run.pos - 1).clamp_min(0))
         self.first_round = False
@@ -154,10 +179,14 @@ class DraftSpeculative(SpeculativeDecoder):
     #: probability, and the round stops when fewer than half the rows are left in it; 0: always
     #: `num_draft` drafts (`DraftModelProposer`).
     confidence: float = 0.0
+    #: Verify a token tree of this many branches each forward (`mmgen.decoding.tree`; the
+    #: drafter drafts it with tree forwards of its own); 0: one chain.
+    tree: int = 0
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)
         check_confidence(self.confidence)
+        check_tree_width(self.tree, self.confidence)
 
     @property
     def window(self) -> int:
@@ -169,5 +198,7 @@ class DraftSpeculative(SpeculativeDecoder):
         drafter = as_token_model(self.drafter)
         if drafter.vocab_size != model.vocab_size:
             raise ValueError(f"drafter vocabulary {drafter.vocab_size} != target vocabulary {model.vocab_size}")
+        if self.tree and not isinstance(drafter, TreeModel):
+            raise ValueError(f"the drafter ({type(drafter).__name__}) cannot draft a token tree (no forward_tree)")
         # More drafts than tokens have nothing to draft.
         return DraftModelProposer(drafter, min(self.num_draft, num_tokens), float(self.confidence)), self.acceptance.bind(model)

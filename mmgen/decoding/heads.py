@@ -37,6 +37,7 @@ from mmgen.decoding.draft import ConfidenceStop, check_confidence
 from mmgen.decoding.proposer import DecodeRun, Proposer
 from mmgen.decoding.speculative import SpeculativeDecoder
 from mmgen.decoding.stats import DraftCounters
+from mmgen.decoding.tree import TreeDrafts, check_tree_width, grow_tree
 from mmgen.modeling import HiddenStateModel
 from mmgen.sampling import sample
 
@@ -151,8 +152,7 @@ class HeadsProposer(Proposer):
         drafts, laws = [], []
         stop = ConfidenceStop(self.confidence, run.active, run.num_draft)
         for j in range(run.num_draft):
-            embedding = model.embed_tokens(fed[:, -1:])
-            s = self.heads(s, embedding.repeat(self.halves, *([1] * (embedding.dim() - 1))))
+            s = self.heads(s, self._embed(model, fed[:, -1:]))
             logits = model.hidden_logits(state, s.to(self.out_dtype), fed)
             q = run.probs(logits, run.pos[:, None] + 1 + j)
             draft = q.argmax(-1) if run.greedy else sample(q, run.generator)
@@ -163,6 +163,28 @@ class HeadsProposer(Proposer):
                 break
         self.steps += len(drafts)
         return torch.cat(drafts, 1), torch.cat(laws, 1)
+
+    def propose_tree(self, run: DecodeRun, width: int) -> TreeDrafts:
+        """`width` branches (`tree.grow_tree`): the first head step's law gives the distinct
+        first tokens, then the heads run on every branch at once (branches along the sequence
+        axis), each from the state its first token was drawn from."""
+        model, state = run.model, run.state
+        fed = run.newest()
+        s = self.heads(self.hidden[:, None].to(self.dtype), self._embed(model, fed))
+        states = [s.expand(-1, width, -1)]
+
+        def branch_logits(tokens: torch.Tensor):
+            states[0] = self.heads(states[0], self._embed(model, tokens[:, :, -1]))
+            return model.hidden_logits(state, states[0].to(self.out_dtype), tokens[:, :, -1])
+
+        tree = grow_tree(run, width, model.hidden_logits(state, s.to(self.out_dtype), fed), branch_logits)
+        self.steps += run.num_draft
+        return tree
+
+    def _embed(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embedding of `tokens` [B, n] for every row it runs (guidance: twice)."""
+        embedding = model.embed_tokens(tokens)
+        return embedding.repeat(self.halves, *([1] * (embedding.dim() - 1)))
 
     def update(self, run, n_acc, next_token, fresh, p, active):
         hidden = run.state.hidden  # [R, k + 1, D]: index n_acc predicted the token just finalised
@@ -200,18 +222,21 @@ class HeadsSpeculative(SpeculativeDecoder):
     `draft_heads/`). `num_draft`: drafts per forward (None: what the heads were trained for).
     `confidence`: a row drops out of a round's drafting at a draft the heads gave less than this
     probability, and the round stops when fewer than half the rows are left in it (as
-    `DraftSpeculative`'s); 0: always `num_draft` drafts.
+    `DraftSpeculative`'s); 0: always `num_draft` drafts. `tree`: verify a token tree of that
+    many branches each forward (`mmgen.decoding.tree`, exact; 0: one chain).
     """
 
     heads: Any = None
     num_draft: Optional[int] = None
     acceptance: Any = field(default_factory=ExactAcceptance)
     confidence: float = 0.0
+    tree: int = 0
 
     def __post_init__(self):
         if self.num_draft is not None:
             check_int("num_draft", self.num_draft, 1)
         check_confidence(self.confidence)
+        check_tree_width(self.tree, self.confidence)
 
     @property
     def window(self) -> int:

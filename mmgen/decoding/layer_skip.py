@@ -23,6 +23,7 @@ from mmgen.decoding.frames import complete_frame
 from mmgen.decoding.proposer import Proposer
 from mmgen.decoding.speculative import SpeculativeDecoder
 from mmgen.decoding.stats import DraftCounters
+from mmgen.decoding.tree import check_tree_width, grow_tree, tree_forward_logits
 from mmgen.modeling import TokenModel
 from mmgen.sampling import sample
 
@@ -110,6 +111,27 @@ class LayerSkipProposer(Proposer):
         self.forwards += len(drafts)
         return torch.cat(drafts, 1), torch.cat(q, 1)
 
+    def propose_tree(self, run, width):
+        """A token tree from the target with blocks skipped (`tree.grow_tree`): its law after the
+        newest token gives the distinct first tokens, each later depth is one tree forward over
+        the branches so far; nothing is committed (the verify's tree forward replaces them)."""
+        from mmgen.hooks import hooks_attached
+
+        model, state = run.model, run.state
+        level = getattr(state.cache, "fill_layers", None)
+
+        def leveled(logits):
+            if level is not None and self.skipped:
+                level(self.skipped)
+            return logits
+
+        with hooks_attached(self.hooks, "mmgen_layer_skip"):
+            root = leveled(model.forward(state, run.newest()))
+            tree = grow_tree(run, width, root, lambda tokens: leveled(tree_forward_logits(model, state, run, tokens)))
+        model.rewind(state, run.pos)
+        self.forwards += run.num_draft
+        return tree
+
     def update(self, run, n_acc, next_token, fresh, p, active):
         self.drafted = self.drafted + active.sum() * run.num_draft  # the drafts this forward verified
         self.accepted = self.accepted + (n_acc * active).sum()
@@ -139,10 +161,13 @@ class LayerSkipSpeculative(SpeculativeDecoder):
     #: A row drops out of a round's drafting at a draft given less than this probability, and
     #: the round stops when fewer than half the rows are left; 0: always `num_draft` drafts.
     confidence: float = 0.0
+    #: Verify a token tree of this many branches each forward (`mmgen.decoding.tree`); 0: one chain.
+    tree: int = 0
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)
         check_confidence(self.confidence)
+        check_tree_width(self.tree, self.confidence)
         self.layers = skip_list(self.layers)
 
     @property

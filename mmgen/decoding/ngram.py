@@ -4,7 +4,8 @@ Prompt lookup decoding (Saxena 2023; transformers' `prompt_lookup_num_tokens`) d
 tokens that followed the most recent earlier occurrence of the context's last n tokens, trying
 n = `max_ngram` down to 1. Text that quotes or repeats its prompt (VLM answers, code, lists)
 accepts long runs of such drafts. The drafts are deterministic, so their law is one-hot and
-any lossless rule keeps the output exact.
+any lossless rule keeps the output exact. With `tree=`, earlier matches that continued
+differently are tried at once, as the branches of a token tree (`mmgen.decoding.tree`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from mmgen.decoding.acceptance import ExactAcceptance
 from mmgen.decoding.base import check_int
 from mmgen.decoding.proposer import DecodeRun, Proposer
 from mmgen.decoding.speculative import SpeculativeDecoder
+from mmgen.decoding.tree import TreeDrafts, check_tree_width
 from mmgen.decoding.window import resolve_adaptive
 from mmgen.sampling import one_hot
 
@@ -29,9 +31,11 @@ class NGramIndex:
     more than a small model's autoregressive step on a CPU). Tokens are ints, frames tuples of
     ints (a frame matches only whole)."""
 
-    def __init__(self, max_ngram: int, tokens: Sequence = ()):
+    def __init__(self, max_ngram: int, tokens: Sequence = (), branches: bool = False):
         self.max_ngram, self.tokens, self.indexed = max_ngram, [], 0
         self.latest: list[dict] = [{} for _ in range(max_ngram + 1)]  # by n: n-gram -> its latest start
+        # Token trees: by n, n-gram -> {the token that followed it: that start}, oldest first.
+        self.follows: Optional[list[dict]] = [{} for _ in range(max_ngram + 1)] if branches else None
         self.extend(tokens)
 
     def extend(self, tokens: Sequence) -> None:
@@ -40,7 +44,12 @@ class NGramIndex:
         seq.extend(tokens)
         for end in range(self.indexed, len(seq) - 1):
             for n in range(1, min(self.max_ngram, end + 1) + 1):
-                self.latest[n][tuple(seq[end - n + 1:end + 1])] = end - n + 1
+                gram = tuple(seq[end - n + 1:end + 1])
+                self.latest[n][gram] = end - n + 1
+                if self.follows is not None:
+                    after = self.follows[n].setdefault(gram, {})
+                    after.pop(seq[end + 1], None)  # re-inserted: the latest start of each follower last
+                    after[seq[end + 1]] = end - n + 1
         self.indexed = max(self.indexed, len(seq) - 1)
 
     def drafts(self, num_draft: int) -> tuple[list, bool]:
@@ -54,6 +63,23 @@ class NGramIndex:
                 follow = seq[start + n:start + n + num_draft]
                 return follow + follow[-1:] * (num_draft - len(follow)), True
         return seq[-1:] * num_draft, False
+
+    def branches(self, num_draft: int, width: int) -> list[list]:
+        """Up to `width` continuations of `num_draft` tokens with distinct first tokens: the
+        tokens after earlier matches of the last n tokens, longest n first and the latest match
+        of each follower first (the index must keep `branches`)."""
+        seq, L = self.tokens, len(self.tokens)
+        out, firsts = [], set()
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            for first, start in reversed(list(self.follows[n].get(tuple(seq[L - n:]), {}).items())):
+                if first in firsts:
+                    continue
+                follow = seq[start + n:start + n + num_draft]
+                out.append(follow + follow[-1:] * (num_draft - len(follow)))
+                firsts.add(first)
+                if len(out) == width:
+                    return out
+        return out
 
 
 def _host_tokens(tokens: torch.Tensor) -> list:
@@ -70,23 +96,43 @@ class NGramProposer(Proposer):
 
     adapts_window = True
 
-    def __init__(self, num_draft: int, max_ngram: int, context: Optional[torch.Tensor]):
-        self.num_draft, self.max_ngram, self.context = num_draft, max_ngram, context
+    def __init__(self, num_draft: int, max_ngram: int, context: Optional[torch.Tensor], branches: bool = False):
+        self.num_draft, self.max_ngram, self.context, self.branches = num_draft, max_ngram, context, branches
 
     def start(self, run: DecodeRun):
         context = self.context if self.context is not None else run.tokens.new_zeros(1, 0, *run.tokens.shape[2:])
         context = context.expand(run.batch_size, *context.shape[1:])
-        self.rows = [NGramIndex(self.max_ngram, _host_tokens(row)) for row in context.cpu()]
+        self.rows = [NGramIndex(self.max_ngram, _host_tokens(row), self.branches) for row in context.cpu()]
         self.read = [0] * run.batch_size  # generated tokens each row's index holds
 
-    def propose(self, run: DecodeRun):
+    def _read(self, run: DecodeRun) -> list[bool]:
+        """Index every row's tokens since its index last grew (one read); which rows decode."""
         pos, active = run.pos.tolist(), run.active.tolist()
         first = min(self.read)
-        new = run.tokens[:, first:max(pos) + 1].cpu()  # one read: every row's tokens since its index last grew
-        drafts, found = [], False
-        for b, (index, p, on) in enumerate(zip(self.rows, pos, active)):
+        new = run.tokens[:, first:max(pos) + 1].cpu()
+        for b, (index, p) in enumerate(zip(self.rows, pos)):
             index.extend(_host_tokens(new[b, self.read[b] - first:p + 1 - first]))
             self.read[b] = p + 1
+        return active
+
+    def propose_tree(self, run: DecodeRun, width: int) -> TreeDrafts:
+        """Up to `width` earlier continuations per row with distinct first tokens (each a point
+        mass for the exact rule); none anywhere: an empty tree (an autoregressive step)."""
+        active = self._read(run)
+        B, d = run.batch_size, run.num_draft
+        rows = [index.branches(d, width) if on else [] for index, on in zip(self.rows, active)]
+        if not any(rows):
+            return TreeDrafts(run.tokens.new_zeros(B, width, 0), None, run.tokens.new_zeros(B, width, dtype=torch.bool))
+        newest = run.newest()[:, 0].tolist()
+        valid = torch.tensor([[j < len(r) for j in range(width)] for r in rows], device=run.device)
+        tokens = torch.tensor([r + [[last] * d] * (width - len(r)) for r, last in zip(rows, newest)], dtype=torch.long,
+                              device=run.device)
+        return TreeDrafts(tokens, one_hot(tokens, run.vocab_size), valid)
+
+    def propose(self, run: DecodeRun):
+        active = self._read(run)
+        drafts, found = [], False
+        for index, on in zip(self.rows, active):
             row, hit = index.drafts(run.num_draft)
             drafts.append(row)
             found |= hit and on
@@ -110,11 +156,13 @@ class PromptLookup(SpeculativeDecoder):
     acceptance: Any = field(default_factory=ExactAcceptance)
     context: Optional[torch.Tensor] = field(default=None, repr=False)
     adapt: Any = True  # an AdaptiveWindow, True (its defaults), a token cost, or False: always num_draft
+    tree: int = 0  # verify up to this many earlier continuations at once (a token tree; its window is fixed)
 
     def __post_init__(self):
         check_int("num_draft", self.num_draft, 1)
         check_int("max_ngram", self.max_ngram, 1)
         resolve_adaptive(self.adapt)
+        check_tree_width(self.tree)
 
     @property
     def window(self) -> int:
@@ -129,4 +177,5 @@ class PromptLookup(SpeculativeDecoder):
             if context.ndim != one_row + 1 or (K > 1 and context.shape[-1] != K):
                 shape = "[P] or [B, P] token ids" if K == 1 else f"[P, {K}] or [B, P, {K}] frames"
                 raise ValueError(f"lookup context must be {shape}, got shape {tuple(context.shape)}")
-        return NGramProposer(min(self.num_draft, num_tokens), self.max_ngram, context), self.acceptance.bind(model)
+        return (NGramProposer(min(self.num_draft, num_tokens), self.max_ngram, context, branches=bool(self.tree)),
+                self.acceptance.bind(model))

@@ -7,13 +7,16 @@ during one decode (the rows' tokens, positions and laws). The loop itself is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
 from mmgen.decoding.frames import gather_slots, sampler_probs, sampling_per_codebook
 from mmgen.modeling import DecodeState, TokenModel
 from mmgen.sampling import SamplingConfig, sample
+
+if TYPE_CHECKING:  # tree.py builds on this module
+    from mmgen.decoding.tree import TreeDrafts
 
 
 @dataclass
@@ -135,6 +138,16 @@ class Proposer:
         B = run.batch_size
         shape = (B, 0) if run.num_codebooks == 1 else (B, 0, run.num_codebooks)
         return torch.zeros(shape, dtype=torch.long, device=run.device), None
+
+    def propose_tree(self, run: DecodeRun, width: int) -> "TreeDrafts":
+        """A token tree (`mmgen.decoding.tree.TreeDrafts`): `width` branches of up to
+        `run.num_draft` drafts with distinct first tokens. Proposers that draft trees override
+        this (the loop checks before any work)."""
+        raise NotImplementedError(f"{type(self).__name__} proposes no token trees")
+
+    def tree_kept(self, run: DecodeRun, branch: torch.Tensor, n_acc: torch.Tensor) -> None:
+        """After a token tree's verify, before `update`: each row kept branch `branch` [B] and
+        `n_acc` [B] of its drafts (a drafter with its own cache keeps that branch too)."""
 
     def update(self, run: DecodeRun, n_acc: torch.Tensor, next_token: torch.Tensor, fresh: torch.Tensor,
                p: torch.Tensor, active: torch.Tensor) -> None:

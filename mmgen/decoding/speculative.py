@@ -60,6 +60,7 @@ from mmgen.decoding.frames import (
 )
 from mmgen.decoding.stats import StatsRecorder
 from mmgen.decoding.stopping import RowEnds, Stopping, Streamer, TokenReporter
+from mmgen.decoding.tree import TreeStep, check_tree
 from mmgen.decoding.window import AdaptiveWindow, RowWindows, resolve_adaptive, window_chooser, with_default_curves
 from mmgen.modeling import TokenModel
 from mmgen.sampling import SamplingConfig
@@ -87,11 +88,12 @@ class SpeculativeDecoder(Decoder):
     ) -> DecodeOutput:
         check_num_tokens(num_tokens)
         proposer, rule = self.roles(model, num_tokens, generator)
-        adapt = resolve_adaptive(getattr(self, "adapt", None))
+        tree = int(getattr(self, "tree", 0) or 0)
+        adapt = None if tree else resolve_adaptive(getattr(self, "adapt", None))  # a tree keeps its width
         if adapt is not None and not proposer.adapts_window:
             raise ValueError(f"{type(self).__name__} cannot adapt its window: its proposer drafts a fixed number")
         return speculative_decode(model, conditions, num_tokens, sampling, generator, proposer, rule,
-                                  self.capacity(num_tokens), progress, stopping, streamer, adapt)
+                                  self.capacity(num_tokens), progress, stopping, streamer, adapt, tree)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +114,7 @@ def speculative_decode(
     stopping: Optional[Stopping] = None,
     streamer: Optional[Streamer] = None,
     adapt: Optional[AdaptiveWindow] = None,
+    tree: int = 0,
 ) -> DecodeOutput:
     """Decode up to `num_tokens` tokens per row with `proposer` and acceptance `rule`.
 
@@ -120,10 +123,18 @@ def speculative_decode(
     rejection, the bonus sample when every draft passed), so each forward finalises 1 to k + 1
     tokens per row. Rows advance independently and finished rows idle with fixed shapes.
 
+    `tree` > 1: each forward verifies a token tree of that many branches instead
+    (`mmgen.decoding.tree`: the proposer's `propose_tree`, the model's `forward_tree`, exact).
+
     This sets up one batch's decode (`BatchRows`); continuous batching sets up its own
     (`feed_decode`); both hand a `DecodePlan` to the one loop, `decode`.
     """
     check_num_tokens(num_tokens)
+    if tree:
+        check_tree(tree, model, proposer, rule, int(getattr(model, "num_codebooks", 1)))
+        adapt, k = None, proposer.num_draft
+        # A tree forward writes 1 + tree * k slots past the committed ones.
+        capacity = (capacity if capacity is not None else num_tokens + 2 * min(k + 1, num_tokens)) + tree * k
     rows_of = adapt.batch_rows if adapt is not None else None
     run, adapt, ends, recorder = _begin(model, conditions, num_tokens, sampling, generator, proposer, capacity, stopping, adapt)
     B, k = run.batch_size, run.num_draft
@@ -138,7 +149,8 @@ def speculative_decode(
     length = ends.known_length() if adapt is not None else None
     chooser = window_chooser(adapt, k, B, run.guided, run.device, window_cost, window_tokens, length)
     rows = BatchRows(run, proposer, ends, recorder, TokenReporter(num_tokens, ends.limit, progress, streamer), synced)
-    return decode(DecodePlan(run, proposer, rule, ends, recorder, rows, chooser, synced, idle_rows=B > 1 and synced))
+    return decode(DecodePlan(run, proposer, rule, ends, recorder, rows, chooser, synced, idle_rows=B > 1 and synced,
+                             tree=TreeStep(tree) if tree else None))
 
 
 def feed_decode(
@@ -192,8 +204,8 @@ class DecodePlan:
     """One decode, set up (`speculative_decode` for a batch, `feed_decode` for continuous
     batching) and ready for the loop: the run and its two roles, its rows' ends, the stats, who
     the rows decode for (`BatchRows` or `feed.FeedRows`), the window chooser, whether the loop
-    reads the slowest row every forward (`synced`) and whether rows may idle in it
-    (`idle_rows`: their steps are zeroed)."""
+    reads the slowest row every forward (`synced`), whether rows may idle in it
+    (`idle_rows`: their steps are zeroed) and, for token trees, their step (`tree.TreeStep`)."""
 
     run: DecodeRun
     proposer: Proposer
@@ -204,6 +216,7 @@ class DecodePlan:
     chooser: Any
     synced: bool
     idle_rows: bool
+    tree: Optional[TreeStep] = None
 
 
 def decode(plan: DecodePlan) -> DecodeOutput:
@@ -218,8 +231,13 @@ def decode(plan: DecodePlan) -> DecodeOutput:
         active = run.active
         # Propose: d drafts per row and the laws they were drawn from (d = 0: an autoregressive step).
         d = run.num_draft = chooser.choose()
-        drafts = q = None
-        if d > 0:
+        drafts = q = treed = None
+        if d > 0 and plan.tree is not None:
+            # A token tree: proposed, scored in one forward and verified; its chosen branch
+            # comes back as a chain's window would (None: nothing proposed).
+            treed = plan.tree(run, proposer)
+            d = run.num_draft = 0 if treed is None else treed[1].shape[1]
+        elif d > 0:
             drafts, q = proposer.propose(run)
             drafts, q = drafts[:, :d], (None if q is None else q[:, :d])
             # A proposer may stop a round early (a drafter unsure) or have nothing to propose
@@ -227,11 +245,14 @@ def decode(plan: DecodePlan) -> DecodeOutput:
             d = run.num_draft = drafts.shape[1]
             if d == 0:
                 drafts = q = None
-        window = run.newest() if d == 0 else torch.cat([run.newest(), drafts], 1)
-        index = run.pos[:, None] + 1 + slots[: d + 1]  # the generated-token index each slot predicts
-        # Verify and finalise: one forward scores the window, the rule keeps a prefix of the drafts
-        # and one more token is final (resampled at the first rejection, else the bonus sample).
-        p, fresh, n_acc, next_token = verify(model.forward(state, window), index, drafts, q)
+        if treed is not None:
+            window, drafts, p, fresh, n_acc, next_token = treed
+        else:
+            window = run.newest() if d == 0 else torch.cat([run.newest(), drafts], 1)
+            index = run.pos[:, None] + 1 + slots[: d + 1]  # the generated-token index each slot predicts
+            # Verify and finalise: one forward scores the window, the rule keeps a prefix of the
+            # drafts and one more token is final (resampled at the first rejection, else the bonus).
+            p, fresh, n_acc, next_token = verify(model.forward(state, window), index, drafts, q)
         # Commit: [newest, accepted drafts, next token] from `pos` (later slots are scratch), each
         # row cut at its end; then the cache, the rows, the proposer and the window move on.
         if d > 0:

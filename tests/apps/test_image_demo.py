@@ -227,6 +227,15 @@ UI_VALUES = dict(model="emoji64", class_name="cat-face", method="sjd", options="
                  guidance=2.0, temperature=1.0, top_k=0, top_p=1.0, steps=64)
 
 
+def family_defaults() -> list:
+    """The family option widgets' values left as built (`gradio_common.family_widgets`: the options
+    the image families' records declare, after the demo's own controls): an API call sends them too."""
+    from mmgen import registry
+    from mmgen.apps.image_demo import OWN_OPTIONS
+
+    return [o.default for name, o in registry.family_options("image").items() if name not in OWN_OPTIONS]
+
+
 def test_ui_handler_turns_errors_into_plain_text_gradio_errors(catalog, monkeypatch):
     import gradio as gr
 
@@ -275,7 +284,7 @@ def test_step_labels_sort_in_step_order_from_ten_steps():
 def test_switching_model_updates_classes_methods_and_bounds(catalog):
     from mmgen.apps.image_demo import handle_model
 
-    classes, methods, guidance, _, top_k, top_p, steps = handle_model(catalog, "var-emoji64")
+    classes, methods, guidance, _, top_k, top_p, steps, *_ = handle_model(catalog, "var-emoji64")  # then its options
     assert methods["choices"] == list(SCALE_DECODERS) and methods["value"] == "ar"
     assert len(classes["choices"]) == 74 and top_k["maximum"] == 512 and guidance["value"] == 2.0
     assert top_p["visible"] and not steps["visible"]
@@ -332,7 +341,7 @@ def api_call(url: str, **changes):
     from gradio_client import Client
 
     values = {**UI_VALUES, **changes}
-    return Client(url, verbose=False).predict(*values.values(), api_name="/generate")
+    return Client(url, verbose=False).predict(*values.values(), *family_defaults(), api_name="/generate")
 
 
 def test_api_takes_any_method_and_class_of_the_chosen_model_without_a_ui_event(server_url):
@@ -572,7 +581,8 @@ def test_text_where_a_number_is_expected_gets_a_one_line_message_not_a_null_erro
     import httpx
 
     values = {**UI_VALUES, "seed": "abc"}
-    event = httpx.post(f"{server_url}gradio_api/call/generate", json={"data": list(values.values())}, timeout=60).json()
+    event = httpx.post(f"{server_url}gradio_api/call/generate", json={"data": [*values.values(), *family_defaults()]},
+                       timeout=60).json()
     reply = httpx.get(f"{server_url}gradio_api/call/generate/{event['event_id']}", timeout=120).text
     assert "event: error" in reply and '"error": null' not in reply
     assert "must be a number, got 'abc'" in reply

@@ -185,3 +185,21 @@ def test_check_request_checks_everything_and_runs_nothing(modality, monkeypatch)
     with pytest.raises(ValueError) as caught:
         layer.check_request(make(**{**good, **bad}), catalog)
     assert "\n" not in str(caught.value)
+
+
+def test_var_pruning_options_become_the_command_line_s_cached_token_pruning():
+    """A request's VAR `pruning` and `pruning_layers` (a demo's widgets, a server body's
+    "options") reach the call as the CLI's one `CachedTokenPruning`; a bad one is one line."""
+    from mmgen.apps.requests import image
+    from mmgen.decoding import CachedTokenPruning
+
+    catalog = image.SERVICE.discover(["var-emoji64"])
+    request = lambda **options: image.SERVICE.parse(model="var-emoji64", class_name="cat-face", method="ar",
+                                                    family_options=options)
+    checked = image.SERVICE.check(request(pruning="5=0.5", pruning_layers=[1, 3]), catalog)
+    assert checked.family == {"pruning": CachedTokenPruning(keep={5: 0.5}, layers=(1, 3))}
+    for bad, message in (({"pruning_layers": [1, 3]}, "needs --pruning"), ({"pruning_layers": 3}, "two integers"),
+                         ({"pruning": "x"}, "bad --pruning item")):
+        with pytest.raises(ValueError, match=message) as error:
+            image.SERVICE.check(request(**bad), catalog)
+        assert "\n" not in str(error.value)

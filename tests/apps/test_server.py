@@ -440,8 +440,8 @@ def test_a_client_that_goes_away_closes_its_stream_and_frees_its_row(http, monke
         ends.append("finished")
         return result
 
-    speech_stream = speech.stream_checked
-    monkeypatch.setattr(speech, "stream_checked", watched)
+    speech_stream = speech.SERVICE.stream  # what the route runs a checked request with
+    monkeypatch.setattr(speech.SERVICE, "stream", watched)
     with http.stream("POST", "/v1/audio/speech", json=speak(max_new_frames=250, seed=8)) as response:
         assert response.status_code == 200
         next(response.iter_raw())

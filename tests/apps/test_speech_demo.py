@@ -314,9 +314,10 @@ def test_ui_handler_errors_are_plain_one_line_gradio_errors(catalog, monkeypatch
 def test_switching_model_lists_its_methods_and_sampler_defaults(catalog):
     from mmgen.apps.speech_demo import handle_model
 
-    method, temperature, top_k, top_p = handle_model(catalog, "tiny-tts")
+    method, temperature, top_k, top_p, final_std = handle_model(catalog, "tiny-tts")
     assert method["choices"] == METHODS and method["value"] == "draft"
     assert (temperature["value"], top_k["value"], top_p["value"]) == (0.0, 0, 1.0)  # greedy: its generation config
+    assert final_std["visible"] is False  # VibeVoice's option (its record), not a Dia's
 
 
 # --- the command -----------------------------------------------------------------------------

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mmgen.audio.csm import CsmTokenModel
-from mmgen.decoding import DraftSpeculative, Stopping, make_decoder
+from mmgen.decoding import DraftSpeculative, Stopping, make_decoder, parse_decoding
 from mmgen.sampling import SamplingConfig
 
-from tests.audio.tiny import CSM_MIMI_LENGTHS, NQ, RATE, perturbed, rounding, tiny_csm
+from tests.audio.tiny import CSM_MIMI_LENGTHS, NQ, RATE, jacobi_forwards, perturbed, rounding, text_only, tiny_csm
 from tests.speculation import assert_drafted, pinned_decoder, rule
 
 TEXTS = ["Hello there.", "Something else entirely, and longer.", "Three."]
@@ -65,10 +65,29 @@ def test_lossless_frame_decoders_equal_ar_under_greedy(pipe, decoding):
     out = pipe(TEXTS, max_new_frames=16, temperature=0, decoding=decoder)
     for b, n in enumerate(ar.lengths.tolist()):
         assert out.lengths[b] == n and torch.equal(out.frames[b, :n], ar.frames[b, :n])
-    if decoding.startswith("draft"):  # a tiny random CSM's greedy frames pass as no Jacobi or lookup draft
+    if decoding.startswith("draft"):  # a random CSM's frames pass as no lookup or Jacobi draft (see the next test)
         assert_drafted(out, ar)
     if decoding == "draft-self":  # every drafted frame is accepted: 4 frames per target forward
         assert out.stats.forwards < ar.stats.forwards / 2
+
+
+@pytest.mark.parametrize("decoding", [f"sjd:window={w},draft_init=left,adapt=false" for w in (3, 4, 6)] + ["sjd"])
+def test_jacobi_drafts_frames_on_a_model_whose_next_frame_ignores_the_last(decoding):
+    """Jacobi decoding drafts CSM's frames: on a `text_only` CSM (frames that change with the
+    position and the text, not with the frames before) its carried drafts are right, so it takes
+    fewer forwards than `ar`, exactly as many as the frames predict for a fixed window with
+    left-copied drafts (`jacobi_forwards`), and speaks `ar`'s frames."""
+    pipe = text_only(tiny_csm(2, eos_boost=3.0))
+    ar = pipe(TEXTS, max_new_frames=16, temperature=0)
+    assert len({tuple(f.flatten().tolist()) for f in ar.frames}) == len(TEXTS)  # the rows speak differently
+    assert all(len(set(map(tuple, f.tolist()))) > 2 for f in ar.frames)  # and their frames change
+    options = parse_decoding(decoding)[1]
+    window = options.get("window")  # a fixed window with left-copied drafts: its forwards are known
+    out = pipe(TEXTS, max_new_frames=16, temperature=0, decoding=decoding)
+    assert torch.equal(out.frames, ar.frames) and torch.equal(out.lengths, ar.lengths)
+    assert_drafted(out, ar)
+    if window:
+        assert out.stats.forwards == max(jacobi_forwards(f[:n], window, partial_last=True) for f, n in zip(ar.frames, ar.lengths))
 
 
 def test_coupled_jacobi_is_refused_for_dependent_codebooks(pipe):

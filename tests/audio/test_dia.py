@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from mmgen.audio.dia import DiaTokenModel
-from mmgen.decoding import DraftSpeculative, Stopping, make_decoder
+from mmgen.decoding import DraftSpeculative, Stopping, make_decoder, parse_decoding
 from mmgen.sampling import SamplingConfig
 
-from tests.audio.tiny import DELAY, RATE, V, dia_audio_kwargs, dia_processor, perturbed, rounding, tiny_dia
+from tests.audio.tiny import (
+    DELAY, RATE, V, dia_audio_kwargs, dia_processor, jacobi_forwards, perturbed, rounding, text_only, tiny_dia,
+)
 from tests.speculation import assert_drafted, pinned_decoder, rule
 
 TEXTS = ["[S1] Hello there.", "[S1] Something else entirely, and longer.", "[S1] Three."]
@@ -57,8 +59,28 @@ def test_lossless_frame_decoders_equal_ar_under_greedy(pipe, decoding):
     out = pipe(TEXTS, max_new_frames=30, temperature=0, decoding=decoder)
     assert torch.equal(out.frames, ar.frames) and torch.equal(out.lengths, ar.lengths)
     assert all(torch.equal(a, b) for a, b in zip(out.audio, ar.audio))
-    if not decoding.startswith("sjd"):  # a tiny random Dia's greedy frames never pass as Jacobi drafts
+    if not decoding.startswith("sjd"):  # a random Dia's frames pass as no Jacobi draft: see the next test
         assert_drafted(out, ar)
+
+
+@pytest.mark.parametrize("decoding", [f"sjd:window={w},draft_init=left,adapt=false" for w in (3, 4, 8)] + ["sjd", "sjd-coupled"])
+def test_jacobi_drafts_frames_on_a_model_whose_next_frame_ignores_the_last(decoding):
+    """Jacobi decoding drafts Dia's frames: on a `text_only` Dia (each row repeats a frame of its
+    text's, BOS and the forced end aside) its carried drafts are right, so with guidance it
+    takes fewer forwards than `ar`, exactly as many as the frames predict for a fixed window with
+    left-copied drafts (`jacobi_forwards`), and speaks `ar`'s frames."""
+    pipe = text_only(tiny_dia(0, eos_boost=2.0))
+    call = dict(max_new_frames=30, temperature=0, guidance_scale=3.0)
+    ar = pipe(TEXTS, **call)
+    assert len({tuple(f.flatten().tolist()) for f in ar.frames}) == len(TEXTS)  # the rows speak differently
+    options = parse_decoding(decoding)[1]
+    window = options.get("window")  # a fixed window with left-copied drafts: its forwards are known
+    out = pipe(TEXTS, decoding=decoding, **call)
+    assert torch.equal(out.frames, ar.frames) and torch.equal(out.lengths, ar.lengths)
+    assert_drafted(out, ar)
+    if window:
+        end = 30 - max(DELAY) - 1  # the frame the budget forces codebook 0 to end at
+        assert out.stats.forwards == max(jacobi_forwards(f, window, end=end) for f in ar.frames)
 
 
 def test_a_drafter_that_agrees_has_every_frame_accepted():

@@ -98,7 +98,7 @@ def test_vibevoice_folder_speaks_through_the_same_command(folders, capsys, tmp_p
     code, _, err = run(capsys, *common, "--out", tmp_path / "x.wav", "--decoding", "cspd", "--drafter", tmp_path / "vv-draft")
     assert code != 0 and "final_std > 0" in err and not (tmp_path / "x.wav").exists()
     code, _, err = run(capsys, "--model", folders / "dia", "--text", "Hi.", "--out", tmp_path / "y.wav", "--final-std", 0.1)
-    assert code != 0 and "--final-std is for continuous-latent models" in err
+    assert code != 0 and "--final-std is for vibevoice models; this model is a dia" in err
 
 
 def test_the_bundled_pair_speaks_offline_by_default(capsys, tmp_path):

@@ -194,3 +194,37 @@ def perturbed(pipe, heads: tuple, noise: float = 0.1, seed: int = 7):
             if name in heads:
                 weight.add_(torch.randn(weight.shape, generator=g) * noise * weight.std())
     return pipe
+
+
+def text_only(pipe):
+    """`pipe` with every audio code's input embedding zeroed (CSM's depth decoder shares the
+    table): each frame position reads the same input, so the next frame depends on the text and
+    the position alone, never on the frames before it. Jacobi's drafts carried after a
+    rejection are then the target's true next frames (its iteration converges in one step), so
+    Jacobi must draft on it, where a random model's carried drafts are never right."""
+    with torch.no_grad():
+        pipe.token_model().codebook_embeddings().zero_()
+    return pipe
+
+
+def jacobi_forwards(frames: torch.Tensor, window: int, end=None, partial_last: bool = False) -> int:
+    """Forwards (prefill included) of Jacobi decoding with a fixed `window` and left-copied
+    initial drafts for one row's greedy frames [N, K] on a `text_only` model, counted from the
+    frames alone: every slot predicts the true frame, so a draft passes iff it is the truth and
+    the frames carried after a rejection are the truth, except
+    - Dia (`end`: the frame its budget forces codebook 0 to end): its end rule reads the drafted
+      history, so after a wrong draft of frame `end` the frames carried past it are wrong;
+    - CSM (`partial_last`): the window's last slot predicts codebook 0 only (the depth decoder
+      completes no draft there), so the frame carried from it is wrong."""
+    N, n, forwards, drafts = len(frames), 1, 1, []
+    while n < N:
+        drafts += [drafts[-1] if drafts else frames[n - 1]] * (window - 1 - len(drafts))  # left copies
+        a = 0
+        while a < len(drafts) and n + a < N and drafts[a] is not None and torch.equal(drafts[a], frames[n + a]):
+            a += 1
+        blind = end is not None and n <= end < n + len(drafts) and not (drafts[end - n] is not None and torch.equal(drafts[end - n], frames[end]))
+        drafts = [None if blind and j > end else frames[j] for j in range(n + a + 1, min(n + window, N))]
+        if partial_last and a < window - 1 and n + window - 1 < N:
+            drafts[-1] = None
+        n, forwards = n + a + 1, forwards + 1
+    return forwards

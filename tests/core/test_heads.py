@@ -19,7 +19,10 @@ from mmgen.sampling import SamplingConfig
 
 from tests.conftest import tiny_transformer
 from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
-from tests.speculation import RULE_CASES, assert_continuous_equals_alone, assert_drafted, rule
+from tests.speculation import (
+    RULE_CASES, assert_confidence_stop_keeps_the_law, assert_confidence_stop_stays_greedy, assert_continuous_equals_alone,
+    assert_drafted, assert_streams_its_output, rule,
+)
 
 GREEDY = SamplingConfig(top_k=1, guidance=4.0)
 TEXTS = ["[S1] Hello there.", "[S1] Something else entirely, and longer.", "[S1] Three."]
@@ -156,42 +159,22 @@ def test_a_confidence_stop_drafts_fewer_and_keeps_greedy_output_and_the_law(enum
     """`confidence`: a round stops at a draft the heads were unsure of; where it stops depends
     only on drafts already drawn, so greedy output and the sampled law stay the model's."""
     model = LlamaGenTokenModel(tiny_transformer())
-    conditions = torch.tensor([1, 5])
-    ar = Autoregressive().generate(model, conditions, 64, GREEDY, torch.Generator().manual_seed(0))
-    out = HeadsSpeculative(heads=heads_for(model.hidden_size), num_draft=4, confidence=0.5).generate(
-        model, conditions, 64, GREEDY, torch.Generator().manual_seed(1))
-    assert torch.equal(out.tokens, ar.tokens)
-    assert_drafted(out, ar)
-    assert 0 < out.stats.draft_forwards < 4 * (out.stats.forwards - 1)  # some rounds stopped early
-    sampling = SAMPLINGS["cfg+temperature+top_k"]
-    seqs, joint = exact_joint(enumerable, 1, sampling)
-    acceptance = rule("exact")
-    out = HeadsSpeculative(heads=heads_for(enumerable.hidden_size, noise=0.3), num_draft=3, confidence=0.6,
-                           acceptance=acceptance).generate(enumerable, torch.full((6000,), 1), LENGTH, sampling,
-                                                           torch.Generator().manual_seed(0))
-    assert acceptance.speculated(), acceptance.counts
-    assert chi_square_pvalue(out.tokens, seqs, joint) > ALPHA
+    out = assert_confidence_stop_stays_greedy(HeadsSpeculative(heads=heads_for(model.hidden_size), num_draft=4, confidence=0.5),
+                                              model, torch.tensor([1, 5]), num_draft=4)
+    assert out.stats.draft_forwards == sum(out.stats.drafts_per_forward)  # one heads forward per draft
+    assert_confidence_stop_keeps_the_law(HeadsSpeculative(heads=heads_for(enumerable.hidden_size, noise=0.3), num_draft=3,
+                                                          confidence=0.6), enumerable, num_draft=3)
 
 
 def test_heads_stream_stop_and_take_any_acceptance_rule():
     """Streaming hands each row its tokens as they commit (the same as the output), stop tokens
     and per-row budgets end rows mid-window as under `ar`, and a lossy rule (grouped
     acceptance) runs on the heads' drafts and laws, seeded."""
-    import threading
-
-    from mmgen.decoding import GroupedAcceptance, Stopping, TokenQueueStreamer
+    from mmgen.decoding import GroupedAcceptance, Stopping
 
     model = LlamaGenTokenModel(tiny_transformer())
     heads = heads_for(model.hidden_size)
-    streamer, result = TokenQueueStreamer(timeout=60), {}
-    thread = threading.Thread(target=lambda: result.setdefault("out", HeadsSpeculative(heads=heads).generate(
-        model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator().manual_seed(0), streamer=streamer)))
-    thread.start()
-    rows = [[], []]
-    for row, tokens in streamer:
-        rows[row].extend(tokens.tolist())
-    thread.join()
-    assert rows == result["out"].tokens.tolist()
+    assert_streams_its_output(HeadsSpeculative(heads=heads), model, GREEDY)
 
     ar = Autoregressive().generate(model, torch.tensor([1, 2]), 32, GREEDY, torch.Generator())
     stop = int(ar.tokens[0, 6])  # row 0 ends at its first such token

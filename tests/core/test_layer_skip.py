@@ -20,7 +20,10 @@ from mmgen.sampling import SamplingConfig
 
 from tests.conftest import tiny_transformer
 from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
-from tests.speculation import RULE_CASES, assert_continuous_equals_alone, assert_drafted, rule
+from tests.speculation import (
+    RULE_CASES, assert_confidence_stop_keeps_the_law, assert_confidence_stop_stays_greedy, assert_continuous_equals_alone,
+    assert_drafted, rule,
+)
 
 GREEDY = SamplingConfig(top_k=1, guidance=4.0)
 TEXTS = ["[S1] Hello there.", "[S1] Something else entirely, and longer.", "[S1] Three."]
@@ -163,26 +166,11 @@ def test_skipping_nothing_samples_the_exact_law_and_accepts_almost_every_draft(e
 
 def test_a_confidence_stop_drafts_fewer_in_some_rounds_and_stays_exact(enumerable):  # noqa: F811
     """`confidence`: a round stops at a draft the skipping model is unsure of; greedy output
-    stays `ar`'s (CFG, a batch of 2), and the sampled law stays exact (batches of 12, where
-    rounds do stop: at thousands of rows half of them are never unsure at once)."""
-    model = LlamaGenTokenModel(tiny_transformer())
-    conditions = torch.tensor([1, 5])
-    ar = Autoregressive().generate(model, conditions, 64, GREEDY, torch.Generator().manual_seed(0))
-    out = LayerSkipSpeculative(layers=[0], num_draft=4, confidence=0.5).generate(model, conditions, 64, GREEDY, torch.Generator())
-    assert torch.equal(out.tokens, ar.tokens)
-    counts = out.stats.drafts_per_forward
-    assert min(counts) < 4 == max(counts) and out.stats.draft_forwards == sum(counts)
-    sampling = SAMPLINGS["cfg+temperature+top_k"]
-    seqs, joint = exact_joint(enumerable, 1, sampling)
-    decoder, generator = LayerSkipSpeculative(layers=[0], num_draft=3, confidence=0.35), torch.Generator().manual_seed(0)
-    samples, counts, accepted = [], [], 0
-    for _ in range(500):
-        out = decoder.generate(enumerable, torch.full((12,), 1), LENGTH, sampling, generator)
-        samples.append(out.tokens)
-        counts += out.stats.drafts_per_forward
-        accepted += out.stats.accepted_drafts
-    assert min(counts) == 1 and max(counts) == 3 and accepted > 0  # the rule both stopped and not
-    assert chi_square_pvalue(torch.cat(samples), seqs, joint) > ALPHA
+    stays `ar`'s (CFG, a batch of 2), and the sampled law stays exact."""
+    out = assert_confidence_stop_stays_greedy(LayerSkipSpeculative(layers=[0], num_draft=4, confidence=0.5),
+                                              LlamaGenTokenModel(tiny_transformer()), torch.tensor([1, 5]), num_draft=4)
+    assert out.stats.draft_forwards == sum(out.stats.drafts_per_forward)  # no prefill of its own: one per draft
+    assert_confidence_stop_keeps_the_law(LayerSkipSpeculative(layers=[0], num_draft=3, confidence=0.35), enumerable, num_draft=3)
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(temperature=1.0, top_k=16, guidance=3.0), GREEDY], ids=["sampled", "greedy"])

@@ -18,7 +18,7 @@ from mmgen.sampling import SamplingConfig
 
 from tests.conftest import tiny_transformer
 from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, VOCAB, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
-from tests.speculation import assert_drafted
+from tests.speculation import assert_confidence_stop_keeps_the_law, assert_confidence_stop_stays_greedy, assert_drafted
 
 DRAFTER = LlamaGenTokenModel(tiny_transformer(seed=7))
 
@@ -89,36 +89,19 @@ def test_a_confidence_stop_drafts_fewer_in_some_rounds_and_stays_token_identical
     """`confidence`: a row drops out of a round at a draft its drafter gave less than that
     probability, and the round stops once fewer than half the rows are left; greedy output stays
     AR's, with CFG, alone and in a batch, and the stats say how many drafts each forward verified."""
-    model = LlamaGenTokenModel(tiny_transformer())
-    sampling = SamplingConfig(top_k=1, guidance=4.0)
-    conditions = torch.tensor(labels)
-    ar = Autoregressive().generate(model, conditions, 64, sampling, torch.Generator().manual_seed(0))
-    out = DraftSpeculative(drafter=DRAFTER, num_draft=4, confidence=0.4).generate(
-        model, conditions, 64, sampling, torch.Generator().manual_seed(1))
-    assert torch.equal(ar.tokens, out.tokens)
+    out = assert_confidence_stop_stays_greedy(DraftSpeculative(drafter=NEAR, num_draft=4, confidence=0.4),
+                                              LlamaGenTokenModel(tiny_transformer()), torch.tensor(labels), num_draft=4)
     counts = out.stats.drafts_per_forward
-    assert len(counts) == out.stats.forwards - 1 and min(counts) == 1 and max(counts) == 4
-    assert out.stats.draft_forwards == 1 + sum(counts)
+    assert min(counts) == 1 and out.stats.draft_forwards == 1 + sum(counts)  # the drafter's prefill, then one per draft
     with pytest.raises(ValueError, match="confidence must be a probability"):
         DraftSpeculative(drafter=DRAFTER, confidence=1.0)
 
 
-def test_a_confidence_stop_keeps_the_exact_distribution(enumerable):
+def test_a_confidence_stop_keeps_the_exact_distribution(enumerable):  # noqa: F811
     """Where a round stops depends on the drafts drawn so far (in every row of the batch), so the
-    target still judges every draft it is given: the sampled sequences follow the exact joint
-    (chi-square, 6,000 rows in batches of 12)."""
-    sampling = SAMPLINGS["cfg+temperature+top_k"]
-    seqs, joint = exact_joint(enumerable, 1, sampling)
+    target still judges every draft it is given: the sampled sequences follow the exact joint."""
     drafter = LlamaGenTokenModel(tiny_transformer(vocab_size=VOCAB, block_size=LENGTH, num_classes=3, seed=11))
-    decoder = DraftSpeculative(drafter=drafter, num_draft=3, confidence=0.7)
-    generator, samples, counts, accepted = torch.Generator().manual_seed(0), [], [], 0
-    for _ in range(500):
-        out = decoder.generate(enumerable, torch.full((12,), 1), LENGTH, sampling, generator)
-        samples.append(out.tokens)
-        counts += out.stats.drafts_per_forward
-        accepted += out.stats.accepted_drafts
-    assert min(counts) == 1 and max(counts) == 3 and accepted > 0  # the rule both stopped and not
-    assert chi_square_pvalue(torch.cat(samples), seqs, joint) > ALPHA
+    assert_confidence_stop_keeps_the_law(DraftSpeculative(drafter=drafter, num_draft=3, confidence=0.7), enumerable, num_draft=3)
 
 
 def test_coupled_equals_autoregressive_sampling_with_the_same_noise(token_model):

@@ -280,7 +280,12 @@ def test_image_jobs_may_name_their_modality_and_naming_it_later_remakes_nothing(
 
 
 def test_job_fields_are_the_generate_image_options():
-    assert set(OPTIONAL) | {"decoding"} == {f.name for f in fields(ImageOptions)}
+    # The modality's own fields and the built-in families' options (their records, `mmgen.image_ar`); `family`
+    # holds a plugin family's own options, each a job field of its own name (tests/test_family_records.py)
+    from mmgen import registry
+
+    fields_ = set(OPTIONAL) | set(registry.family_options("image")) | {"decoding", "family"}
+    assert fields_ == {f.name for f in fields(ImageOptions)}
 
 
 def test_var_and_mar_jobs_take_their_family_options_and_records_reproduce_them(tmp_path, capsys, one_thread):
