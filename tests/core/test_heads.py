@@ -29,8 +29,11 @@ TEXTS = ["[S1] Hello there.", "[S1] Something else entirely, and longer.", "[S1]
 
 
 def heads_for(hidden_size: int, seed: int = 0, noise: float = 0.05, num_drafts: int = 3) -> DraftHeads:
-    """Heads near the identity: random, reproducible, drafting often on a tiny model."""
-    heads = DraftHeads(DraftHeadsConfig(hidden_size, num_drafts=num_drafts))
+    """Heads near the identity: random, the same for a seed (their initialisation too, drawn from
+    the global generator, is seeded in a fork of it), drafting often on a tiny model."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        heads = DraftHeads(DraftHeadsConfig(hidden_size, num_drafts=num_drafts))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from mmgen.decoding import (Autoregressive, DraftHeads, DraftHeadsConfig, DraftSpeculative, ExactAcceptance,
+from mmgen.decoding import (Autoregressive, DraftSpeculative, ExactAcceptance,
                             GroupedAcceptance, HeadsSpeculative, LayerSkipSpeculative, PromptLookup, make_decoder,
                             parse_decoding)
 from mmgen.decoding import tree as tree_module
@@ -27,19 +27,10 @@ from mmgen.sampling import SamplingConfig
 
 from tests.conftest import tiny_transformer
 from tests.core.test_decoding import ALPHA, LENGTH, SAMPLINGS, chi_square_pvalue, enumerable, exact_joint  # noqa: F401
+from tests.core.test_heads import heads_for
 from tests.speculation import assert_streams_its_output
 
 GREEDY = SamplingConfig(temperature=0, guidance=4.0)
-
-
-def heads_for(hidden_size: int, seed: int = 0, noise: float = 0.05, num_drafts: int = 3) -> DraftHeads:
-    """Heads near the identity, the same for a seed (their initialisation included)."""
-    torch.manual_seed(seed)
-    heads = DraftHeads(DraftHeadsConfig(hidden_size, num_drafts=num_drafts))
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape) * noise)
-    return heads
 
 
 class BranchSpy:
