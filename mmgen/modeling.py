@@ -117,7 +117,9 @@ class TreeModel(Protocol):
     The fed tokens are a tree flattened in slot order: slot 0 the newest committed token, every
     other slot a draft whose ancestors come before it. Each token sits at position "its row's
     next position + `depth`" (so a branch reads as a contiguous continuation) and attends to the
-    committed tokens and to the window slots `visible` marks (its ancestors and itself).
+    committed tokens and to the window slots `visible` marks (its ancestors and itself). A model
+    that verifies trees only in some configurations also offers `tree_refusal()`: why not (one
+    line), or None; the loop asks it before any work.
     """
 
     def forward_tree(self, state: DecodeState, tokens: torch.Tensor, depth: torch.Tensor,

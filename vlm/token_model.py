@@ -178,12 +178,10 @@ class VLMTokenModel:
         """`TreeModel`: a token tree in one forward, handed to the trunk as a 4-D mask (full-attention
         language models under sdpa or eager attention, without logits processing or decode-time
         eviction)."""
+        refusal = self.tree_refusal()
+        if refusal is not None:
+            raise ValueError(refusal)
         extra: _Extra = state.extra
-        if self.sliding or extra.rules is not None or extra.evict:
-            why = ("sliding-window layers" if self.sliding else "its generation config's logits processing"
-                   if extra.rules is not None else "decode-time token eviction")
-            raise ValueError(f"token trees need a full-attention model without logits processing or eviction: "
-                             f"this one has {why}")
         embeds = self.embed(tokens)
         attention, positions = state.cache.open_tree(depth, visible, self.model.config.get_text_config()._attn_implementation,
                                                      embeds.dtype)
@@ -198,6 +196,18 @@ class VLMTokenModel:
     def keep_path(self, state: DecodeState, path: torch.Tensor) -> None:
         """`TreeModel`: each row's chosen branch to the first slots of the pending forward."""
         state.cache.keep_path(path)
+
+    def tree_refusal(self) -> Optional[str]:
+        """Why this model cannot verify token trees (one line; the loop asks before any work), or
+        None: trees need full attention under sdpa or eager, no logits processing (it reads each
+        row's tokens in order) and no decode-time eviction."""
+        implementation = self.model.config.get_text_config()._attn_implementation
+        why = ("sliding-window layers" if self.sliding else
+               "its generation config's logits processing" if not self.rules.identity else
+               "MustDrop's decode-time eviction" if isinstance(self.dropping, MustDrop) and self.dropping.decode_keep < 1 else
+               f"{implementation} attention (load it with attn_implementation='sdpa')"
+               if implementation not in ("sdpa", "eager") else None)
+        return None if why is None else f"{type(self.model).__name__} cannot verify a token tree: it has {why}"
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens)

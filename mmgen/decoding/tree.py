@@ -199,6 +199,9 @@ def check_tree(width: int, model, proposer: Proposer, rule, num_codebooks: int) 
     """What a tree decode needs, checked before any work (ValueError, one line)."""
     if not isinstance(model, TreeModel):
         raise ValueError(f"{type(model).__name__} cannot verify a token tree (no forward_tree): decode it without tree=")
+    refusal = getattr(model, "tree_refusal", None)  # a model that can verify trees only in some configurations
+    if refusal is not None and refusal() is not None:
+        raise ValueError(refusal())
     if type(proposer).propose_tree is Proposer.propose_tree:
         raise ValueError(f"{type(proposer).__name__} proposes no trees: tree= runs with draft, heads, skip and lookup")
     if type(rule) is not ExactAcceptance:

@@ -261,3 +261,22 @@ def test_trees_stream_stop_and_reproduce_their_seed():
     sampling = SamplingConfig(temperature=1.0, top_k=8, guidance=2.0)
     a, b = (decoder.generate(model, torch.tensor([1, 2]), 32, sampling, torch.Generator().manual_seed(5)) for _ in range(2))
     assert torch.equal(a.tokens, b.tokens) and a.stats.accepted_drafts > 0
+
+
+def test_a_vlm_that_cannot_verify_trees_is_refused_before_its_prefill(monkeypatch):
+    """Sliding-window layers (Gemma 3 mixes them with full ones) or the generation config's
+    logits processing: one line, before the prompt is prefilled."""
+    from tests.vlm.tiny import PROMPTS, images, tiny_gemma3, tiny_llava
+
+    gemma = tiny_gemma3()
+    llava = tiny_llava()
+    llava.model.generation_config.repetition_penalty = 1.3  # logits processing that reads each row's tokens in order
+    for pipe, why in ((gemma, "sliding-window layers"), (llava, "logits processing")):
+        model = pipe.token_model()
+        starts = []
+        monkeypatch.setattr(type(model), "start", lambda self, *a, **k: starts.append(1))
+        with pytest.raises(ValueError, match=why) as error:
+            pipe(PROMPTS[:1], images(1), max_new_tokens=4, temperature=0,
+                 decoding=HeadsSpeculative(heads=heads_for(model.hidden_size), tree=2))
+        assert "\n" not in str(error.value) and not starts
+        monkeypatch.undo()
