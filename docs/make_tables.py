@@ -186,6 +186,11 @@ def self_drafting() -> str:
     what = ("Batch 1, one thread, each model's default sampling (emoji64: CFG 2, temperature 1; emoji-vlm: greedy, "
             "held-out sentence questions; speech-tts: CFG 3, top-k 32); every method is exact; methods interleaved per "
             "input, ratios paired (the image harness counts no draft steps)")
+    return drafting_table(runs, what)
+
+
+def drafting_table(runs: dict[str, str], what: str) -> str:
+    """The speculation tables' Markdown: `drafting_rows(runs)`, then `what` and each run's provenance."""
     return markdown(DRAFTING_HEADER, drafting_rows(runs)) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
 
 
@@ -196,7 +201,7 @@ def token_trees() -> str:
     what = ("Batch 1, one thread, each model's default sampling (emoji64: CFG 2, temperature 1; emoji-vlm: greedy, "
             "held-out sentence questions); every method is exact; methods interleaved per input, ratios paired (the "
             "image harness counts no draft steps)")
-    return markdown(DRAFTING_HEADER, drafting_rows(runs)) + "\n\n" + what + ". " + " ".join(provenance(load(n)) for n in runs)
+    return drafting_table(runs, what)
 
 
 def official_table(name: str, official: str, label: str, what: str) -> str:
