@@ -200,6 +200,64 @@ def test_self_forcing_trains_on_its_own_rollouts_resumes_exactly_and_refuses_bad
     assert not (tmp_path / "refused").exists()
 
 
+def test_self_forcing_distillation_regresses_the_student_onto_the_teacher_on_the_same_past(tmp_path):
+    """`self-forcing --objective distill`: the student at its last exit step, where its schedule is
+    the teacher's and its weights the teacher's, makes exactly the teacher's block (the same past
+    committed into both caches, the same noise): the loss is zero there and not for another
+    teacher; other exit steps give nonzero losses (an x0 prediction from higher noise). A run
+    resumes exactly and its past is the student's own rollout."""
+    import copy
+
+    from mmgen.decoding import FlowSchedule
+    from mmgen.decoding.block_diffusion import BlockRollout
+    from mmgen.video.model import WanBlockModel
+    from training.train_video import (Latents, PromptEncoder, main as video_main, new_text_encoder, new_tokenizer,
+                                      new_transformer, self_forcing_distill_loss)
+
+    rng = np.random.default_rng(0)
+    latents = tmp_path / "latents.npz"
+    captions = ["red heart moving left", "sun bouncing vertically", "snake moving up and airplane moving down"]
+    np.savez(latents, latents=rng.standard_normal((8, 4, 3, 4, 4)).astype(np.float16),
+             captions=np.array([captions[i % 3] for i in range(8)]), indices=np.arange(8))
+    data = Latents([str(latents)])
+    transformer = new_transformer("small", channels=4).double()
+    prompts = PromptEncoder(new_tokenizer(), new_text_encoder().double().eval())
+    student = WanBlockModel(transformer, 1, (4, 4))
+    schedule = FlowSchedule.uniform(2, 3.0)
+    data.latents = data.latents.double()
+    losses = {}
+    for seed in range(12):
+        for name, weights in (("same", transformer), ("other", new_transformer("small", seed=1, channels=4).double())):
+            teacher = WanBlockModel(copy.deepcopy(weights).requires_grad_(False), 1, (4, 4))
+            loss, info = self_forcing_distill_loss(student, teacher, prompts, data, torch.arange(2),
+                                                   torch.Generator().manual_seed(seed), schedule, schedule, 3.0, anchor_blocks=0)
+            assert loss.requires_grad and info["own_blocks"] == info["block"]
+            losses.setdefault((name, info["exit_step"]), []).append(float(loss.detach()))
+    assert max(losses[("same", 1)]) < 1e-20 and min(losses[("other", 1)]) > 1e-6
+    assert min(losses[("same", 0)]) > 1e-6  # the first step's x0 is not yet the sample
+
+    pair = tmp_path / "pair"
+    transformer.float().to(torch.float16).save_pretrained(pair / "transformer")
+    new_text_encoder().to(torch.float16).save_pretrained(pair / "text_encoder")
+    common = ["self-forcing", "--objective", "distill", "--teacher-steps", "3", "--anchor-blocks", "0", "--init-from",
+              str(pair), "--latents", str(latents), "--batch-size", "2", "--warmup", "1", "--log-every", "1",
+              "--threads", "1", "--steps-per-block", "2", "--steps", "3", "--lr", "1e-3"]
+    rollout_blocks = []
+    step = BlockRollout.step
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BlockRollout, "step", lambda self, *a: rollout_blocks.append(1) or step(self, *a))
+        video_main([*common, "--out", str(tmp_path / "straight")])
+    video_main([*common, "--out", str(tmp_path / "resumed"), "--run-steps", "1"])
+    video_main([*common, "--out", str(tmp_path / "resumed")])
+    load = lambda name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)
+    straight, resumed = load("straight"), load("resumed")
+    assert straight["step"] == resumed["step"] == 3
+    assert all(torch.equal(tensor, resumed["model"][key]) for key, tensor in straight["model"].items())
+    records = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+    assert all(0 <= r["exit_step"] < 2 and np.isfinite(r["loss"]) for r in records)
+    assert len(rollout_blocks) == sum(r["own_blocks"] for r in records)
+
+
 def test_draft_heads_train_on_the_frozen_model_resume_exactly_and_export(tmp_path, capsys):
     """`training/train_heads.py` on the bundled emoji64: two recorded calls, four steps; stopped
     after two and run again, it ends with the weights and log of an uninterrupted run; the

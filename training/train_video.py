@@ -73,6 +73,19 @@ matching: `self-forcing --help` says why), e.g. at 4 steps per block:
     python -m training.train_video self-forcing --init-from video/assets/emoji-motion \
         --latents runs/video-latents-shipped.npz --out runs/self-forcing --steps 2000 --steps-per-block 4 \
         --ema 0.999 --threads 1 --eval-every 200 --vae video/assets/emoji-motion
+    # or distilled to 4 steps on its own rollouts, the 8-step starting model as the teacher
+    python -m training.train_video self-forcing --objective distill --anchor-blocks 0 \
+        --init-from video/assets/emoji-motion --latents runs/video-latents-shipped.npz --out runs/self-forcing-distill \
+        --steps 2500 --ema 0.998 --threads 1 --eval-every 250 --eval-clips 32 --vae video/assets/emoji-motion
+
+The exported pair's figures: `quality` (the card's table, quality.json), `techniques` (every
+decoding technique, quality beside speed: docs/results/video_emoji-motion_cpu.json) and `compare`
+(pipelines side by side, frame by frame, with a PNG sheet):
+
+    python -m training.train_video quality --assets video/assets --out video/assets/emoji-motion/quality.json
+    python -m training.train_video techniques --out docs/results/video_emoji-motion_cpu.json --threads 1
+    python -m training.train_video compare --pipelines "8 steps=video/assets/emoji-motion" \
+        "4 steps=video/assets/emoji-motion@4" --out runs/compare.json
 """
 
 from __future__ import annotations
@@ -685,15 +698,29 @@ class Latents:
 
 def flow_loss(transformer, prompts: PromptEncoder, data: Latents, index: torch.Tensor, generator: torch.Generator,
               text_dropout: float, shift: float, block_frames: int = BLOCK_FRAMES, train_text: bool = True,
-              foreground_weight: float = 0.0) -> torch.Tensor:
+              foreground_weight: float = 0.0, first_frames: int = 0, first_blocks_only: bool = False) -> torch.Tensor:
     """Teacher-forced flow matching on latents `index`: x_sigma = (1 - sigma) x0 + sigma noise per
     block, MSE of the predicted velocity against noise - x0 over the noisy blocks. With
     `foreground_weight` w, a latent position under a sprite weighs 1 + w (a weighted mean): the
     background, most of every frame, otherwise outweighs the sprites' detail, as in the VAE's
-    reconstruction loss. Randomness is drawn on the CPU (the same on every device), then moved
-    to the transformer's device."""
+    reconstruction loss. `first_frames` N > 0 adds the first blocks of N more clips (drawn from
+    `generator`), each denoised alone as a free rollout's first block is (from the prompt, with
+    no past), to the same mean: the first block is the one a rollout cannot copy from its past,
+    and a whole clip spends only 1/F of its loss on it (while costing F times its tokens).
+    Randomness is drawn on the CPU (the same on every device), then moved to the transformer's
+    device."""
+    if first_frames:
+        extra = torch.randint(0, len(data), (first_frames,), generator=generator)
+        whole = flow_loss(transformer, prompts, data, index, generator, text_dropout, shift, block_frames, train_text,
+                          foreground_weight)
+        first = flow_loss(transformer, prompts, data, extra, generator, text_dropout, shift, block_frames, train_text,
+                          foreground_weight, first_blocks_only=True)
+        frames = data.latents.shape[2]
+        return (len(index) * frames * whole + first_frames * block_frames * first) / (len(index) * frames + first_frames * block_frames)
     device = transformer.patch_embedding.weight.device
     x0 = data.latents[index].float()
+    if first_blocks_only:
+        x0 = x0[:, :, :block_frames]
     B, _, F_, _, _ = x0.shape
     drop = (torch.rand(B, generator=generator) < text_dropout).tolist()
     texts = ["" if d else data.captions[int(i)] for i, d in zip(index, drop)]
@@ -709,7 +736,7 @@ def flow_loss(transformer, prompts: PromptEncoder, data: Latents, index: torch.T
         return F.mse_loss(v.float(), noise - x0)
     if data.foreground is None:
         raise ValueError("--foreground-weight needs latents files with the sprites' positions (`latents` writes them)")
-    weight = 1 + foreground_weight * data.foreground[index][:, None].float().to(device)
+    weight = 1 + foreground_weight * data.foreground[index][:, None, :x0.shape[2]].float().to(device)
     return (weight * (v.float() - (noise - x0)) ** 2).mean() / weight.mean()
 
 
@@ -762,7 +789,7 @@ def train_transformer(args) -> None:
             text_encoder.requires_grad_(False)  # a weight average copies it from here on
         trained = args.job == "target" and step < args.text_steps
         loss = flow_loss(transformer, prompts, data, index, generator, args.text_dropout, args.shift, train_text=trained,
-                         foreground_weight=args.foreground_weight)
+                         foreground_weight=args.foreground_weight, first_frames=args.first_frames)
         return loss, {"text": "trained" if trained else "frozen"}
 
     params = {name: sum(p.numel() for p in m.parameters()) for name, m in (("transformer", transformer), ("text_encoder", text_encoder))}
@@ -817,17 +844,28 @@ by the same clean pass; one forward with gradients then predicts block b's veloc
 schedule's noise levels (those the few-step sampler visits; --levels continuous: any level, as the
 teacher-forcing jobs train) from the real block noised there.
 
-Objective: flow matching against noise - x0 on the real block given the model's own past (student
-forcing), not the paper's distribution matching: DMD needs a teacher's score and a second, "fake"
-score network trained beside the student (three models, two optimizers), too heavy for this CPU and
-with no teacher better than the student here. Why the anchor: a free rollout's first frame puts the
+Objectives (--objective), neither the paper's distribution matching: DMD needs a teacher's score and
+a second, "fake" score network trained beside the student (three models, two optimizers), too heavy
+for this CPU, and it matches the teacher's distribution, which a regression onto the teacher's own
+samples also reaches when the teacher is deterministic (an Euler ODE sampler is):
+- student-forcing (default): flow matching against noise - x0 on the real block given the model's
+  own past.
+- distill: few-step distillation on the student's own rollouts (CausVid's ODE regression, run on
+  Self-Forcing's self-generated past): the frozen starting model (the teacher) and the student see
+  the same past, the student's rollout committed into both caches; from one noise the teacher
+  samples block b in --teacher-steps steps, the student runs its --steps-per-block schedule to an
+  exit step drawn uniformly (the paper's random exit step), and its x0 prediction there is
+  regressed onto the teacher's sample, so every step of the few-step schedule lands where the
+  many-step teacher does, from the past the student will really see. Use --anchor-blocks 0: the
+  teacher follows whatever past the student made.
+Why the anchor (student forcing): a free rollout's first frame puts the
 sprite where the real clip's next block does not, and a target that contradicts its past teaches
 the model to ignore the past; with the clip's first block committed the sprite's place is the
 clip's, the model's later blocks carry its own errors (shape drift, wrong motion), and the real
 block is the way back from them. Gradients flow through block b's one forward only (the paper
 keeps them to each block's last denoising step); the past's keys and values are the rollout's,
-without gradients. The guided batch's unconditional
-half (the "" prompt on the same past) weighs --text-dropout. A run starts from --init-from's
+without gradients. In student forcing, the guided batch's unconditional half (the "" prompt on the
+same past) weighs --text-dropout; distillation regresses the guided x0, both halves in it. A run starts from --init-from's
 weights with a fresh optimizer; it resumes from <out>/checkpoint.pt (weights, optimizer, step; every
 draw derives from (seed, step), so a resumed run ends with an uninterrupted one's weights)."""
 
@@ -907,6 +945,68 @@ def self_forcing_loss(model, prompts: PromptEncoder, data: Latents, index: torch
     return loss, {"block": block, "sigma": round(sigma, 4), "own_blocks": max(0, block - anchor_blocks)}
 
 
+def self_forcing_distill_loss(model, teacher, prompts: PromptEncoder, data: Latents, index: torch.Tensor,
+                              generator: torch.Generator, schedule, teacher_schedule, guidance_scale: float,
+                              anchor_blocks: int) -> tuple[torch.Tensor, dict]:
+    """Few-step distillation on the student's own rollouts (`self-forcing --objective distill`, see
+    its help): for a block b drawn uniformly, the blocks before it are the student's (`model`, a
+    `WanBlockModel`) own rollout at `schedule` (no gradients; the first `anchor_blocks` the clip's
+    own latents), committed into the student's cache and the frozen teacher's (`teacher`, a
+    `WanBlockModel` of the starting weights); from one noise the teacher samples block b along
+    `teacher_schedule` (no gradients), the student runs its schedule to an exit step s drawn
+    uniformly, and its x0 prediction there (the one forward with gradients) is regressed onto the
+    teacher's sample. Both sample guided at `guidance_scale`, as the pipeline does."""
+    from mmgen.decoding import BlockDenoising
+    from mmgen.decoding.block_diffusion import BlockRollout
+    from mmgen.video.model import PromptEmbeddings
+
+    device = model.transformer.patch_embedding.weight.device
+    x0 = data.latents[index].float().to(device)
+    B, _, frames, _, _ = x0.shape
+    f = model.block_frames
+    block = int(torch.randint(0, frames // f, (1,), generator=generator))
+    sigmas, teacher_sigmas = schedule.sigmas(), teacher_schedule.sigmas()
+    exit_step = int(torch.randint(0, len(sigmas), (1,), generator=generator))
+    noise = torch.randn(x0[:, :, :f].shape, generator=generator).to(device)
+    rollout_generator = torch.Generator(device).manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=generator)))
+    guided = guidance_scale != 1.0
+    guide = lambda cond, uncond: cond if uncond is None else uncond + guidance_scale * (cond - uncond)
+    with torch.no_grad():
+        conditions = PromptEmbeddings(prompts([data.captions[int(i)] for i in index]), prompts([""] * B) if guided else None)
+    taught = teacher.start(conditions, block + 1, guided)
+    try:
+        with BlockRollout(BlockDenoising(schedule=schedule), model, conditions, block + 1, rollout_generator, guidance_scale) as rollout:
+            state = rollout.states[id(model)]
+            with torch.no_grad():
+                for b in range(block):
+                    if b < anchor_blocks:
+                        past = x0[:, :, b * f:(b + 1) * f]
+                        model.commit(state, past)  # the clip's own block, as a committed one
+                    else:
+                        past = rollout.step()
+                    teacher.commit(taught, past)
+                x = noise  # the teacher's block: its whole schedule from the noise
+                for i, sigma in enumerate(teacher_sigmas):
+                    v = guide(*teacher.velocity(taught, x, 1000.0 * sigma))
+                    target = x - sigma * v
+                    if i + 1 < len(teacher_sigmas):
+                        x = x + (teacher_sigmas[i + 1] - sigma) * v
+                x = noise  # the student's: its schedule up to the exit step
+                for i in range(exit_step):
+                    v = guide(*model.velocity(state, x, 1000.0 * sigmas[i]))
+                    x = x + (sigmas[i + 1] - sigmas[i]) * v
+            model.condition(state, conditions)  # the prompt's keys and values computed again, with gradients
+            cache, state.context.cache = state.context.cache, GradientCache(state.context.cache)
+            try:
+                predicted = x - sigmas[exit_step] * guide(*model.velocity(state, x, 1000.0 * sigmas[exit_step]))
+            finally:
+                state.context.cache = cache
+    finally:
+        teacher.finish(taught)
+    loss = F.mse_loss(predicted.float(), target.float())
+    return loss, {"block": block, "exit_step": exit_step, "own_blocks": max(0, block - anchor_blocks)}
+
+
 def self_forcing_error(args) -> Optional[str]:
     """What is wrong with a `self-forcing` command (one line), checked before any work; None if nothing."""
     init = Path(args.init_from)
@@ -915,7 +1015,8 @@ def self_forcing_error(args) -> Optional[str]:
     missing = [path for path in args.latents if not Path(path).is_file()]
     if missing:
         return f"--latents {missing[0]}: no such file (make one with `latents`)"
-    for name, value, low in (("--steps-per-block", args.steps_per_block, 1), ("--anchor-blocks", args.anchor_blocks, 0)):
+    for name, value, low in (("--steps-per-block", args.steps_per_block, 1), ("--anchor-blocks", args.anchor_blocks, 0),
+                             ("--teacher-steps", args.teacher_steps, 1)):
         if value < low:
             return f"{name} must be >= {low}, got {value}"
     if not args.shift > 0:
@@ -953,8 +1054,15 @@ def train_self_forcing(args) -> None:
     block_model = WanBlockModel(transformer, BLOCK_FRAMES, tuple(data.latents.shape[3:]))
     schedule = FlowSchedule.uniform(args.steps_per_block, args.shift)
     guidance = PIPELINE["guidance_scale"]
+    if args.objective == "distill":  # the starting weights, frozen, sample the targets
+        frozen = load_transformer_run(args.init_from).to(args.device).requires_grad_(False)
+        teacher = WanBlockModel(frozen, BLOCK_FRAMES, tuple(data.latents.shape[3:]))
+        teacher_schedule = FlowSchedule.uniform(args.teacher_steps, args.shift)
 
     def loss_fn(index, generator):
+        if args.objective == "distill":
+            return self_forcing_distill_loss(block_model, teacher, prompts, data, index, generator, schedule,
+                                             teacher_schedule, guidance, args.anchor_blocks)
         return self_forcing_loss(block_model, prompts, data, index, generator, schedule, guidance, args.anchor_blocks,
                                  args.text_dropout, continuous=args.levels == "continuous")
 
@@ -1000,7 +1108,6 @@ class GeneratedQuality:
         import copy
 
         from mmgen.decoding import FlowSchedule
-        from mmgen.video.data import DEFAULT_SPRITES, sprite_class
         from mmgen.video.pipeline import BlockDiffusionVideoPipeline
 
         if self.score is None:
@@ -1015,12 +1122,20 @@ class GeneratedQuality:
         clips_, seconds = generate(pipe, self.prompts)
         figures = self.score(clips_, self.prompts)
         keep = ("class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy")
-        sprites, quarter = [sprite_class(name) for name in DEFAULT_SPRITES], max(1, clips_.shape[1] // 4)
-        among = lambda frames: round(self.score.class_accuracy(frames, self.prompts, among=sprites), 4)
-        return {**{k: round(figures[k], 4) for k in keep}, "class_accuracy_8": among(clips_),
-                "class_8_first_quarter": among(clips_[:, :quarter]), "class_8_last_quarter": among(clips_[:, -quarter:]),
+        return {**{k: round(figures[k], 4) for k in keep}, **{k: round(v, 4) for k, v in among_sprites(figures).items()},
                 "seconds_per_clip_batched": round(seconds, 3), "metric": "class+direction",
                 "score": (figures["class_accuracy"] + figures["direction_accuracy"]) / 2}
+
+
+def among_sprites(figures: dict) -> dict:
+    """The class accuracy among the data's eight sprites (`VideoQualityProxies`' reading) over all
+    frames and over the first and last quarter of them (whether a subject holds as the clip goes
+    on; each frame holds the same objects, so a quarter's accuracy is its frames' mean)."""
+    by_frame = figures["class_accuracy_among_sprites_by_frame"]
+    quarter = max(1, len(by_frame) // 4)
+    return {"class_accuracy_8": figures["class_accuracy_among_sprites"],
+            "class_8_first_quarter": float(np.mean(by_frame[:quarter])),
+            "class_8_last_quarter": float(np.mean(by_frame[-quarter:]))}
 
 
 def freeze_text_encoder(text_encoder, folder: Path) -> None:
@@ -1254,6 +1369,62 @@ def sweep(args) -> None:
     write_json(args.out, results)
 
 
+@torch.no_grad()
+def compare(args) -> None:
+    """Pipelines side by side, frame by frame (the model card's before and after): per pipeline the
+    proxies on the first `--clips` evaluation prompts (the same seeds for all), with the eight-way
+    class accuracy of every frame position; and a PNG sheet, one row per prompt and pipeline (the
+    first `--sheet-prompts`), its frames left to right. `--pipelines` entries are NAME=FOLDER or
+    NAME=FOLDER@STEPS (Euler steps per block instead of the folder's, at its shift). Writes `--out`
+    (JSON) and the sheet beside it (.png)."""
+    from PIL import Image
+
+    from mmgen.decoding import BlockDenoising, FlowSchedule
+    from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+
+    score, prompts = scorer(args.reference_clips), eval_prompts(args.clips)
+    rows, sheets = [], []
+    for entry in args.pipelines:
+        name, _, spec = entry.partition("=")
+        folder, _, steps = spec.partition("@")
+        pipe = BlockDiffusionVideoPipeline.from_pretrained(folder).to(dtype=torch.float32)
+        pipe.set_progress_bar_config(disable=True)
+        call = {"decoding": BlockDenoising(schedule=FlowSchedule.uniform(int(steps), pipe.schedule.shift))} if steps else {}
+        clips_, _ = generate(pipe, prompts, **call)
+        figures = score(clips_, prompts)
+        row = {"pipeline": name, "folder": folder, "steps_per_block": int(steps) if steps else len(pipe.schedule.timesteps),
+               **{k: round(v, 4) for k, v in among_sprites(figures).items()},
+               **{k: round(figures[k], 4) for k in ("class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy")},
+               "class_8_by_frame": [round(a, 3) for a in figures["class_accuracy_among_sprites_by_frame"]],
+               "seconds_per_clip": round(clip_seconds(pipe, prompts[:8], **call), 3)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        sheets.append(clips_[:args.sheet_prompts])
+    # One row per (prompt, pipeline): each prompt's pipelines one under another.
+    sheet = np.concatenate([np.concatenate(list(clips_[i]), 1) for i in range(args.sheet_prompts) for clips_ in sheets], 0)
+    Image.fromarray(sheet).save(Path(args.out).with_suffix(".png"))
+    write_json(args.out, {"clips": args.clips, "prompts": prompts[:args.sheet_prompts], "rows": rows})
+
+
+def compare_error(args) -> Optional[str]:
+    """What is wrong with a `compare` command (one line), checked before any work; None if nothing."""
+    for entry in args.pipelines:
+        name, _, spec = entry.partition("=")
+        folder, _, steps = spec.partition("@")
+        if not name or not folder:
+            return f"--pipelines {entry}: give NAME=FOLDER or NAME=FOLDER@STEPS"
+        if not (Path(folder) / "model_index.json").is_file():
+            return f"--pipelines {entry}: {folder} is not a pipeline folder (no model_index.json)"
+        if steps and not (steps.isdigit() and int(steps) > 0):
+            return f"--pipelines {entry}: STEPS must be a positive integer, got {steps!r}"
+    if not 1 <= args.sheet_prompts <= args.clips:
+        return f"--sheet-prompts must be in [1, --clips], got {args.sheet_prompts}"
+    sheet = Path(args.out).with_suffix(".png")
+    if sheet.exists() and not args.overwrite:
+        return f"{sheet} exists: choose another --out or add --overwrite"
+    return None
+
+
 def write_json(path: str, data: Any) -> None:
     """A job's report, written atomically (never seen half-written)."""
     from mmgen.files import write_atomic
@@ -1265,39 +1436,15 @@ def write_json(path: str, data: Any) -> None:
 def card(args) -> None:
     """MODEL_CARD.md: configurations, training runs, the VAE's held-out PSNR and the quality proxies
     of the exported pair (alone and collaborating) next to real clips of the same prompts."""
-    from mmgen.decoding import CollaborativeDenoising
-    from mmgen.video.pipeline import BlockDiffusionVideoPipeline
-    from mmgen.video.quality import calibrate
-
     assets = Path(args.assets)
-    pipes = {}
-    for name in ("emoji-motion", "emoji-motion-small"):
-        pipes[name] = BlockDiffusionVideoPipeline.from_pretrained(assets / name).to(dtype=torch.float32)
-        pipes[name].set_progress_bar_config(disable=True)
+    pipes = bundled_pair(assets)
     target, small = pipes["emoji-motion"], pipes["emoji-motion-small"]
-    score = scorer(args.reference_clips)
-    prompts = eval_prompts(args.clips)
-    rows = {}
     quality = Path(args.out).with_name("quality.json")
     if args.reuse_quality:  # the figures of an earlier `card` run (rewording the card only)
         rows = json.loads(quality.read_text())
-    calibration = {} if rows else calibrate(num_clips=args.clips, seed=PROMPT_SEED, scorer=score)
-    if not rows:
-        rows["real clips"] = calibration["real"]
-        rows["real clips through the VAE"] = score(through_vae(target.vae, args.clips), prompts)
+    else:
+        rows = quality_rows(pipes, args.clips, args.reference_clips, args.large_steps, args.guidance)
     steps = len(target.schedule.timesteps)
-    runs = [("emoji-motion", target, {}), ("emoji-motion-small", small, {})]
-    runs += [(f"collaborative, large first {k} of {steps}", target, {"decoding": CollaborativeDenoising(small=small, large_steps=k)})
-             for k in args.large_steps if k < steps]
-    runs += [(f"emoji-motion, guidance {g:g}", target, {"guidance_scale": g}) for g in args.guidance]
-    for name, pipe, call in runs:
-        if name in rows:
-            continue
-        clips_, _ = generate(pipe, prompts, **call)
-        rows[name] = {**score(clips_, prompts), "seconds_per_clip": clip_seconds(pipe, prompts, **call)}
-        print(name, json.dumps(rows[name]), flush=True)
-    for kind in calibration.keys() - {"real"}:
-        rows[f"real clips, {kind} (calibration)"] = calibration[kind]
     trained_runs = [("vae", args.vae), ("target", args.target), ("small", args.small)]
     encoder_from = last_log(args.vae)["args"].get("encoder_from")
     if encoder_from:  # the decoder trained alone behind this run's frozen encoder
@@ -1320,6 +1467,127 @@ def card(args) -> None:
     Path(args.out).write_text(model_card(facts, args))
     quality.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def bundled_pair(assets: str | Path) -> dict:
+    """{"emoji-motion", "emoji-motion-small"}: the exported pair's pipelines in float32."""
+    from mmgen.video.pipeline import BlockDiffusionVideoPipeline
+
+    pipes = {}
+    for name in ("emoji-motion", "emoji-motion-small"):
+        pipes[name] = BlockDiffusionVideoPipeline.from_pretrained(Path(assets) / name).to(dtype=torch.float32)
+        pipes[name].set_progress_bar_config(disable=True)
+    return pipes
+
+
+def quality_rows(pipes: dict, clips: int, reference_clips: int, large_steps: Sequence[int], guidance: Sequence[float]) -> dict:
+    """The model card's quality table: the proxies of real clips, of real clips through the VAE,
+    of the pair alone, collaborating (the large model's first `large_steps` steps) and at other
+    `guidance` scales, each with its seconds per clip, and the calibration rows."""
+    from mmgen.decoding import CollaborativeDenoising
+    from mmgen.video.quality import calibrate
+
+    target, small = pipes["emoji-motion"], pipes["emoji-motion-small"]
+    score, prompts = scorer(reference_clips), eval_prompts(clips)
+    calibration = calibrate(num_clips=clips, seed=PROMPT_SEED, scorer=score)
+    rows = {"real clips": calibration["real"], "real clips through the VAE": score(through_vae(target.vae, clips), prompts)}
+    steps = len(target.schedule.timesteps)
+    runs = [("emoji-motion", target, {}), ("emoji-motion-small", small, {})]
+    runs += [(f"collaborative, large first {k} of {steps}", target, {"decoding": CollaborativeDenoising(small=small, large_steps=k)})
+             for k in large_steps if k < steps]
+    runs += [(f"emoji-motion, guidance {g:g}", target, {"guidance_scale": g}) for g in guidance]
+    for name, pipe, call in runs:
+        clips_, _ = generate(pipe, prompts, **call)
+        rows[name] = {**score(clips_, prompts), "seconds_per_clip": clip_seconds(pipe, prompts, **call)}
+        print(name, json.dumps({k: v for k, v in rows[name].items() if not isinstance(v, (list, dict))}), flush=True)
+    for kind in calibration.keys() - {"real"}:
+        rows[f"real clips, {kind} (calibration)"] = calibration[kind]
+    return rows
+
+
+def quality_table(rows: dict) -> str:
+    """The model card's quality table (Markdown) of `quality_rows`."""
+    def row(name: str, r: dict) -> str:
+        seconds = f"{r['seconds_per_clip']:.2f}" if "seconds_per_clip" in r else ""
+        eight = among_sprites(r)
+        return (f"| {name} | {eight['class_accuracy_8']:.1%} | {eight['class_8_first_quarter']:.1%} → "
+                f"{eight['class_8_last_quarter']:.1%} | {r['class_accuracy']:.1%} | {r['direction_accuracy']:.1%} | "
+                f"{r['temporal_l1']:.4f} | {r['fid_proxy']:.1f} | {seconds} |")
+
+    return ("| clips | class acc. (8) | first → last quarter (8) | class acc. (74) | direction acc. | temporal L1 | FID-proxy | s/clip |\n"
+            "|---|---|---|---|---|---|---|---|\n" + "\n".join(row(name, r) for name, r in rows.items()))
+
+
+@torch.no_grad()
+def quality(args) -> None:
+    """The model card's quality table alone, measured on the exported pair in `--assets`: writes
+    `--out` (quality.json, the figures `card` reads with --reuse-quality) and prints the table."""
+    rows = quality_rows(bundled_pair(args.assets), args.clips, args.reference_clips, args.large_steps, args.guidance)
+    write_json(args.out, rows)
+    print(quality_table(rows))
+
+
+@torch.no_grad()
+def techniques(args) -> None:
+    """The decoding techniques on the exported pair, quality beside speed (docs/benchmarks.md's
+    video table): block decoding at the pipeline's steps (the baseline) and at `--few-steps`;
+    collaborative decoding along its curve (the large model's first k of the steps); each
+    `--cache-policies`; First Block Cache at each `--cache-thresholds`, static-token dropping at
+    each `--drop-thresholds`; guidance 1; the small model alone. Proxies on the first `--clips`
+    evaluation prompts (the same seeds for every row); seconds per clip of single-prompt calls, rows interleaved within each of
+    `--repeats` rounds (one prompt per round), the ratio to the baseline the median of the rounds'
+    paired ratios. Writes `--out` (JSON, for docs/make_tables.py)."""
+    import sys
+
+    from mmgen.benchmarking import environment
+    from mmgen.decoding import BlockDenoising, CollaborativeDenoising, FlowSchedule
+    from mmgen.video.quality import calibrate
+
+    pipes = bundled_pair(args.assets)
+    target, small = pipes["emoji-motion"], pipes["emoji-motion-small"]
+    steps, shift, guidance = len(target.schedule.timesteps), target.schedule.shift, target.guidance_scale
+    base = f"block ({steps} steps, guidance {guidance:g})"
+    runs = [("emoji-motion", base, target, {})]
+    runs += [("emoji-motion", f"block ({n} steps)", target, {"decoding": BlockDenoising(schedule=FlowSchedule.uniform(n, shift))})
+             for n in args.few_steps]
+    runs += [("emoji-motion", f"collaborative, large first {k} of {steps} steps", target,
+              {"decoding": CollaborativeDenoising(small=small, large_steps=k)}) for k in args.large_steps if k < steps]
+    runs += [("emoji-motion", f"block, cache {policy}", target, {"cache_policy": policy}) for policy in args.cache_policies]
+    runs += [("emoji-motion", f"block, First Block Cache {t:g}", target, {"cache_threshold": t}) for t in args.cache_thresholds]
+    runs += [("emoji-motion", f"block, static-token dropping {t:g}", target, {"drop_threshold": t}) for t in args.drop_thresholds]
+    runs += [("emoji-motion", "block, guidance 1", target, {"guidance_scale": 1.0}),
+             ("emoji-motion-small", base, small, {})]
+    score, prompts = scorer(args.reference_clips), eval_prompts(args.clips)
+    rows = []
+    for model, method, pipe, call in runs:
+        clips_, _ = generate(pipe, prompts, **call)
+        figures = score(clips_, prompts)
+        rows.append({"model": model, "method": method, **{k: round(v, 4) for k, v in among_sprites(figures).items()},
+                     **{k: round(figures[k], 4) for k in ("class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy")}})
+        print(json.dumps(rows[-1]), flush=True)
+    seconds = [[] for _ in runs]
+    for i in range(args.repeats):
+        for j, (_, _, pipe, call) in enumerate(runs):
+            started = time.perf_counter()
+            pipe(prompts[i % len(prompts)], generator=torch.Generator().manual_seed(i), **call)
+            seconds[j].append(time.perf_counter() - started)
+    for row, times in zip(rows, seconds):
+        row["seconds_per_clip"] = round(float(np.median(times)), 4)
+        row["vs_baseline"] = round(float(np.median(np.array(seconds[0]) / np.array(times))), 3)
+    real = calibrate(num_clips=args.clips, seed=PROMPT_SEED, scorer=score)["real"]
+    vae = score(through_vae(target.vae, args.clips), prompts)
+    threads = torch.get_num_threads()
+    what = (f"One prompt per call, 17 frames ({target.latent_frames(17)} latent frames, one per block), decoded, "
+            f"{threads} thread{'s' if threads > 1 else ''}; seconds per clip are medians of {args.repeats} rounds with the "
+            f"rows interleaved, speed-ups the median of the rounds' paired ratios; quality proxies over the first "
+            f"{args.clips} held-out captions, class accuracy read among the data's eight sprites and over all 74 classes "
+            f"(real clips: 8-way {real['class_accuracy_among_sprites']:.1%}, 74-way {real['class_accuracy']:.1%}, direction "
+            f"{real['direction_accuracy']:.0%}, FID-proxy {real['fid_proxy']:.1f}; through the VAE, what any model here can "
+            f"reach: 8-way {vae['class_accuracy_among_sprites']:.1%}, 74-way {vae['class_accuracy']:.1%}, direction "
+            f"{vae['direction_accuracy']:.0%}, FID-proxy {vae['fid_proxy']:.1f})")
+    command = "python -m training.train_video " + " ".join(sys.argv[1:])
+    write_json(args.out, {"environment": environment(torch.device("cpu"), command), "what": what, "baseline": base,
+                          "rows": rows})
 
 
 def branch_step(run: str | Path) -> Optional[int]:
@@ -1397,11 +1665,6 @@ def model_card(f: dict, args) -> str:
         run = f["runs"][name]
         return (f"| {name} | {what} | {params / 1e6:.2f}M | {run['final']['step']} | {run['args']['batch_size']} | "
                 f"{run['args']['lr']:g} | {run['final']['loss']:.4f} | {f['minutes'][name]:.0f} min |")
-
-    def quality_row(name: str, r: dict) -> str:
-        seconds = f"{r['seconds_per_clip']:.2f}" if "seconds_per_clip" in r else ""
-        return (f"| {name} | {r['class_accuracy']:.1%} | {r['direction_accuracy']:.1%} | {r['temporal_l1']:.4f} | "
-                f"{r['fid_proxy']:.1f} | {seconds} |")
 
     target_args = f["runs"]["target"]["args"]
     t, s, v = PRESETS[target_args.get("shape") or "target"], PRESETS["small"], f["vae_config"]
@@ -1481,16 +1744,17 @@ the negative prompt for guidance is "". {sweep_note}
 ## Quality
 
 `mmgen.video.quality` proxies on the first {f['clips']} captions of corpus {PROMPT_SEED}, one clip each (seeded),
-17 frames: per-object per-frame class accuracy of the bundled emoji classifier on cut-outs,
-motion-direction accuracy of a colour tracker, temporal L1 (mean absolute difference of consecutive
-frames, pixels in [0, 1]), and the Fréchet distance of classifier features to the frames of
-{f['reference_clips']} real clips of corpus {REFERENCE_SEED}. Real clips of the same captions and their known-broken
-versions calibrate them. Seconds per
-clip: one prompt per call (17 frames, decoded), median of 3, on this machine's CPU (2 cores, shared).
+17 frames: per-object per-frame class accuracy of the bundled emoji classifier on cut-outs, read
+among the data's eight sprites (the class the eye would name among what the clips can hold) and
+over all 74 classes (errors spent on face subgroups no clip contains count against it), the
+eight-way figure also over the first and last quarter of the frames (whether a subject holds as the
+clip goes on), motion-direction accuracy of a colour tracker, temporal L1 (mean absolute difference
+of consecutive frames, pixels in [0, 1]), and the Fréchet distance of classifier features to the
+frames of {f['reference_clips']} real clips of corpus {REFERENCE_SEED}. Real clips of the same captions and their
+known-broken versions calibrate them. Seconds per clip: one prompt per call (17 frames, decoded),
+median of 3, on this machine's CPU (2 cores, shared).
 
-| clips | class acc. | direction acc. | temporal L1 | FID-proxy | s/clip |
-|---|---|---|---|---|---|
-{chr(10).join(quality_row(name, r) for name, r in f['rows'].items())}
+{quality_table(f['rows'])}
 {sweep}
 ## Limits
 
@@ -1578,6 +1842,9 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT)
         p.add_argument("--foreground-weight", type=float, default=0.0, help="extra loss weight on the latent positions "
                        "under a sprite (latents files from `latents` carry them)")
+        p.add_argument("--first-frames", type=int, default=0, help="first blocks of this many more clips per step, "
+                       "each denoised alone (from the prompt, no past: what a rollout's first block is); a whole clip "
+                       "gives its first block 1/5 of its loss")
         p.add_argument("--shift", type=float, default=TRAIN_SHIFT)
         p.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
         p.add_argument("--eval-every", type=int, default=0, help="log the proxies of generated clips every N steps "
@@ -1605,6 +1872,12 @@ def main(argv: list[str] | None = None) -> None:
                     "own latents (committed by the model's clean pass); the rest of the past is the model's rollout. "
                     "0: the whole past is the model's, so the real target may contradict it (where its first frame "
                     "put the sprite)")
+    sf.add_argument("--objective", choices=("student-forcing", "distill"), default="student-forcing", help="student "
+                    "forcing (flow matching on the real block given the model's own past) or distill (the student's "
+                    "x0 at a random exit step of its schedule regressed onto the frozen starting model's "
+                    "--teacher-steps sample of the block from the same noise and the same past)")
+    sf.add_argument("--teacher-steps", type=int, default=8, help="distill: the teacher's Euler steps per block (the "
+                    "shipped pipeline's 8)")
     sf.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT, help="weight of the unconditional (\"\" prompt) "
                     "half of the guided batch in the loss (the other jobs drop this share of captions)")
     sf.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
@@ -1635,6 +1908,27 @@ def main(argv: list[str] | None = None) -> None:
     dg.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     dg.add_argument("--threads", type=int, default=0)
     exp = jobs.add_parser("export", help="write video/assets/emoji-motion and emoji-motion-small")
+    tech = jobs.add_parser("techniques", help="the decoding techniques on the exported pair, quality beside speed")
+    tech.add_argument("--assets", default="video/assets", help="the folder holding emoji-motion and emoji-motion-small")
+    tech.add_argument("--out", required=True, help="the JSON report (docs/results/video_emoji-motion_cpu.json)")
+    tech.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    tech.add_argument("--clips", type=int, default=64)
+    tech.add_argument("--few-steps", type=int, nargs="*", default=[4], help="Euler steps per block measured beside the pipeline's")
+    tech.add_argument("--large-steps", type=int, nargs="*", default=[1, 2, 4, 6], help="collaborative: the large model's steps")
+    tech.add_argument("--cache-policies", nargs="*", default=["window:2", "sink:1,window:1"])
+    tech.add_argument("--cache-thresholds", type=float, nargs="*", default=[0.1, 0.3], help="First Block Cache thresholds")
+    tech.add_argument("--drop-thresholds", type=float, nargs="*", default=[0.05, 0.1], help="static-token dropping thresholds")
+    tech.add_argument("--repeats", type=int, default=5, help="timing rounds (one prompt each, every row in turn)")
+    tech.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
+    tech.add_argument("--threads", type=int, default=0)
+    cmp_ = jobs.add_parser("compare", help="pipelines side by side, frame by frame (the card's before and after)")
+    cmp_.add_argument("--pipelines", nargs="+", required=True, help="NAME=FOLDER or NAME=FOLDER@STEPS (Euler steps per block)")
+    cmp_.add_argument("--clips", type=int, default=64)
+    cmp_.add_argument("--sheet-prompts", type=int, default=4, help="prompts shown in the PNG sheet")
+    cmp_.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
+    cmp_.add_argument("--out", required=True, help="the JSON report; the sheet is written beside it as .png")
+    cmp_.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    cmp_.add_argument("--threads", type=int, default=0)
     swp = jobs.add_parser("sweep", help="quality proxies over sampler settings")
     crd = jobs.add_parser("card", help="write MODEL_CARD.md")
     for p in (exp, swp, crd):
@@ -1654,9 +1948,16 @@ def main(argv: list[str] | None = None) -> None:
     swp.add_argument("--models", nargs="+", choices=("target", "small"), default=["target", "small"])
     crd.add_argument("--assets", required=True)
     crd.add_argument("--out", required=True)
-    crd.add_argument("--clips", type=int, default=64)
-    crd.add_argument("--large-steps", type=int, nargs="+", default=[1, 2])
-    crd.add_argument("--guidance", type=float, nargs="+", default=[1.0], help="guidance scales measured beside the default")
+    qual = jobs.add_parser("quality", help="the card's quality table alone, on an exported pair (writes quality.json)")
+    qual.add_argument("--assets", required=True, help="the folder holding emoji-motion and emoji-motion-small")
+    qual.add_argument("--out", required=True, help="the figures (e.g. video/assets/emoji-motion/quality.json)")
+    qual.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    qual.add_argument("--threads", type=int, default=0)
+    qual.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
+    for p in (crd, qual):
+        p.add_argument("--clips", type=int, default=64)
+        p.add_argument("--large-steps", type=int, nargs="+", default=[1, 2])
+        p.add_argument("--guidance", type=float, nargs="+", default=[1.0], help="guidance scales measured beside the default")
     crd.add_argument("--sweep", nargs="*", default=[], help="the JSON files `sweep` wrote, for the card")
     crd.add_argument("--reuse-quality", action="store_true", help="take the figures from the quality.json beside --out "
                      "(an earlier card run) instead of measuring them again")
@@ -1664,14 +1965,16 @@ def main(argv: list[str] | None = None) -> None:
     crd.add_argument("--commands", default=reproduce_block(),
                      help="the commands that made the bundle")
     args = parser.parse_args(argv)
-    if args.job in ("diagnose", "sweep") and Path(args.out).exists() and not args.overwrite:
+    if args.job in ("diagnose", "sweep", "compare", "quality", "techniques") and Path(args.out).exists() and not args.overwrite:
         parser.exit(2, f"train_video {args.job}: {args.out} exists: choose another --out or add --overwrite\n")
+    if args.job == "compare" and (error := compare_error(args)):
+        parser.exit(2, f"train_video compare: {error}\n")
     if args.job == "self-forcing" and (error := self_forcing_error(args)):
         parser.exit(2, f"train_video self-forcing: {error}\n")
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     jobs_ = {"vae": train_vae, "vae-quality": vae_quality, "latents": encode_latents, "target": train_transformer, "small": train_transformer,
-             "self-forcing": train_self_forcing, "diagnose": diagnose, "export": export, "sweep": sweep, "card": card}
+             "self-forcing": train_self_forcing, "diagnose": diagnose, "compare": compare, "quality": quality, "techniques": techniques, "export": export, "sweep": sweep, "card": card}
     jobs_[args.job](args)
 
 

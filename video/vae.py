@@ -10,6 +10,7 @@ is committed. The latents the transformer sees are normalised per channel by the
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
@@ -80,6 +81,31 @@ class StreamingDecoder:
         if vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=vae.config.patch_size)
         return out.clamp(-1.0, 1.0)
+
+
+def use_onednn_convolutions(module: torch.nn.Module) -> torch.nn.Module:
+    """Run `module`'s zero-padded 2-D and 3-D convolutions on oneDNN on the CPU in float32 when
+    no gradient is needed, at every batch size; returns `module`.
+
+    PyTorch's own dispatch sends a batch of one with 3x3(x3) kernels on a small input (batch x
+    channels x depth x height under 20,480 elements, every call a Wan VAE decoder makes for one
+    64x64 clip) to its unvectorised `slow_conv3d`, which measured 3.4-9.4x slower than oneDNN on
+    the same call (one thread: 32 channels, 3 frames of 66x66, 4.8 ms against 1.1 ms) and was 69% of
+    a bundled emoji-motion clip's time. Outputs agree to float32 rounding (about 2e-6); everything
+    else (another device or dtype, training, `torch.backends.mkldnn` turned off) runs the
+    module's own `_conv_forward`. Idempotent; survives `copy.deepcopy`."""
+    for conv in module.modules():
+        if (isinstance(conv, (torch.nn.Conv2d, torch.nn.Conv3d)) and conv.padding_mode == "zeros"
+                and not isinstance(conv.padding, str) and "_conv_forward" not in vars(conv)):
+            conv._conv_forward = types.MethodType(_onednn_conv_forward, conv)
+    return module
+
+
+def _onednn_conv_forward(conv: torch.nn.Module, input: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
+    if (input.device.type == "cpu" and input.dtype == weight.dtype == torch.float32 and input.dim() == weight.dim()
+            and not torch.is_grad_enabled() and torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return torch.ops.aten.mkldnn_convolution(input, weight, bias, conv.padding, conv.stride, conv.dilation, conv.groups)
+    return type(conv)._conv_forward(conv, input, weight, bias)
 
 
 def video_frames(latent_frames: int, temporal_ratio: int = 4) -> int:

@@ -145,6 +145,38 @@ def test_streaming_vae_decode_equals_the_one_shot_decode():
     assert torch.equal(torch.cat(pieces, 2), decode_latents(vae, z))
 
 
+def test_onednn_convolutions_decode_as_the_vae_does_and_leave_training_alone():
+    """`use_onednn_convolutions`: a batch of one (PyTorch's own dispatch sends it to `slow_conv3d`)
+    runs oneDNN and decodes what the VAE's own path does to float32 rounding; with gradients the
+    module's own path runs (the same numbers, bit for bit); a deep copy keeps it, on the copy."""
+    import copy
+
+    from torch.profiler import profile
+
+    from mmgen.video.vae import use_onednn_convolutions
+
+    vae = tiny_vae()
+    z = torch.randn(1, 4, 3, 8, 8)
+    reference = decode_latents(vae, z)
+    assert use_onednn_convolutions(vae) is vae and use_onednn_convolutions(vae) is vae  # idempotent
+    with profile(acc_events=True) as prof:
+        fast = decode_latents(vae, z)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::mkldnn_convolution" in ops and "aten::slow_conv3d_forward" not in ops
+    assert (fast - reference).abs().max() < 1e-5 and not torch.equal(fast, reference)
+    conv, plain = (next(m for m in v.decoder.modules() if isinstance(m, torch.nn.Conv3d)) for v in (vae, tiny_vae()))
+    x = torch.randn(1, conv.in_channels, 3, 8, 8, requires_grad=True)
+    trained = conv(x)
+    assert torch.equal(trained, plain(x))
+    trained.sum().backward()
+    assert x.grad is not None
+    copied = copy.deepcopy(vae)
+    with torch.no_grad():
+        assert torch.equal(decode_latents(copied, z), fast)
+    conv_copy = next(m for m in copied.decoder.modules() if isinstance(m, torch.nn.Conv3d))
+    assert conv_copy._conv_forward.__self__ is conv_copy
+
+
 def test_pipeline_streams_blocks_and_decode_modes_agree(pipe):
     seen = []
     out = pipe(PROMPT, generator=seeded(), callback=lambda i, latents, frames: seen.append((i, latents.shape, frames.shape)))

@@ -41,6 +41,10 @@ def test_teacher_forcing_equals_the_cached_block_decode_in_float64(block):
                     model.finish(state)
                 assert (cached - trained[row:row + 1, :, b * block:(b + 1) * block]).abs().max() < 1e-12
     assert all(type(blk.attn1.processor).__name__ == "WanAttnProcessor" for blk in transformer.blocks)
+    # A first block denoised alone (`--first-frames`' extra samples) is the whole sequence's first block.
+    with torch.no_grad():
+        alone = teacher_forcing_velocity(transformer, clean[:, :, :block], noisy[:, :, :block], sigmas[:, :1], text, block)
+    assert (alone - trained[:, :, :block]).abs().max() < 1e-12
     # frame-level: clean 0, 1, 2 then noisy 0 … 3 (block 1): a noisy frame sees the clean frames before it and itself
     mask = teacher_forcing_mask(4, 1, 1).int().tolist()
     assert mask == [[1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0],
@@ -106,7 +110,8 @@ def test_resumed_transformer_training_equals_an_uninterrupted_run(tmp_path):
     assert logs[0] == {"step": 0, "weight_average": {"decay": 0.9}}  # where the average started
     logs = [r for r in logs if "loss" in r]
     assert [r["text"] for r in logs] == ["trained", "trained", "frozen", "frozen"] and all(np.isfinite(r["loss"]) for r in logs)
-    small = ["small", *common, "--text-encoder", str(tmp_path / "target" / "straight" / "text_encoder")]
+    # With first blocks of more clips beside each batch (`--first-frames`: more draws per step).
+    small = ["small", *common, "--text-encoder", str(tmp_path / "target" / "straight" / "text_encoder"), "--first-frames", "3"]
     state = straight_and_resumed(tmp_path / "small", small, 3, [2])
     assert not any(k.startswith("text_encoder.") for k in state["model"])
     assert state["model"]["transformer.patch_embedding.weight"].shape[1] == 4
@@ -270,7 +275,8 @@ def test_the_adversarial_terms_train_each_side_against_the_other():
 def card_facts(encoder_from: bool) -> dict:
     """What `card` gathers, made up: figures of a decoder-only VAE run or of a whole one."""
     quality = lambda c, d: {"class_accuracy": c, "direction_accuracy": d, "temporal_l1": 0.01, "fid_proxy": 5.0,
-                            "class_accuracy_by_sprite": {"red heart": 0.7, "sun": 0.03}}
+                            "class_accuracy_by_sprite": {"red heart": 0.7, "sun": 0.03},
+                            "class_accuracy_among_sprites": 2 * c, "class_accuracy_among_sprites_by_frame": [3 * c, 2 * c, c]}
     args = dict(frames=17, crop=32, full_steps=100, foreground_weight=4.0, gradient_weight=0.0, adversarial_weight=0.5,
                 adversarial_from=1500, batch_size=8, lr=1e-3, warmup=100, weight_decay=0.05, text_steps=150, shift=3.0,
                 base_dim=16, encoder_from="runs/encoder" if encoder_from else None, branch_from=None)
@@ -306,6 +312,7 @@ def test_the_model_card_states_the_vae_recipe_and_limits_from_the_figures(encode
     assert "from step 1500 on, VQGAN's hinge GAN term" in card and "weighted 5x" in card
     assert "keep 100% of their motions readable and 20.0% of their objects" in card
     assert "by sprite: red heart 70%, sun 3%" in card and "emoji-motion follows the prompted motion for\n80%" in card
+    assert "| emoji-motion | 20.0% | 30.0% → 10.0% | 10.0% | 80.0% | 0.0100 | 5.0 |" in card  # 8-way, its quarters, 74-way
     assert "exponential moving averages of the trained ones (`--ema`): target's from step 3400 (decay 0.999)." in card
     assert "{" not in card.split("## Reproduce")[0]  # no placeholder left unformatted
 
@@ -432,6 +439,85 @@ def test_diagnose_scores_each_row_of_a_saved_pipeline(tmp_path):
     with pytest.raises(SystemExit) as refused:
         main(["diagnose", "--pipeline", str(tmp_path / "missing"), "--out", str(out)])
     assert refused.value.code == 2 and out.read_bytes() == before
+
+
+def test_compare_scores_pipelines_frame_by_frame_and_draws_their_sheet(tmp_path, capsys):
+    """`compare`: per pipeline (a folder at its own steps or at @STEPS) the proxies with the
+    eight-way class accuracy of every frame, whose quarters are the first and last four; the
+    PNG sheet puts each prompt's pipelines one under another; bad entries and an existing sheet
+    are refused in one line before any work."""
+    from PIL import Image
+
+    from mmgen.decoding import FlowSchedule
+    from tests.video.tiny import tiny_video_pipeline
+
+    schedule = FlowSchedule.uniform(2, 3.0)
+    pipe = tiny_video_pipeline(block_frames=1, num_frames=17, height=64, width=64, max_sequence_length=12,
+                               timesteps=schedule.timesteps, shift=3.0, stochastic=False, guidance_scale=2.0)
+    pipe.save_pretrained(tmp_path / "pipe")
+    out = tmp_path / "compare.json"
+    command = ["compare", "--pipelines", f"two={tmp_path / 'pipe'}", f"one={tmp_path / 'pipe'}@1", "--clips", "3",
+               "--sheet-prompts", "2", "--reference-clips", "4", "--out", str(out), "--threads", "1"]
+    main(command)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pipeline"], r["steps_per_block"]) for r in rows] == [("two", 2), ("one", 1)]
+    for r in rows:
+        assert len(r["class_8_by_frame"]) == 17 and r["class_8_first_quarter"] == pytest.approx(np.mean(r["class_8_by_frame"][:4]), abs=2e-3)
+        assert r["class_8_last_quarter"] == pytest.approx(np.mean(r["class_8_by_frame"][-4:]), abs=2e-3)
+        assert r["class_accuracy_8"] >= r["class_accuracy"]
+    assert np.asarray(Image.open(out.with_suffix(".png"))).shape == (2 * 2 * 64, 17 * 64, 3)
+    capsys.readouterr()
+    for bad, message in (([f"x={tmp_path}"], "not a pipeline folder"), ([f"x={tmp_path / 'pipe'}@0"], "positive integer"),
+                         (["x"], "NAME=FOLDER")):
+        with pytest.raises(SystemExit) as refused:
+            main(["compare", "--pipelines", *bad, "--out", str(tmp_path / "other.json")])
+        assert refused.value.code == 2 and message in capsys.readouterr().err
+    out.unlink()  # the report gone, its sheet still there: not replaced without --overwrite
+    with pytest.raises(SystemExit):
+        main(command)
+    assert "compare.png exists" in capsys.readouterr().err and not out.exists()
+
+
+def test_techniques_and_quality_score_each_row_of_an_exported_pair(tmp_path):
+    """`techniques`: one row per technique (the baseline first at 1.00x), the proxies beside the
+    seconds, a report docs/make_tables.py renders; `quality`: the card's rows and its table."""
+    import importlib.util
+    from pathlib import Path
+
+    from mmgen.decoding import FlowSchedule
+    from tests.video.tiny import tiny_video_pipeline
+
+    schedule = FlowSchedule.uniform(2, 3.0)
+    pipe = tiny_video_pipeline(block_frames=1, num_frames=17, height=64, width=64, max_sequence_length=12,
+                               timesteps=schedule.timesteps, shift=3.0, stochastic=False, guidance_scale=2.0)
+    for name in ("emoji-motion", "emoji-motion-small"):
+        pipe.save_pretrained(tmp_path / "assets" / name)
+    out = tmp_path / "techniques.json"
+    main(["techniques", "--assets", str(tmp_path / "assets"), "--clips", "2", "--repeats", "2", "--few-steps", "1",
+          "--large-steps", "1", "--cache-policies", "window:1", "--cache-thresholds", "0.1", "--drop-thresholds", "0.1",
+          "--reference-clips", "4",
+          "--out", str(out), "--threads", "1"])
+    report = json.loads(out.read_text())
+    methods = [r["method"] for r in report["rows"]]
+    assert methods == ["block (2 steps, guidance 2)", "block (1 steps)", "collaborative, large first 1 of 2 steps",
+                       "block, cache window:1", "block, First Block Cache 0.1", "block, static-token dropping 0.1",
+                       "block, guidance 1", "block (2 steps, guidance 2)"]
+    assert report["rows"][0]["vs_baseline"] == 1.0 and report["baseline"] == methods[0]
+    assert all(r["seconds_per_clip"] > 0 and 0 <= r["class_accuracy"] <= r["class_accuracy_8"] <= 1 for r in report["rows"])
+    spec = importlib.util.spec_from_file_location("make_tables", Path(__file__).parents[2] / "docs" / "make_tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    tables.RESULTS = tmp_path
+    out.rename(tmp_path / "video_emoji-motion_cpu.json")
+    table = tables.video()
+    assert table.count("\n| emoji-motion |") == 7 and "| emoji-motion-small | block (2 steps, guidance 2) |" in table
+
+    main(["quality", "--assets", str(tmp_path / "assets"), "--clips", "2", "--large-steps", "1", "--reference-clips", "4",
+          "--out", str(tmp_path / "quality.json"), "--threads", "1"])
+    rows = json.loads((tmp_path / "quality.json").read_text())
+    assert list(rows)[:5] == ["real clips", "real clips through the VAE", "emoji-motion", "emoji-motion-small",
+                              "collaborative, large first 1 of 2"]
+    assert all("class_accuracy_among_sprites_by_frame" in r for r in rows.values())
 
 
 def test_the_sprites_latent_positions_and_the_weighted_flow_loss(tmp_path):

@@ -101,6 +101,9 @@ def test_proxies_separate_real_shuffled_and_noise():
         assert np.isclose(sum(by_sprite[n] for n in names) / len(names), r["class_accuracy"])
         # Per frame position, 9 figures averaging to the whole; and what each sprite is read as.
         assert len(r["class_accuracy_by_frame"]) == 9 and np.isclose(np.mean(r["class_accuracy_by_frame"]), r["class_accuracy"])
+        # Among the data's eight sprites: never below the 74-way reading, per frame as a whole.
+        among = r["class_accuracy_among_sprites_by_frame"]
+        assert r["class_accuracy_among_sprites"] >= r["class_accuracy"] and np.isclose(np.mean(among), r["class_accuracy_among_sprites"])
         for name in set(names):
             shares = r["read_as"][name]
             assert 0 < len(shares) <= 3 and sum(shares.values()) <= 1 + 1e-9 and list(shares.values()) == sorted(shares.values(), reverse=True)
@@ -110,3 +113,22 @@ def test_proxies_separate_real_shuffled_and_noise():
     clips = [MovingEmoji(config, seed=0, length=2)[i] for i in range(2)]
     as_float = torch.stack([c.tensor() for c in clips])
     assert scorer(as_float, [c.caption for c in clips])["direction_accuracy"] == 1.0
+
+
+def test_class_accuracy_among_the_sprites_reads_the_likeliest_of_the_data_s_classes():
+    """A cut-out whose top-1 is a class no clip holds (a smiling face beside the grinning one) is
+    wrong over the 74 classes and right among the data's sprites when the prompted sprite leads
+    them; an absent object is wrong either way."""
+    from mmgen.video.quality import read_classes
+
+    grinning, cat = sprite_class("grinning face"), sprite_class("cat face")
+    other = next(c for c in range(len(class_names())) if c not in {sprite_class(n) for n in MovingEmojiConfig.sprites})
+    logits = torch.zeros(3, len(class_names()))
+    logits[0, [other, grinning, cat]] = torch.tensor([3.0, 2.0, 1.0])  # read as another class, grinning next
+    logits[1, [other, cat, grinning]] = torch.tensor([3.0, 2.0, 1.0])  # read as another class, then cat face
+    logits[2, grinning] = 5.0  # right, but the object has no pixels
+    labels, present = np.array([grinning] * 3), np.array([True, True, False])
+    eight = sorted({sprite_class(n) for n in MovingEmojiConfig.sprites})
+    assert read_classes(logits, labels, present)[1].tolist() == [False, False, False]
+    predicted, correct = read_classes(logits, labels, present, among=eight)
+    assert correct.tolist() == [True, False, False] and predicted.tolist() == [grinning, cat, grinning]
