@@ -140,10 +140,8 @@ def stream_rows(pipe: Any, args: argparse.Namespace, progress: Optional[tqdm] = 
     from mmgen.image_ar.quality import ImageQualityProxies
     from mmgen.video.quality import VideoQualityProxies
 
-    from mmgen.video.data import DEFAULT_SPRITES, sprite_class
-
     judge = VideoQualityProxies(ImageQualityProxies.from_pretrained(QUALITY_CLASSIFIER))
-    sprites = [sprite_class(name) for name in DEFAULT_SPRITES]  # read among the data's eight sprites
+    sprites = judge.sprite_classes  # read among the data's eight sprites
     texts = captions(args.switches + 1)
     switch_at = [args.stream * (k + 1) / (args.switches + 1) for k in range(args.switches)]
     rows = []
