@@ -263,7 +263,8 @@ def video_peer() -> str:
               times(r[f"speedup_vs_{base}"]), f"{r[f'identical_to_{base}']:.0%}"] for r in rows]
     header = ["model", "method", "frames per forward", "ms per frame", f"vs {base}", f"videos equal to {base}'s"]
     frames = rows[0]["units"] // args["inputs"]
-    what = (f"{args['inputs']} captions at batch 1, one seed each, the same on both sides, {frames} frames, the model's 8 steps "
+    steps = round(frames / rows[-1]["units_per_forward"])  # the peer runs one forward per step
+    what = (f"{args['inputs']} captions at batch 1, one seed each, the same on both sides, {frames} frames, the model's {steps} steps "
             f"and guidance 3 on both sides; VAE decoding included on both sides; {args['warmup']} warm-up and {args['repeats']} timed rounds "
             "per caption, methods interleaved, ratios paired per caption; block decoding counts each block's steps and its "
             "commit pass, the peer one forward per step over the whole video, and its UniPC sampler over noisy context makes other videos by design")

@@ -200,12 +200,13 @@ def test_self_forcing_trains_on_its_own_rollouts_resumes_exactly_and_refuses_bad
     assert not (tmp_path / "refused").exists()
 
 
-def test_self_forcing_distillation_regresses_the_student_onto_the_teacher_on_the_same_past(tmp_path):
+def test_self_forcing_distillation_regresses_the_student_onto_the_teacher_on_the_same_past(tmp_path, capsys):
     """`self-forcing --objective distill`: the student at its last exit step, where its schedule is
     the teacher's and its weights the teacher's, makes exactly the teacher's block (the same past
     committed into both caches, the same noise): the loss is zero there and not for another
     teacher; other exit steps give nonzero losses (an x0 prediction from higher noise). A run
-    resumes exactly and its past is the student's own rollout."""
+    resumes exactly and its past is the student's own rollout; `--teacher` puts another model in
+    the teacher's place."""
     import copy
 
     from mmgen.decoding import FlowSchedule
@@ -256,6 +257,19 @@ def test_self_forcing_distillation_regresses_the_student_onto_the_teacher_on_the
     records = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
     assert all(0 <= r["exit_step"] < 2 and np.isfinite(r["loss"]) for r in records)
     assert len(rollout_blocks) == sum(r["own_blocks"] for r in records)
+
+    # --teacher: another model teaches (the first step's loss differs from the self-taught run's)
+    other = tmp_path / "other"
+    new_transformer("small", seed=1, channels=4).to(torch.float16).save_pretrained(other / "transformer")
+    video_main([*common, "--out", str(tmp_path / "taught"), "--teacher", str(other), "--steps", "1"])
+    first = lambda name: json.loads((tmp_path / name / "log.jsonl").read_text().splitlines()[0])["loss"]
+    assert first("taught") != first("straight")
+    for extra, message in ((["--objective", "student-forcing", "--teacher", str(other)], "--teacher is for --objective distill"),
+                           (["--teacher", str(tmp_path)], "neither a pipeline folder with transformer/ nor a target run")):
+        with pytest.raises(SystemExit):
+            video_main([*common, "--out", str(tmp_path / "refused"), *extra])
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 def test_draft_heads_train_on_the_frozen_model_resume_exactly_and_export(tmp_path, capsys):

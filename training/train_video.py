@@ -73,7 +73,8 @@ matching: `self-forcing --help` says why), e.g. at 4 steps per block:
     python -m training.train_video self-forcing --init-from video/assets/emoji-motion \
         --latents runs/video-latents-shipped.npz --out runs/self-forcing --steps 2000 --steps-per-block 4 \
         --ema 0.999 --threads 1 --eval-every 200 --vae video/assets/emoji-motion
-    # or distilled to 4 steps on its own rollouts, the 8-step starting model as the teacher
+    # or distilled to 4 steps on its own rollouts, the starting model at 8 steps as the teacher
+    # (how the bundled pair was made from its 8-step weights: the model card has the commands)
     python -m training.train_video self-forcing --objective distill --anchor-blocks 0 \
         --init-from video/assets/emoji-motion --latents runs/video-latents-shipped.npz --out runs/self-forcing-distill \
         --steps 2500 --ema 0.998 --threads 1 --eval-every 250 --eval-clips 32 --vae video/assets/emoji-motion
@@ -84,8 +85,8 @@ decoding technique, quality beside speed: docs/results/video_emoji-motion_cpu.js
 
     python -m training.train_video quality --assets video/assets --out video/assets/emoji-motion/quality.json
     python -m training.train_video techniques --out docs/results/video_emoji-motion_cpu.json --threads 1
-    python -m training.train_video compare --pipelines "8 steps=video/assets/emoji-motion" \
-        "4 steps=video/assets/emoji-motion@4" --out runs/compare.json
+    python -m training.train_video compare --pipelines "4 steps=video/assets/emoji-motion" \
+        "8 steps=video/assets/emoji-motion@8" --out runs/compare.json
 """
 
 from __future__ import annotations
@@ -857,7 +858,10 @@ samples also reaches when the teacher is deterministic (an Euler ODE sampler is)
   exit step drawn uniformly (the paper's random exit step), and its x0 prediction there is
   regressed onto the teacher's sample, so every step of the few-step schedule lands where the
   many-step teacher does, from the past the student will really see. Use --anchor-blocks 0: the
-  teacher follows whatever past the student made.
+  teacher follows whatever past the student made. --teacher puts another model of the same
+  latents and text encoder in the teacher's place; a student far smaller than its teacher
+  regresses onto the teacher's mean (the bundled small model taught by the target drew blank
+  frames within 500 steps), so the bundled small model distils from itself.
 Why the anchor (student forcing): a free rollout's first frame puts the
 sprite where the real clip's next block does not, and a target that contradicts its past teaches
 the model to ignore the past; with the clip's first block committed the sprite's place is the
@@ -1023,6 +1027,12 @@ def self_forcing_error(args) -> Optional[str]:
         return f"--shift must be > 0, got {args.shift}"
     if not 0 <= args.text_dropout <= 1:
         return f"--text-dropout must be in [0, 1], got {args.text_dropout}"
+    if args.teacher is not None:
+        if args.objective != "distill":
+            return "--teacher is for --objective distill"
+        teacher = Path(args.teacher)
+        if not ((teacher / "transformer" / "config.json").exists() or (teacher / "config.json").exists()):
+            return f"--teacher {args.teacher}: neither a pipeline folder with transformer/ nor a target run"
     if args.eval_every and not args.vae:
         return "--eval-every needs --vae (e.g. video/assets/emoji-motion, whose VAE made the latents)"
     if args.vae and not ((Path(args.vae) / "vae" / "config.json").exists() or (Path(args.vae) / "checkpoint.pt").exists()):
@@ -1054,8 +1064,8 @@ def train_self_forcing(args) -> None:
     block_model = WanBlockModel(transformer, BLOCK_FRAMES, tuple(data.latents.shape[3:]))
     schedule = FlowSchedule.uniform(args.steps_per_block, args.shift)
     guidance = PIPELINE["guidance_scale"]
-    if args.objective == "distill":  # the starting weights, frozen, sample the targets
-        frozen = load_transformer_run(args.init_from).to(args.device).requires_grad_(False)
+    if args.objective == "distill":  # the starting weights (or --teacher's), frozen, sample the targets
+        frozen = load_transformer_run(args.teacher or args.init_from).to(args.device).requires_grad_(False)
         teacher = WanBlockModel(frozen, BLOCK_FRAMES, tuple(data.latents.shape[3:]))
         teacher_schedule = FlowSchedule.uniform(args.teacher_steps, args.shift)
 
@@ -1296,9 +1306,9 @@ def diagnose(args) -> None:
     block sampled at the pipeline's sampler (schedule, guidance) from noise, seeing the real
     blocks before it; (4) the first block alone, from the prompt (what a free rollout starts
     from: the first frame where a block is one latent frame; class accuracy only, its frames
-    scored twice over as a clip). Each row also gives the
-    class accuracy per frame position. `--transformer` (a run or a pipeline folder) replaces the
-    pipeline's, rounded to float16 as it would ship. Writes `--out` (JSON)."""
+    scored twice over as a clip). Each row gives the class accuracy over all 74 classes and
+    among the data's eight sprites, also per frame position. `--transformer` (a run or a
+    pipeline folder) replaces the pipeline's, rounded to float16 as it would ship. Writes `--out` (JSON)."""
     from mmgen.video.data import frames_to_tensor, tensor_to_frames
     from mmgen.video.pipeline import BlockDiffusionVideoPipeline
     from mmgen.video.vae import decode_latents, encode_video
@@ -1323,7 +1333,9 @@ def diagnose(args) -> None:
             frames = np.repeat(frames, 2, axis=1)
         r = score(frames, prompts)
         out = {"row": name, "class_accuracy": round(r["class_accuracy"], 4),
-               "class_accuracy_by_frame": [round(a, 3) for a in r["class_accuracy_by_frame"]]}
+               "class_accuracy_8": round(r["class_accuracy_among_sprites"], 4),
+               "class_accuracy_by_frame": [round(a, 3) for a in r["class_accuracy_by_frame"]],
+               "class_accuracy_8_by_frame": [round(a, 3) for a in r["class_accuracy_among_sprites_by_frame"]]}
         if not class_only:
             out.update({k: round(r[k], 4) for k in ("direction_accuracy", "fid_proxy")})
         print(json.dumps(out), flush=True)
@@ -1530,11 +1542,11 @@ def quality(args) -> None:
 @torch.no_grad()
 def techniques(args) -> None:
     """The decoding techniques on the exported pair, quality beside speed (docs/benchmarks.md's
-    video table): block decoding at the pipeline's steps (the baseline) and at `--few-steps`;
+    video table): block decoding at the pipeline's steps (the baseline) and at `--other-steps`;
     collaborative decoding along its curve (the large model's first k of the steps); each
     `--cache-policies`; First Block Cache at each `--cache-thresholds`, static-token dropping at
     each `--drop-thresholds`; guidance 1; the small model alone. Proxies on the first `--clips`
-    evaluation prompts (the same seeds for every row); seconds per clip of single-prompt calls, rows interleaved within each of
+    evaluation prompts, one prompt per call (the same seeds for every row); seconds per clip of the same single-prompt calls, rows interleaved within each of
     `--repeats` rounds (one prompt per round), the ratio to the baseline the median of the rounds'
     paired ratios. Writes `--out` (JSON, for docs/make_tables.py)."""
     import sys
@@ -1549,7 +1561,7 @@ def techniques(args) -> None:
     base = f"block ({steps} steps, guidance {guidance:g})"
     runs = [("emoji-motion", base, target, {})]
     runs += [("emoji-motion", f"block ({n} steps)", target, {"decoding": BlockDenoising(schedule=FlowSchedule.uniform(n, shift))})
-             for n in args.few_steps]
+             for n in args.other_steps if n != steps]
     runs += [("emoji-motion", f"collaborative, large first {k} of {steps} steps", target,
               {"decoding": CollaborativeDenoising(small=small, large_steps=k)}) for k in args.large_steps if k < steps]
     runs += [("emoji-motion", f"block, cache {policy}", target, {"cache_policy": policy}) for policy in args.cache_policies]
@@ -1560,7 +1572,9 @@ def techniques(args) -> None:
     score, prompts = scorer(args.reference_clips), eval_prompts(args.clips)
     rows = []
     for model, method, pipe, call in runs:
-        clips_, _ = generate(pipe, prompts, **call)
+        # One prompt per call, as timed below: First Block Cache and static-token dropping decide
+        # for a whole batch (a token is dropped only where every row's is static).
+        clips_, _ = generate(pipe, prompts, batch=1, **call)
         figures = score(clips_, prompts)
         rows.append({"model": model, "method": method, **{k: round(v, 4) for k, v in among_sprites(figures).items()},
                      **{k: round(figures[k], 4) for k in ("class_accuracy", "direction_accuracy", "temporal_l1", "fid_proxy")}})
@@ -1863,7 +1877,7 @@ def main(argv: list[str] | None = None) -> None:
                     "frozen), e.g. video/assets/emoji-motion")
     sf.add_argument("--latents", nargs="+", required=True, help="files of `latents` (encoded by that pipeline's VAE)")
     sf.add_argument("--steps-per-block", type=int, default=4, help="Euler steps of each block, in the rollouts and in "
-                    "the held-out clips (Self-Forcing's 4; the shipped pipeline samples 8)")
+                    "the held-out clips (Self-Forcing's 4, what the bundled pipeline samples)")
     sf.add_argument("--shift", type=float, default=3.0, help="flow shift of that schedule (the shipped pipeline's)")
     sf.add_argument("--levels", choices=("schedule", "continuous"), default="schedule", help="noise levels of the "
                     "trained forward: the schedule's own (those the few-step sampler visits) or u ~ U(0, 1) warped by "
@@ -1877,7 +1891,9 @@ def main(argv: list[str] | None = None) -> None:
                     "x0 at a random exit step of its schedule regressed onto the frozen starting model's "
                     "--teacher-steps sample of the block from the same noise and the same past)")
     sf.add_argument("--teacher-steps", type=int, default=8, help="distill: the teacher's Euler steps per block (the "
-                    "shipped pipeline's 8)")
+                    "8 the bundled target sampled before it was distilled to 4)")
+    sf.add_argument("--teacher", help="distill: the pipeline folder or target run whose transformer teaches (default: "
+                    "the --init-from weights); it must read the same latents and text encoder")
     sf.add_argument("--text-dropout", type=float, default=TEXT_DROPOUT, help="weight of the unconditional (\"\" prompt) "
                     "half of the guided batch in the loss (the other jobs drop this share of captions)")
     sf.add_argument("--device", default="cpu", help="cpu or cuda (bf16 autocast)")
@@ -1913,11 +1929,11 @@ def main(argv: list[str] | None = None) -> None:
     tech.add_argument("--out", required=True, help="the JSON report (docs/results/video_emoji-motion_cpu.json)")
     tech.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     tech.add_argument("--clips", type=int, default=64)
-    tech.add_argument("--few-steps", type=int, nargs="*", default=[4], help="Euler steps per block measured beside the pipeline's")
-    tech.add_argument("--large-steps", type=int, nargs="*", default=[1, 2, 4, 6], help="collaborative: the large model's steps")
+    tech.add_argument("--other-steps", type=int, nargs="*", default=[8, 2], help="Euler steps per block measured beside the pipeline's")
+    tech.add_argument("--large-steps", type=int, nargs="*", default=[1, 2, 3, 4, 6], help="collaborative: the large model's steps")
     tech.add_argument("--cache-policies", nargs="*", default=["window:2", "sink:1,window:1"])
-    tech.add_argument("--cache-thresholds", type=float, nargs="*", default=[0.1, 0.3], help="First Block Cache thresholds")
-    tech.add_argument("--drop-thresholds", type=float, nargs="*", default=[0.05, 0.1], help="static-token dropping thresholds")
+    tech.add_argument("--cache-thresholds", type=float, nargs="*", default=[0.3, 0.5], help="First Block Cache thresholds")
+    tech.add_argument("--drop-thresholds", type=float, nargs="*", default=[0.1, 0.2], help="static-token dropping thresholds")
     tech.add_argument("--repeats", type=int, default=5, help="timing rounds (one prompt each, every row in turn)")
     tech.add_argument("--reference-clips", type=int, default=256, help="real clips whose frames are the FID reference")
     tech.add_argument("--threads", type=int, default=0)

@@ -145,36 +145,49 @@ def test_streaming_vae_decode_equals_the_one_shot_decode():
     assert torch.equal(torch.cat(pieces, 2), decode_latents(vae, z))
 
 
-def test_onednn_convolutions_decode_as_the_vae_does_and_leave_training_alone():
-    """`use_onednn_convolutions`: a batch of one (PyTorch's own dispatch sends it to `slow_conv3d`)
-    runs oneDNN and decodes what the VAE's own path does to float32 rounding; with gradients the
-    module's own path runs (the same numbers, bit for bit); a deep copy keeps it, on the copy."""
+@pytest.mark.parametrize("fast_path", ["onednn_convolutions", "sum_of_squares_rms_norm"])
+def test_vae_cpu_fast_paths_decode_as_the_vae_does_and_leave_training_alone(fast_path):
+    """The VAE's CPU fast paths, each installed by the pipeline: `use_onednn_convolutions` (a batch
+    of one, which PyTorch's own dispatch sends to `slow_conv3d`, runs oneDNN) and
+    `use_sum_of_squares_rms_norm` (the channel RMS norms run x * rsqrt(sum of squares), not
+    `F.normalize`'s strided vector norm). Each decodes what the VAE's own path does to float32
+    rounding; with gradients the module's own path runs (bit for bit); a deep copy keeps it, on
+    the copy; idempotent."""
     import copy
 
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
     from torch.profiler import profile
 
-    from mmgen.video.vae import use_onednn_convolutions
+    from mmgen.video import vae as vae_module
 
+    install = getattr(vae_module, f"use_{fast_path}")
+    kind, method, fast_op, slow_op = {
+        "onednn_convolutions": (torch.nn.Conv3d, "_conv_forward", "aten::mkldnn_convolution", "aten::slow_conv3d_forward"),
+        "sum_of_squares_rms_norm": (WanRMS_norm, "forward", "aten::rsqrt", "aten::linalg_vector_norm")}[fast_path]
     vae = tiny_vae()
     z = torch.randn(1, 4, 3, 8, 8)
     reference = decode_latents(vae, z)
-    assert use_onednn_convolutions(vae) is vae and use_onednn_convolutions(vae) is vae  # idempotent
+    assert install(vae) is vae and install(vae) is vae
     with profile(acc_events=True) as prof:
         fast = decode_latents(vae, z)
     ops = {event.key for event in prof.key_averages()}
-    assert "aten::mkldnn_convolution" in ops and "aten::slow_conv3d_forward" not in ops
-    assert (fast - reference).abs().max() < 1e-5 and not torch.equal(fast, reference)
-    conv, plain = (next(m for m in v.decoder.modules() if isinstance(m, torch.nn.Conv3d)) for v in (vae, tiny_vae()))
-    x = torch.randn(1, conv.in_channels, 3, 8, 8, requires_grad=True)
-    trained = conv(x)
+    assert fast_op in ops and slow_op not in ops
+    assert (fast - reference).abs().max() < 1e-5
+    module, plain = (next(m for m in v.decoder.modules() if isinstance(m, kind)) for v in (vae, tiny_vae()))
+    channels = module.in_channels if kind is torch.nn.Conv3d else module.gamma.shape[0]
+    dims = 5 if kind is torch.nn.Conv3d else module.gamma.dim() + 1
+    x = torch.randn(1, channels, *(3, 8, 8)[5 - dims:], requires_grad=True)
+    trained = module(x)
     assert torch.equal(trained, plain(x))
     trained.sum().backward()
     assert x.grad is not None
     copied = copy.deepcopy(vae)
     with torch.no_grad():
         assert torch.equal(decode_latents(copied, z), fast)
-    conv_copy = next(m for m in copied.decoder.modules() if isinstance(m, torch.nn.Conv3d))
-    assert conv_copy._conv_forward.__self__ is conv_copy
+    module_copy = next(m for m in copied.decoder.modules() if isinstance(m, kind))
+    assert getattr(module_copy, method).__self__ is module_copy
+    pipe = tiny_video_pipeline()
+    assert any(method in vars(m) for m in pipe.vae.modules() if isinstance(m, kind))
 
 
 def test_pipeline_streams_blocks_and_decode_modes_agree(pipe):
@@ -411,3 +424,4 @@ def test_cpu_peak_memory_counts_what_the_call_allocated_and_not_what_came_before
     grown = peak.stop()
     assert 100 * 2**20 < grown < 180 * 2**20, grown
     before.close()
+

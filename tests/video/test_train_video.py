@@ -410,8 +410,8 @@ def test_teacher_forced_sampling_from_the_pipelines_own_past_is_its_decode():
 
 def test_diagnose_scores_each_row_of_a_saved_pipeline(tmp_path):
     """`diagnose` on a pipeline folder: the VAE round trip, one-step rows, the teacher-forced
-    rollout and the first frame alone, each with its class accuracy per frame position (17
-    frames for clips; the first frame scored as a clip of it twice)."""
+    rollout and the first frame alone, each with its class accuracy (74-way and among the eight
+    sprites) per frame position (17 frames for clips; the first frame scored as a clip of it twice)."""
     from mmgen.decoding import FlowSchedule
     from tests.video.tiny import tiny_video_pipeline
 
@@ -426,14 +426,16 @@ def test_diagnose_scores_each_row_of_a_saved_pipeline(tmp_path):
     assert [r["row"] for r in rows] == ["real clips through the VAE", "one step from sigma 0.5, real past",
                                         "sampled (2 steps, guidance 2), real past", "first frame from the prompt"]
     assert [len(r["class_accuracy_by_frame"]) for r in rows] == [17, 17, 17, 2]
-    assert all(0 <= r["class_accuracy"] <= 1 for r in rows)
+    assert [len(r["class_accuracy_8_by_frame"]) for r in rows] == [17, 17, 17, 2]
+    assert all(0 <= r["class_accuracy"] <= r["class_accuracy_8"] <= 1 for r in rows)
     assert "direction_accuracy" in rows[0] and "direction_accuracy" not in rows[-1]
     # Its VAE row is the round trip `vae-quality` scores, on the same clips.
     from training.train_video import eval_prompts, scorer, through_vae
 
     reference = scorer(4)(through_vae(pipe.vae, 2), eval_prompts(2))
-    for key in ("class_accuracy", "direction_accuracy", "fid_proxy"):
-        assert rows[0][key] == pytest.approx(reference[key], abs=1e-4)
+    for key, theirs in (("class_accuracy", "class_accuracy"), ("class_accuracy_8", "class_accuracy_among_sprites"),
+                        ("direction_accuracy", "direction_accuracy"), ("fid_proxy", "fid_proxy")):
+        assert rows[0][key] == pytest.approx(reference[theirs], abs=1e-4)
     # A second run does not replace the report without --overwrite (one line, before any work).
     before = out.read_bytes()
     with pytest.raises(SystemExit) as refused:
@@ -493,7 +495,7 @@ def test_techniques_and_quality_score_each_row_of_an_exported_pair(tmp_path):
     for name in ("emoji-motion", "emoji-motion-small"):
         pipe.save_pretrained(tmp_path / "assets" / name)
     out = tmp_path / "techniques.json"
-    main(["techniques", "--assets", str(tmp_path / "assets"), "--clips", "2", "--repeats", "2", "--few-steps", "1",
+    main(["techniques", "--assets", str(tmp_path / "assets"), "--clips", "2", "--repeats", "2", "--other-steps", "2", "1",
           "--large-steps", "1", "--cache-policies", "window:1", "--cache-thresholds", "0.1", "--drop-thresholds", "0.1",
           "--reference-clips", "4",
           "--out", str(out), "--threads", "1"])
