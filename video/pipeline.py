@@ -105,7 +105,7 @@ class BlockDiffusionVideoPipeline(Pipeline):
                  stochastic: bool = True, negative_prompt: str = "", guidance_scale: float = 1.0):
         super().__init__(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
         # The VAE's CPU fast paths: PyTorch's batch-of-one convolution is several times slower than
-        # oneDNN's, and its strided vector norm a tenth of a small clip (the same numbers either way).
+        # oneDNN's, and F.normalize's strided vector norm is slow (the same numbers either way).
         use_sum_of_squares_rms_norm(use_onednn_convolutions(vae))
         self.block_frames, self.num_frames, self.height, self.width, self.fps = block_frames, num_frames, height, width, fps
         self.max_sequence_length, self.negative_prompt, self.guidance_scale = max_sequence_length, negative_prompt, guidance_scale

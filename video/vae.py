@@ -112,8 +112,8 @@ def use_sum_of_squares_rms_norm(module: torch.nn.Module) -> torch.nn.Module:
     """Run `module`'s channel-first `WanRMS_norm`s as x * rsqrt(sum of squares over channels) on
     the CPU in float32 when no gradient is needed; returns `module`.
 
-    diffusers' form, `F.normalize` over the channel dimension, goes through a strided vector norm
-    that took about a tenth of a bundled emoji-motion clip on the CPU; this form gives the same
+    diffusers' form, `F.normalize` over the channel dimension, goes through a strided vector norm,
+    the slow part of the norm on the CPU (a profile of a bundled clip); this form gives the same
     numbers to float32 rounding (the same epsilon: `F.normalize` divides by max(norm, 1e-12)).
     Everything else runs the module's own `forward`. Idempotent; survives `copy.deepcopy`."""
     for norm in module.modules():
